@@ -1,0 +1,95 @@
+"""The CPU backend: torch reference implementations, and the oracle other backends are checked against."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from cvllm.backends.base import Backend
+
+
+def _available_memory() -> tuple[int, int]:
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return info["MemAvailable"], info["MemTotal"]
+    except (OSError, KeyError, ValueError):
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return total // 2, total
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor, query_pos: torch.Tensor, kv_lens: torch.Tensor,
+                              scale: float, sliding_window: int | None, soft_cap: float | None) -> torch.Tensor:
+    """Attention for ``B`` sequences of ``Lq`` queries each over their paged K/V, in fp32.
+
+    q: [B, Lq, H, D]; block_tables: [B, nb]; query_pos: [B, Lq] absolute positions (-1 = padding);
+    kv_lens: [B]. Key j is visible to query position p when j <= p, j < kv_len and p - j < window.
+    """
+    B, Lq, H, D = q.shape
+    Hkv = k_cache.shape[2]
+    k = k_cache[block_tables].flatten(1, 2).float()      # [B, S, Hkv, D]
+    v = v_cache[block_tables].flatten(1, 2).float()
+    S, G = k.shape[1], H // Hkv
+    qg = q.float().view(B, Lq, Hkv, G, D)
+    scores = torch.einsum("bqhgd,bshd->bhgqs", qg, k) * scale   # [B, Hkv, G, Lq, S]
+    if soft_cap:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    j = torch.arange(S, device=q.device)
+    p = query_pos[:, :, None]                                    # [B, Lq, 1]
+    visible = (j <= p) & (j < kv_lens[:, None, None])
+    if sliding_window:
+        visible &= (p - j) < sliding_window
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # padded query rows see nothing
+    out = torch.einsum("bhgqs,bshd->bqhgd", probs, v)
+    return out.reshape(B, Lq, H, D).to(q.dtype)
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    device = torch.device("cpu")
+    dist_backend = "gloo"
+    default_dtype = torch.float32
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return True
+
+    def memory(self) -> tuple[int, int]:
+        return _available_memory()
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Any,
+                  layer: Any) -> torch.Tensor:
+        out = torch.empty_like(q)
+        block_size = k_cache.shape[1]
+        args = (layer.scale, layer.sliding_window, layer.logits_soft_cap)
+        starts = ctx.query_start_loc_cpu
+        decode_rows = [i for i, n in enumerate(ctx.query_lens_cpu) if n == 1]
+        if decode_rows:
+            # All single-token rows in one padded batch: gathers the blocks they use, one einsum.
+            rows = torch.tensor(decode_rows)
+            tokens = torch.tensor([starts[i] for i in decode_rows])
+            lens = ctx.seq_lens[rows]
+            num_blocks = -(-max(ctx.seq_lens_cpu[i] for i in decode_rows) // block_size)
+            tables = ctx.block_tables[rows, :num_blocks]
+            o = paged_attention_reference(q[tokens][:, None], k_cache, v_cache, tables, (lens - 1)[:, None],
+                                          lens, *args)
+            out[tokens] = o[:, 0]
+        for i, n in enumerate(ctx.query_lens_cpu):
+            if n == 1:
+                continue
+            seq_len, start = ctx.seq_lens_cpu[i], starts[i]
+            num_blocks = -(-seq_len // block_size)
+            positions = torch.arange(seq_len - n, seq_len)[None]
+            o = paged_attention_reference(q[None, start:start + n], k_cache, v_cache,
+                                          ctx.block_tables[i: i + 1, :num_blocks], positions,
+                                          ctx.seq_lens[i: i + 1], *args)
+            out[start:start + n] = o[0]
+        return out

@@ -1,0 +1,29 @@
+"""What core itself provides, registered through the same hooks as any plugin (always loaded).
+
+Hook implementations only: everything is a lazy "module:Class" string, so loading this module
+imports no backend, sampler or checkpoint code.
+"""
+
+import os
+
+from cvllm.hookspecs import hookimpl
+
+
+@hookimpl
+def register_backends(register):
+    register("cpu", "cvllm.backends.cpu:CpuBackend")
+
+
+@hookimpl
+def register_samplers(register):
+    register("default", "cvllm.engine.sampler:Sampler")
+
+
+@hookimpl(trylast=True)
+def open_checkpoint(path):
+    # trylast: a plugin that recognises its own layout (or a directory holding a .gguf) goes first.
+    if not os.path.isdir(path):
+        return None
+    from cvllm.checkpoint.hf_dir import open_hf_checkpoint
+
+    return open_hf_checkpoint(path)

@@ -1,0 +1,48 @@
+"""The Checkpoint record every reader (HF directory, GGUF, ...) produces."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cvllm.config import ModelConfig
+
+
+class CheckpointError(ValueError):
+    """A weight or config file is malformed; the message names the file and what is wrong."""
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    config: ModelConfig
+    # Yields (hugging-face parameter name, tensor) pairs; a callable so opening is cheap and
+    # weights are read once, while loading.
+    weight_iterator: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    tokenizer: Any = None  # cvllm.tokenizer.Tokenizer, or None when the checkpoint has none
+    generation_config: dict[str, Any] = field(default_factory=dict)
+    quant_method: str | None = None
+    format: str = "hf"
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.weight_iterator()
+
+    @property
+    def architecture(self) -> str:
+        return self.config.architectures[0]
+
+    def eos_token_ids(self) -> set[int]:
+        """The stop set of DESIGN.md §3: eos ids from config.json and generation_config.json."""
+        ids: set[int] = set()
+        for source in (self.config.get("eos_token_id"), self.generation_config.get("eos_token_id")):
+            if isinstance(source, int):
+                ids.add(source)
+            elif isinstance(source, list):
+                ids.update(int(i) for i in source)
+        if not ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids

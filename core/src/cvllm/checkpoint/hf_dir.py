@@ -1,0 +1,63 @@
+"""The built-in checkpoint reader: a Hugging Face model directory.
+
+config.json, one ``model.safetensors`` or shards listed in ``model.safetensors.index.json``,
+tokenizer.json + tokenizer_config.json, generation_config.json.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+from cvllm.checkpoint.base import Checkpoint, CheckpointError
+from cvllm.checkpoint.safetensors_files import iterate_safetensors
+from cvllm.config import load_json, model_config_from_dict
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def weight_files(path: Path) -> list[Path]:
+    index = path / INDEX_FILE
+    if index.exists():
+        weight_map = load_json(index, "safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: no 'weight_map' listing the shards")
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise CheckpointError(f"{index}: lists shards that are not in {path}: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        bins = sorted(p.name for p in path.glob("*.bin"))
+        hint = f" (found {', '.join(bins)}: PyTorch pickles are not loaded; convert to safetensors)" if bins else ""
+        raise CheckpointError(f"{path}: no *.safetensors weight files{hint}")
+    return files
+
+
+def open_hf_checkpoint(path: str | Path) -> Checkpoint:
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise CheckpointError(f"{path}: missing config.json (not a Hugging Face model directory)")
+    raw = load_json(config_file, "config.json")
+    config = model_config_from_dict(raw, source=str(config_file))
+    files = weight_files(path)
+    generation_config = {}
+    if (path / "generation_config.json").exists():
+        generation_config = load_json(path / "generation_config.json", "generation_config.json")
+    tokenizer = None
+    if (path / "tokenizer.json").exists():
+        from cvllm.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_dir(path)
+    quant = raw.get("quantization_config") or {}
+    return Checkpoint(
+        path=path,
+        config=config,
+        weight_iterator=partial(iterate_safetensors, files),
+        tokenizer=tokenizer,
+        generation_config=generation_config,
+        quant_method=quant.get("quant_method"),
+        format="hf",
+    )

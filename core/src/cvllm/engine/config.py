@@ -1,0 +1,34 @@
+"""Engine settings (what ``LLM(...)`` and ``cvserve`` flags turn into)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str | torch.dtype = "auto"
+    backend: str | None = None                  # None: the first available of cuda, metal, cpu
+    block_size: int = 16
+    max_num_seqs: int | None = None             # None: the backend's default
+    max_num_batched_tokens: int | None = None   # token budget per step; None: the backend's default
+    max_model_len: int | None = None            # None: from the config, capped to what the KV pool holds
+    prefill_chunk_size: int = 0                 # most prompt tokens one sequence computes per step (0: budget)
+    num_kv_blocks: int | None = None            # explicit KV pool size; overrides the memory settings
+    kv_cache_memory: int | None = None          # bytes for the KV pool
+    kv_fraction: float | None = None            # fraction of free memory after loading
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks", "kv_cache_memory"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if self.kv_fraction is not None and not 0 < self.kv_fraction <= 1:
+            raise ValueError(f"kv_fraction must be in (0, 1], got {self.kv_fraction}")

@@ -1,0 +1,146 @@
+"""Builds the model, owns the KV cache, turns a scheduled batch into one flat varlen forward pass."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from cvllm import plugins
+from cvllm.checkpoint.base import Checkpoint, CheckpointError
+from cvllm.engine.scheduler import ScheduledBatch
+from cvllm.forward_context import ForwardContext, forward_context
+from cvllm.layers.attention import Attention
+
+logger = logging.getLogger(__name__)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """``to_empty`` on a meta-built model, keeping tied parameters tied and parameter attributes
+    (``weight_loader``) in place: to_empty makes new Parameter objects and loses both."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    attributes: dict[int, dict] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((module, name))
+                attributes[id(param)] = dict(vars(param))
+    model.to_empty(device=device)
+    for key, places in owners.items():
+        first_module, first_name = places[0]
+        param = getattr(first_module, first_name)
+        for attr, value in attributes[key].items():
+            setattr(param, attr, value)
+        for module, name in places[1:]:
+            setattr(module, name, param)
+
+
+def build_model(checkpoint: Checkpoint, backend, dtype: torch.dtype) -> nn.Module:
+    """gpt-fast's order: build on the meta device, materialise on the backend, load by name."""
+    model_class = plugins.architectures().get(checkpoint.architecture)
+    with torch.device("meta"), _default_dtype(dtype):
+        model = model_class(checkpoint.config)
+    materialize(model, backend.device)
+    expected = {name for name, _ in model.named_parameters()}
+    started = time.perf_counter()
+    weights = tqdm(checkpoint.weights(), desc="Loading weights", unit=" tensors", leave=False,
+                   disable=not logger.isEnabledFor(logging.INFO))
+    with torch.no_grad():
+        loaded = model.load_weights((name, tensor) for name, tensor in weights)
+    missing = expected - set(loaded)
+    if missing:
+        raise CheckpointError(f"{checkpoint.path}: weights missing from the checkpoint: "
+                              f"{', '.join(sorted(missing)[:8])}{' ...' if len(missing) > 8 else ''}")
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+    logger.info("loaded %s (%d tensors) on %s in %.1fs, dtype %s", checkpoint.architecture, len(loaded),
+                backend.name, time.perf_counter() - started, dtype)
+    return model.eval()
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, backend, block_size: int, dtype: torch.dtype):
+        self.model = model
+        self.backend = backend
+        self.device = backend.device
+        self.block_size = block_size
+        self.dtype = dtype
+        self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self.num_blocks = 0
+
+    def kv_bytes_per_block(self) -> int:
+        per_token = sum(2 * torch.Size(layer.kv_cache_shape()).numel() for layer in self.attention_layers)
+        return per_token * self.block_size * self.dtype.itemsize
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        for layer in self.attention_layers:
+            shape = (num_blocks, self.block_size, *layer.kv_cache_shape())
+            # zeros, not empty: padded block-table entries point at real blocks, and uninitialised
+            # memory can hold NaNs that survive a zero attention weight (0 * NaN = NaN)
+            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.num_blocks = num_blocks
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, torch.Tensor]:
+        """Flat varlen tensors for the batch. Python touches each sequence, never each token."""
+        bs, dev = self.block_size, self.device
+        seqs, qlens = batch.seqs, batch.num_tokens
+        starts = [seq.num_computed_tokens for seq in seqs]
+        input_ids = list(itertools.chain.from_iterable(
+            seq.token_ids[s:s + n] for seq, s, n in zip(seqs, starts, qlens)))
+        seq_lens = [s + n for s, n in zip(starts, qlens)]
+        query_start = [0, *itertools.accumulate(qlens)]
+        max_blocks = max(len(seq.block_table) for seq in seqs)
+        tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs]
+
+        qlens_t = torch.tensor(qlens)
+        seq_index = torch.repeat_interleave(torch.arange(len(seqs)), qlens_t)
+        query_start_t = torch.tensor(query_start, dtype=torch.int32)
+        positions = (torch.arange(len(input_ids)) - query_start_t[:-1].long()[seq_index]
+                     + torch.tensor(starts)[seq_index])
+        block_tables = torch.tensor(tables, dtype=torch.int32)
+        slots = block_tables[seq_index, positions // bs].long() * bs + positions % bs
+        sample_rows = [i for i in range(len(seqs)) if batch.samples(i)]
+        logits_indices = torch.tensor([query_start[i + 1] - 1 for i in sample_rows], dtype=torch.long)
+
+        ctx = ForwardContext(
+            backend=self.backend,
+            query_start_loc=query_start_t.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
+            slot_mapping=slots.to(dev),
+            block_tables=block_tables.to(dev),
+            query_start_loc_cpu=query_start,
+            query_lens_cpu=qlens,
+            seq_lens_cpu=seq_lens,
+            max_query_len=max(qlens),
+            max_seq_len=max(seq_lens),
+            is_decode_only=batch.num_prefill_tokens == 0,
+        )
+        return torch.tensor(input_ids).to(dev), positions.to(dev), ctx, logits_indices.to(dev)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, all_logits: bool = False) -> torch.Tensor:
+        """Logits (fp32) of the last token of every sequence that samples, or of every token."""
+        input_ids, positions, ctx, logits_indices = self.prepare(batch)
+        with forward_context(ctx):
+            hidden = self.model(input_ids, positions)
+        if not all_logits:
+            hidden = hidden[logits_indices]
+        return self.model.compute_logits(hidden).float()

@@ -1,0 +1,187 @@
+"""One batched sampling step: logits [B, V] for B sequences in, one token id per sequence out.
+
+Semantics follow vLLM: min_tokens suppression, repetition penalty (prompt + output), presence and
+frequency penalties (output only), greedy argmax, then temperature, top-k, top-p and min-p before
+an exponential-race draw. Returned logprobs are the raw model log-softmax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from cvllm.sampling_params import SamplingParams
+
+
+class SamplerRow(Protocol):
+    """What the sampler reads from each sequence (the engine's Sequence provides it)."""
+
+    sampling_params: SamplingParams
+    token_ids: list[int]  # prompt followed by the tokens generated so far
+    num_prompt_tokens: int
+    generator: torch.Generator | None  # only for seeded requests
+    min_tokens_stop_ids: list[int]  # suppressed while fewer than min_tokens outputs exist
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None  # [B] float32, raw logprob of the sampled token
+    top_ids: torch.Tensor | None  # [B, K] int64, K = max logprobs asked in the batch
+    top_logprobs: torch.Tensor | None  # [B, K] float32
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplerRow]) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
+        logits = logits.float()
+        params = [row.sampling_params for row in rows]
+
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        raw_logprobs = logits.log_softmax(dim=-1) if asked else None
+
+        logits = apply_min_tokens(logits, rows)
+        if any(p.needs_penalties for p in params):
+            logits = apply_penalties(logits, rows)
+
+        token_ids = _sample_or_argmax(logits, rows)
+
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids, None, None, None)
+        sampled_logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        top_logprobs, top_ids = raw_logprobs.topk(max(asked), dim=-1)
+        return SamplerOutput(token_ids, sampled_logprobs, top_ids, top_logprobs)
+
+
+def _sample_or_argmax(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> torch.Tensor:
+    params = [row.sampling_params for row in rows]
+    greedy_ids = logits.argmax(dim=-1)
+    if all(p.greedy for p in params):
+        return greedy_ids
+
+    # Greedy rows go through the random path with temperature 1 and are replaced at the end.
+    temperatures = _row_tensor([1.0 if p.greedy else p.temperature for p in params], logits)
+    logits = logits / temperatures.unsqueeze(1)
+    logits = apply_top_k_top_p(logits, params)
+    probs = logits.softmax(dim=-1)
+    probs = apply_min_p(probs, params)
+    sampled_ids = _exponential_race(probs, [row.generator for row in rows])
+
+    if not any(p.greedy for p in params):
+        return sampled_ids
+    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+    return torch.where(greedy, greedy_ids, sampled_ids)
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> torch.Tensor:
+    """Forbid the stop ids of rows that have produced fewer than min_tokens outputs."""
+    row_index: list[int] = []
+    col_index: list[int] = []
+    for i, row in enumerate(rows):
+        min_tokens = row.sampling_params.min_tokens
+        if min_tokens and len(row.token_ids) - row.num_prompt_tokens < min_tokens:
+            row_index.extend([i] * len(row.min_tokens_stop_ids))
+            col_index.extend(row.min_tokens_stop_ids)
+    if not row_index:
+        return logits
+    index = torch.tensor([row_index, col_index], dtype=torch.long, device=logits.device)
+    return logits.index_put((index[0], index[1]), torch.tensor(float("-inf"), device=logits.device))
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> torch.Tensor:
+    """Repetition penalty over prompt and output tokens; presence/frequency over output tokens."""
+    params = [row.sampling_params for row in rows]
+    batch, vocab = logits.shape
+    device = logits.device
+    # Rows without penalties contribute no tokens: their neutral parameters would undo nothing.
+    token_lists = [list(row.token_ids) if p.needs_penalties else [] for row, p in zip(rows, params)]
+    width = max(1, max(len(ids) for ids in token_lists))
+    # Pad with an extra column `vocab` that is dropped after the scatter.
+    padded = [ids + [vocab] * (width - len(ids)) for ids in token_lists]
+    tokens = torch.tensor(padded, dtype=torch.long, device=device)  # [B, L]
+    num_prompt = torch.tensor(
+        [row.num_prompt_tokens for row in rows], dtype=torch.long, device=device
+    )
+    positions = torch.arange(width, device=device)
+    is_output = (positions.unsqueeze(0) >= num_prompt.unsqueeze(1)).float()  # [B, L]
+
+    output_counts = torch.zeros(batch, vocab + 1, device=device)
+    output_counts.scatter_add_(1, tokens, is_output)
+    output_counts = output_counts[:, :vocab]
+    seen = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=device)
+    seen.scatter_(1, tokens, True)
+    seen = seen[:, :vocab]
+
+    repetition = _row_tensor([p.repetition_penalty for p in params], logits).unsqueeze(1)
+    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalised, logits)
+
+    frequency = _row_tensor([p.frequency_penalty for p in params], logits).unsqueeze(1)
+    presence = _row_tensor([p.presence_penalty for p in params], logits).unsqueeze(1)
+    return logits - frequency * output_counts - presence * (output_counts > 0).float()
+
+
+def apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Set logits outside each row's top-k, then outside its top-p nucleus, to -inf."""
+    vocab = logits.shape[1]
+    use_top_k = any(0 < p.top_k < vocab for p in params)
+    use_top_p = any(p.top_p < 1.0 for p in params)
+    if not (use_top_k or use_top_p):
+        return logits
+
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)  # [1, V]
+    if use_top_k:
+        top_k = _row_tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], logits)
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+    if use_top_p:
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # Keep a token while the mass strictly before it is below p: the smallest set reaching p.
+        # The first token has zero mass before it, so the most likely token is always kept.
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        # Disabled rows get an infinite threshold so rounding in the cumsum never trims their tail.
+        top_p = _row_tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], logits)
+        remove = (mass_before >= top_p.unsqueeze(1)) & (ranks > 0)
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
+
+
+def apply_min_p(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Zero the probabilities below min_p times the row's largest probability.
+
+    The result is not renormalised: the exponential race only compares within a row.
+    """
+    if not any(p.min_p > 0.0 for p in params):
+        return probs
+    min_p = _row_tensor([p.min_p for p in params], probs).unsqueeze(1)
+    threshold = min_p * probs.amax(dim=-1, keepdim=True)
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def _exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i / sum(p), with no host sync.
+
+    Unseeded rows share one draw from the default generator; a seeded row draws from its own
+    generator, so its result depends on nothing else in the batch.
+    """
+    noise = torch.empty_like(probs)
+    if any(generator is None for generator in generators):
+        noise.exponential_()
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            noise[i].exponential_(generator=generator)
+    # An exact zero draw would turn 0/0 into NaN for masked tokens.
+    return (probs / noise.clamp_min_(1e-10)).argmax(dim=-1)
+
+
+def _row_tensor(values: list[float] | list[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device)

@@ -1,0 +1,60 @@
+"""A sequence: one completion being generated (a request with n > 1 has n of them)."""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from typing import Any
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    __slots__ = ("seq_id", "request_id", "index", "token_ids", "num_prompt_tokens", "sampling_params",
+                 "status", "num_computed_tokens", "num_hashed_blocks", "block_table", "generator",
+                 "min_tokens_stop_ids", "finish_reason", "stop_reason", "logprobs", "arrival")
+
+    def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
+                 index: int = 0, arrival: float = 0.0):
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.index = index                       # which of the request's n completions
+        self.token_ids = list(prompt_token_ids)  # prompt, then generated tokens
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0             # tokens whose K/V are in the cache
+        self.num_hashed_blocks = 0               # leading full blocks registered for prefix caching
+        self.block_table: list[int] = []
+        self.generator = None                    # torch.Generator for seeded requests (set by the engine)
+        self.min_tokens_stop_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.logprobs: list[Any] | None = None
+        self.arrival = arrival
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.seq_id}, {self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_table})")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

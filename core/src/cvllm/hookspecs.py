@@ -1,0 +1,82 @@
+"""The hooks a cvllm plugin may implement.
+
+A plugin is a module (or any object) whose functions are decorated with ``@hookimpl`` and named
+after one of the hooks below. pluggy calls hooks with keyword arguments and an implementation may
+accept fewer arguments than the spec lists, so hooks can grow without breaking old plugins.
+
+The ``register_*`` hooks hand the plugin a ``register(name, target)`` callback. ``target`` should be
+a lazy ``"module:Attribute"`` string so that discovering plugins imports no model or kernel code;
+cvllm imports it only when the name is used.
+"""
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("cvllm")
+hookimpl = pluggy.HookimplMarker("cvllm")
+
+
+@hookspec
+def register_architectures(register):
+    """register_architectures(register)
+
+    Register model classes by the Hugging Face ``architectures`` name found in config.json::
+
+        register("LlamaForCausalLM", "cvllm_llama.llama:LlamaForCausalLM")
+
+    Also register each GGUF ``general.architecture`` alias the class serves (``"llama"``).
+    """
+
+
+@hookspec
+def register_backends(register):
+    """register_backends(register)
+
+    Register hardware backends by device name::
+
+        register("cpu", "cvllm.backends.cpu:CpuBackend")
+
+    The backend class answers ``is_available()`` cheaply, without initialising the device.
+    """
+
+
+@hookspec
+def register_quantizers(register):
+    """register_quantizers(register)
+
+    Register quantization methods keyed by the checkpoint's ``quant_method`` (from
+    ``quantization_config`` in config.json) or by file format name::
+
+        register("gptq", "cvllm_marlin.gptq:GptqQuantizer")
+    """
+
+
+@hookspec
+def register_samplers(register):
+    """register_samplers(register)
+
+    Register named batch-level logits processors, ``apply(logits[B, V], state) -> logits``::
+
+        register("default", "cvllm.engine.sampler:Sampler")
+    """
+
+
+@hookspec
+def register_gguf_architectures(register):
+    """register_gguf_architectures(register)
+
+    Register, per GGUF ``general.architecture`` name, the adapter that maps its metadata to a
+    Hugging Face config and its tensors to the model's parameter names (q/k un-permute, tied
+    embeddings), so GGUF support for a model family ships with that family's plugin::
+
+        register("llama", "cvllm_llama.gguf:LlamaGgufAdapter")
+    """
+
+
+@hookspec(firstresult=True)
+def open_checkpoint(path):
+    """open_checkpoint(path)
+
+    Return a ``Checkpoint`` for the local path ``path`` (a ``str``) if this plugin can read it,
+    else None. The first non-None answer wins; the built-in Hugging Face directory reader runs
+    last, so a plugin may claim a file format (``.gguf``) or a directory layout of its own.
+    """

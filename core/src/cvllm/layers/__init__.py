@@ -1,0 +1,20 @@
+"""Backend-neutral building blocks that model plugins compose."""
+
+from cvllm.layers.activation import GeluAndMul, SiluAndMul
+from cvllm.layers.attention import Attention
+from cvllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from cvllm.layers.layernorm import RMSNorm
+from cvllm.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from cvllm.layers.rotary import RotaryEmbedding, get_rope
+
+__all__ = [
+    "Attention", "ColumnParallelLinear", "GeluAndMul", "MergedColumnParallelLinear", "ParallelLMHead",
+    "QKVParallelLinear", "RMSNorm", "ReplicatedLinear", "RotaryEmbedding", "RowParallelLinear", "SiluAndMul",
+    "VocabParallelEmbedding", "get_rope",
+]

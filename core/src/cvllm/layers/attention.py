@@ -1,0 +1,38 @@
+"""Paged attention layer: writes this step's K/V into the cache and attends over it.
+
+The kernels belong to the backend (CPU reference, Triton on CUDA); the layer only carries the
+per-layer parameters (scale, GQA, sliding window, soft-cap) and its slice of the KV cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cvllm.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
+        super().__init__()
+        self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
+        self.scale = scale
+        self.sliding_window = sliding_window  # position i attends j when i - j < window (HF's rule)
+        self.logits_soft_cap = logits_soft_cap
+        # Set by the ModelRunner once the KV pool is allocated: [num_blocks, block_size, kv_heads, head_dim]
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def kv_cache_shape(self) -> tuple[int, ...]:
+        """Per-token shape of one of this layer's K and V caches (MLA layers declare a latent instead)."""
+        return (self.num_kv_heads, self.head_dim)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx = get_forward_context()
+        q = q.view(-1, self.num_heads, self.head_dim)      # [T, H, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        ctx.backend.write_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        out = ctx.backend.attention(q, self.k_cache, self.v_cache, ctx, self)
+        return out.reshape(-1, self.num_heads * self.head_dim)

@@ -1,0 +1,60 @@
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cvllm.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.num_embeddings = num_embeddings
+        self.per_rank = -(-num_embeddings // self.tp_size)  # ceil: the last rank's slice is zero-padded
+        self.vocab_start = self.tp_rank * self.per_rank
+        self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.shape[1:] != param.shape[1:] or loaded.shape[0] != self.num_embeddings:
+            raise ValueError(f"embedding: checkpoint shape {tuple(loaded.shape)} != "
+                             f"model shape ({self.num_embeddings}, {param.shape[1]})")
+        part = loaded[self.vocab_start: self.vocab_start + self.per_rank]
+        param.data[: part.shape[0]].copy_(part)
+        param.data[part.shape[0]:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Projects hidden states to logits; ``tie_to`` shares the input embedding's weight."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False):
+        super().__init__(num_embeddings, embedding_dim)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.per_rank), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight, self.bias)
+        if self.tp_size > 1:
+            logits = all_gather_last_dim(logits)
+        return logits[..., : self.num_embeddings]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.compute_logits(hidden)

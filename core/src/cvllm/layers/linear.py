@@ -1,0 +1,113 @@
+"""Linear layers split for tensor parallelism (nano-vllm / vLLM shapes).
+
+Column-parallel layers split the output features across ranks, row-parallel ones the input
+features (followed by an all-reduce). Fused layers (QKV, gate+up) load their Hugging Face
+sub-weights through ``weight_loader(param, tensor, shard_id)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cvllm.distributed import all_reduce, divide, tp_rank, tp_size
+from cvllm.layers.quantization import LinearMethod, UnquantizedLinearMethod
+
+
+def _check_shape(param: nn.Parameter, loaded: torch.Tensor, what: str) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"{what}: checkpoint shape {tuple(loaded.shape)} != model shape {tuple(param.shape)}")
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None,
+                 quant_method: LinearMethod | None = None):
+        super().__init__()
+        self.input_size, self.output_size, self.tp_dim = input_size, output_size, tp_dim
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.quant_method = quant_method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, input_size, output_size, torch.get_default_dtype())
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if self.tp_dim is not None and param.dim() > self.tp_dim and self.tp_size > 1:
+            size = param.size(self.tp_dim)
+            loaded = loaded.narrow(self.tp_dim, self.tp_rank * size, size)
+        _check_shape(param, loaded, "linear")
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, quant_method: LinearMethod | None = None):
+        super().__init__(input_size, output_size, bias, None, quant_method)
+
+
+class ColumnParallelLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, quant_method: LinearMethod | None = None):
+        super().__init__(input_size, divide(output_size, tp_size()), bias, 0, quant_method)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate_proj + up_proj)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 quant_method: LinearMethod | None = None):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias, quant_method)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        size = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        loaded = loaded.narrow(0, self.tp_rank * size, size) if self.tp_size > 1 else loaded
+        target = param.data.narrow(0, offset, size)
+        _check_shape(target, loaded, f"shard {shard_id}")
+        target.copy_(loaded)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q_proj, k_proj and v_proj in one matmul; KV heads are replicated when fewer than ranks."""
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
+                 bias: bool = False, quant_method: LinearMethod | None = None):
+        size = tp_size()
+        self.head_dim = head_dim
+        self.num_heads = divide(total_num_heads, size)
+        self.num_kv_heads = max(1, total_num_kv_heads // size)
+        self.kv_replicas = max(1, size // total_num_kv_heads)
+        output = (total_num_heads + 2 * self.num_kv_heads * size) * head_dim
+        super().__init__(hidden_size, output, bias, quant_method)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+        if self.tp_size > 1:
+            rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
+            loaded = loaded.narrow(0, rank * size, size)
+        target = param.data.narrow(0, offset, size)
+        _check_shape(target, loaded, f"{shard_id}_proj")
+        target.copy_(loaded)
+
+
+class RowParallelLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, quant_method: LinearMethod | None = None):
+        super().__init__(divide(input_size, tp_size()), output_size, bias, 1, quant_method)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if param.dim() == 1:  # the bias is not split: rank 0 adds it after the reduction
+            _check_shape(param, loaded, "bias")
+            param.data.copy_(loaded)
+            return
+        super().weight_loader(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.tp_rank == 0 else None
+        out = self.quant_method.apply(self, x, bias)
+        return all_reduce(out) if self.tp_size > 1 else out

@@ -1,0 +1,141 @@
+"""Rotary position embeddings: default, linear, dynamic NTK, llama3, YaRN; partial rotary.
+
+The inverse frequencies follow transformers' ``modeling_rope_utils`` formulas so logits match it.
+cos/sin are tabulated once per position (fp32) and looked up by position: no per-step trig.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+
+
+def _llama3_inv_freq(p: dict[str, Any], dim: int) -> torch.Tensor:
+    inv_freq = _base_inv_freq(p["rope_theta"], dim)
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(p: dict[str, Any], dim: int, max_position: int) -> tuple[torch.Tensor, float]:
+    base = p["rope_theta"]
+    original_max = p.get("original_max_position_embeddings") or max_position
+    factor = p.get("factor") or max_position / original_max
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original_max / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation_weight = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (1.0 / pos_freqs) * extrapolation_weight
+    return inv_freq, float(attention_factor)
+
+
+def rope_frequencies(params: dict[str, Any], dim: int, max_position: int) -> torch.Tensor:
+    """Per-position angles ``[max_position, dim // 2]`` (fp32) and the cos/sin scale, as a pair."""
+    rope_type = params.get("rope_type", "default")
+    positions = torch.arange(max_position, dtype=torch.float32)
+    scale = 1.0
+    if rope_type == "default":
+        inv_freq = _base_inv_freq(params["rope_theta"], dim)
+    elif rope_type == "linear":
+        inv_freq = _base_inv_freq(params["rope_theta"], dim) / params["factor"]
+    elif rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(params, dim)
+    elif rope_type == "yarn":
+        inv_freq, scale = _yarn_inv_freq(params, dim, max_position)
+    elif rope_type == "dynamic":
+        # transformers rescales the base from the current sequence length (max(len, original)); a
+        # position p is first seen in a sequence of length p + 1, so tabulate each position with
+        # the base for that length. Inside the original context this is the plain base.
+        original = params["_max_position_embeddings"]
+        factor = params["factor"]
+        seq_len = torch.clamp(positions + 1, min=original).double()
+        bases = params["rope_theta"] * ((factor * seq_len / original) - (factor - 1)) ** (dim / (dim - 2))
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        inv_freq = (1.0 / (bases.float()[:, None] ** exponents[None, :]))  # [P, dim/2]
+        return positions[:, None] * inv_freq, scale
+    else:
+        raise ValueError(f"unsupported rope_type '{rope_type}' (supported: default, linear, dynamic, llama3, yarn)")
+    return positions[:, None] * inv_freq[None, :], scale
+
+
+_tables: dict[tuple, torch.Tensor] = {}
+
+
+def _cos_sin_table(key: str, params: dict[str, Any], dim: int, max_position: int) -> torch.Tensor:
+    """``[max_position, dim]`` = cos ‖ sin, computed on the CPU once and shared by all layers."""
+    cache_key = (key, dim, max_position)
+    if cache_key not in _tables:
+        with torch.device("cpu"):  # models are built under torch.device("meta")
+            angles, scale = rope_frequencies(params, dim, max_position)
+            _tables[cache_key] = torch.cat([angles.cos() * scale, angles.sin() * scale], dim=-1)
+    return _tables[cache_key]
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotation (``rotate_half``) of the first ``rotary_dim`` features of each head."""
+
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, params: dict[str, Any]):
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        # A plain attribute, not a buffer: the model is built on the meta device and materialised
+        # with to_empty(), which would leave a buffer uninitialised. Moved to the device on first use.
+        self.cos_sin = _cos_sin_table(repr(sorted(params.items())), params, rotary_dim, max_position)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cos_sin.device != positions.device:
+            self.cos_sin = self.cos_sin.to(positions.device)
+        cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [T, rotary_dim/2] each
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.view(shape[0], -1, self.head_dim)  # [T, H, D]
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
+        x1, x2 = rot.chunk(2, dim=-1)
+        cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        if rest.shape[-1]:
+            rotated = torch.cat([rotated, rest], dim=-1)
+        return rotated.reshape(shape)
+
+
+def get_rope(head_dim: int, max_position: int, params: dict[str, Any]) -> RotaryEmbedding:
+    params = dict(params)
+    params.setdefault("_max_position_embeddings", max_position)
+    rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    return RotaryEmbedding(head_dim, rotary_dim, max_position, params)

@@ -1,0 +1,207 @@
+"""Tiny Hugging Face checkpoints for oracle tests: random weights, a real tokenizer, safetensors files.
+
+transformers is imported inside the functions: it is a test dependency, not a runtime one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from cvllm.testing.tokenizer import EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, write_tiny_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+Spelling = Literal["published", "v5"]
+
+TOKENIZER_VOCAB_SIZE = 512
+EOS_TOKEN_ID = SPECIAL_TOKENS.index(EOS_TOKEN)
+PAD_TOKEN_ID = SPECIAL_TOKENS.index(PAD_TOKEN)
+
+# 0.02 (the HF default) gives logits so flat that greedy decoding meets near-ties (top-2 gaps of
+# 1e-4 and less), which fp32 rounding differences between two correct implementations can flip.
+# 0.2 gives logits with a spread of several units, so top-2 gaps are orders above fp32 noise.
+INITIALIZER_RANGE = 0.2
+
+BASE_CONFIG: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": TOKENIZER_VOCAB_SIZE,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "initializer_range": INITIALIZER_RANGE,
+    "bos_token_id": PAD_TOKEN_ID,  # as Qwen2's config does: the tokenizer itself adds no BOS
+    "eos_token_id": EOS_TOKEN_ID,
+    "pad_token_id": PAD_TOKEN_ID,
+    "tie_word_embeddings": False,
+}
+
+# Config overrides that each exercise one feature of the architecture.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "gqa": {"num_attention_heads": 4, "num_key_value_heads": 2},
+    "mha": {"num_attention_heads": 4, "num_key_value_heads": 4},
+    "tied": {"tie_word_embeddings": True},
+    "bias": {"attention_bias": True, "mlp_bias": True},
+    # theta 10000 with head_dim 16 puts rotary frequencies in all three llama3 bands (kept,
+    # smoothed, divided by factor) for original_max_position_embeddings=32.
+    "llama3_rope": {
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
+    },
+    "head_dim": {"head_dim": 32, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2},
+    "sliding": {"sliding_window": 16},
+}
+
+ARCHITECTURES = ("llama", "mistral")
+
+
+def tiny_config(arch: str = "llama", **overrides: Any):
+    """The transformers config of a tiny model of `arch`, eager attention, fp32."""
+    from transformers import LlamaConfig, MistralConfig
+
+    config_class = {"llama": LlamaConfig, "mistral": MistralConfig}[arch]
+    values = {**BASE_CONFIG, **overrides}
+    if arch == "llama" and "sliding_window" in values:
+        raise ValueError("Llama has no sliding window; use arch='mistral'")
+    return config_class(attn_implementation="eager", **values)
+
+
+def make_checkpoint(
+    dir: Path,
+    arch: str = "llama",
+    *,
+    seed: int = 0,
+    spelling: Spelling = "published",
+    shards: int = 1,
+    **config_overrides: Any,
+) -> PreTrainedModel:
+    """Build a random tiny model, save it as an HF checkpoint directory, return it (fp32, eval mode).
+
+    `spelling="published"` rewrites config.json the way checkpoints on the hub spell it
+    (`rope_theta`/`rope_scaling` top-level, `torch_dtype`); "v5" keeps what transformers 5 writes.
+    """
+    from transformers import LlamaForCausalLM, MistralForCausalLM
+
+    if spelling not in ("published", "v5"):
+        raise ValueError(f"spelling must be 'published' or 'v5', not {spelling!r}")
+    dir = Path(dir)
+    dir.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(arch, **config_overrides)
+    model_class = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM}[arch]
+
+    torch.manual_seed(seed)
+    model = model_class(config).to(torch.float32).eval()
+    _randomize_norms_and_biases(model, seed)
+
+    _save_sharded(model, dir, shards)
+    if spelling == "published":
+        config_path = dir / "config.json"
+        config_path.write_text(json.dumps(published_spelling(json.loads(config_path.read_text())), indent=2))
+    write_tiny_tokenizer(dir, vocab_size=TOKENIZER_VOCAB_SIZE)
+    return model
+
+
+def _randomize_norms_and_biases(model: torch.nn.Module, seed: int) -> None:
+    """HF initializes norm weights to 1 and biases to 0: a loader that skipped them would pass."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    std = model.config.initializer_range
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
+            elif name.endswith(".bias"):
+                param.copy_(std * torch.randn(param.shape, generator=generator))
+
+
+def _save_sharded(model: PreTrainedModel, dir: Path, shards: int) -> None:
+    """save_pretrained, with a shard size that gives exactly `shards` safetensors files."""
+    if shards < 1:
+        raise ValueError("shards must be >= 1")
+    if shards == 1:
+        model.save_pretrained(dir, safe_serialization=True)
+        return
+    total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    shard_bytes = math.ceil(total_bytes / shards)
+    # transformers fills shards greedily, tensor by tensor, so the first guess can give one shard
+    # too many; grow the limit until the count is right.
+    for _ in range(50):
+        for old in dir.glob("model*.safetensors*"):
+            old.unlink()
+        model.save_pretrained(dir, safe_serialization=True, max_shard_size=shard_bytes)
+        written = len(list(dir.glob("model-*.safetensors")))
+        if written == shards:
+            return
+        if written < shards:
+            break
+        shard_bytes = int(shard_bytes * 1.05) + 1
+    raise ValueError(f"cannot split this model into exactly {shards} shards")
+
+
+def published_spelling(config: dict[str, Any]) -> dict[str, Any]:
+    """Rewrite a transformers-5 config dict in the spelling of published hub checkpoints."""
+    config = dict(config)
+    rope = dict(config.pop("rope_parameters", None) or {})
+    if rope:
+        config["rope_theta"] = rope.pop("rope_theta")
+        rope_type = rope.get("rope_type", "default")
+        config["rope_scaling"] = None if rope_type == "default" and len(rope) <= 1 else rope
+    if "dtype" in config:
+        config["torch_dtype"] = config.pop("dtype")
+    return config
+
+
+def hf_logits(model: PreTrainedModel, ids: list[int]) -> torch.Tensor:
+    """fp32 logits [L, V] of every position of one prompt, from one full forward pass."""
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def hf_greedy(
+    model: PreTrainedModel, prompts: list[list[int]], max_new_tokens: int, *, suppress_eos: bool = False
+) -> list[list[int]]:
+    """Greedy continuations from transformers' `generate`, each prompt alone (no padding).
+
+    Default: exactly `max_new_tokens` tokens, EOS may be generated but does not stop (vLLM's
+    `ignore_eos=True`). `suppress_eos=True` instead masks EOS until max_new_tokens, as
+    `min_new_tokens` does (vLLM's `min_tokens=max_tokens`).
+    """
+    stop_kwargs: dict[str, Any] = (
+        {"min_new_tokens": max_new_tokens} if suppress_eos else {"eos_token_id": []}  # [] = never stop
+    )
+    outputs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=PAD_TOKEN_ID,
+                **stop_kwargs,
+            )
+            new_tokens = out[0, len(prompt) :].tolist()
+            assert len(new_tokens) == max_new_tokens, (len(new_tokens), max_new_tokens)
+            outputs.append(new_tokens)
+    return outputs
+
+
+def greedy_margins(model: PreTrainedModel, prompt: list[int], continuation: list[int]) -> list[float]:
+    """Top-1 minus top-2 logit at each step that produced `continuation`: how far from a tie it was."""
+    logits = hf_logits(model, prompt + continuation)[len(prompt) - 1 : -1]
+    top2 = logits.topk(2, dim=-1).values
+    return (top2[:, 0] - top2[:, 1]).tolist()

@@ -1,0 +1,65 @@
+"""Loading Hugging Face-named tensors into a model, fused layers included.
+
+A model lists how checkpoint names map onto its fused parameters in ``packed_modules_mapping``
+(``{"q_proj": ("qkv_proj", "q"), ...}``); everything else loads by its own name. Errors name the
+parameter; a fused parameter counts as loaded only when all of its shards arrived.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from cvllm.checkpoint.base import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint shape {tuple(loaded.shape)} != model shape {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def load_weights_by_name(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                         packed_modules_mapping: dict[str, tuple[str, object]] | None = None,
+                         skip: tuple[str, ...] = ("rotary_emb.inv_freq",)) -> set[str]:
+    """Returns the names of the model parameters that were fully loaded."""
+    mapping = packed_modules_mapping or {}
+    params = dict(model.named_parameters())
+    shards_wanted: dict[str, set] = {}
+    for fused, shard in mapping.values():
+        shards_wanted.setdefault(fused, set()).add(shard)
+    shards_seen: dict[str, set] = {}
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if any(s in name for s in skip):
+            continue
+        target, shard = name, None
+        for source, (fused, shard_id) in mapping.items():
+            if f".{source}." in name:
+                target, shard = name.replace(f".{source}.", f".{fused}."), shard_id
+                break
+        param = params.get(target)
+        if param is None:
+            logger.warning("ignoring checkpoint tensor '%s': the model has no parameter of that name", name)
+            continue
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            if shard is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard)
+        except (ValueError, RuntimeError) as e:
+            raise CheckpointError(f"cannot load '{name}' into '{target}': {e}") from None
+        if shard is None:
+            loaded.add(target)
+        else:
+            seen = shards_seen.setdefault(target, set())
+            seen.add(shard)
+            if seen == shards_wanted[target.rsplit(".", 2)[-2]]:
+                loaded.add(target)
+    return loaded
