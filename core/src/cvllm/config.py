@@ -70,7 +70,8 @@ def model_config_from_dict(raw: dict[str, Any], source: str = "config.json") -> 
             raise ConfigError(f"{source}: missing required key '{key}'")
     raw["rope_parameters"] = normalise_rope(raw)
     raw["rope_theta"] = raw["rope_parameters"]["rope_theta"]
-    raw.setdefault("num_key_value_heads", raw.get("num_attention_heads"))
+    if raw.get("num_key_value_heads") is None:  # absent or null: multi-head attention, as transformers reads it
+        raw["num_key_value_heads"] = raw.get("num_attention_heads")
     if raw.get("head_dim") is None and "hidden_size" in raw:
         raw["head_dim"] = raw["hidden_size"] // raw["num_attention_heads"]
     dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"

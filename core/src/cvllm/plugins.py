@@ -1,8 +1,9 @@
-"""Plugin discovery (one pluggy manager, entry-point group ``cvllm``) and the name registries that
-the ``register_*`` hooks fill.
+"""Plugin discovery (one pluggy manager, entry-point group ``cvllm``) and the per-kind registries
+(``architectures()``, ``backends()``, ...) that the ``register_*`` hooks fill.
 
 Registrations are lazy ``"module:Attribute"`` strings: building a registry imports nothing, and
-``Registry.get`` imports a target only when it is first used.
+``Registry.get`` imports a target only when it is first used. The ``Registry`` class itself is in
+``cvllm.registry``.
 """
 
 from __future__ import annotations
@@ -10,12 +11,21 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from importlib import import_module, metadata
+from importlib import metadata
 
 import pluggy
 
 from cvllm import builtin_plugin, hookspecs
+
+# The registries live in cvllm.registry; their names are re-exported here, where callers found them
+# before the split (``from cvllm.plugins import RegistryError, load_target``).
+from cvllm.registry import Registration, Registry, RegistryError, load_target, target_name
+
+__all__ = [
+    "BUILTIN_PLUGIN_NAME", "ENTRY_POINT_GROUP", "REGISTRY_HOOKS", "Registration", "Registry", "RegistryError",
+    "architectures", "backends", "get_plugin_manager", "gguf_architectures", "load_target", "open_checkpoint",
+    "plugin_report", "quantizers", "registry_problems", "reset_plugins", "samplers", "target_name",
+]
 
 logger = logging.getLogger(__name__)
 trace_logger = logging.getLogger(__name__ + ".trace")
@@ -31,10 +41,6 @@ REGISTRY_HOOKS: dict[str, str] = {
     "sampler": "register_samplers",
     "gguf_architecture": "register_gguf_architectures",
 }
-
-
-class RegistryError(ValueError):
-    """A name is unknown, registered twice, or registered with a malformed target."""
 
 
 class _PluginManager(pluggy.PluginManager):
@@ -156,42 +162,6 @@ def _trace_hook_calls(pm: _PluginManager) -> None:
     pm.add_hookcall_monitoring(before, after)
 
 
-def load_target(spec: str | object) -> object:
-    """Import ``"package.module:Attribute"`` (the attribute may be dotted); a non-string is
-    already the object and is returned as is."""
-    if not isinstance(spec, str):
-        return spec
-    module_name, _, attr_path = spec.partition(":")
-    if not module_name or not attr_path:
-        raise ValueError(f"bad target {spec!r}: expected 'package.module:Attribute'")
-    try:
-        obj: object = import_module(module_name)
-    except ImportError as exc:
-        raise ImportError(f"cannot import {spec!r}: {exc}") from exc
-    for attr in attr_path.split("."):
-        try:
-            obj = getattr(obj, attr)
-        except AttributeError:
-            raise ImportError(f"cannot import {spec!r}: module {module_name!r} has no attribute "
-                              f"{attr_path!r}") from None
-    return obj
-
-
-def target_name(target: str | object) -> str:
-    """A registered target as the ``"module:Attribute"`` text shown to users."""
-    if isinstance(target, str):
-        return target
-    module = getattr(target, "__module__", None) or "?"
-    return f"{module}:{getattr(target, '__qualname__', repr(target))}"
-
-
-@dataclass(slots=True, frozen=True)
-class Registration:
-    plugin: str
-    name: str
-    target: str | object
-
-
 class _Registrar:
     """The ``register(name, target)`` callback handed to one plugin's ``register_*`` hook."""
 
@@ -226,67 +196,6 @@ def _collect_registrations(pm: _PluginManager, hook_name: str) -> list[Registrat
         call_one = pm.subset_hook_caller(hook_name, remove_plugins=others)
         call_one(register=_Registrar(hook_name, impl.plugin_name, registrations))
     return registrations
-
-
-@dataclass(slots=True, frozen=True)
-class _Entry:
-    target: str | object
-    owner: str
-
-
-class Registry:
-    """Names registered through one ``register_*`` hook, e.g. every architecture."""
-
-    def __init__(self, kind: str, registrations: Sequence[Registration]) -> None:
-        self.kind = kind
-        self._entries: dict[str, _Entry] = {}
-        self._loaded: dict[str, object] = {}
-        for reg in registrations:
-            if reg.name in self._entries:
-                first = self._entries[reg.name].owner
-                raise RegistryError(
-                    f"{self._label} {reg.name!r} is registered twice: by plugin {first!r} and by plugin "
-                    f"{reg.plugin!r} (uninstall one of them, or leave one out of CVLLM_PLUGINS)")
-            self._entries[reg.name] = _Entry(reg.target, reg.plugin)
-
-    @property
-    def _label(self) -> str:
-        return self.kind.replace("_", " ")
-
-    def names(self) -> list[str]:
-        return sorted(self._entries)
-
-    def get(self, name: str) -> object:
-        """The registered object, imported on first use and cached."""
-        if name not in self._loaded:
-            entry = self._entry(name)
-            try:
-                self._loaded[name] = load_target(entry.target)
-            except ImportError as exc:
-                raise ImportError(f"{self._label} {name!r} from plugin {entry.owner!r} cannot be loaded: "
-                                  f"{exc}") from exc
-        return self._loaded[name]
-
-    def spec(self, name: str) -> str | object:
-        """The raw target as registered, usually ``"module:Class"`` (what TP workers are sent)."""
-        return self._entry(name).target
-
-    def owner(self, name: str) -> str:
-        return self._entry(name).owner
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._entries
-
-    def __repr__(self) -> str:
-        return f"Registry({self.kind!r}, {self.names()!r})"
-
-    def _entry(self, name: str) -> _Entry:
-        try:
-            return self._entries[name]
-        except KeyError:
-            registered = ", ".join(self.names()) or "none"
-            raise RegistryError(f"unknown {self._label} {name!r}; registered: {registered} "
-                                "(install a plugin that provides it)") from None
 
 
 def _registry(kind: str) -> Registry:

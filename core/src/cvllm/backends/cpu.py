@@ -62,6 +62,9 @@ class CpuBackend(Backend):
         return _available_memory()
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        if slot_mapping.numel() and int(slot_mapping.min()) < 0:  # -1: a token whose K/V is not stored
+            keep = slot_mapping >= 0
+            k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 

@@ -34,12 +34,16 @@ def check_safetensors_file(path: Path) -> None:
             header = json.loads(f.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (a JSON {type(header).__name__}, not an object)")
     data_len = size - 8 - header_len
     for name, info in header.items():
         if name == "__metadata__":
             continue
         try:
             start, end = info["data_offsets"]
+            if not (isinstance(start, int) and isinstance(end, int)):
+                raise TypeError
         except (TypeError, KeyError, ValueError):
             raise CheckpointError(f"{path}: tensor '{name}' has no valid data_offsets") from None
         if end > data_len or start > end:

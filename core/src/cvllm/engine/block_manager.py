@@ -1,12 +1,16 @@
 """Paged KV blocks: a free list, reference counts and prefix caching (pure Python, no torch).
 
 A full block's hash chains the previous block's hash with its own token ids, so equal hashes
-mean equal prefixes; the stored token ids are still compared on a hit, to survive collisions.
+mean equal prefixes. The hash is a cryptographic digest (blake2b), not Python's ``hash``: a
+crafted prompt must not be able to collide with another user's prefix and read its KV (vLLM
+moved to SHA-256 for the same reason). The stored token ids are compared on a hit as well.
 Freed blocks keep their hash and stay findable until reused, least recently freed first (LRU).
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -17,7 +21,7 @@ from cvllm.engine.sequence import Sequence
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None
+    hash: bytes | None = None
     token_ids: tuple[int, ...] = field(default=())
 
 
@@ -28,7 +32,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU order
-        self.hash_to_block: dict[int, int] = {}
+        self.hash_to_block: dict[bytes, int] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -42,8 +46,10 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     @staticmethod
-    def chain_hash(previous: int | None, token_ids: tuple[int, ...]) -> int:
-        return hash((previous, token_ids))
+    def chain_hash(previous: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+        digest = hashlib.blake2b(previous or b"", digest_size=16)
+        digest.update(array("q", token_ids).tobytes())
+        return digest.digest()
 
     # -- allocation ----------------------------------------------------------------------------
 
