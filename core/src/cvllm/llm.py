@@ -55,8 +55,10 @@ class LLM:
                        else [sampling_params] * len(prompts))
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
-        requests = [self._add(prompt, params) for prompt, params in zip(prompts, params_list)]
+        requests: list[_Request] = []
         try:
+            for prompt, params in zip(prompts, params_list):  # a bad prompt must not leave the others queued
+                requests.append(self._add(prompt, params))
             self._run(requests, use_tqdm)
         finally:
             for request in requests:
