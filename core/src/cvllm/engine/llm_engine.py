@@ -192,16 +192,24 @@ class LLMEngine:
     # -- scoring -----------------------------------------------------------------------------
 
     def prompt_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
-        """fp32 logits at every position of each prompt, computed through the paged KV path."""
+        """fp32 logits at every position of each prompt, computed through the paged KV path in
+        chunks of at most ``max_num_batched_tokens`` (so long prompts exercise chunked prefill)."""
         results = []
         bm = self.scheduler.block_manager
+        budget = self.scheduler.config.max_num_batched_tokens
         for ids in prompts:
             seq = Sequence(next(self._seq_ids), "score", ids, SamplingParams())
             if not bm.grow(seq, seq.num_tokens):
                 raise RuntimeError("not enough free KV blocks to score this prompt now")
+            chunks = []
             try:
-                batch = ScheduledBatch([seq], [seq.num_tokens], seq.num_tokens, 0)
-                results.append(self.runner.run(batch, all_logits=True))
+                while seq.num_computed_tokens < seq.num_tokens:
+                    n = min(budget, seq.num_tokens - seq.num_computed_tokens)
+                    chunks.append(self.runner.run(ScheduledBatch([seq], [n], n, 0), all_logits=True))
+                    seq.num_computed_tokens += n
+                    if seq.num_computed_tokens < seq.num_tokens:
+                        self.stats.prefill_chunks += 1
             finally:
                 bm.free(seq)
+            results.append(torch.cat(chunks))
         return results
