@@ -28,6 +28,7 @@ class ForwardContext:
     max_query_len: int
     max_seq_len: int
     is_decode_only: bool
+    backend_data: Any = None          # whatever the backend derives from the above once per forward pass
 
 
 _context: ForwardContext | None = None

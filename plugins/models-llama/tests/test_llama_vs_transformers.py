@@ -162,6 +162,16 @@ def test_chunked_prefill(gqa) -> None:
     assert stats.mixed_steps > 0, "no step ran a prefill chunk next to a decode"
 
 
+def test_chunked_prefill_logits(gqa) -> None:
+    # A 50-token prompt in chunks of 8: every chunk attends to K/V earlier chunks left in the cache.
+    prompt = random_prompts((50,), seed=17)[0]
+    llm = make_llm(gqa, max_num_batched_tokens=8, block_size=8)
+    logits = llm.llm_engine.prompt_logits([prompt])[0]
+    assert llm.llm_engine.stats.prefill_chunks == 6
+    diff = (logits - hf_logits(gqa.model, prompt)).abs().max().item()
+    assert diff < LOGITS_ATOL, f"max |diff| {diff:.2e}"
+
+
 @pytest.mark.parametrize("enable_prefix_caching", [False, True])
 def test_preemption(gqa, enable_prefix_caching: bool) -> None:
     block_size = 16

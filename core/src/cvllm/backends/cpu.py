@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -70,29 +71,44 @@ class CpuBackend(Backend):
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Any,
                   layer: Any) -> torch.Tensor:
-        out = torch.empty_like(q)
-        block_size = k_cache.shape[1]
+        if ctx.backend_data is None:  # the same for every layer: work it out once per forward pass
+            ctx.backend_data = _AttentionPlan.build(ctx, k_cache.shape[1])
+        plan: _AttentionPlan = ctx.backend_data
         args = (layer.scale, layer.sliding_window, layer.logits_soft_cap)
-        starts = ctx.query_start_loc_cpu
-        decode_rows = [i for i, n in enumerate(ctx.query_lens_cpu) if n == 1]
-        if decode_rows:
+        out = torch.empty_like(q)
+        if plan.decode_tokens is not None:
             # All single-token rows in one padded batch: gathers the blocks they use, one einsum.
-            rows = torch.tensor(decode_rows)
-            tokens = torch.tensor([starts[i] for i in decode_rows])
-            lens = ctx.seq_lens[rows]
-            num_blocks = -(-max(ctx.seq_lens_cpu[i] for i in decode_rows) // block_size)
-            tables = ctx.block_tables[rows, :num_blocks]
-            o = paged_attention_reference(q[tokens][:, None], k_cache, v_cache, tables, (lens - 1)[:, None],
-                                          lens, *args)
-            out[tokens] = o[:, 0]
-        for i, n in enumerate(ctx.query_lens_cpu):
-            if n == 1:
-                continue
-            seq_len, start = ctx.seq_lens_cpu[i], starts[i]
-            num_blocks = -(-seq_len // block_size)
-            positions = torch.arange(seq_len - n, seq_len)[None]
-            o = paged_attention_reference(q[None, start:start + n], k_cache, v_cache,
-                                          ctx.block_tables[i: i + 1, :num_blocks], positions,
-                                          ctx.seq_lens[i: i + 1], *args)
+            o = paged_attention_reference(q[plan.decode_tokens][:, None], k_cache, v_cache, plan.decode_tables,
+                                          plan.decode_positions, plan.decode_lens, *args)
+            out[plan.decode_tokens] = o[:, 0]
+        for start, n, tables, positions, lens in plan.prefills:
+            o = paged_attention_reference(q[None, start:start + n], k_cache, v_cache, tables, positions, lens, *args)
             out[start:start + n] = o[0]
         return out
+
+
+@dataclass(slots=True)
+class _AttentionPlan:
+    decode_tokens: torch.Tensor | None      # [Bd] rows of the flat batch that decode one token
+    decode_tables: torch.Tensor | None      # [Bd, blocks]
+    decode_positions: torch.Tensor | None   # [Bd, 1]
+    decode_lens: torch.Tensor | None        # [Bd]
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]
+
+    @classmethod
+    def build(cls, ctx: Any, block_size: int) -> _AttentionPlan:
+        starts, qlens, seq_lens = ctx.query_start_loc_cpu, ctx.query_lens_cpu, ctx.seq_lens_cpu
+        rows = [i for i, n in enumerate(qlens) if n == 1]
+        plan = cls(None, None, None, None, [])
+        if rows:
+            index = torch.tensor(rows)
+            plan.decode_tokens = torch.tensor([starts[i] for i in rows])
+            plan.decode_lens = ctx.seq_lens[index]
+            plan.decode_positions = (plan.decode_lens - 1)[:, None]
+            plan.decode_tables = ctx.block_tables[index, :-(-max(seq_lens[i] for i in rows) // block_size)]
+        for i, n in enumerate(qlens):
+            if n != 1:
+                seq_len = seq_lens[i]
+                plan.prefills.append((starts[i], n, ctx.block_tables[i:i + 1, :-(-seq_len // block_size)],
+                                      torch.arange(seq_len - n, seq_len)[None], ctx.seq_lens[i:i + 1]))
+        return plan
