@@ -14,13 +14,7 @@ SCALE = HEAD_DIM**-0.5
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # These tensors are tiny: intra-op threads only add scheduling overhead (large on a busy machine).
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

@@ -29,13 +29,7 @@ PACKED = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # These tensors are tiny: intra-op threads only add scheduling overhead (large on a busy machine).
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -15,13 +15,7 @@ MAX_POSITION = 2048
 TOL = {"rtol": 1e-6, "atol": 1e-6}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # These tensors are tiny: intra-op threads only add scheduling overhead (large on a busy machine).
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
