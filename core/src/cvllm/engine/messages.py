@@ -1,0 +1,84 @@
+"""Messages between the API process and the engine-core process (msgspec, one encoder each way).
+
+API → core: ``AddRequest``, ``AbortRequests``, ``Shutdown``, drained once per step.
+core → API: ``Ready`` once, then one ``StepOutputs`` per step carrying every request's new
+tokens; ``RequestFailed`` when a step raised (only that step's requests fail); ``CoreDead`` when
+the core cannot go on (startup failure, device error).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class AddRequest(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict        # SamplingParams fields (msgspec.structs.asdict-able); rebuilt in the core
+
+
+class AbortRequests(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Raw log-softmax of one generated token: the sampled token's, and the top-k."""
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+class SeqDelta(msgspec.Struct, array_like=True):
+    """What one completion (``index`` of n) of a request gained this step."""
+    request_id: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None      # "stop" | "length" | "abort"
+    stop_reason: int | None = None        # the stop token id that matched
+    num_prompt_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # once, with the first delta, when asked
+
+
+class CoreStats(msgspec.Struct):
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    steps: int = 0
+    preemptions: int = 0
+    prefix_hit_tokens: int = 0
+    prompt_tokens_computed: int = 0
+    generated_tokens: int = 0
+
+
+class StepOutputs(msgspec.Struct, tag=True):
+    deltas: list[SeqDelta]
+    stats: CoreStats
+
+
+class RequestFailed(msgspec.Struct, tag=True):
+    request_ids: list[str]
+    message: str
+
+
+class Ready(msgspec.Struct, tag=True):
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    backend: str
+    dtype: str
+    max_num_seqs: int
+    vocab_size: int
+
+
+class CoreDead(msgspec.Struct, tag=True):
+    message: str
+
+
+ToCore = AddRequest | AbortRequests | Shutdown
+FromCore = Ready | StepOutputs | RequestFailed | CoreDead

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (Starlette + hypercorn) over the engine-core process."""
