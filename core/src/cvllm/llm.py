@@ -151,5 +151,10 @@ class _Request:
                             lp.decoded_token = tokenizer.decode([token_id], skip_special_tokens=False)
             outputs.append(CompletionOutput(seq.index, text, ids, cumulative, seq.logprobs, seq.finish_reason,
                                             seq.stop_reason))
+        prompt_logprobs = self.seqs[0].prompt_logprobs
+        if prompt_logprobs is not None and tokenizer is not None:
+            for entry in prompt_logprobs[1:]:
+                for token_id, lp in entry.items():
+                    lp.decoded_token = tokenizer.decode([token_id], skip_special_tokens=False)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
-                             finished=all(seq.is_finished for seq in self.seqs))
+                             finished=all(seq.is_finished for seq in self.seqs), prompt_logprobs=prompt_logprobs)

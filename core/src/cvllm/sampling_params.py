@@ -25,6 +25,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None  # normalised to list[int]
     seed: int | None = None
     logprobs: int | None = None  # top logprobs to return; 0: only the sampled token's
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (disables prefix hits)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -66,6 +67,8 @@ class SamplingParams:
             )
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise ValueError(f"prompt_logprobs must be an integer >= 0 or None, got {self.prompt_logprobs!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
 

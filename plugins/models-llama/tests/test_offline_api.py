@@ -152,3 +152,20 @@ def test_bad_prompts_raise_clear_errors(llm):
     # the engine is still usable afterwards
     assert not llm.llm_engine.has_unfinished()
     assert llm.generate("ok", SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs[0].token_ids
+
+
+def test_prompt_logprobs_through_chunks_and_prefix_cache(model_dir):
+    llm = LLM(model=str(model_dir), dtype="float32", block_size=8, max_num_batched_tokens=16)
+    ids = list(range(30, 70))  # 40 tokens: three chunks of 16
+    # cache the prompt's blocks first: a prompt-logprobs request must not skip them
+    llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1))
+    hits_before = llm.llm_engine.stats.prefix_hit_tokens
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))[0]
+    assert llm.llm_engine.stats.prefix_hit_tokens == hits_before
+    expected = torch.log_softmax(llm.llm_engine.prompt_logits([ids])[0], dim=-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for pos in range(1, len(ids)):
+        entry = out.prompt_logprobs[pos]
+        assert entry[ids[pos]].logprob == pytest.approx(expected[pos - 1, ids[pos]].item(), abs=1e-4)
+        top = torch.topk(expected[pos - 1], 3).indices.tolist()
+        assert [t for t, lp in entry.items() if lp.rank is not None] == top

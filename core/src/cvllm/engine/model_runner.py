@@ -136,11 +136,15 @@ class ModelRunner:
         return torch.tensor(input_ids).to(dev), positions.to(dev), ctx, logits_indices.to(dev)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, all_logits: bool = False) -> torch.Tensor:
-        """Logits (fp32) of the last token of every sequence that samples, or of every token."""
+    def run(self, batch: ScheduledBatch, all_logits: bool = False,
+            extra_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (fp32) of the last token of every sequence that samples, followed by those of the flat
+        batch rows in ``extra_indices`` (prompt logprobs); or, with ``all_logits``, of every token."""
         input_ids, positions, ctx, logits_indices = self.prepare(batch)
         with forward_context(ctx):
             hidden = self.model(input_ids, positions)
         if not all_logits:
+            if extra_indices is not None:
+                logits_indices = torch.cat([logits_indices, extra_indices.to(logits_indices.device)])
             hidden = hidden[logits_indices]
         return self.model.compute_logits(hidden).float()

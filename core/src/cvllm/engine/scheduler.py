@@ -109,7 +109,7 @@ class Scheduler:
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             hit = 0
-            if not seq.block_table:
+            if not seq.block_table and not seq.wants_prompt_logprobs:
                 hit = bm.allocate_cached_prefix(seq)
                 seq.num_computed_tokens = hit
             n = self._chunk(seq, budget)

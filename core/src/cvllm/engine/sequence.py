@@ -15,7 +15,7 @@ class SequenceStatus(Enum):
 class Sequence:
     __slots__ = ("seq_id", "request_id", "index", "token_ids", "num_prompt_tokens", "sampling_params",
                  "status", "num_computed_tokens", "num_hashed_blocks", "block_table", "generator",
-                 "min_tokens_stop_ids", "finish_reason", "stop_reason", "logprobs", "arrival")
+                 "min_tokens_stop_ids", "finish_reason", "stop_reason", "logprobs", "prompt_logprobs", "arrival")
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
                  index: int = 0, arrival: float = 0.0):
@@ -34,6 +34,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.logprobs: list[Any] | None = None
+        # per prompt position (None at 0), filled while the prompt is computed; set by the engine when asked
+        self.prompt_logprobs: list[Any] | None = None
         self.arrival = arrival
 
     def __repr__(self) -> str:
@@ -51,6 +53,11 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Still needs logits at prompt positions (so it must compute them: no prefix-cache hits)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:
