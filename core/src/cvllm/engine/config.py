@@ -22,6 +22,7 @@ class EngineConfig:
     kv_fraction: float | None = None            # fraction of free memory after loading
     enable_prefix_caching: bool = True
     seed: int = 0
+    fake_step_ms: float | None = None           # no model: each step takes this long (measures the stack around it)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

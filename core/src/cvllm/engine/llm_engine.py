@@ -12,6 +12,7 @@ from cvllm import plugins
 from cvllm.config import resolve_dtype
 from cvllm.engine.block_manager import BlockManager
 from cvllm.engine.config import EngineConfig
+from cvllm.engine.fake_runner import FakeModelRunner
 from cvllm.engine.model_runner import ModelRunner, build_model
 from cvllm.engine.sampler import Sampler, make_generator
 from cvllm.engine.scheduler import EngineStats, ScheduledBatch, Scheduler, SchedulerConfig
@@ -45,8 +46,12 @@ class LLMEngine:
         self.tokenizer = self.checkpoint.tokenizer
         self.backend = select_backend(config.backend)
         self.dtype = resolve_dtype(config.dtype, self.checkpoint.config)
-        model = build_model(self.checkpoint, self.backend, self.dtype)
-        self.runner = ModelRunner(model, self.backend, config.block_size, self.dtype)
+        if config.fake_step_ms is not None:
+            self.runner = FakeModelRunner(self.checkpoint.config.vocab_size, config.block_size,
+                                          config.fake_step_ms / 1000, self.checkpoint.eos_token_ids())
+        else:
+            model = build_model(self.checkpoint, self.backend, self.dtype)
+            self.runner = ModelRunner(model, self.backend, config.block_size, self.dtype)
 
         model_config = self.checkpoint.config
         context_len = model_config.get("max_position_embeddings") or 2048
