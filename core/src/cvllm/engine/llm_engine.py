@@ -75,6 +75,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.eos_token_ids = self.checkpoint.eos_token_ids()
         self.requests: dict[str, list[Sequence]] = {}
+        self.last_batch: ScheduledBatch | None = None
         self._seq_ids = itertools.count()
         torch.manual_seed(config.seed)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), max_model_len %d, backend %s, dtype %s",
@@ -114,6 +115,9 @@ class LLMEngine:
         vocab = self.checkpoint.config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > vocab:
+                raise ValueError(f"{name} must be at most the vocabulary size {vocab}")
         if len(prompt_token_ids) > self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, more than the maximum model "
                              f"length {self.max_model_len}")
@@ -156,7 +160,7 @@ class LLMEngine:
 
     def step(self) -> list[Sequence]:
         """Run one batch; returns the sequences that got a new token (finished ones included)."""
-        batch = self.scheduler.schedule()
+        self.last_batch = batch = self.scheduler.schedule()   # the engine core reads it when a step fails
         if not batch.seqs:
             return []
         sampling = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]

@@ -64,6 +64,7 @@ class StepOutputs(msgspec.Struct, tag=True):
 class RequestFailed(msgspec.Struct, tag=True):
     request_ids: list[str]
     message: str
+    invalid_request: bool = False   # rejected at admission (bad params, prompt too long): a client error
 
 
 class Ready(msgspec.Struct, tag=True):

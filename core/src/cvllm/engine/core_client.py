@@ -1,0 +1,293 @@
+"""The API process's side of the engine core: spawn it, send commands, stream each request's deltas.
+
+Lives in the server's asyncio loop. Commands are written to the pipe from the loop thread (they
+are small); one reader thread receives the core's messages and hands them to the loop with
+``call_soon_threadsafe``, where they are routed to per-request ``RequestStream``s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import multiprocessing
+import threading
+from multiprocessing.connection import Connection, wait
+
+import msgspec
+
+from cvllm.engine.config import EngineConfig
+from cvllm.engine.core_process import run_core
+from cvllm.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreDead,
+    CoreStats,
+    FromCore,
+    Ready,
+    RequestFailed,
+    SeqDelta,
+    Shutdown,
+    StepOutputs,
+    ToCore,
+)
+from cvllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStartupError(RuntimeError):
+    """The engine core could not start; the message is the core's own."""
+
+
+class RequestError(RuntimeError):
+    """The core failed this request (its step raised, or it was rejected at admission), or died."""
+
+    def __init__(self, message: str, invalid_request: bool = False):
+        super().__init__(message)
+        self.invalid_request = invalid_request   # rejected at admission: the client's mistake (HTTP 400)
+
+
+class EngineDeadError(RequestError):
+    """The core is gone (crashed, device error, shut down): nothing more can be served."""
+
+
+class RequestStream:
+    """Async iterator over one request's deltas; each ``__anext__`` returns all that are pending."""
+
+    def __init__(self, client: EngineCoreClient, request_id: str, n: int):
+        self.request_id = request_id
+        self._client = client
+        self._unfinished = set(range(n))   # completion indices still generating
+        self._pending: list[SeqDelta] = []
+        self._waiter: asyncio.Future[None] | None = None
+        self._error: RequestError | None = None
+        self._ended = False   # nothing more will arrive: all finished, failed, or aborted
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> list[SeqDelta]:
+        while not self._pending:
+            if self._error is not None:
+                raise self._error
+            if self._ended:
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        deltas, self._pending = self._pending, []
+        return deltas
+
+    @property
+    def finished(self) -> bool:
+        return self._ended
+
+    def abort(self) -> None:
+        self._client.abort(self.request_id)
+
+    # called by the client, in the loop thread
+
+    def _deliver(self, delta: SeqDelta) -> None:
+        self._pending.append(delta)
+        if delta.finish_reason is not None:
+            self._unfinished.discard(delta.index)
+            self._ended = not self._unfinished
+        self._wake()
+
+    def _fail(self, error: RequestError) -> None:
+        self._error, self._ended = error, True   # deltas already received are still handed out first
+        self._wake()
+
+    def _stop(self) -> None:
+        self._pending.clear()
+        self._ended = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+
+class EngineCoreClient:
+    def __init__(self, process: multiprocessing.process.BaseProcess, commands: Connection, outputs: Connection,
+                 info: Ready, loop: asyncio.AbstractEventLoop):
+        self.info = info
+        self.stats = CoreStats(kv_blocks_total=info.num_kv_blocks, kv_blocks_free=info.num_kv_blocks)
+        self.dead: str | None = None
+        self._process = process
+        self._commands, self._outputs = commands, outputs
+        self._loop = loop
+        self._encoder = msgspec.msgpack.Encoder()
+        self._send_lock = threading.Lock()
+        self._streams: dict[str, RequestStream] = {}
+        self._closing = False
+        self._exited = asyncio.Event()   # set once the core's pipe closed and the process was reaped
+        self._reader = threading.Thread(target=self._read_outputs, name="cvllm-core-reader", daemon=True)
+        self._reader.start()
+
+    @classmethod
+    async def start(cls, config: EngineConfig, startup_timeout: float | None = None) -> EngineCoreClient:
+        context = multiprocessing.get_context("spawn")
+        commands_reader, commands_writer = context.Pipe(duplex=False)
+        outputs_reader, outputs_writer = context.Pipe(duplex=False)
+        log_level = logging.getLogger("cvllm").getEffectiveLevel()
+        process = context.Process(target=run_core, name="cvllm-engine-core", daemon=True,
+                                  args=(config, commands_reader, outputs_writer, log_level))
+        process.start()
+        # The child holds these ends now; closing ours is what makes EOF mean "the core is gone".
+        commands_reader.close()
+        outputs_writer.close()
+        loop = asyncio.get_running_loop()
+        try:
+            first = await loop.run_in_executor(None, _first_message, outputs_reader, process, startup_timeout)
+        except BaseException:   # start-up failed, timed out or was cancelled: leave no process behind
+            process.kill()
+            process.join(5)   # SIGKILL: quick; reaps it so no zombie is left
+            raise
+        if isinstance(first, Ready):
+            logger.info("engine core ready (pid %d): %s", process.pid, first)
+            return cls(process, commands_writer, outputs_reader, first, loop)
+        process.kill()
+        await loop.run_in_executor(None, process.join, 10)
+        commands_writer.close()
+        outputs_reader.close()
+        if isinstance(first, CoreDead):
+            raise EngineStartupError(first.message)
+        raise EngineStartupError(f"the engine core sent {type(first).__name__} before Ready")
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    @property
+    def exit_code(self) -> int | None:
+        """The core process's exit code once it has exited (0 after a clean shutdown), else None."""
+        return self._process.exitcode
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+        if self.dead is not None or self._closing:
+            raise EngineDeadError(f"the engine core is not running: {self.dead or 'shutting down'}")
+        if request_id in self._streams:
+            raise ValueError(f"request id '{request_id}' is already in flight")
+        stream = RequestStream(self, request_id, params.n)
+        self._send(AddRequest(request_id, list(prompt_token_ids), dataclasses.asdict(params)))
+        self._streams[request_id] = stream
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return   # finished, failed or aborted already
+        stream._stop()
+        if self.dead is None:
+            try:
+                self._send(AbortRequests([request_id]))
+            except EngineDeadError:
+                pass   # the core is gone, and its blocks with it
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Ask the core to exit; kill it if it has not within ``timeout`` seconds."""
+        if not self._closing:
+            self._closing = True
+            if self.dead is None:
+                try:
+                    self._send(Shutdown())
+                except EngineDeadError:
+                    pass
+        try:
+            await asyncio.wait_for(self._exited.wait(), timeout)
+        except TimeoutError:
+            logger.warning("the engine core did not exit within %g s; killing it", timeout)
+            self._process.kill()
+            await self._exited.wait()
+        self._mark_dead("the engine core was shut down")
+        await self._loop.run_in_executor(None, self._reader.join)
+        self._commands.close()
+        self._outputs.close()
+
+    def _send(self, message: ToCore) -> None:
+        with self._send_lock:   # one writer at a time, whichever thread calls
+            try:
+                self._commands.send_bytes(self._encoder.encode(message))
+            except OSError as e:
+                raise EngineDeadError(f"the engine core is not running: {self.dead or e}") from e
+
+    # -- the core's messages (reader thread, then the loop) ----------------------------------------
+
+    def _read_outputs(self) -> None:
+        decoder = msgspec.msgpack.Decoder(FromCore)
+        while True:
+            try:
+                data = self._outputs.recv_bytes()
+            except (EOFError, OSError):
+                break
+            try:
+                message = decoder.decode(data)
+            except msgspec.DecodeError:   # the two sides disagree on the protocol: nothing can be trusted
+                logger.exception("undecodable message from the engine core; stopping it")
+                self._process.kill()
+                continue   # EOF follows, and with it the dead state
+            if not self._post(self._on_message, message):
+                return   # the loop is closed: nobody is left to tell
+        self._process.join(10)   # the pipe closed: the process is exiting; reap it for its exit code
+        self._post(self._on_exit, self._process.exitcode)
+
+    def _post(self, callback, *args) -> bool:
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+            return True
+        except RuntimeError:
+            return False
+
+    def _on_message(self, message: FromCore) -> None:
+        if isinstance(message, StepOutputs):
+            self.stats = message.stats
+            for delta in message.deltas:
+                stream = self._streams.get(delta.request_id)
+                if stream is None:
+                    continue   # aborted here while the core was stepping it
+                stream._deliver(delta)
+                if stream.finished:
+                    del self._streams[delta.request_id]
+        elif isinstance(message, RequestFailed):
+            for request_id in message.request_ids:
+                stream = self._streams.pop(request_id, None)
+                if stream is not None:
+                    stream._fail(RequestError(message.message, message.invalid_request))
+        elif isinstance(message, CoreDead):
+            self._mark_dead(message.message)
+
+    def _on_exit(self, exit_code: int | None) -> None:
+        if not self._closing:
+            self._mark_dead(f"the engine core exited unexpectedly (exit code {exit_code})")
+        self._exited.set()
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.dead is None:
+            self.dead = reason
+            if not self._closing:
+                logger.error("engine core dead: %s", reason)
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream._fail(EngineDeadError(self.dead))
+
+
+def _first_message(outputs: Connection, process: multiprocessing.process.BaseProcess,
+                   timeout: float | None) -> FromCore:
+    """Wait (in a worker thread) for the core's first message: Ready, or CoreDead."""
+    if not wait([outputs, process.sentinel], timeout):
+        raise EngineStartupError(f"the engine core did not become ready within {timeout:g} s")
+    try:
+        return msgspec.msgpack.decode(outputs.recv_bytes(), type=FromCore)
+    except EOFError:
+        process.join(10)
+        raise EngineStartupError(f"the engine core exited during start-up (exit code {process.exitcode})") from None

@@ -1,0 +1,190 @@
+"""Engine-core client and core-process pieces that need no model (the end-to-end tests, which need a
+model plugin, are in plugins/models-llama/tests/test_core_process.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+
+from cvllm.engine.config import EngineConfig
+from cvllm.engine.core_client import (
+    EngineCoreClient,
+    EngineStartupError,
+    RequestError,
+    RequestStream,
+)
+from cvllm.engine.core_process import EngineCore, describe, is_device_error, token_logprobs
+from cvllm.engine.messages import AddRequest, CoreDead, RequestFailed, SeqDelta, StepOutputs, ToCore
+from cvllm.engine.scheduler import EngineStats
+from cvllm.outputs import Logprob
+from cvllm.sampling_params import SamplingParams
+
+
+def test_startup_failure_raises_with_the_cores_message(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")   # a directory, but no config.json
+
+    async def start():
+        await EngineCoreClient.start(EngineConfig(model=str(tmp_path), dtype="float32"), startup_timeout=60)
+
+    with pytest.raises(EngineStartupError, match="missing config.json"):
+        asyncio.run(start())
+
+
+class ExitsWhenUnpickled:
+    """Kills the spawned child while it unpickles its arguments: a core that dies before saying anything."""
+
+    def __reduce__(self):
+        return os._exit, (3,)
+
+
+def test_a_core_that_exits_silently_during_startup_reports_its_exit_code():
+    async def start():
+        await EngineCoreClient.start(EngineConfig(model=ExitsWhenUnpickled()), startup_timeout=60)
+
+    with pytest.raises(EngineStartupError, match=r"exited during start-up \(exit code 3\)"):
+        asyncio.run(start())
+
+
+def test_sampling_params_survive_the_trip_to_the_core():
+    params = SamplingParams(n=3, temperature=0.7, top_p=0.9, top_k=5, max_tokens=None, stop=["</s>", "\n\n"],
+                            stop_token_ids=[7, 9], seed=11, logprobs=2, repetition_penalty=1.1, min_tokens=2)
+    wire = msgspec.msgpack.encode(AddRequest("r", [1, 2, 3], dataclasses.asdict(params)))
+    command = msgspec.msgpack.decode(wire, type=ToCore)
+    assert isinstance(command, AddRequest) and command.prompt_token_ids == [1, 2, 3]
+    assert SamplingParams(**command.params) == params
+
+
+def test_token_logprobs_are_sent_in_rank_order_with_the_chosen_token():
+    entry = {9: Logprob(-2.0, 2), 4: Logprob(-0.5, 1), 30: Logprob(-6.0, None), 17: Logprob(-2.5, 3)}
+    sent = token_logprobs(entry, 30)   # sampled outside the top-k: only its logprob travels
+    assert (sent.logprob, sent.top_ids, sent.top_logprobs) == (-6.0, [4, 9, 17], [-0.5, -2.0, -2.5])
+    inside = token_logprobs(entry, 9)
+    assert inside.logprob == -2.0 and inside.top_ids == [4, 9, 17]
+    assert token_logprobs({5: Logprob(-0.1, None)}, 5).top_ids == []   # logprobs=0
+
+
+def test_device_errors_are_told_apart_from_step_errors():
+    assert is_device_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert not is_device_error(RuntimeError("shape mismatch"))
+    assert not is_device_error(ValueError("bad"))
+    assert describe(ValueError("prompt too long")) == "prompt too long"
+    assert describe(KeyError("x")) == "KeyError: 'x'"
+    assert describe(AssertionError()) == "AssertionError"
+
+
+def delta(index: int, tokens: list[int], finish: str | None = None) -> SeqDelta:
+    return SeqDelta("r", index, tokens, finish_reason=finish)
+
+
+def test_a_stream_merges_pending_deltas_and_ends_after_all_n_completions():
+    async def scenario():
+        stream = RequestStream(client=None, request_id="r", n=2)
+        stream._deliver(delta(0, [1]))
+        stream._deliver(delta(1, [2]))
+        stream._deliver(delta(0, [3], "length"))
+        merged = await stream.__anext__()          # a lagging consumer gets all three at once
+        assert [(d.index, d.token_ids) for d in merged] == [(0, [1]), (1, [2]), (0, [3])]
+        assert not stream.finished
+        waiting = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)
+        assert not waiting.done()                  # nothing pending: it waits for the next delta
+        stream._deliver(delta(1, [4], "stop"))
+        assert [d.token_ids for d in await waiting] == [[4]]
+        assert stream.finished
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_stream_hands_out_what_arrived_then_raises_and_a_stopped_one_drops_it():
+    async def scenario():
+        failed = RequestStream(client=None, request_id="r", n=1)
+        failed._deliver(delta(0, [1]))
+        failed._fail(RequestError("step failed"))
+        assert [d.token_ids for d in await failed.__anext__()] == [[1]]
+        with pytest.raises(RequestError, match="step failed"):
+            await failed.__anext__()
+
+        stopped = RequestStream(client=None, request_id="s", n=1)
+        stopped._deliver(delta(0, [1]))
+        waiting = asyncio.ensure_future(stopped.__anext__())
+        await asyncio.sleep(0)
+        stopped._stop()                            # aborted: pending deltas are dropped
+        assert [d.token_ids for d in await waiting] == [[1]]   # (already delivered before the abort)
+        with pytest.raises(StopAsyncIteration):
+            await stopped.__anext__()
+
+    asyncio.run(scenario())
+
+
+class ScriptedChannel:
+    """The core's pipes as lists: commands to hand out, messages sent; EOF when the script runs out."""
+
+    def __init__(self, commands):
+        self.commands, self.sent = list(commands), []
+
+    def recv(self):
+        if not self.commands:
+            raise EOFError
+        return self.commands.pop(0)
+
+    def pending(self) -> bool:
+        return bool(self.commands)
+
+    def send(self, message) -> None:
+        self.sent.append(message)
+
+    send_quietly = send
+
+
+class EngineWhoseStepRaises:
+    """Just enough of LLMEngine for the core loop; ``step`` schedules the request, then raises."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+        self.requests: dict[str, list] = {}
+        self.scheduler = SimpleNamespace(schedule=self._schedule, running=[], waiting=[], stats=EngineStats(),
+                                         block_manager=SimpleNamespace(num_blocks=4, num_free_blocks=4))
+
+    def _schedule(self):
+        return SimpleNamespace(seqs=[seq for seqs in self.requests.values() for seq in seqs])
+
+    def add_request(self, request_id, prompt_token_ids, params):
+        self.requests[request_id] = [SimpleNamespace(request_id=request_id, seq_id=len(self.requests))]
+
+    def abort_request(self, request_id):
+        self.requests.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def step(self):
+        self.scheduler.schedule()
+        raise self.error
+
+
+def add(request_id: str) -> AddRequest:
+    return AddRequest(request_id, [1, 2], dataclasses.asdict(SamplingParams()))
+
+
+def test_a_step_error_fails_the_steps_requests_and_the_loop_goes_on():
+    channel = ScriptedChannel([add("x"), add("y")])
+    core = EngineCore(EngineWhoseStepRaises(ValueError("bad shapes")), channel)
+    with pytest.raises(EOFError):   # it went back to waiting for commands: the script's end
+        core.run()
+    failed, idle = channel.sent   # then, before blocking, a snapshot of the idle state
+    assert failed == RequestFailed(["x", "y"], "bad shapes")
+    assert isinstance(idle, StepOutputs) and idle.deltas == [] and idle.stats.kv_blocks_free == 4
+
+
+def test_a_device_error_ends_the_core_with_core_dead():
+    channel = ScriptedChannel([add("x")])
+    error = RuntimeError("CUDA error: an illegal memory access was encountered")
+    assert EngineCore(EngineWhoseStepRaises(error), channel).run() == 1
+    assert channel.sent == [CoreDead("device error: CUDA error: an illegal memory access was encountered")]
