@@ -55,8 +55,84 @@ def _format_plugin_report(report: list[dict]) -> str:
     return "\n".join(lines) + "\n" if lines else "no plugins loaded\n"
 
 
-# Later subcommands (chat, bench, convert) add one _add_<name> function here.
-_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_plugins,)
+def _comma_ints(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers such as 1,16,64, got {text!r}")
+    return values
+
+
+def _positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
+    from cvllm.clients import DEFAULT_URL
+
+    parser.add_argument("--url", default=DEFAULT_URL, help=f"the server's OpenAI base URL (default: {DEFAULT_URL})")
+    parser.add_argument("--model", help="model name to request (default: the server's default model)")
+    parser.add_argument("--api-key", help="bearer token, if the server was started with --api-key "
+                                          "(default: $CVLLM_API_KEY)")
+
+
+def _add_chat(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "chat", help="chat with a running cvserve in the terminal",
+        description="An interactive chat with a running server: replies stream in, rendered as markdown; "
+                    "reasoning (thinking models) is shown dimmed. /reset clears the conversation, /exit quits.")
+    _add_client_arguments(parser)
+    parser.add_argument("--system", help="a system prompt")
+    parser.add_argument("--temperature", type=float, help="sampling temperature (default: the server's)")
+    parser.add_argument("--top-k", type=int, help="top-k (default: the server's)")
+    parser.add_argument("--top-p", type=float, help="top-p (default: the server's)")
+    parser.add_argument("--max-tokens", type=int, help="most tokens per reply (default: the rest of the context)")
+    parser.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
+                        help="turn a thinking model's reasoning on or off (chat_template_kwargs.enable_thinking; "
+                             "default: the template's)")
+    parser.set_defaults(run=_run_chat)
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    from cvllm.clients import chat  # rich and httpx load only for this command
+
+    return chat.main(args)
+
+
+def _add_bench(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="measure a running cvserve under concurrent load",
+        description="Send streamed /v1/completions requests of exact prompt and output lengths (token-id prompts, "
+                    "ignore_eos) at each concurrency level and report requests/s, output tokens/s, time to first "
+                    "token, inter-token latency, end-to-end latency, errors, and this client's own CPU use.")
+    _add_client_arguments(parser)
+    parser.add_argument("--concurrency", type=_comma_ints, default=[1, 16, 64], metavar="N[,N...]",
+                        help="requests in flight, one run per value (default: 1,16,64)")
+    parser.add_argument("--num-requests", type=_positive_int, metavar="N",
+                        help="requests per level (default: 4 × concurrency)")
+    parser.add_argument("--input-len", type=_positive_int, default=128, metavar="N",
+                        help="prompt tokens per request (default: 128)")
+    parser.add_argument("--output-len", type=_positive_int, default=128, metavar="N",
+                        help="output tokens per request (default: 128)")
+    parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                        help="stream the responses (default: on; TTFT and ITL need it)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for the random prompts (default: 0)")
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.set_defaults(run=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from cvllm.clients import bench
+
+    return bench.main(args)
+
+
+# Later subcommands (convert) add one _add_<name> function here.
+_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_plugins, _add_chat, _add_bench)
 
 
 def _version() -> str:
