@@ -139,19 +139,13 @@ def test_kv_size_precedence(model_dir, caplog):
     assert (e.num_kv_blocks, e.kv_cache_memory) == (64, None)
 
 
-def test_gpu_memory_utilization_needs_engine_support(model_dir, monkeypatch):
-    with pytest.raises(CliError, match="use --kv-fraction F"):
-        build_server_args(["--w", str(model_dir), "--gpu-memory-utilization", "0.9"])
-
-    # Once EngineConfig has the field, the flag passes straight through.
-    @dataclasses.dataclass
-    class WithUtilization(EngineConfig):
-        gpu_memory_utilization: float | None = None
-
-    monkeypatch.setattr(cli, "EngineConfig", WithUtilization)
+def test_gpu_memory_utilization_passes_through(model_dir):
     e = build_server_args(["--w", str(model_dir), "--gpu-memory-utilization", "0.9"]).engine
-    assert (e.gpu_memory_utilization, e.kv_fraction) == (0.9, None)
+    assert (e.gpu_memory_utilization, e.kv_fraction, e.kv_cache_memory) == (0.9, None, None)
 
+
+def test_fake_step_ms_passes_through(model_dir):
+    assert build_server_args(["--w", str(model_dir), "--fake-step-ms", "5"]).engine.fake_step_ms == 5.0
 
 def test_devices_and_tensor_parallelism(model_dir):
     w = ["--w", str(model_dir)]

@@ -20,6 +20,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None            # explicit KV pool size; overrides the memory settings
     kv_cache_memory: int | None = None          # bytes for the KV pool
     kv_fraction: float | None = None            # fraction of free memory after loading
+    gpu_memory_utilization: float | None = None  # vLLM's: weights + KV cache stay under this share of total memory
     enable_prefix_caching: bool = True
     seed: int = 0
     fake_step_ms: float | None = None           # no model: each step takes this long (measures the stack around it)
@@ -31,5 +32,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
-        if self.kv_fraction is not None and not 0 < self.kv_fraction <= 1:
-            raise ValueError(f"kv_fraction must be in (0, 1], got {self.kv_fraction}")
+        for name in ("kv_fraction", "gpu_memory_utilization"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {value}")

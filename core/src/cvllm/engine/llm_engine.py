@@ -87,11 +87,14 @@ class LLMEngine:
         if cfg.num_kv_blocks:
             return cfg.num_kv_blocks
         per_block = self.runner.kv_bytes_per_block()
-        free, _ = self.backend.memory()
+        free, total = self.backend.memory()
         if cfg.kv_cache_memory:
             budget = cfg.kv_cache_memory
         elif cfg.kv_fraction:
             budget = int(free * cfg.kv_fraction)
+        elif cfg.gpu_memory_utilization:
+            # measured after loading, so what is in use already includes the weights
+            budget = int(cfg.gpu_memory_utilization * total) - (total - free)
         else:
             budget = min(CPU_KV_CACHE_BYTES, free // 2) if self.backend.name == "cpu" else int(free * 0.9)
         # More blocks than every sequence at full length could use is memory nobody touches.

@@ -175,7 +175,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-fraction", type=_fraction, metavar="F",
                    help="KV cache size as a share of the memory free after loading the weights")
     g.add_argument("--gpu-memory-utilization", type=_fraction, metavar="F",
-                   help="vLLM's share of total device memory (not supported yet: use --kv-fraction)")
+                   help="vLLM's: weights + KV cache use at most this share of the device's total memory")
     g.add_argument("--num-kv-blocks", type=_positive_int, metavar="N", help="KV cache size in blocks")
     g.add_argument("--block-size", type=_positive_int, default=16, metavar="N",
                    help="tokens per KV block, a power of two (default: 16)")
@@ -190,6 +190,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-prefix-cache", "--no-enable-prefix-caching", dest="disable_prefix_cache",
                    action="store_true", help="do not reuse the KV cache of shared prompt prefixes")
     g.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling (default: 0)")
+    g.add_argument("--fake-step-ms", type=float, metavar="MS",
+                   help="benchmarking only: load no model; each engine step takes MS milliseconds and yields "
+                        "fixed tokens (measures everything around the model)")
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -303,12 +306,7 @@ def _kv_memory(ns: argparse.Namespace) -> dict:
         return {"kv_cache_memory": value * MIB}
     if winner == "--kv-fraction":
         return {"kv_fraction": value}
-    # vLLM's fraction of *total* device memory (weights included) cannot be restated as a fraction
-    # of the memory left after loading before the weights are loaded, so it needs engine support.
-    if _engine_accepts("gpu_memory_utilization"):
-        return {"gpu_memory_utilization": value}
-    raise CliError("--gpu-memory-utilization (vLLM's share of total device memory) is not supported yet: "
-                   "use --kv-fraction F (share of the memory free after loading the weights) or --mem MB")
+    return {"gpu_memory_utilization": value}
 
 
 def _quantization(ns: argparse.Namespace) -> dict:
@@ -360,6 +358,7 @@ def _engine_config(ns: argparse.Namespace, model: str) -> EngineConfig:
         model=model, dtype=ns.dtype, backend=ns.backend, block_size=ns.block_size, max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens, max_model_len=ns.max_model_len,
         prefill_chunk_size=ns.prefill_chunk_size, enable_prefix_caching=not ns.disable_prefix_cache, seed=ns.seed,
+        fake_step_ms=ns.fake_step_ms,
     )
     fields.update(_kv_memory(ns))
     fields.update(_quantization(ns))
