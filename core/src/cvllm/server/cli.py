@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import json
 import logging
 import os
 import sys
@@ -17,220 +16,10 @@ from cvllm import hub
 from cvllm.engine.config import EngineConfig
 from cvllm.sampling_params import SamplingParams
 from cvllm.server.args import ServerArgs
+from cvllm.server.cli_flags import MIB, CliError, build_parser, parse_name_list
 
 logger = logging.getLogger("cvllm.cvserve")
 
-MIB = 1 << 20
-
-
-class CliError(ValueError):
-    """A flag combination cvserve cannot run with; the message is shown to the user as is."""
-
-
-# -- flags ---------------------------------------------------------------------------------------
-
-_DESCRIPTION = """\
-Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
-/health, /metrics ...). Flags take candle-vllm's short names (--w, --m, --p ...) and vLLM's long names
-(--model, --port ...); giving both spellings of one setting with different values is an error.
-docs/cli.md has the full table, with the defaults per backend."""
-
-_EPILOG = """\
-examples:
-  cvserve --w ./my-model                              a Hugging Face model directory
-  cvserve --w ./models --f smollm2.Q4_1.gguf          one GGUF file in a directory (cvllm-gguf plugin)
-  cvserve --m Qwen/Qwen3-0.6B --download              fetch from the Hugging Face hub (cached afterwards)
-  cvserve --model Qwen/Qwen3-0.6B --port 8000 --api-key secret --served-model-name qwen
-  curl http://127.0.0.1:2000/v1/chat/completions -H 'Content-Type: application/json' \\
-       -d '{"messages": [{"role": "user", "content": "Hi"}]}'"""
-
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-DTYPES = ("auto", "f32", "f16", "bf16", "float32", "float16", "bfloat16")
-
-
-class _OneValue(argparse.Action):
-    """``store``, except that two spellings of one setting (``--p`` and ``--port``) given different
-    values is an error rather than a silent last-one-wins."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        spelled = namespace.__dict__.setdefault("_spelled", {})
-        earlier = spelled.get(self.dest)
-        if earlier is not None and earlier[0] != option_string and earlier[1] != values:
-            parser.error(f"{earlier[0]} {earlier[1]} and {option_string} {values} disagree; give one of them")
-        spelled[self.dest] = (option_string, values)
-        setattr(namespace, self.dest, values)
-
-
-def _checked(convert, check, what: str):
-    def parse(text: str):
-        try:
-            value = convert(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not check(value):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-        return value
-    parse.__name__ = what  # argparse names the type in its messages
-    return parse
-
-
-_positive_int = _checked(int, lambda v: v > 0, "a positive integer")
-_non_negative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
-_port = _checked(int, lambda v: 0 <= v <= 65535, "a port number (0-65535)")
-_fraction = _checked(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]")
-_seconds = _checked(float, lambda v: v > 0, "a positive number of seconds")
-
-
-def _device_ids(text: str) -> list[int]:
-    try:
-        ids = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected device ids such as 0 or 0,1, got {text!r}") from None
-    if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
-        raise argparse.ArgumentTypeError(f"expected distinct device ids such as 0 or 0,1, got {text!r}")
-    return ids
-
-
-def _size(text: str) -> int:
-    """Bytes, with an optional K/M/G suffix (powers of 1024): 16M, 1G, 65536."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    body = text.strip().lower().removesuffix("b").removesuffix("i")
-    scale = units.get(body[-1:], 1)
-    try:
-        value = int(float(body[:-1] if scale > 1 else body) * scale)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a size such as 16M or 1048576, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
-    return value
-
-
-def _name_list(values: list[str] | None, default: list[str]) -> list[str]:
-    """CORS lists: repeated values, comma-separated, or vLLM's JSON spelling '["a", "b"]'."""
-    if values is None:
-        return list(default)
-    names: list[str] = []
-    for value in values:
-        text = value.strip()
-        if text.startswith("["):
-            try:
-                names.extend(str(item) for item in json.loads(text))
-                continue
-            except (ValueError, TypeError):
-                raise CliError(f"expected a JSON list of strings, got {value!r}") from None
-        names.extend(part.strip() for part in text.split(",") if part.strip())
-    return names
-
-
-def _add_model_flags(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("model")
-    g.add_argument("--w", metavar="PATH", help="local model: a Hugging Face model directory or a weight file")
-    g.add_argument("--m", metavar="ORG/NAME",
-                   help="Hugging Face repo id (a local path works too); with --w, the name the model is served as")
-    g.add_argument("--model", metavar="PATH_OR_ID", help="vLLM's spelling: a local path or a repo id")
-    g.add_argument("--f", metavar="FILE", help="one weight file inside the directory or repo, e.g. model.Q4_K_M.gguf")
-    g.add_argument("--download", action="store_true",
-                   help="allow downloading --m/--model from the Hugging Face hub (default: the local cache only)")
-    g.add_argument("--revision", metavar="REV", help="hub branch, tag or commit (default: main)")
-    g.add_argument("--dtype", type=str.lower, choices=DTYPES, default="auto", metavar="DTYPE",
-                   help=f"{'|'.join(DTYPES)} (default: auto = the checkpoint's)")
-    g.add_argument("--isq", metavar="TYPE",
-                   help="quantize the weights while loading, e.g. q4k, q8_0 (needs the cvllm-gguf plugin)")
-    g.add_argument("--served-model-name", nargs="+", metavar="NAME",
-                   help="name(s) clients use in 'model' (default: the repo id, or the path's last component)")
-    g.add_argument("--chat-template", metavar="FILE_OR_TEXT", help="a Jinja chat template replacing the model's")
-    g.add_argument("--reasoning-parser", metavar="NAME",
-                   help="how to split <think> text into reasoning_content (default: the model's own)")
-
-
-def _add_server_flags(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("server")
-    g.add_argument("--h", "--host", dest="host", action=_OneValue, default="127.0.0.1", metavar="HOST",
-                   help="address to listen on (default: 127.0.0.1; 0.0.0.0 for every interface)")
-    g.add_argument("--p", "--port", dest="port", action=_OneValue, type=_port, default=2000, metavar="PORT",
-                   help="port to listen on (default: 2000)")
-    g.add_argument("--max-queue", type=_non_negative_int, default=1024, metavar="N",
-                   help="requests waiting beyond the running ones before answering 429 (default: 1024)")
-    g.add_argument("--max-body-size", type=_size, default=16 << 20, metavar="SIZE",
-                   help="largest request body, e.g. 16M (default: 16M; larger → 413)")
-    g.add_argument("--shutdown-timeout", type=_seconds, default=30.0, metavar="S",
-                   help="seconds to let in-flight requests finish on SIGTERM/Ctrl-C (default: 30)")
-    g.add_argument("--startup-timeout", type=_seconds, metavar="S",
-                   help="seconds to wait for the model to load before giving up (default: no limit)")
-    g.add_argument("--log", "--log-level", dest="log_level", action=_OneValue, nargs="?", const="debug",
-                   type=str.lower, choices=LOG_LEVELS, default="info", metavar="LEVEL",
-                   help=f"{'|'.join(LOG_LEVELS)} (default: info; --log alone: debug)")
-
-
-def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine", "KV cache size precedence: --num-kv-blocks > --mem > --kv-fraction "
-                                            "> --gpu-memory-utilization")
-    g.add_argument("--backend", metavar="NAME", help="cpu, cuda, ... (default: the first available of cuda, metal, "
-                                                     "cpu)")
-    g.add_argument("--d", type=_device_ids, metavar="IDS", help="device ids, e.g. 0 or 0,1 (one per tensor-parallel "
-                                                                "rank; TP is not implemented yet)")
-    g.add_argument("--tensor-parallel-size", type=_positive_int, metavar="N", help="vLLM's spelling of the device "
-                                                                                   "count (default: 1)")
-    g.add_argument("--mem", type=_positive_int, metavar="MB", help="KV cache size in MiB")
-    g.add_argument("--kv-fraction", type=_fraction, metavar="F",
-                   help="KV cache size as a share of the memory free after loading the weights")
-    g.add_argument("--gpu-memory-utilization", type=_fraction, metavar="F",
-                   help="vLLM's: weights + KV cache use at most this share of the device's total memory")
-    g.add_argument("--num-kv-blocks", type=_positive_int, metavar="N", help="KV cache size in blocks")
-    g.add_argument("--block-size", type=_positive_int, default=16, metavar="N",
-                   help="tokens per KV block, a power of two (default: 16)")
-    g.add_argument("--max-num-seqs", type=_positive_int, metavar="N",
-                   help="sequences running at once (default: 16 on CPU, 256 on CUDA)")
-    g.add_argument("--max-num-batched-tokens", type=_positive_int, metavar="N",
-                   help="token budget of one step (default: the backend's; 2048 on CPU)")
-    g.add_argument("--max-model-len", type=_positive_int, metavar="N",
-                   help="longest prompt + output (default: the model's context, capped to the KV pool)")
-    g.add_argument("--prefill-chunk-size", type=_non_negative_int, default=0, metavar="N",
-                   help="most prompt tokens one sequence computes per step (default: 0 = the step budget)")
-    g.add_argument("--disable-prefix-cache", "--no-enable-prefix-caching", dest="disable_prefix_cache",
-                   action="store_true", help="do not reuse the KV cache of shared prompt prefixes")
-    g.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling (default: 0)")
-    g.add_argument("--fake-step-ms", type=float, metavar="MS",
-                   help="benchmarking only: load no model; each engine step takes MS milliseconds and yields "
-                        "fixed tokens (measures everything around the model)")
-
-
-def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("sampling defaults", "used when a request leaves the field out")
-    g.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (default: 1.0)")
-    g.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling mass (default: 1.0)")
-    g.add_argument("--top-k", type=int, metavar="K", help="keep the K most likely tokens (default: 0 = off)")
-    g.add_argument("--min-p", type=float, metavar="P", help="drop tokens below P × the top probability (default: 0)")
-    g.add_argument("--frequency-penalty", type=float, metavar="X", help="-2..2, over the output (default: 0)")
-    g.add_argument("--presence-penalty", type=float, metavar="X", help="-2..2, over the output (default: 0)")
-    g.add_argument("--repetition-penalty", "--penalty", dest="repetition_penalty", action=_OneValue, type=float,
-                   metavar="X", help="> 0, over prompt and output; 1 = off (default: 1.0)")
-
-
-def _add_security_flags(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("security")
-    g.add_argument("--api-key", metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
-                        "(default: $CVLLM_API_KEY, else none)")
-    g.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN",
-                   help="CORS origins allowed to call the API, e.g. http://localhost:3000 (default: none)")
-    g.add_argument("--allowed-methods", nargs="+", metavar="METHOD", help="CORS methods (default: *)")
-    g.add_argument("--allowed-headers", nargs="+", metavar="HEADER", help="CORS headers (default: *)")
-    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and auth headers")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cvserve", description=_DESCRIPTION, epilog=_EPILOG, allow_abbrev=False,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_model_flags(parser)
-    _add_server_flags(parser)
-    _add_engine_flags(parser)
-    _add_sampling_flags(parser)
-    _add_security_flags(parser)
-    return parser
-
-
-# -- flags → ServerArgs --------------------------------------------------------------------------
 
 
 def _engine_accepts(field_name: str) -> bool:
@@ -380,9 +169,9 @@ def server_args_from(ns: argparse.Namespace) -> ServerArgs:
         engine=engine, host=ns.host, port=ns.port,
         served_model_names=ns.served_model_name or implied_names,
         api_key=api_key or None, chat_template=ns.chat_template, max_queue=ns.max_queue,
-        max_body_bytes=ns.max_body_size, cors_allow_origins=_name_list(ns.allowed_origins, []),
-        cors_allow_credentials=ns.allow_credentials, cors_allow_methods=_name_list(ns.allowed_methods, ["*"]),
-        cors_allow_headers=_name_list(ns.allowed_headers, ["*"]), shutdown_timeout=ns.shutdown_timeout,
+        max_body_bytes=ns.max_body_size, cors_allow_origins=parse_name_list(ns.allowed_origins, []),
+        cors_allow_credentials=ns.allow_credentials, cors_allow_methods=parse_name_list(ns.allowed_methods, ["*"]),
+        cors_allow_headers=parse_name_list(ns.allowed_headers, ["*"]), shutdown_timeout=ns.shutdown_timeout,
         default_sampling=default_sampling, reasoning_parser=ns.reasoning_parser, log_level=ns.log_level,
         startup_timeout=ns.startup_timeout,
     )
