@@ -27,7 +27,9 @@ class LinearBase(nn.Module):
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.quant_method = quant_method or UnquantizedLinearMethod()
         self.quant_method.create_weights(self, input_size, output_size, torch.get_default_dtype())
-        self.weight.weight_loader = self.weight_loader
+        for param in self.parameters(recurse=False):  # a quantization method may bring its own loaders
+            if not hasattr(param, "weight_loader"):
+                param.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader

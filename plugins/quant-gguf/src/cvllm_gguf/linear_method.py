@@ -1,0 +1,110 @@
+"""A LinearMethod over raw GGUF blocks.
+
+The layer keeps the blocks exactly as the file stores them (``layer.qweight``: uint8
+[out_features, bytes_per_row], ``layer.qtype``), so a CUDA kernel that reads the blocks directly
+can take over later through this same interface, with no change to model code. On CPU,
+``process_weights_after_loading`` prepares a compute form once (DESIGN.md §6):
+
+- mode "fast": Q4_0/Q4_1 repacked into torch's int4-packed CPU layout for
+  ``aten._weight_int4pack_mm_for_cpu`` (group 32, bf16 activations); every other type (and a
+  Q4 layer whose out_features is not a multiple of 16, which the op cannot pack) dequantized
+  once to bf16 for ``F.linear``;
+- mode "exact": dequantized once to float32, ``F.linear`` in float32: for equality tests.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cvllm.layers.quantization import LinearMethod
+from cvllm_gguf.dequant import dequantize
+from cvllm_gguf.int4pack import INT4PACK_TYPES, int4pack_linear, pack_q4_for_int4mm, packable
+from cvllm_gguf.quant_types import FLOAT_DTYPES, FORMATS, resolve_qtype, row_bytes
+
+Mode = Literal["fast", "exact"]
+
+
+class GGUFLinearMethod(LinearMethod):
+    def __init__(self, qtype: int | str, mode: Mode = "fast"):
+        if mode not in ("fast", "exact"):
+            raise ValueError(f"GGUFLinearMethod mode must be 'fast' or 'exact', not {mode!r}")
+        self.qtype = resolve_qtype(qtype)
+        self.mode = mode
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
+        width = row_bytes(self.qtype, input_size)
+        qweight = nn.Parameter(torch.empty(output_size, width, dtype=torch.uint8), requires_grad=False)
+        qweight.weight_loader = partial(self.weight_loader, layer)
+        layer.qweight = qweight
+        layer.qtype = self.qtype
+        layer.gguf_shape = (output_size, input_size)  # logical [out, in] of this rank's weight
+        layer.gguf_compute = None  # set by process_weights_after_loading
+        # core's LinearBase attaches its loader to ``layer.weight``; this buffer gives it one to
+        # hold, and later carries the dequantized compute weight (empty on the int4pack path)
+        layer.register_buffer("weight", torch.empty(0, dtype=dtype), persistent=False)
+
+    def weight_loader(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
+        """Loads raw GGUF rows: uint8 [rows, bytes_per_row] (1-D bytes are split into rows; F32/F16/BF16
+        also come as plain float tensors). A fused layer's shards (gate/up, q/k/v) are blocks of
+        output rows, so the layer's own loader places them: it narrows byte rows exactly as it
+        narrows float rows, and a row-parallel split of the input lands on whole blocks."""
+        width = param.shape[1] * (getattr(layer, "tp_size", 1) if getattr(layer, "tp_dim", None) == 1 else 1)
+        loaded = self._as_rows(loaded, width)
+        layer_loader = getattr(layer, "weight_loader", None)
+        if layer_loader is None:
+            if loaded.shape != param.shape:
+                raise ValueError(f"checkpoint shape {tuple(loaded.shape)} != model shape {tuple(param.shape)}")
+            param.data.copy_(loaded)
+        elif shard_id is None:
+            layer_loader(param, loaded)
+        else:
+            layer_loader(param, loaded, shard_id)
+        layer.gguf_compute = None  # new bytes: the compute form must be prepared again
+
+    def _as_rows(self, loaded: torch.Tensor, width: int) -> torch.Tensor:
+        fmt = FORMATS[self.qtype]
+        if loaded.dtype != torch.uint8:
+            if FLOAT_DTYPES.get(self.qtype) != loaded.dtype:
+                raise ValueError(f"expected raw {self.qtype.name} bytes (uint8), got a {loaded.dtype} tensor")
+            loaded = loaded.contiguous().view(torch.uint8)
+        if loaded.dim() == 1 and loaded.numel() % width == 0:
+            loaded = loaded.view(-1, width)
+        if loaded.dim() != 2 or loaded.shape[1] != width:
+            got = loaded.shape[-1] if loaded.dim() else 0
+            elements = width // fmt.type_size * fmt.block_size
+            raise ValueError(f"{self.qtype.name} rows of {elements} elements are {width} bytes; the checkpoint "
+                             f"tensor has shape {tuple(loaded.shape)} ({got} bytes per row): another GGML type "
+                             f"or another row length")
+        return loaded
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        out_features, in_features = layer.gguf_shape
+        qweight = layer.qweight.data
+        if self.mode == "fast" and qweight.device.type == "cpu" and self.qtype in INT4PACK_TYPES \
+                and packable(out_features):
+            layer.int4_weight, layer.int4_scales_zeros = pack_q4_for_int4mm(qweight, self.qtype, in_features)
+            layer.weight = torch.empty(0, device=qweight.device)
+            layer.gguf_compute = "int4pack"
+            return
+        dtype = torch.float32 if self.mode == "exact" else torch.bfloat16
+        layer.weight = dequantize(qweight, self.qtype, (out_features, in_features)).to(dtype)
+        layer.gguf_compute = "fp32" if dtype == torch.float32 else "bf16"
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.gguf_compute is None:
+            self.process_weights_after_loading(layer)
+        if layer.gguf_compute == "int4pack":
+            out = int4pack_linear(x, layer.int4_weight, layer.int4_scales_zeros)
+            if bias is not None:
+                out = out + bias.to(out.dtype)
+            return out.to(x.dtype)
+        weight = layer.weight
+        out = F.linear(x.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype))
+        return out.to(x.dtype)
+

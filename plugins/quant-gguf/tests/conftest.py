@@ -1,0 +1,74 @@
+"""Random GGML blocks for the oracle tests (the gguf package's numpy code is the reference)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cvllm_gguf.quant_types import FLOAT_DTYPES, FORMATS, GGMLType
+
+# byte offsets of the f16 scale fields in each block type: random bytes there could be NaN/inf,
+# which the tests replace by random finite halves (the quant fields stay fully random)
+F16_FIELDS: dict[GGMLType, tuple[int, ...]] = {
+    GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,), GGMLType.Q5_1: (0, 2),
+    GGMLType.Q8_0: (0,), GGMLType.Q2_K: (80, 82), GGMLType.Q3_K: (108,), GGMLType.Q4_K: (0, 2),
+    GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,),
+}
+
+
+def finite_half_bits(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Uniformly random f16 bit patterns except inf/NaN (exponent 31): zeros, subnormals, huge values."""
+    bits = rng.integers(0, 1 << 16, size=n, dtype=np.uint16)
+    special = (bits & 0x7C00) == 0x7C00
+    bits[special] ^= 0x4000  # clear the exponent's top bit: now a finite number
+    return bits
+
+
+def random_raw(qtype: GGMLType, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Raw bytes [*shape[:-1], bytes_per_row] of random blocks with finite scales."""
+    fmt = FORMATS[qtype]
+    rows = int(np.prod(shape[:-1], dtype=np.int64))
+    n_blocks = rows * shape[-1] // fmt.block_size
+    blocks = rng.integers(0, 256, size=(n_blocks, fmt.type_size), dtype=np.uint8)
+    if qtype == GGMLType.F32:
+        blocks = rng.standard_normal(n_blocks).astype(np.float32).view(np.uint8).reshape(n_blocks, 4)
+    elif qtype in (GGMLType.F16, GGMLType.BF16):
+        half = finite_half_bits(rng, n_blocks) if qtype == GGMLType.F16 else \
+            (rng.standard_normal(n_blocks).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        blocks = half.view(np.uint8).reshape(n_blocks, 2)
+    for offset in F16_FIELDS.get(qtype, ()):
+        blocks[:, offset:offset + 2] = finite_half_bits(rng, n_blocks).view(np.uint8).reshape(n_blocks, 2)
+    return blocks.reshape(*shape[:-1], shape[-1] // fmt.block_size * fmt.type_size)
+
+
+@pytest.fixture
+def make_raw():
+    return random_raw
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def weight_rows(qtype: GGMLType, out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    """Raw rows [out, bytes_per_row] like a checkpoint's: random quants, scales of real size (~1e-3)."""
+    rng = np.random.default_rng(seed)
+    if qtype in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
+        w = torch.from_numpy(rng.standard_normal((out_features, in_features)).astype(np.float32) * 0.05)
+        return w.to(FLOAT_DTYPES[qtype]).view(torch.uint8)
+    raw = random_raw(qtype, (out_features, in_features), rng)
+    blocks = raw.reshape(-1, FORMATS[qtype].type_size)
+    for offset in F16_FIELDS[qtype]:
+        scales = rng.uniform(1e-4, 2e-3, size=blocks.shape[0]).astype(np.float16)
+        blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return torch.from_numpy(raw)
+
+
+@pytest.fixture
+def make_rows():
+    return weight_rows
