@@ -1,0 +1,132 @@
+"""Start the server: read the checkpoint's tokenizer here, start the engine core in its own process, and
+serve the app with hypercorn; stop gracefully on SIGTERM/SIGINT.
+
+The HTTP port opens before the model has loaded, so ``/health`` can answer 503 while it loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from hypercorn.asyncio import serve as hypercorn_serve
+from hypercorn.config import Config
+
+from cvllm.engine.core_client import EngineCoreClient, EngineStartupError
+from cvllm.server.app import build_app
+from cvllm.server.args import ServerArgs
+from cvllm.server.reasoning import reasoning_parser
+from cvllm.server.state import ServerState
+
+logger = logging.getLogger("cvllm.server")
+
+
+class StartupError(RuntimeError):
+    """The server cannot start (the model cannot be opened, a setting is wrong); the message says why."""
+
+
+def _bind(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _hypercorn_config(args: ServerArgs) -> Config:
+    config = Config()
+    config.bind = [_bind(args.host, args.port)]
+    config.graceful_timeout = args.shutdown_timeout
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")
+    config.keep_alive_timeout = 30
+    return config
+
+
+async def run_server(args: ServerArgs) -> None:
+    """Serve until SIGTERM/SIGINT; raises StartupError or EngineStartupError if it cannot start."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.reasoning_parser is not None:
+        try:
+            reasoning_parser(args.reasoning_parser)
+        except ValueError as e:
+            raise StartupError(str(e)) from None
+    try:
+        state = ServerState.open(args)
+    except (OSError, ValueError) as e:   # no such model, a malformed checkpoint, no tokenizer
+        raise StartupError(f"cannot open {args.engine.model}: {e}") from e
+    app = build_app(state)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        if signals == 1:
+            logger.info("shutting down: no new connections; waiting up to %g s for requests in flight",
+                        args.shutdown_timeout)
+            stop.set()
+        else:   # a second Ctrl-C: do not wait for the stragglers
+            logger.info("second signal: stopping now")
+            serving.cancel()
+
+    serving = asyncio.ensure_future(hypercorn_serve(app, _hypercorn_config(args), shutdown_trigger=stop.wait))
+    starting = asyncio.ensure_future(EngineCoreClient.start(args.engine, startup_timeout=args.startup_timeout))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        await asyncio.wait([serving, starting], return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():       # the server stopped (signal, or the port was taken) during loading
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            await _finish(serving)
+            return
+        try:
+            state.client = starting.result()
+        except EngineStartupError as e:
+            state.startup_error = f"The engine failed to start: {e}"
+            stop.set()
+            await _finish(serving)
+            raise
+        _log_ready(state, args)
+        await _finish(serving)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        if state.client is not None:
+            await state.client.shutdown()
+    logger.info("server stopped")
+
+
+async def _finish(serving: asyncio.Future) -> None:
+    try:
+        await serving
+    except asyncio.CancelledError:
+        pass
+
+
+def _log_ready(state: ServerState, args: ServerArgs) -> None:
+    info = state.client.info
+    names = ", ".join(state.model_names)
+    logger.info("serving %s (%s) on http://%s — backend %s, dtype %s, KV cache %d blocks × %d = %d tokens, "
+                "max_model_len %d, max_num_seqs %d%s", names, state.model_path, _bind(args.host, args.port),
+                info.backend, info.dtype, info.num_kv_blocks, info.block_size, info.num_kv_blocks * info.block_size,
+                info.max_model_len, info.max_num_seqs,
+                f", reasoning parser {state.reasoning_parser}" if state.reasoning_parser else "")
+
+
+def serve(args: ServerArgs) -> int:
+    """Run the server to the end; the process exit code (0 after a clean shutdown)."""
+    try:
+        asyncio.run(run_server(args))
+    except StartupError as e:
+        logger.error("%s", e)
+        return 1
+    except EngineStartupError as e:
+        logger.error("the engine failed to start: %s", e)
+        return 1
+    except OSError as e:   # the address is in use, or not ours to bind
+        logger.error("cannot serve on %s: %s", _bind(args.host, args.port), e)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0

@@ -1,0 +1,294 @@
+"""``POST /v1/chat/completions``: messages → chat template → token ids → the core → JSON or SSE."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from cvllm.chat_template import ChatTemplateError
+from cvllm.engine.core_client import RequestError
+from cvllm.server.errors import bad_request, from_msgspec
+from cvllm.server.lifecycle import SSEResponse, mid_stream_error, run_until_disconnect, start_request
+from cvllm.server.output import (
+    SSE_DONE,
+    ChoiceState,
+    ChoiceUpdate,
+    RequestTracker,
+    clamp_logprob,
+    sse,
+    token_text_and_bytes,
+    top_entries,
+)
+from cvllm.server.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessage,
+    ChatMessageParam,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    Tool,
+    TopLogprob,
+    UsageInfo,
+    encode,
+)
+from cvllm.server.state import ServerState, check_logprobs, engine_error, validate_sampling_fields
+
+logger = logging.getLogger("cvllm.server")
+
+# chat_template_kwargs may not override what the server passes itself
+_RESERVED_TEMPLATE_KWARGS = {"messages", "add_generation_prompt", "continue_final_message", "tools", "chat_template"}
+
+
+def message_dicts(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
+    """Request messages as the dicts a chat template reads (text parts joined with newlines)."""
+    if not messages:
+        raise bad_request("messages must not be empty", param="messages")
+    out = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"messages[{i}].content[{j}] has type '{part.type}': only text content "
+                                      f"parts are supported", param=f"messages[{i}].content[{j}].type")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        item: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
+                                "content": content if content is not None else ""}
+        if message.name is not None:
+            item["name"] = message.name
+        if message.tool_call_id is not None:
+            item["tool_call_id"] = message.tool_call_id
+        if message.reasoning_content is not None:
+            item["reasoning_content"] = message.reasoning_content
+        if message.tool_calls is not None:
+            item["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
+        out.append(item)
+    return out
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    # OpenAI sends arguments as a JSON string; templates expect the object (as vLLM gives them)
+    function = call.get("function")
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            function = {**function, "arguments": json.loads(function["arguments"])}
+        except json.JSONDecodeError:
+            pass
+        return {**call, "function": function}
+    return call
+
+
+def render_prompt(state: ServerState, messages: list[ChatMessageParam], *, add_generation_prompt: bool | None,
+                  continue_final_message: bool | None, tools: list[Tool] | None,
+                  chat_template_kwargs: dict[str, Any] | None) -> str:
+    dicts = message_dicts(messages)
+    continue_final = bool(continue_final_message)
+    if add_generation_prompt is None:
+        add_generation_prompt = not continue_final
+    if continue_final and add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                          param="continue_final_message")
+    if continue_final and dicts[-1]["role"] != "assistant":
+        raise bad_request("continue_final_message needs the last message to be the assistant's",
+                          param="continue_final_message")
+    kwargs = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
+    if state.chat_template is None:
+        raise bad_request("This model has no chat template; use /v1/completions or start the server with "
+                          "--chat-template")
+    try:
+        return state.tokenizer.apply_chat_template(
+            dicts, add_generation_prompt=add_generation_prompt, chat_template=state.chat_template,
+            continue_final_message=continue_final,
+            tools=msgspec.to_builtins(tools) if tools else None, **kwargs)
+    except ChatTemplateError as e:
+        raise bad_request(f"The chat template could not render these messages: {e}", param="messages") from None
+    except Exception as e:   # sandboxed code run on the client's input: its failure is the request's problem
+        logger.info("chat template failed: %r", e)
+        raise bad_request(f"The chat template could not render these messages: {type(e).__name__}: {e}",
+                          param="messages") from None
+
+
+def _thinking_kwargs(request: ChatCompletionRequest) -> dict[str, Any] | None:
+    """`thinking` / `enable_thinking` are shortcuts for chat_template_kwargs.enable_thinking."""
+    kwargs = dict(request.chat_template_kwargs or {})
+    flag = request.enable_thinking
+    if isinstance(request.thinking, bool):
+        flag = request.thinking
+    elif isinstance(request.thinking, dict) and request.thinking.get("type") in ("enabled", "disabled"):
+        flag = request.thinking["type"] == "enabled"
+    if flag is not None:
+        kwargs.setdefault("enable_thinking", flag)
+    return kwargs or None
+
+
+def _check_unsupported(request: ChatCompletionRequest) -> None:
+    if request.response_format is not None and request.response_format.type != "text":
+        raise bad_request(f"response_format '{request.response_format.type}' is not supported yet",
+                          param="response_format")
+    if request.tool_choice is not None and request.tool_choice not in ("none", "auto"):
+        raise bad_request("tool_choice 'required' or a named function is not supported yet", param="tool_choice")
+
+
+class _ChoiceText:
+    """Turns one choice's updates into content, reasoning and logprob entries (stream and non-stream alike)."""
+
+    def __init__(self, state: ChoiceState, parser, num_logprobs: int | None, tokenizer):
+        self.state, self.parser, self.num_logprobs, self.tokenizer = state, parser, num_logprobs, tokenizer
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.logprobs: list[ChatTokenLogprob] = []
+        self.pending_logprobs: list[ChatTokenLogprob] = []   # streaming: waiting for a chunk with text
+
+    def take(self, update: ChoiceUpdate) -> tuple[str, str]:
+        reasoning, content = "", update.text
+        if self.parser is not None:
+            reasoning, content = self.parser.feed(update.text)
+            if update.finish_reason is not None:
+                more_reasoning, more_content = self.parser.finish()
+                reasoning, content = reasoning + more_reasoning, content + more_content
+        self.content.append(content)
+        self.reasoning.append(reasoning)
+        if self.num_logprobs is not None:
+            entries = [self._logprob(t.token_id, t.logprobs) for t in update.tokens if t.logprobs is not None]
+            self.logprobs.extend(entries)
+            self.pending_logprobs.extend(entries)
+        return content, reasoning
+
+    def _logprob(self, token_id: int, logprobs) -> ChatTokenLogprob:
+        skip = self.state.params.skip_special_tokens
+        text, raw = token_text_and_bytes(self.tokenizer, token_id, skip)
+        top = []
+        for top_id, value in top_entries(logprobs, self.num_logprobs):
+            top_text, top_raw = token_text_and_bytes(self.tokenizer, top_id, False)
+            top.append(TopLogprob(token=top_text, logprob=value, bytes=list(top_raw)))
+        return ChatTokenLogprob(token=text, logprob=clamp_logprob(logprobs.logprob), bytes=list(raw),
+                                top_logprobs=top)
+
+    def take_pending_logprobs(self) -> ChatLogprobs | None:
+        if self.num_logprobs is None:
+            return None
+        entries, self.pending_logprobs = self.pending_logprobs, []
+        return ChatLogprobs(content=entries)
+
+    def message(self) -> ChatMessage:
+        content, reasoning = "".join(self.content), "".join(self.reasoning)
+        message = ChatMessage(content=content)
+        if self.parser is not None and reasoning:
+            message.reasoning_content = message.reasoning = reasoning
+            message.content = content or None
+        return message
+
+
+class ChatService:
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    async def __call__(self, http_request: Request, body: bytes) -> Response:
+        state = self.state
+        try:
+            request = msgspec.json.decode(body, type=ChatCompletionRequest)
+        except msgspec.DecodeError as e:
+            raise from_msgspec(e) from None
+        model = state.check_model(request.model)
+        state.engine()
+        validate_sampling_fields(request)
+        if request.max_completion_tokens is not None and request.max_completion_tokens < 1:
+            raise bad_request(f"max_completion_tokens must be >= 1, got {request.max_completion_tokens}",
+                              param="max_completion_tokens")
+        check_logprobs("top_logprobs", request.top_logprobs)
+        _check_unsupported(request)
+
+        prompt = render_prompt(state, request.messages, add_generation_prompt=request.add_generation_prompt,
+                               continue_final_message=request.continue_final_message, tools=request.tools,
+                               chat_template_kwargs=_thinking_kwargs(request))
+        prompt_ids = state.tokenizer.encode(prompt, add_special_tokens=False)  # the template wrote any BOS
+        if not prompt_ids:
+            raise bad_request("The messages render to an empty prompt", param="messages")
+        requested = request.max_completion_tokens if request.max_completion_tokens is not None \
+            else request.max_tokens
+        max_tokens = state.max_tokens(requested, len(prompt_ids), chat=True)
+        num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        params = state.sampling_params(request, max_tokens=max_tokens, logprobs=num_logprobs)
+        state.check_token_ids(params.stop_token_ids, "stop_token_ids")
+
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        tracker = start_request(state, request_id, prompt_ids, params)
+        texts = [_ChoiceText(choice, state.reasoning(prompt) if state.reasoning else None, num_logprobs,
+                             state.tokenizer) for choice in tracker.choices]
+        reply = _Reply(request_id, int(time.time()), model, tracker, texts)
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            return SSEResponse(reply.stream(include_usage), [tracker])
+        return await run_until_disconnect(http_request, reply.complete(), tracker)
+
+
+class _Reply:
+    def __init__(self, request_id: str, created: int, model: str, tracker: RequestTracker, texts: list[_ChoiceText]):
+        self.id, self.created, self.model = request_id, created, model
+        self.tracker, self.texts = tracker, texts
+
+    def usage(self) -> UsageInfo:
+        completion = sum(choice.num_tokens for choice in self.tracker.choices)
+        prompt = self.tracker.num_prompt_tokens
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    async def complete(self) -> Response:
+        try:
+            async for batch in self.tracker.updates():
+                for choice, update in batch:
+                    self.texts[choice.index].take(update)
+        except RequestError as e:
+            raise engine_error(e) from None
+        choices = [ChatChoice(index=t.state.index, message=t.message(),
+                              logprobs=ChatLogprobs(content=t.logprobs) if t.num_logprobs is not None else None,
+                              finish_reason=t.state.finish_reason) for t in self.texts]
+        body = ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                      usage=self.usage())
+        return Response(encode(body), media_type="application/json")
+
+    def _chunk(self, choices: list[ChatStreamChoice], **usage: UsageInfo) -> bytes:
+        return sse(encode(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices,
+                                              **usage)))
+
+    async def stream(self, include_usage: bool):
+        try:
+            for text in self.texts:
+                yield self._chunk([ChatStreamChoice(index=text.state.index,
+                                                    delta=ChatDelta(role="assistant", content=""))])
+            async for batch in self.tracker.updates():
+                for choice, update in batch:
+                    text = self.texts[choice.index]
+                    content, reasoning = text.take(update)
+                    if content or reasoning:
+                        delta = ChatDelta()
+                        if content:
+                            delta.content = content
+                        if reasoning:
+                            delta.reasoning_content = delta.reasoning = reasoning
+                        yield self._chunk([ChatStreamChoice(index=choice.index, delta=delta,
+                                                            logprobs=text.take_pending_logprobs())])
+                    if update.finish_reason is not None:
+                        leftover = text.take_pending_logprobs()
+                        yield self._chunk([ChatStreamChoice(
+                            index=choice.index, delta=ChatDelta(), finish_reason=update.finish_reason,
+                            logprobs=leftover if leftover is not None and leftover.content else None)])
+            if include_usage:
+                yield self._chunk([], usage=self.usage())
+        except Exception as e:  # mid-stream: the status line is gone, so the error travels as an event
+            yield sse(mid_stream_error(e, self.id).body())
+        finally:
+            self.tracker.close()
+        yield SSE_DONE

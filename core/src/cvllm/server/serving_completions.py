@@ -1,0 +1,254 @@
+"""``POST /v1/completions``: one or several prompts (text or token ids), each its own core request."""
+
+from __future__ import annotations
+
+import codecs
+import time
+import uuid
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from cvllm.engine.core_client import RequestError
+from cvllm.engine.messages import TokenLogprobs
+from cvllm.server.errors import bad_request, from_msgspec
+from cvllm.server.lifecycle import SSEResponse, mid_stream_error, run_until_disconnect, start_request
+from cvllm.server.output import (
+    SSE_DONE,
+    ChoiceState,
+    ChoiceUpdate,
+    RequestTracker,
+    clamp_logprob,
+    merged_updates,
+    sse,
+    token_text_and_bytes,
+    top_entries,
+)
+from cvllm.server.protocol import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    encode,
+)
+from cvllm.server.state import ServerState, check_logprobs, engine_error, validate_sampling_fields
+
+MAX_PROMPTS = 1024
+_PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def parse_prompts(state: ServerState, prompt: str | list[Any]) -> list[tuple[str | None, list[int]]]:
+    """(text, token ids) per prompt; text prompts use the tokenizer's own special-token setting (BOS)."""
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif prompt and all(_is_token_id(t) for t in prompt):
+        items = [prompt]
+    else:
+        items = prompt
+    if not items:
+        raise bad_request("prompt must not be empty", param="prompt")
+    if not (all(isinstance(item, str) for item in items) or all(isinstance(item, list) for item in items)):
+        raise bad_request(f"prompt must be {_PROMPT_SHAPES}", param="prompt")
+    if len(items) > MAX_PROMPTS:
+        raise bad_request(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            ids = state.tokenizer.encode(item)
+            text = item
+        elif isinstance(item, list) and all(_is_token_id(t) for t in item):
+            ids, text = list(item), None
+            state.check_token_ids(ids, "prompt")
+        else:
+            raise bad_request(f"prompt must be {_PROMPT_SHAPES}", param="prompt")
+        if not ids:
+            raise bad_request("prompt must not be empty", param="prompt")
+        out.append((text, ids))
+    return out
+
+
+class _ChoiceText:
+    """One choice's text and OpenAI legacy logprobs (tokens, token_logprobs, top_logprobs, text_offset)."""
+
+    def __init__(self, state: ChoiceState, prefix: str, num_logprobs: int | None, tokenizer):
+        self.state, self.num_logprobs, self.tokenizer = state, num_logprobs, tokenizer
+        self.prefix = prefix                    # the echoed prompt, or ""
+        self.pieces: list[str] = []
+        self.logprobs = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        self.sent = 0                           # logprob entries already streamed
+        self._offset = 0                        # characters before the next token
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="ignore")
+
+    def add_token(self, token_id: int, logprob: float | None, top: dict[str, float] | None,
+                  skip_special: bool) -> None:
+        text, raw = token_text_and_bytes(self.tokenizer, token_id, skip_special)
+        lp = self.logprobs
+        lp.tokens.append(text)
+        lp.token_logprobs.append(logprob)
+        lp.top_logprobs.append(top)
+        lp.text_offset.append(self._offset)
+        self._offset += len(self._utf8.decode(raw))
+
+    def add_prompt(self, prompt_ids: list[int], prompt_logprobs: list[TokenLogprobs | None] | None) -> None:
+        entries = prompt_logprobs or [None] * len(prompt_ids)
+        for token_id, entry in zip(prompt_ids, entries):
+            if entry is None:
+                self.add_token(token_id, None, None, False)
+            else:
+                self.add_token(token_id, clamp_logprob(entry.logprob), self._top(token_id, entry), False)
+
+    def _top(self, token_id: int, entry: TokenLogprobs) -> dict[str, float]:
+        top = {}
+        for top_id, value in top_entries(entry, self.num_logprobs or 0):
+            top[token_text_and_bytes(self.tokenizer, top_id, False)[0]] = value
+        # like vLLM, the chosen token is always among them
+        top.setdefault(token_text_and_bytes(self.tokenizer, token_id, False)[0], clamp_logprob(entry.logprob))
+        return top
+
+    def take(self, update: ChoiceUpdate) -> str:
+        self.pieces.append(update.text)
+        if self.num_logprobs is not None:
+            skip = self.state.params.skip_special_tokens
+            for token in update.tokens:
+                if token.logprobs is not None:
+                    self.add_token(token.token_id, clamp_logprob(token.logprobs.logprob),
+                                   self._top(token.token_id, token.logprobs), skip)
+        return update.text
+
+    def unsent_logprobs(self) -> CompletionLogprobs | None:
+        if self.num_logprobs is None:
+            return None
+        lp, start = self.logprobs, self.sent
+        self.sent = len(lp.tokens)
+        return CompletionLogprobs(tokens=lp.tokens[start:], token_logprobs=lp.token_logprobs[start:],
+                                  top_logprobs=lp.top_logprobs[start:], text_offset=lp.text_offset[start:])
+
+
+class CompletionService:
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    async def __call__(self, http_request: Request, body: bytes) -> Response:
+        state = self.state
+        try:
+            request = msgspec.json.decode(body, type=CompletionRequest)
+        except msgspec.DecodeError as e:
+            raise from_msgspec(e) from None
+        model = state.check_model(request.model)
+        state.engine()
+        validate_sampling_fields(request)
+        check_logprobs("logprobs", request.logprobs)
+        if request.suffix:
+            raise bad_request("suffix is not supported", param="suffix")
+        if request.best_of is not None and request.best_of != (request.n or 1):
+            raise bad_request("best_of other than n is not supported", param="best_of")
+        echo = bool(request.echo)
+        prompt_logprobs = request.logprobs if echo and request.logprobs is not None else None
+
+        prompts = parse_prompts(state, request.prompt)
+        params = []
+        for _, ids in prompts:
+            max_tokens = state.max_tokens(request.max_tokens, len(ids), chat=False)
+            params.append(state.sampling_params(request, max_tokens=max_tokens, logprobs=request.logprobs,
+                                                prompt_logprobs=prompt_logprobs))
+        state.check_token_ids(params[0].stop_token_ids, "stop_token_ids")
+        state.check_capacity(len(prompts))
+
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        n = params[0].n
+        trackers: list[RequestTracker] = []
+        try:
+            for i, ((_, ids), p) in enumerate(zip(prompts, params)):
+                trackers.append(start_request(state, f"{request_id}-{i}", ids, p, first_index=i * n))
+        except BaseException:
+            for tracker in trackers:
+                tracker.close()
+            raise
+        texts: list[_ChoiceText] = []
+        for (text, ids), tracker in zip(prompts, trackers):
+            prefix = "" if not echo else text if text is not None else state.tokenizer.decode(
+                ids, skip_special_tokens=False)
+            texts.extend(_ChoiceText(choice, prefix, request.logprobs, state.tokenizer) for choice in tracker.choices)
+        reply = _Reply(request_id, int(time.time()), model, trackers, texts, prompts if echo else None)
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            return SSEResponse(reply.stream(include_usage), trackers)
+        return await run_until_disconnect(http_request, reply.complete(), *trackers)
+
+
+class _Reply:
+    def __init__(self, request_id: str, created: int, model: str, trackers: list[RequestTracker],
+                 texts: list[_ChoiceText], echoed: list[tuple[str | None, list[int]]] | None):
+        self.id, self.created, self.model = request_id, created, model
+        self.trackers, self.texts, self.echoed = trackers, texts, echoed
+        self.prompt_done = [False] * len(trackers)
+
+    def usage(self) -> UsageInfo:
+        prompt = sum(t.num_prompt_tokens for t in self.trackers)
+        completion = sum(c.num_tokens for t in self.trackers for c in t.choices)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    def _echo_prompt(self, choice: ChoiceState) -> None:
+        """With echo + logprobs, the prompt's tokens lead the logprobs (they arrive with the first delta)."""
+        text = self.texts[choice.index]
+        if self.echoed is None or text.num_logprobs is None or text.logprobs.tokens:
+            return
+        prompt_index = choice.index // len(self.trackers[0].choices)
+        tracker = self.trackers[prompt_index]
+        text.add_prompt(self.echoed[prompt_index][1], tracker.prompt_logprobs)
+
+    async def complete(self) -> Response:
+        try:
+            async for batch in merged_updates(self.trackers):
+                for choice, update in batch:
+                    self._echo_prompt(choice)
+                    self.texts[choice.index].take(update)
+        except RequestError as e:
+            raise engine_error(e) from None
+        choices = [CompletionChoice(index=t.state.index, text=t.prefix + "".join(t.pieces),
+                                    logprobs=t.logprobs if t.num_logprobs is not None else None,
+                                    finish_reason=t.state.finish_reason) for t in self.texts]
+        body = CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                  usage=self.usage())
+        return Response(encode(body), media_type="application/json")
+
+    def _chunk(self, index: int, text: str, logprobs: CompletionLogprobs | None, finish_reason: str | None) -> bytes:
+        choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)
+        return sse(encode(CompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])))
+
+    async def stream(self, include_usage: bool):
+        try:
+            started: set[int] = set()
+            async for batch in merged_updates(self.trackers):
+                for choice, update in batch:
+                    text = self.texts[choice.index]
+                    if choice.index not in started:
+                        started.add(choice.index)
+                        self._echo_prompt(choice)
+                        piece = text.prefix + text.take(update)
+                    else:
+                        piece = text.take(update)
+                    if piece:
+                        yield self._chunk(choice.index, piece, text.unsent_logprobs(), None)
+                    if update.finish_reason is not None:
+                        leftover = text.unsent_logprobs()
+                        yield self._chunk(choice.index, "", leftover if leftover and leftover.tokens else None,
+                                          update.finish_reason)
+            if include_usage:
+                usage = CompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
+                                        usage=self.usage())
+                yield sse(encode(usage))
+        except Exception as e:  # mid-stream: the status line is gone, so the error travels as an event
+            yield sse(mid_stream_error(e, self.id).body())
+        finally:
+            for tracker in self.trackers:
+                tracker.close()
+        yield SSE_DONE

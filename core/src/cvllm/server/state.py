@@ -1,0 +1,219 @@
+"""What every endpoint shares: the tokenizer, the engine-core client, the served names, and the rules
+that turn request fields into ``SamplingParams`` (validation, defaults, context length, queue limit)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cvllm.sampling_params import SamplingParams
+from cvllm.server.args import ServerArgs
+from cvllm.server.errors import APIError, bad_request
+from cvllm.server.metrics import Metrics
+from cvllm.server.protocol import SamplingFields
+from cvllm.server.reasoning import ParserFactory, detect, reasoning_parser
+
+MAX_N = 128                  # choices per request: more is a mistake, or an attempt to exhaust the server
+MAX_LOGPROBS = 20
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+# request fields copied onto SamplingParams when the request sets them
+REQUEST_SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                         "repetition_penalty", "seed", "stop", "stop_token_ids", "min_tokens", "ignore_eos",
+                         "skip_special_tokens", "include_stop_str_in_output")
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's generation_config.json sampling defaults, as ``LLM.default_sampling_params``."""
+    defaults = {k: generation_config[k] for k in GENERATION_CONFIG_KEYS if generation_config.get(k) is not None}
+    if generation_config.get("do_sample") is False:
+        defaults["temperature"] = 0.0
+    return defaults
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template`` is a file path or the template text itself."""
+    if value is None:
+        return None
+    if "{" not in value and os.path.isfile(value):
+        return Path(value).read_text(encoding="utf-8")
+    return value
+
+
+@dataclass
+class ServerState:
+    args: ServerArgs
+    tokenizer: Any                        # cvllm.tokenizer.Tokenizer
+    model_path: str
+    model_names: list[str]
+    chat_template: str | None
+    generation_config: dict[str, Any] = field(default_factory=dict)
+    reasoning_parser: str | None = None
+    client: Any = None                    # EngineCoreClient once the core is ready
+    startup_error: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    metrics: Metrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = Metrics(self.model_names[0], self._stats_snapshot)
+        self.reasoning: ParserFactory | None = None
+        if self.reasoning_parser is not None:
+            self.reasoning = reasoning_parser(self.reasoning_parser)
+        self.sampling_defaults = {**generation_defaults(self.generation_config),
+                                  **{k: v for k, v in self.args.default_sampling.items() if v is not None}}
+
+    @classmethod
+    def open(cls, args: ServerArgs) -> ServerState:
+        """Read the checkpoint's config and tokenizer (no weights) for the API process."""
+        from cvllm import plugins
+
+        checkpoint = plugins.open_checkpoint(args.engine.model)
+        tokenizer = checkpoint.tokenizer
+        if tokenizer is None:
+            raise ValueError(f"{args.engine.model}: the checkpoint has no tokenizer, which the server needs")
+        template = load_chat_template(args.chat_template) or tokenizer.chat_template
+        names = list(args.served_model_names) or [Path(str(args.engine.model).rstrip("/")).name]
+        parser = args.reasoning_parser
+        if parser is None:
+            parser = detect(template, lambda: tokenizer.apply_chat_template(
+                [{"role": "user", "content": "hi"}], add_generation_prompt=True, chat_template=template))
+        return cls(args, tokenizer, str(args.engine.model), names, template, dict(checkpoint.generation_config),
+                   parser)
+
+    # -- readiness ---------------------------------------------------------------------------------
+
+    def _stats_snapshot(self):
+        if self.client is None:
+            return None
+        return self.client.stats, self.client.num_in_flight
+
+    @property
+    def ready(self) -> bool:
+        return self.client is not None and self.client.dead is None
+
+    def engine(self):
+        if self.client is None:
+            raise APIError(503, self.startup_error or "The model is still loading; try again shortly.")
+        if self.client.dead is not None:
+            raise APIError(503, f"The engine is not running: {self.client.dead}")
+        return self.client
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine().info.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine().info.vocab_size
+
+    def check_model(self, name: str | None) -> str:
+        if name is None or name in self.model_names:
+            return self.model_names[0] if name is None else name
+        raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    def check_capacity(self, new_requests: int) -> None:
+        client = self.engine()
+        limit = client.info.max_num_seqs + self.args.max_queue
+        if client.num_in_flight + new_requests > limit:
+            raise APIError(429, f"The server is at capacity ({limit} requests running or queued); retry later.",
+                           headers={"Retry-After": "1"})
+
+    # -- sampling ----------------------------------------------------------------------------------
+
+    def max_tokens(self, requested: int | None, num_prompt_tokens: int, *, chat: bool) -> int:
+        """The completion budget: the request's, else the server default, else the rest of the context
+        (chat) or 16 (completions); a budget that does not fit the context is a 400."""
+        limit = self.max_model_len
+        room = limit - num_prompt_tokens
+        if requested is None:
+            requested = self.sampling_defaults.get("max_tokens")
+            if requested is not None:
+                requested = min(requested, room)
+        if requested is None:
+            requested = room if chat else min(16, room)
+        if requested < 1 or num_prompt_tokens + requested > limit:
+            wanted = max(requested, 1)
+            # the prompt alone leaves no room: the prompt is what to shorten, not max_tokens
+            param = ("messages" if chat else "prompt") if num_prompt_tokens >= limit else "max_tokens"
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens + wanted} tokens ({num_prompt_tokens} in the messages, {wanted} in the "
+                f"completion).", param=param)
+        return requested
+
+    def sampling_params(self, request: SamplingFields, *, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        values = {k: v for k, v in self.sampling_defaults.items() if k in SAMPLING_FIELDS}
+        for key in REQUEST_SAMPLING_KEYS:
+            value = getattr(request, key)
+            if value is not None:
+                values[key] = value
+        values["max_tokens"] = max_tokens
+        values["logprobs"] = logprobs
+        if prompt_logprobs is not None:
+            values["prompt_logprobs"] = prompt_logprobs
+        try:
+            return SamplingParams(**values)
+        except (TypeError, ValueError) as e:
+            message = str(e)
+            raise bad_request(message, param=message.split(" ", 1)[0]) from None
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.vocab_size
+        for token_id in ids:
+            if not 0 <= token_id < vocab:
+                raise bad_request(f"token id {token_id} is outside the vocabulary [0, {vocab})", param=param)
+
+
+def validate_sampling_fields(request: SamplingFields) -> None:
+    """Range checks of the fields both endpoints share, each naming its parameter."""
+    def check(name: str, value: float | None, ok: bool, rule: str) -> None:
+        if value is not None and not ok:
+            raise bad_request(f"{name} must be {rule}, got {value!r}", param=name)
+
+    def finite(value: float | None) -> bool:
+        return value is not None and math.isfinite(value)
+
+    r = request
+    check("temperature", r.temperature, finite(r.temperature) and r.temperature >= 0, ">= 0")
+    check("top_p", r.top_p, finite(r.top_p) and 0 < r.top_p <= 1, "in (0, 1]")
+    check("n", r.n, r.n is not None and 1 <= r.n <= MAX_N, f"between 1 and {MAX_N}")
+    check("max_tokens", r.max_tokens, r.max_tokens is not None and r.max_tokens >= 1, ">= 1")
+    check("presence_penalty", r.presence_penalty, finite(r.presence_penalty) and -2 <= r.presence_penalty <= 2,
+          "in [-2, 2]")
+    check("frequency_penalty", r.frequency_penalty,
+          finite(r.frequency_penalty) and -2 <= r.frequency_penalty <= 2, "in [-2, 2]")
+    check("top_k", r.top_k, r.top_k is not None and r.top_k >= -1, ">= -1 (0 or -1 disables it)")
+    check("min_p", r.min_p, finite(r.min_p) and 0 <= r.min_p <= 1, "in [0, 1]")
+    check("repetition_penalty", r.repetition_penalty,
+          finite(r.repetition_penalty) and r.repetition_penalty > 0, "> 0")
+    check("min_tokens", r.min_tokens, r.min_tokens is not None and r.min_tokens >= 0, ">= 0")
+    if r.stop is not None:
+        stops = [r.stop] if isinstance(r.stop, str) else r.stop
+        if any(s == "" for s in stops):
+            raise bad_request("stop must not contain an empty string", param="stop")
+    if r.stop_token_ids is not None and any(t < 0 for t in r.stop_token_ids):
+        raise bad_request("stop_token_ids must be >= 0", param="stop_token_ids")
+    if r.logit_bias:
+        raise bad_request("logit_bias is not supported yet", param="logit_bias")
+
+
+def check_logprobs(name: str, value: int | None) -> None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise bad_request(f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}", param=name)
+
+
+def engine_error(error: Exception) -> APIError:
+    """A failure reported by the engine core, as the HTTP error it means for this request."""
+    from cvllm.engine.core_client import EngineDeadError
+
+    if isinstance(error, EngineDeadError):
+        return APIError(503, f"The engine is not running: {error}")
+    if getattr(error, "invalid_request", False):
+        return bad_request(str(error))
+    return APIError(500, f"The engine failed this request: {error}")
