@@ -3,10 +3,13 @@
     python bench/serving_cpu.py                         # SmolLM2-135M shape, 16 and 64 streams
     python bench/serving_cpu.py --tiny                  # a seconds-long rehearsal
     python bench/serving_cpu.py --json out.json
+    python bench/serving_cpu.py --fake-step-ms 20 --concurrency 256   # the HTTP stack alone
 
 Starts ``cvserve`` on the checkpoint, runs ``cvllm bench`` against it at each concurrency, and runs
 the same number of equal requests through the offline ``LLM`` (all at once, same engine limits).
-Prints both output-token rates and their ratio: what the server costs on top of the engine.
+Prints both output-token rates and their ratio: what the server costs on top of the engine. With
+``--fake-step-ms`` both sides run the engine without a model (each step a fixed-cost stub), so the
+ratio isolates the API process, IPC, detokenization and HTTP at loads the CPU model could not produce.
 """
 
 from __future__ import annotations
@@ -61,9 +64,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: Path, port: int, dtype: str, max_num_seqs: int, log: Path) -> subprocess.Popen:
+def start_server(model: Path, port: int, dtype: str, max_num_seqs: int, log: Path,
+                 fake_step_ms: float | None = None) -> subprocess.Popen:
     command = [sys.executable, "-m", "cvllm.server.cli", "--w", str(model), "--p", str(port), "--dtype", dtype,
                "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", "4096", "--log", "warning"]
+    if fake_step_ms is not None:
+        command += ["--fake-step-ms", str(fake_step_ms)]
     server = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -95,6 +101,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="16,64")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--fake-step-ms", type=float, help="no model: each engine step takes this long")
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args()
     shape = "tiny" if args.tiny else args.shape
@@ -105,13 +112,14 @@ def main() -> None:
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]
         write_tokenizer(path, vocab)
 
-        llm = LLM(str(path), dtype=args.dtype, max_num_seqs=max(levels), max_num_batched_tokens=4096)
+        llm = LLM(str(path), dtype=args.dtype, max_num_seqs=max(levels), max_num_batched_tokens=4096,
+                  fake_step_ms=args.fake_step_ms)
         offline_tok_s(llm, 2, 16, 4, vocab)  # warm-up
         offline = {c: offline_tok_s(llm, c, input_len, output_len, vocab) for c in levels}
         del llm
 
         port = free_port()
-        server = start_server(path, port, args.dtype, max(levels), Path(tmp) / "cvserve.log")
+        server = start_server(path, port, args.dtype, max(levels), Path(tmp) / "cvserve.log", args.fake_step_ms)
         try:
             options = BenchOptions(url=f"http://127.0.0.1:{port}/v1", input_len=input_len, output_len=output_len)
             # One round of `concurrency` requests per level, as offline: the same work.
@@ -130,6 +138,7 @@ def main() -> None:
                   "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                   "cpu": platform.processor() or platform.machine(), "command": " ".join(sys.argv),
                   "commit": commit, "input_len": input_len, "output_len": output_len,
+                  "fake_step_ms": args.fake_step_ms,
                   "offline_tok_s": offline, "serving": serving}
         Path(args.json).write_text(json.dumps(report, indent=2))
 

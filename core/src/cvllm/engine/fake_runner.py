@@ -19,8 +19,10 @@ class FakeModelRunner:
         self.step_seconds = step_seconds
         self.num_blocks = 0
         self.vocab_size = vocab_size
-        # cycle through ordinary tokens so detokenization does real work; never an EOS id
-        self.token_cycle = torch.tensor([t for t in range(100, min(vocab_size, 1100)) if t not in avoid_ids]
+        # cycle through ordinary tokens so detokenization does real work; never an EOS id. The upper half
+        # of a BPE vocabulary holds merged, whole-character pieces (low ids can be lone UTF-8 bytes).
+        first = vocab_size // 2
+        self.token_cycle = torch.tensor([t for t in range(first, min(vocab_size, first + 1000)) if t not in avoid_ids]
                                         or [vocab_size - 1])
         self._logits = torch.zeros(0, vocab_size)
         self._step = 0
