@@ -12,7 +12,7 @@ import pytest
 
 from cvllm.engine.config import EngineConfig
 from cvllm.hookspecs import hookimpl
-from cvllm.plugins import get_plugin_manager
+from cvllm.plugins import get_plugin_manager, reset_plugins
 from cvllm.server import cli
 from cvllm.server.cli import MIB, CliError, build_server_args, main
 
@@ -167,6 +167,9 @@ class _Quantizers:
 
 
 def test_isq_needs_a_quantizer_plugin(model_dir, monkeypatch):
+    # only the llama plugin: an installed cvllm-gguf would register the real "gguf" quantizer
+    monkeypatch.setenv("CVLLM_PLUGINS", "llama")
+    reset_plugins()
     w = ["--w", str(model_dir), "--isq", "q4k"]
     with pytest.raises(CliError, match="in-situ quantization needs the cvllm-gguf plugin"):
         build_server_args(w)
@@ -184,6 +187,8 @@ def test_isq_needs_a_quantizer_plugin(model_dir, monkeypatch):
         assert build_server_args(w).engine.isq == "q4k"
     finally:
         get_plugin_manager().unregister(plugin)
+        monkeypatch.delenv("CVLLM_PLUGINS")
+        reset_plugins()
 
 
 def test_sampling_defaults(model_dir):

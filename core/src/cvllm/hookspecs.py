@@ -46,7 +46,11 @@ def register_quantizers(register):
     Register quantization methods keyed by the checkpoint's ``quant_method`` (from
     ``quantization_config`` in config.json) or by file format name::
 
-        register("gptq", "cvllm_marlin.gptq:GptqQuantizer")
+        register("gguf", "cvllm_gguf.checkpoint:gguf_linear_methods")
+
+    The target is called as ``target(checkpoint, dtype)`` on a model built on the meta device and
+    returns a ``LinearMethodFactory`` (``cvllm.layers.quantization``): ``factory(layer_name,
+    source_names)`` gives each linear layer its ``LinearMethod``, or None to leave it unquantized.
     """
 
 
@@ -66,9 +70,10 @@ def register_gguf_architectures(register):
 
     Register, per GGUF ``general.architecture`` name, the adapter that maps its metadata to a
     Hugging Face config and its tensors to the model's parameter names (q/k un-permute, tied
-    embeddings), so GGUF support for a model family ships with that family's plugin::
+    embeddings), so GGUF support for a model family ships with that family's plugin. The target is a
+    ``cvllm.gguf_adapter.GGUFArchitecture``::
 
-        register("llama", "cvllm_llama.gguf:LlamaGgufAdapter")
+        register("llama", "cvllm_llama.gguf_adapter:LLAMA")
     """
 
 

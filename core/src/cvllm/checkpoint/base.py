@@ -25,8 +25,10 @@ class Checkpoint:
     weight_iterator: Callable[[], Iterator[tuple[str, torch.Tensor]]]
     tokenizer: Any = None  # cvllm.tokenizer.Tokenizer, or None when the checkpoint has none
     generation_config: dict[str, Any] = field(default_factory=dict)
-    quant_method: str | None = None
+    quant_method: str | None = None  # the quantizer registered under this name attaches the linear methods
     format: str = "hf"
+    # what that quantizer needs to know about the file (quantization_config, per-tensor GGML types ...)
+    quant_config: Any = None
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.weight_iterator()

@@ -16,6 +16,7 @@ from cvllm.checkpoint.base import Checkpoint, CheckpointError
 from cvllm.engine.scheduler import ScheduledBatch
 from cvllm.forward_context import ForwardContext, forward_context
 from cvllm.layers.attention import Attention
+from cvllm.layers.quantization import attach_linear_methods
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +51,23 @@ def materialize(model: nn.Module, device: torch.device) -> None:
             setattr(module, name, param)
 
 
+def attach_quantization(model: nn.Module, checkpoint: Checkpoint, dtype: torch.dtype) -> None:
+    """A quantized checkpoint's linear layers get the methods of the quantizer registered under its
+    ``quant_method``: ``factory = quantizer(checkpoint, dtype)``, then ``factory(layer, sources)`` per layer."""
+    if checkpoint.quant_method is None:
+        return
+    make_factory = plugins.quantizers().get(checkpoint.quant_method)
+    changed = attach_linear_methods(model, make_factory(checkpoint, dtype))
+    logger.info("%s quantization: %d linear layers", checkpoint.quant_method, changed)
+
+
 def build_model(checkpoint: Checkpoint, backend, dtype: torch.dtype) -> nn.Module:
-    """gpt-fast's order: build on the meta device, materialise on the backend, load by name."""
+    """gpt-fast's order: build on the meta device, attach quantization methods, materialise on the
+    backend, load by name."""
     model_class = plugins.architectures().get(checkpoint.architecture)
     with torch.device("meta"), _default_dtype(dtype):
         model = model_class(checkpoint.config)
+        attach_quantization(model, checkpoint, dtype)
     materialize(model, backend.device)
     expected = {name for name, _ in model.named_parameters()}
     started = time.perf_counter()

@@ -25,16 +25,29 @@ class LinearBase(nn.Module):
         super().__init__()
         self.input_size, self.output_size, self.tp_dim = input_size, output_size, tp_dim
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
-        self.quant_method = quant_method or UnquantizedLinearMethod()
-        self.quant_method.create_weights(self, input_size, output_size, torch.get_default_dtype())
-        for param in self.parameters(recurse=False):  # a quantization method may bring its own loaders
-            if not hasattr(param, "weight_loader"):
-                param.weight_loader = self.weight_loader
+        self.params_dtype = torch.get_default_dtype()
+        self._create_weights(quant_method or UnquantizedLinearMethod())
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+
+    def _create_weights(self, method: LinearMethod) -> None:
+        self.quant_method = method
+        method.create_weights(self, self.input_size, self.output_size, self.params_dtype)
+        for param in self.parameters(recurse=False):  # a quantization method may bring its own loaders
+            if not hasattr(param, "weight_loader"):
+                param.weight_loader = self.weight_loader
+
+    def set_quant_method(self, method: LinearMethod) -> None:
+        """Store and apply the weight another way. Meant for a model built on the meta device, before
+        it is materialised (see ``attach_linear_methods``): the old weight is dropped, the bias kept."""
+        for name in [n for n in self._parameters if n != "bias"]:
+            delattr(self, name)
+        for name in list(self._buffers):
+            delattr(self, name)
+        self._create_weights(method)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if self.tp_dim is not None and param.dim() > self.tp_dim and self.tp_size > 1:

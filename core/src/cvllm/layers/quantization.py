@@ -3,9 +3,15 @@
 vLLM's interface: a ``LinearMethod`` creates the layer's parameters, may repack them after
 loading, and applies the matmul. Quantizer plugins (GGUF, Marlin) provide their own methods;
 model code never changes.
+
+Methods are attached to a built model (gpt-fast's order): the model is built on the meta device
+with unquantized layers, then ``attach_linear_methods`` swaps each linear layer's method before
+anything is materialised, so model files hold no quantization plumbing.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,3 +35,34 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)
+
+
+# (layer name, the checkpoint module names whose rows it holds) -> a method, or None to stay unquantized.
+# A plain layer has one source (its own name); a fused one several ("...qkv_proj" holds the rows of
+# "...q_proj", "...k_proj" and "...v_proj"), so a quantizer can check they agree.
+LinearMethodFactory = Callable[[str, Sequence[str]], "LinearMethod | None"]
+
+
+def fused_sources(packed_modules_mapping: dict[str, tuple[str, object]]) -> dict[str, list[str]]:
+    """``{"q_proj": ("qkv_proj", "q"), ...}`` inverted: fused module -> its checkpoint modules, in order."""
+    sources: dict[str, list[str]] = {}
+    for source, (fused, _shard) in packed_modules_mapping.items():
+        sources.setdefault(fused, []).append(source)
+    return sources
+
+
+def attach_linear_methods(model: nn.Module, factory: LinearMethodFactory) -> int:
+    """Give every linear layer of a (meta-device) model the method ``factory`` picks; returns how many
+    layers changed. Linear layers are the modules with ``set_quant_method``."""
+    fused = fused_sources(getattr(model, "packed_modules_mapping", None) or {})
+    changed = 0
+    for name, module in model.named_modules():
+        if not hasattr(module, "set_quant_method"):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        prefix = f"{parent}." if parent else ""
+        method = factory(name, [prefix + source for source in fused.get(leaf, [leaf])])
+        if method is not None:
+            module.set_quant_method(method)
+            changed += 1
+    return changed

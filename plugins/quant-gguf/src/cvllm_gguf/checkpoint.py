@@ -1,0 +1,171 @@
+"""A GGUF file (or split set) as a cvllm ``Checkpoint``, and the "gguf" quantizer that runs it.
+
+Opening reads only the header and metadata: the HF config comes from the model plugin's
+``GGUFArchitecture``, tensor names from gguf's ``TensorNameMap``. Loading then goes:
+
+1. ``build_model`` asks the "gguf" quantizer (``gguf_linear_methods``) for each linear layer's
+   method: a ``GGUFLinearMethod`` of the layer's GGML type, or None for float weights. The
+   quantizer notes which checkpoint modules became quantized.
+2. The weight iterator yields those modules' weights as raw blocks, ``<module>.qweight`` (uint8
+   rows, q/k rows un-permuted as bytes), and every other tensor (embeddings, norms, an untied LM
+   head, float linears) dequantized to float32 under its HF name.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cvllm import plugins
+from cvllm.checkpoint.base import Checkpoint, CheckpointError
+from cvllm.config import ConfigError, model_config_from_dict
+from cvllm.layers.quantization import LinearMethod, LinearMethodFactory
+from cvllm_gguf.adapters import expand_blocks, hf_config, tensor_names, unpermute_rows
+from cvllm_gguf.dequant import dequantize
+from cvllm_gguf.linear_method import GGUFLinearMethod
+from cvllm_gguf.quant_types import FLOAT_DTYPES, GGMLType
+from cvllm_gguf.reader import GGUFFile, TensorInfo, open_gguf_files
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class GGUFWeight:
+    file: GGUFFile
+    info: TensorInfo
+    hf_name: str  # "model.layers.0.self_attn.q_proj.weight"
+    permute_heads: int | None  # llama.cpp permuted these rows in this many heads
+
+
+@dataclass(slots=True)
+class GGUFQuantConfig:
+    path: Path
+    weight_types: dict[str, GGMLType]  # HF module name -> GGML type of its ".weight"
+    quantized_modules: set[str] = field(default_factory=set)  # filled by the linear-method factory
+
+
+def open_gguf_checkpoint(path: str | Path) -> Checkpoint:
+    path = Path(path)
+    files = open_gguf_files(path)
+    meta = files[0]
+    arch_name = meta.value("general.architecture")
+    if not isinstance(arch_name, str):
+        raise CheckpointError(f"{path}: no general.architecture in the GGUF metadata")
+    registry = plugins.gguf_architectures()
+    if arch_name not in registry:
+        declared = ", ".join(registry.names()) or "none"
+        raise CheckpointError(f"{path}: GGUF architecture '{arch_name}' is not declared by any installed model "
+                              f"plugin (declared: {declared})")
+    adapter = registry.get(arch_name)
+    located = {t.name: (file, t) for file in files for t in file.tensors}
+
+    def read_float(name: str) -> torch.Tensor:
+        file, info = located[name]
+        return dequantize(file.raw(info), info.qtype, info.shape, name)
+
+    try:
+        raw_config = hf_config(arch_name, adapter, meta.value, set(located),
+                               meta.array_length("tokenizer.ggml.tokens"), read_float)
+        config = model_config_from_dict(raw_config, source=str(path))
+    except (ValueError, ConfigError) as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    _check_embedding_rows(path, located, config.vocab_size)
+    weights = _plan_weights(path, arch_name, adapter, located, config)
+    quant = GGUFQuantConfig(path, {w.hf_name.removesuffix(".weight"): w.info.qtype
+                                   for w in weights if w.hf_name.endswith(".weight")})
+    tokenizer, stop_ids = _tokenizer(meta)
+    return Checkpoint(
+        path=path,
+        config=config,
+        weight_iterator=partial(iterate_weights, weights, quant),
+        tokenizer=tokenizer,
+        generation_config={"eos_token_id": sorted(stop_ids)} if stop_ids else {},
+        quant_method="gguf",
+        format="gguf",
+        quant_config=quant,
+    )
+
+
+def _check_embedding_rows(path: Path, located: dict[str, tuple[GGUFFile, TensorInfo]], vocab_size: int) -> None:
+    embedding = located.get("token_embd.weight")
+    if embedding is not None and embedding[1].shape[0] != vocab_size:
+        raise CheckpointError(f"{path}: token_embd.weight has {embedding[1].shape[0]} rows but the vocabulary "
+                              f"has {vocab_size} tokens")
+
+
+def _plan_weights(path: Path, arch_name: str, adapter: Any, located: dict[str, tuple[GGUFFile, TensorInfo]],
+                  config: Any) -> list[GGUFWeight]:
+    """Each GGUF tensor's HF name and whether its rows need un-permuting; unknown tensors are skipped."""
+    names = tensor_names(arch_name, adapter, config.num_hidden_layers)
+    ignored = set(expand_blocks(adapter.ignored_tensors, config.num_hidden_layers))
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    weights, skipped = [], []
+    for name, (file, info) in located.items():
+        base, _, suffix = name.rpartition(".")
+        if base in ignored:
+            continue
+        if base not in names:
+            skipped.append(name)
+            continue
+        permute = heads.get(base.rpartition(".")[2]) if adapter.permute_qk else None
+        weights.append(GGUFWeight(file, info, f"{names[base]}.{suffix}", permute))
+    if skipped:
+        logger.warning("%s: %d GGUF tensors have no %s name and are not loaded: %s", path, len(skipped),
+                       adapter.hf_architecture, ", ".join(skipped[:8]) + (" ..." if len(skipped) > 8 else ""))
+    return weights
+
+
+def iterate_weights(weights: list[GGUFWeight], quant: GGUFQuantConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    for weight in weights:
+        info = weight.info
+        raw = weight.file.raw(info)  # [rows, bytes_per_row]
+        if weight.permute_heads is not None:
+            rows = raw.view(info.shape[0], -1)  # a 1-D bias: one row per element
+            try:
+                raw = unpermute_rows(rows, weight.permute_heads).view(raw.shape)
+            except ValueError as e:
+                raise CheckpointError(f"{weight.file.path}: tensor '{info.name}': {e}") from None
+        module, _, suffix = weight.hf_name.rpartition(".")
+        if suffix == "weight" and module in quant.quantized_modules:
+            yield f"{module}.qweight", raw
+        else:
+            yield weight.hf_name, dequantize(raw, info.qtype, info.shape, info.name)
+
+
+def gguf_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMethodFactory:
+    """The "gguf" quantizer: each linear layer gets a ``GGUFLinearMethod`` of its weights' GGML type
+    ("exact" float32 compute when the engine runs in float32, else "fast"); float weights stay unquantized."""
+    quant: GGUFQuantConfig = checkpoint.quant_config
+    mode = "exact" if dtype == torch.float32 else "fast"
+
+    def method_for(layer: str, sources: Sequence[str]) -> LinearMethod | None:
+        types = {source: quant.weight_types[source] for source in sources if source in quant.weight_types}
+        if not types or all(t in FLOAT_DTYPES for t in types.values()):
+            return None
+        if len(set(types.values())) > 1:
+            listed = ", ".join(f"{source.rpartition('.')[2]} {t.name}" for source, t in types.items())
+            raise CheckpointError(f"{quant.path}: layer '{layer}' fuses weights of different GGML types "
+                                  f"({listed}); one fused layer cannot hold mixed types yet")
+        quant.quantized_modules.update(types)
+        return GGUFLinearMethod(next(iter(types.values())), mode)
+
+    return method_for
+
+
+def _tokenizer(meta: GGUFFile) -> tuple[Any, set[int]]:
+    """The tokenizer rebuilt from metadata and llama.cpp's end-of-generation ids; none for a weights-only file."""
+    if meta.value("tokenizer.ggml.model") is None:
+        return None, set()
+    from cvllm_gguf import tokenizer as gguf_tokenizer
+
+    fields = gguf_tokenizer.read_gguf_fields(meta.reader, "tokenizer.")
+    try:
+        return gguf_tokenizer.tokenizer_from_gguf(fields), set(gguf_tokenizer.stop_token_ids(fields))
+    except CheckpointError as e:
+        raise CheckpointError(f"{meta.path}: {e}") from None

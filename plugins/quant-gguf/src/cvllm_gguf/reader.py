@@ -1,0 +1,266 @@
+"""Opening GGUF files safely: every length in the header is checked against the file before use.
+
+The ``gguf`` package's ``GGUFReader`` reads the file, but it trusts the header: a truncated or
+corrupt file can send it through a loop of 2**60 empty reads (an array length past the end of the
+file) or fail with an IndexError that names nothing. So ``scan_header`` walks the header first,
+with bounds checks, and only a file that passes is handed to ``GGUFReader``. Each problem is a
+``CheckpointError`` naming the file and what is wrong; nothing is allocated from a size the file
+cannot back.
+"""
+
+from __future__ import annotations
+
+import mmap
+import re
+import struct
+from dataclasses import dataclass
+from math import prod
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from cvllm.checkpoint.base import CheckpointError
+from cvllm_gguf.quant_types import FORMATS, GGMLType, UnsupportedQuantType, resolve_qtype
+
+MAGIC = b"GGUF"
+VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_ARRAY_LENGTH = 1 << 24  # far above any real vocabulary; a longer array is corruption
+MAX_ARRAY_NESTING = 2
+# GGUFValueType ids: scalar sizes in bytes, then string and array
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
+_MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, a one-byte value
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # name length, n_dims, one dim, type, offset
+
+SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    name: str
+    qtype: GGMLType
+    dims: tuple[int, ...]  # GGUF order: dims[0] (ne0) is the innermost, contiguous one
+    offset: int  # absolute byte offset of the data in its file
+    nbytes: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The PyTorch / Hugging Face shape: GGUF's dims reversed, e.g. [out_features, in_features]."""
+        return tuple(reversed(self.dims))
+
+    @property
+    def row_bytes(self) -> int:
+        fmt = FORMATS[self.qtype]
+        return self.dims[0] // fmt.block_size * fmt.type_size
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    version: int
+    kv_count: int
+    alignment: int
+    data_start: int
+    tensors: tuple[TensorInfo, ...]
+
+
+class _Cursor:
+    """Reads little-endian values from the mapped file, refusing to step past its end."""
+
+    def __init__(self, buf: mmap.mmap | bytes, path: Path):
+        self.buf, self.path, self.pos, self.size = buf, path, 0, len(buf)
+
+    def error(self, what: str) -> CheckpointError:
+        return CheckpointError(f"{self.path}: {what}")
+
+    def take(self, n: int, what: str) -> int:
+        if n > self.size - self.pos:
+            raise self.error(f"truncated GGUF file: {what} at byte {self.pos} needs {n} bytes, "
+                             f"but the file ends at byte {self.size}")
+        start = self.pos
+        self.pos += n
+        return start
+
+    def remaining(self) -> int:
+        return self.size - self.pos
+
+    def u32(self, what: str) -> int:
+        return struct.unpack_from("<I", self.buf, self.take(4, what))[0]
+
+    def u64(self, what: str) -> int:
+        return struct.unpack_from("<Q", self.buf, self.take(8, what))[0]
+
+    def string(self, what: str) -> str:
+        length = self.u64(f"length of {what}")
+        start = self.take(length, what)
+        try:
+            return bytes(self.buf[start:start + length]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.error(f"{what} at byte {start} is not UTF-8 text") from None
+
+    def skip_value(self, vtype: int, key: str, depth: int = 0) -> None:
+        if vtype in _SCALAR_BYTES:
+            self.take(_SCALAR_BYTES[vtype], f"value of '{key}'")
+        elif vtype == _STRING:
+            self.take(self.u64(f"length of '{key}'"), f"value of '{key}'")
+        elif vtype == _ARRAY and depth < MAX_ARRAY_NESTING:
+            item_type = self.u32(f"item type of '{key}'")
+            count = self.u64(f"length of '{key}'")
+            smallest = _SCALAR_BYTES.get(item_type, 8)  # a string or nested array takes at least 8 bytes
+            if count > MAX_ARRAY_LENGTH or count * smallest > self.remaining():
+                raise self.error(f"metadata array '{key}' claims {count} items, more than the file can hold")
+            if item_type in _SCALAR_BYTES:
+                self.take(count * smallest, f"value of '{key}'")
+                return
+            for _ in range(count):
+                self.skip_value(item_type, key, depth + 1)
+        else:
+            raise self.error(f"metadata '{key}' has unknown value type {vtype}")
+
+
+def scan_header(path: Path, buf: mmap.mmap | bytes) -> Header:
+    cur = _Cursor(buf, path)
+    if cur.size < 4 or bytes(buf[:4]) != MAGIC:
+        found = bytes(buf[:4])
+        raise cur.error(f"not a GGUF file (magic {found!r}, expected {MAGIC!r})")
+    cur.take(4, "magic")
+    version = cur.u32("version")
+    if version not in VERSIONS:
+        endian = " (a big-endian file?)" if version & 0xFFFF == 0 else ""
+        raise cur.error(f"GGUF version {version}{endian} is not supported (cvllm reads versions 2 and 3)")
+    n_tensors, n_kv = cur.u64("tensor count"), cur.u64("metadata count")
+    if n_kv * _MIN_KV_BYTES > cur.remaining():
+        raise cur.error(f"header claims {n_kv} metadata entries, more than the file can hold")
+    if n_tensors * _MIN_TENSOR_INFO_BYTES > cur.remaining():
+        raise cur.error(f"header claims {n_tensors} tensors, more than the file can hold")
+    alignment = DEFAULT_ALIGNMENT
+    for i in range(n_kv):
+        key = cur.string(f"key of metadata entry {i}")
+        vtype = cur.u32(f"value type of '{key}'")
+        if key == "general.alignment":
+            if vtype != _UINT32:
+                raise cur.error(f"general.alignment has value type {vtype}, expected uint32")
+            alignment = cur.u32("general.alignment")
+            if alignment == 0 or alignment & (alignment - 1):
+                raise cur.error(f"general.alignment {alignment} is not a power of two")
+        else:
+            cur.skip_value(vtype, key)
+    infos = [_tensor_info(cur, i) for i in range(n_tensors)]
+    data_start = -(-cur.pos // alignment) * alignment
+    tensors = tuple(_checked_tensor(cur, info, data_start, alignment) for info in infos)
+    names = [t.name for t in tensors]
+    if len(set(names)) != len(names):
+        duplicate = next(n for n in names if names.count(n) > 1)
+        raise cur.error(f"tensor '{duplicate}' appears twice")
+    return Header(version, n_kv, alignment, data_start, tensors)
+
+
+def _tensor_info(cur: _Cursor, index: int) -> tuple[str, tuple[int, ...], int, int]:
+    name = cur.string(f"name of tensor {index}")
+    n_dims = cur.u32(f"dimension count of tensor '{name}'")
+    if not 1 <= n_dims <= MAX_DIMS:
+        raise cur.error(f"tensor '{name}' has {n_dims} dimensions (GGUF allows 1 to {MAX_DIMS})")
+    dims = tuple(cur.u64(f"dimensions of tensor '{name}'") for _ in range(n_dims))
+    raw_type = cur.u32(f"type of tensor '{name}'")
+    offset = cur.u64(f"data offset of tensor '{name}'")
+    return name, dims, raw_type, offset
+
+
+def _checked_tensor(cur: _Cursor, info: tuple[str, tuple[int, ...], int, int], data_start: int,
+                    alignment: int) -> TensorInfo:
+    name, dims, raw_type, offset = info
+    try:
+        qtype = resolve_qtype(raw_type, name)
+    except UnsupportedQuantType as e:
+        raise cur.error(str(e)) from None
+    fmt = FORMATS[qtype]
+    if dims[0] % fmt.block_size:
+        raise cur.error(f"tensor '{name}': rows of {dims[0]} elements do not split into {qtype.name} "
+                        f"blocks of {fmt.block_size}")
+    nbytes = prod(dims) // fmt.block_size * fmt.type_size  # Python ints: no overflow
+    if nbytes > cur.size:
+        raise cur.error(f"tensor '{name}' of dimensions {list(dims)} ({qtype.name}) needs {nbytes} bytes, more "
+                        f"than the whole file of {cur.size} bytes: absurd dimensions, or a truncated file")
+    if offset % alignment:
+        raise cur.error(f"tensor '{name}' data offset {offset} is not a multiple of the alignment {alignment}")
+    start = data_start + offset
+    if start + nbytes > cur.size:
+        raise cur.error(f"tensor '{name}' ({nbytes} bytes at byte {start}) runs past the end of the file "
+                        f"({cur.size} bytes): truncated?")
+    return TensorInfo(name, qtype, dims, start, nbytes)
+
+
+class GGUFFile:
+    """One validated GGUF file: metadata through ``gguf.GGUFReader``, tensors as raw bytes."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                size = f.seek(0, 2)
+                if size < 8:
+                    raise CheckpointError(f"{self.path}: truncated GGUF file ({size} bytes)")
+                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                    self.header = scan_header(self.path, buf)
+        except OSError as e:
+            raise CheckpointError(f"{self.path}: cannot read ({e})") from None
+        try:
+            from gguf import GGUFReader
+
+            self.reader = GGUFReader(self.path)
+        except Exception as e:  # the scan passed, so this is something it does not check
+            raise CheckpointError(f"{self.path}: cannot read GGUF file ({type(e).__name__}: {e})") from None
+        self.tensors = self.header.tensors
+
+    def value(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        if field is None:
+            return default
+        try:
+            return field.contents()
+        except Exception as e:
+            raise CheckpointError(f"{self.path}: cannot read metadata '{key}' ({e})") from None
+
+    def array_length(self, key: str) -> int | None:
+        field = self.reader.fields.get(key)
+        return None if field is None else len(field.data)
+
+    def raw(self, tensor: TensorInfo) -> torch.Tensor:
+        """The tensor's bytes, copied out of the mapping: uint8 [rows, bytes_per_row]."""
+        data = np.array(self.reader.data[tensor.offset:tensor.offset + tensor.nbytes], dtype=np.uint8)
+        return torch.from_numpy(data).view(-1, tensor.row_bytes)
+
+
+def split_parts(path: Path) -> list[Path]:
+    """All files of a split set, given its first (``name-00001-of-00003.gguf``); else just ``path``."""
+    match = SPLIT_NAME.match(path.name)
+    if match is None:
+        return [path]
+    number, count = int(match["no"]), int(match["count"])
+    width = len(match["count"])
+    if number != 1:
+        first = f"{match['stem']}-{1:0{width}d}-of-{match['count']}.gguf"
+        raise CheckpointError(f"{path}: part {number} of a split GGUF set; open the first part, {first}")
+    parts = [path.with_name(f"{match['stem']}-{i:0{width}d}-of-{match['count']}.gguf") for i in range(1, count + 1)]
+    missing = [p.name for p in parts if not p.exists()]
+    if missing:
+        raise CheckpointError(f"{path}: split GGUF set of {count} files is missing {', '.join(missing)}")
+    return parts
+
+
+def open_gguf_files(path: str | Path) -> list[GGUFFile]:
+    """The file (or every file of its split set), validated; metadata lives in the first."""
+    files = [GGUFFile(part) for part in split_parts(Path(path))]
+    seen: dict[str, Path] = {}
+    for file in files:
+        for tensor in file.tensors:
+            if tensor.name in seen:
+                raise CheckpointError(f"{file.path}: tensor '{tensor.name}' is also in {seen[tensor.name].name}")
+            seen[tensor.name] = file.path
+    declared = files[0].value("split.tensors.count")
+    if declared is not None and declared != len(seen):
+        raise CheckpointError(f"{path}: the split set declares {declared} tensors but its files hold {len(seen)}")
+    return files

@@ -1,0 +1,258 @@
+"""A tiny llama written the way llama.cpp's converter writes it, loaded through the plugin hooks.
+
+The oracle is an independent picture of the same model: the test keeps each tensor's blocks in
+Hugging Face row order, writes them to the GGUF under llama.cpp's names (q/k rows permuted with
+convert_hf_to_gguf's ``LlamaModel.permute``), and writes their float values (the gguf package's
+dequantizer) into a Hugging Face directory. Loaded in float32, the two checkpoints must hold
+bit-equal weights and generate the same tokens with the same log-probabilities.
+"""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from cvllm import LLM, plugins
+from cvllm.checkpoint.base import CheckpointError
+from cvllm.layers.rotary import _base_inv_freq, _llama3_inv_freq
+from cvllm.sampling_params import SamplingParams
+from cvllm_gguf.quant_types import GGMLType
+
+HIDDEN, INTER, HEADS, KV_HEADS, LAYERS, VOCAB = 64, 256, 4, 2, 2, 96
+HEAD_DIM = HIDDEN // HEADS
+LAYER_TENSORS = {  # HF module -> llama.cpp name (written out here, independently of gguf's TensorNameMap)
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+# a mix like real files: Q8_0 embedding (SmolLM2's), legacy and K-quant linears, float norms
+TYPES = {"embed_tokens": GGMLType.Q8_0, "lm_head": GGMLType.Q5_0, "q_proj": GGMLType.Q4_1,
+         "k_proj": GGMLType.Q4_1, "v_proj": GGMLType.Q4_1, "o_proj": GGMLType.Q8_0, "gate_proj": GGMLType.Q5_1,
+         "up_proj": GGMLType.Q5_1, "down_proj": GGMLType.Q4_K}
+
+
+def llamacpp_permute(rows: torch.Tensor, n_head: int) -> torch.Tensor:
+    """convert_hf_to_gguf's LlamaModel.permute, applied to rows (of bytes or floats)."""
+    return rows.reshape(n_head, 2, rows.shape[0] // n_head // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def shapes(tied: bool) -> dict[str, tuple[int, int]]:
+    out = {"model.embed_tokens": (VOCAB, HIDDEN), "model.norm": (HIDDEN,)}
+    if not tied:
+        out["lm_head"] = (VOCAB, HIDDEN)
+    per_layer = {"input_layernorm": (HIDDEN,), "post_attention_layernorm": (HIDDEN,),
+                 "self_attn.q_proj": (HEADS * HEAD_DIM, HIDDEN), "self_attn.k_proj": (KV_HEADS * HEAD_DIM, HIDDEN),
+                 "self_attn.v_proj": (KV_HEADS * HEAD_DIM, HIDDEN), "self_attn.o_proj": (HIDDEN, HEADS * HEAD_DIM),
+                 "mlp.gate_proj": (INTER, HIDDEN), "mlp.up_proj": (INTER, HIDDEN), "mlp.down_proj": (HIDDEN, INTER)}
+    for i in range(LAYERS):
+        out.update({f"model.layers.{i}.{name}": shape for name, shape in per_layer.items()})
+    return out
+
+
+def gguf_name(module: str) -> str:
+    fixed = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    if module in fixed:
+        return fixed[module]
+    _, _, index, rest = module.split(".", 3)
+    return f"blk.{index}.{LAYER_TENSORS[rest]}"
+
+
+def write_tiny_llama(tmp_path, make_rows, *, tied=False, types=None, float_linears=(), extra=None):
+    """Returns (gguf path, HF directory, {module: raw HF-order bytes}) for the same weights."""
+    types = {**TYPES, **(types or {})}
+    path, hf_dir = tmp_path / "tiny.gguf", tmp_path / "hf"
+    hf_dir.mkdir()
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(INTER)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(HEAD_DIM)
+    writer.add_vocab_size(VOCAB)
+    for key, value in (extra or {}).items():
+        value(writer) if callable(value) else writer.add_string(key, value)
+    floats, raw_rows = {}, {}
+    rng = torch.Generator().manual_seed(0)
+    for seed, (module, shape) in enumerate(shapes(tied).items()):
+        leaf = module.rpartition(".")[2]
+        if len(shape) == 1:  # norms: F32 around 1
+            value = 1 + 0.1 * torch.randn(shape, generator=rng)
+            writer.add_tensor(f"{gguf_name(module)}.weight", value.numpy())
+            floats[f"{module}.weight"] = value
+            continue
+        qtype = GGMLType.F16 if leaf in float_linears else types[leaf]
+        rows = make_rows(qtype, *shape, seed=seed)  # HF row order
+        raw_rows[module] = rows
+        floats[f"{module}.weight"] = torch.from_numpy(
+            gguf.quants.dequantize(rows.numpy(), gguf.GGMLQuantizationType(int(qtype))).astype(np.float32))
+        heads = {"q_proj": HEADS, "k_proj": KV_HEADS}.get(leaf)
+        stored = llamacpp_permute(rows, heads) if heads else rows
+        writer.add_tensor(f"{gguf_name(module)}.weight", stored.numpy(),
+                          raw_dtype=gguf.GGMLQuantizationType(int(qtype)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": HIDDEN, "intermediate_size": INTER,
+              "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
+              "vocab_size": VOCAB, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+              "tie_word_embeddings": tied, "torch_dtype": "float32"}
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in floats.items()}, str(hf_dir / "model.safetensors"))
+    return path, hf_dir, raw_rows
+
+
+def effective_weights(llm: LLM) -> dict[str, torch.Tensor]:
+    """What each module multiplies by: parameters and the exact path's dequantized ``weight`` buffers."""
+    model = llm.llm_engine.runner.model
+    out = {name: t for name, t in model.named_parameters() if not name.endswith("qweight")}
+    out.update({name: t for name, t in model.named_buffers() if name.endswith(".weight")})
+    return out
+
+
+def generate(llm: LLM, prompts: list[list[int]]):
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
+    return [out.outputs[0] for out in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+PROMPTS = [[5, 17, 33, 2], [90, 1, 44, 44, 3, 8, 61, 12, 70, 9, 11, 4, 85, 30, 31, 32, 33, 50], [7]]
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_gguf_loads_like_the_same_weights_in_a_hf_directory(tmp_path, make_rows, tied):
+    path, hf_dir, raw_rows = write_tiny_llama(tmp_path, make_rows, tied=tied)
+    checkpoint = plugins.open_checkpoint(path)
+    assert checkpoint.format == "gguf" and checkpoint.quant_method == "gguf"
+    cfg = checkpoint.config
+    assert (cfg.architectures, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == \
+        (["LlamaForCausalLM"], HIDDEN, INTER, LAYERS)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size) == \
+        (HEADS, KV_HEADS, HEAD_DIM, VOCAB)
+    assert cfg.rope_parameters == {"rope_type": "default", "rope_theta": 10000.0}
+    assert cfg.tie_word_embeddings is tied and cfg.max_position_embeddings == 256
+    assert checkpoint.tokenizer is None  # a weights-only file
+
+    ours = LLM(model=str(path), dtype="float32", num_kv_blocks=32)
+    reference = LLM(model=str(hf_dir), dtype="float32", num_kv_blocks=32)
+    model = ours.llm_engine.runner.model
+    qkv = model.model.layers[1].self_attn.qkv_proj
+    assert (qkv.qtype, qkv.gguf_compute, qkv.quant_method.mode) == (GGMLType.Q4_1, "fp32", "exact")
+    # the un-permuted q/k rows are the HF-order bytes, exactly
+    q_rows, kv_rows = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    assert torch.equal(qkv.qweight[:q_rows], raw_rows["model.layers.1.self_attn.q_proj"])
+    assert torch.equal(qkv.qweight[q_rows:q_rows + kv_rows], raw_rows["model.layers.1.self_attn.k_proj"])
+    assert model.model.layers[0].mlp.down_proj.qtype == GGMLType.Q4_K
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) is tied
+
+    ours_weights, reference_weights = effective_weights(ours), effective_weights(reference)
+    assert sorted(ours_weights) == sorted(reference_weights)
+    for name, value in reference_weights.items():
+        assert torch.equal(ours_weights[name], value), name
+
+    for mine, theirs in zip(generate(ours, PROMPTS), generate(reference, PROMPTS)):
+        assert mine.token_ids == theirs.token_ids
+        got = [entry[t].logprob for entry, t in zip(mine.logprobs, mine.token_ids)]
+        want = [entry[t].logprob for entry, t in zip(theirs.logprobs, theirs.token_ids)]
+        assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_bf16_engine_uses_the_fast_path(tmp_path, make_rows):
+    path, hf_dir, _ = write_tiny_llama(tmp_path, make_rows)
+    llm = LLM(model=str(path), dtype="bfloat16", num_kv_blocks=32)
+    layer = llm.llm_engine.runner.model.model.layers[0]
+    assert (layer.self_attn.qkv_proj.gguf_compute, layer.self_attn.qkv_proj.quant_method.mode) == ("int4pack", "fast")
+    assert layer.mlp.gate_up_proj.gguf_compute == "bf16"
+    assert llm.llm_engine.runner.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    reference = LLM(model=str(hf_dir), dtype="float32", num_kv_blocks=32)
+    mine, theirs = generate(llm, PROMPTS[:1]), generate(reference, PROMPTS[:1])
+    assert mine[0].token_ids[:3] == theirs[0].token_ids[:3]
+
+
+def test_float_linears_stay_unquantized(tmp_path, make_rows):
+    path, hf_dir, _ = write_tiny_llama(tmp_path, make_rows, float_linears=("gate_proj", "up_proj"))
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=32)
+    mlp = llm.llm_engine.runner.model.model.layers[0].mlp
+    assert not hasattr(mlp.gate_up_proj, "qweight") and hasattr(mlp.down_proj, "qweight")
+    reference = effective_weights(LLM(model=str(hf_dir), dtype="float32", num_kv_blocks=32))
+    for name, value in effective_weights(llm).items():
+        assert torch.equal(value, reference[name]), name
+
+
+def test_fused_layer_of_mixed_types_is_a_clear_error(tmp_path, make_rows):
+    path, _, _ = write_tiny_llama(tmp_path, make_rows, types={"v_proj": GGMLType.Q8_0})
+    with pytest.raises(CheckpointError, match=r"layer 'model\.layers\.0\.self_attn\.qkv_proj' fuses weights of "
+                                              r"different GGML types \(q_proj Q4_1, k_proj Q4_1, v_proj Q8_0\)"):
+        LLM(model=str(path), dtype="float32", num_kv_blocks=32)
+
+
+def test_rope_scaling_from_metadata(tmp_path, make_rows):
+    path, _, _ = write_tiny_llama(tmp_path, make_rows, extra={
+        "type": lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR),
+        "factor": lambda w: w.add_rope_scaling_factor(4.0)})
+    assert plugins.open_checkpoint(path).config.rope_parameters == \
+        {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+
+
+def test_llama3_rope_rebuilt_from_rope_freqs(tmp_path, make_rows):
+    """llama.cpp keeps Llama 3.1's rope scaling only as per-dimension factors: inv_freq / llama3 inv_freq."""
+    params = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    factors = (_base_inv_freq(10000.0, HEAD_DIM) / _llama3_inv_freq(params, HEAD_DIM)).numpy()
+    assert factors.min() == pytest.approx(1) and factors.max() == pytest.approx(8) and len(set(factors)) > 2
+    def add_factors(writer: gguf.GGUFWriter) -> None:
+        writer.add_tensor("rope_freqs.weight", factors)
+
+    path, _, _ = write_tiny_llama(tmp_path, make_rows, extra={"rope_freqs": add_factors})
+    assert plugins.open_checkpoint(path).config.rope_parameters == pytest.approx(params)
+
+    factors[1] *= 1.5  # not llama3's curve
+    other = tmp_path / "other"
+    other.mkdir()
+    path, _, _ = write_tiny_llama(other, make_rows, extra={"rope_freqs": add_factors})
+    with pytest.raises(CheckpointError, match="rope_freqs tensor is not a llama3 rope scaling"):
+        plugins.open_checkpoint(path)
+
+
+def test_split_set_loads_like_one_file(tmp_path, make_rows):
+    path, _, _ = write_tiny_llama(tmp_path, make_rows)
+    reader = gguf.GGUFReader(path)
+    writer = gguf.GGUFWriter(tmp_path / "split.gguf", "llama", split_max_tensors=7)
+    for field in reader.fields.values():
+        if not field.name.startswith(("GGUF.", "general.architecture")):
+            writer.add_key_value(field.name, field.contents(), field.types[0],
+                                 sub_type=field.types[-1] if len(field.types) > 1 else None)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    parts = sorted(tmp_path.glob("split-*-of-*.gguf"))
+    assert len(parts) == 3  # 21 tensors, 7 per file
+    whole, split = plugins.open_checkpoint(path), plugins.open_checkpoint(parts[0])
+    assert whole.config == split.config
+    pairs = list(zip(whole.weights(), split.weights(), strict=True))
+    assert all(a[0] == b[0] and torch.equal(a[1], b[1]) for a, b in pairs)
+
+
+def test_unknown_architecture(tmp_path):
+    path = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(path, "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match=r"GGUF architecture 'gpt2' is not declared by any installed model "
+                                              r"plugin \(declared: llama\)"):
+        plugins.open_checkpoint(path)

