@@ -249,3 +249,15 @@ def test_bfloat16_logits_are_accepted():
     out = Sampler()(logits, [make_row(SamplingParams(temperature=0.0, logprobs=0))])
     assert out.token_ids.tolist() == [1]
     assert out.logprobs.dtype == torch.float32
+
+
+def test_logit_bias_is_added_per_row_before_greedy():
+    from cvllm.engine.sampler import apply_logit_bias
+
+    logits = torch.zeros(3, 6)
+    params = [SamplingParams(logit_bias={1: 2.5, 4: -1.0}), SamplingParams(), SamplingParams(logit_bias={0: 7.0})]
+    out = apply_logit_bias(logits, params)
+    expected = torch.zeros(3, 6)
+    expected[0, 1], expected[0, 4], expected[2, 0] = 2.5, -1.0, 7.0
+    assert torch.equal(out, expected) and torch.equal(logits, torch.zeros(3, 6))  # input untouched
+    assert apply_logit_bias(logits, [SamplingParams()] * 3) is logits

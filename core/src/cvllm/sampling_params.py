@@ -33,6 +33,7 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id → added to its logit (OpenAI: within [-100, 100])
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)
@@ -58,6 +59,12 @@ class SamplingParams:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
         if not self.repetition_penalty > 0.0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if self.logit_bias is not None:
+            for token_id, bias in self.logit_bias.items():
+                if not _is_int(token_id) or token_id < 0:
+                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {token_id!r}")
+                if not -100.0 <= bias <= 100.0:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token_id}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

@@ -169,3 +169,17 @@ def test_prompt_logprobs_through_chunks_and_prefix_cache(model_dir):
         assert entry[ids[pos]].logprob == pytest.approx(expected[pos - 1, ids[pos]].item(), abs=1e-4)
         top = torch.topk(expected[pos - 1], 3).indices.tolist()
         assert [t for t, lp in entry.items() if lp.rank is not None] == top
+
+
+def test_logit_bias_steers_greedy_decoding(llm):
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0].token_ids
+    forced = 77 if 77 not in free else 78
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                              logit_bias={forced: 100.0}))[0].outputs[0].token_ids
+    assert out == [forced] * 6
+    banned = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                 logit_bias={free[0]: -100.0}))[0].outputs[0].token_ids
+    assert banned[0] != free[0]
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={3: 500.0})

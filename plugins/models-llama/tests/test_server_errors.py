@@ -73,7 +73,9 @@ CASES = [
     ("min-tokens-above-max", chat(min_tokens=5, max_tokens=2), 400, "min_tokens"),
     ("empty-stop", chat(stop=["ok", ""]), 400, "stop"),
     ("stop-token-out-of-vocab", chat(stop_token_ids=[10**6]), 400, "stop_token_ids"),
-    ("logit-bias", chat(logit_bias={"5": 10}), 400, "logit_bias"),
+    ("logit-bias-key", chat(logit_bias={"five": 10}), 400, "logit_bias"),
+    ("logit-bias-range", chat(logit_bias={"5": 101}), 400, "logit_bias"),
+    ("logit-bias-vocab", chat(logit_bias={"100000": 1}), 400, "logit_bias"),
     ("image-part", chat(messages=[{"role": "user", "content": [
         {"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]),
      400, "messages[0].content[1].type"),

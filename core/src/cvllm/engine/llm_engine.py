@@ -118,6 +118,8 @@ class LLMEngine:
         vocab = self.checkpoint.config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > vocab:
                 raise ValueError(f"{name} must be at most the vocabulary size {vocab}")

@@ -49,6 +49,7 @@ class Sampler:
         asked = [p.logprobs for p in params if p.logprobs is not None]
         raw_logprobs = logits.log_softmax(dim=-1) if asked else None
 
+        logits = apply_logit_bias(logits, params)
         logits = apply_min_tokens(logits, rows)
         if any(p.needs_penalties for p in params):
             logits = apply_penalties(logits, rows)
@@ -80,6 +81,23 @@ def _sample_or_argmax(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> torch
         return sampled_ids
     greedy = torch.tensor([p.greedy for p in params], device=logits.device)
     return torch.where(greedy, greedy_ids, sampled_ids)
+
+
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Add each row's logit_bias (OpenAI's: before everything else, greedy included)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            rows.extend([i] * len(p.logit_bias))
+            cols.extend(p.logit_bias.keys())
+            values.extend(p.logit_bias.values())
+    if not rows:
+        return logits
+    device = logits.device
+    index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+    return logits.index_put(index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> torch.Tensor:

@@ -153,6 +153,9 @@ class ServerState:
             value = getattr(request, key)
             if value is not None:
                 values[key] = value
+        if request.logit_bias:
+            values["logit_bias"] = {int(k): float(v) for k, v in request.logit_bias.items()}
+            self.check_token_ids(list(values["logit_bias"]), "logit_bias")
         values["max_tokens"] = max_tokens
         values["logprobs"] = logprobs
         if prompt_logprobs is not None:
@@ -200,7 +203,10 @@ def validate_sampling_fields(request: SamplingFields) -> None:
     if r.stop_token_ids is not None and any(t < 0 for t in r.stop_token_ids):
         raise bad_request("stop_token_ids must be >= 0", param="stop_token_ids")
     if r.logit_bias:
-        raise bad_request("logit_bias is not supported yet", param="logit_bias")
+        for key, value in r.logit_bias.items():
+            if not key.lstrip("-").isdigit():
+                raise bad_request(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+            check("logit_bias", value, finite(value) and -100 <= value <= 100, "within [-100, 100]")
 
 
 def check_logprobs(name: str, value: int | None) -> None:
