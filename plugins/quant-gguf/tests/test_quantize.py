@@ -70,12 +70,6 @@ def test_float_types_are_plain_bytes():
     assert torch.equal(quantize(x, "BF16").view(torch.bfloat16), x.bfloat16())
 
 
-@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
-def test_k_quants_are_not_implemented_yet(qtype):
-    with pytest.raises(NotImplementedError, match=qtype):
-        quantize(torch.randn(2, 256), qtype)
-
-
 def test_rows_must_hold_whole_blocks():
     with pytest.raises(ValueError, match="Q8_0: rows must be a multiple of 32"):
         quantize(torch.randn(2, 48), "Q8_0")

@@ -24,6 +24,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     fake_step_ms: float | None = None           # no model: each step takes this long (measures the stack around it)
+    isq: str | None = None                      # in-situ quantization of an unquantized checkpoint ("q4k", "q8_0" ...)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

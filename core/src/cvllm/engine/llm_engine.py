@@ -50,7 +50,7 @@ class LLMEngine:
             self.runner = FakeModelRunner(self.checkpoint.config.vocab_size, config.block_size,
                                           config.fake_step_ms / 1000, self.checkpoint.eos_token_ids())
         else:
-            model = build_model(self.checkpoint, self.backend, self.dtype)
+            model = build_model(self.checkpoint, self.backend, self.dtype, isq=config.isq)
             self.runner = ModelRunner(model, self.backend, config.block_size, self.dtype)
 
         model_config = self.checkpoint.config

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -51,9 +52,20 @@ def materialize(model: nn.Module, device: torch.device) -> None:
             setattr(module, name, param)
 
 
-def attach_quantization(model: nn.Module, checkpoint: Checkpoint, dtype: torch.dtype) -> None:
+def attach_quantization(model: nn.Module, checkpoint: Checkpoint, dtype: torch.dtype, isq: str | None = None) -> None:
     """A quantized checkpoint's linear layers get the methods of the quantizer registered under its
-    ``quant_method``: ``factory = quantizer(checkpoint, dtype)``, then ``factory(layer, sources)`` per layer."""
+    ``quant_method``: ``factory = quantizer(checkpoint, dtype)``, then ``factory(layer, sources)`` per layer.
+
+    ``isq`` (in-situ quantization, e.g. "q4k") asks the "isq" quantizer to quantize an unquantized
+    checkpoint while it loads; it sees the checkpoint with ``quant_config`` set to the requested type."""
+    if isq is not None:
+        if checkpoint.quant_method is not None:
+            raise CheckpointError(f"isq {isq}: {checkpoint.path} is already quantized ({checkpoint.quant_method}); "
+                                  f"in-situ quantization needs an unquantized checkpoint")
+        if "isq" not in plugins.quantizers():
+            raise CheckpointError(f"isq {isq}: in-situ quantization needs the cvllm-gguf plugin (no 'isq' "
+                                  f"quantizer is installed)")
+        checkpoint = dataclasses.replace(checkpoint, quant_method="isq", quant_config=isq)
     if checkpoint.quant_method is None:
         return
     make_factory = plugins.quantizers().get(checkpoint.quant_method)
@@ -61,13 +73,13 @@ def attach_quantization(model: nn.Module, checkpoint: Checkpoint, dtype: torch.d
     logger.info("%s quantization: %d linear layers", checkpoint.quant_method, changed)
 
 
-def build_model(checkpoint: Checkpoint, backend, dtype: torch.dtype) -> nn.Module:
-    """gpt-fast's order: build on the meta device, attach quantization methods, materialise on the
-    backend, load by name."""
+def build_model(checkpoint: Checkpoint, backend, dtype: torch.dtype, isq: str | None = None) -> nn.Module:
+    """gpt-fast's order: build on the meta device, attach quantization methods (``isq``: quantize an
+    unquantized checkpoint while loading), materialise on the backend, load by name."""
     model_class = plugins.architectures().get(checkpoint.architecture)
     with torch.device("meta"), _default_dtype(dtype):
         model = model_class(checkpoint.config)
-        attach_quantization(model, checkpoint, dtype)
+        attach_quantization(model, checkpoint, dtype, isq)
     materialize(model, backend.device)
     expected = {name for name, _ in model.named_parameters()}
     started = time.perf_counter()

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import logging
 import os
@@ -19,13 +18,6 @@ from cvllm.server.args import ServerArgs
 from cvllm.server.cli_flags import MIB, CliError, build_parser, parse_name_list
 
 logger = logging.getLogger("cvllm.cvserve")
-
-
-
-def _engine_accepts(field_name: str) -> bool:
-    # Settings that need engine support (in-situ quantization, a pool sized from total memory) are
-    # passed on as soon as EngineConfig grows the field, and refused clearly until then.
-    return field_name in {f.name for f in dataclasses.fields(EngineConfig)}
 
 
 def _resolve_model(ns: argparse.Namespace) -> tuple[str, list[str]]:
@@ -104,11 +96,9 @@ def _quantization(ns: argparse.Namespace) -> dict:
     from cvllm import plugins
 
     quantizers = plugins.quantizers()
-    if ns.isq not in quantizers and "gguf" not in quantizers:
+    if "isq" not in quantizers:
         raise CliError(f"--isq {ns.isq}: in-situ quantization needs the cvllm-gguf plugin "
                        f"(quantizers installed: {', '.join(quantizers.names()) or 'none'})")
-    if not _engine_accepts("isq"):
-        raise CliError(f"--isq {ns.isq}: the engine cannot apply in-situ quantization yet")
     return {"isq": ns.isq}
 
 

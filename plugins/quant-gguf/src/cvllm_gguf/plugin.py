@@ -19,3 +19,4 @@ def open_checkpoint(path):
 @hookimpl
 def register_quantizers(register):
     register("gguf", "cvllm_gguf.checkpoint:gguf_linear_methods")
+    register("isq", "cvllm_gguf.isq:isq_linear_methods")  # in-situ quantization (--isq q4k)

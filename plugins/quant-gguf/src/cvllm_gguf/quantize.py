@@ -3,13 +3,16 @@
 The legacy types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) follow the numpy reference step by step: the same
 float32 operations in the same order (``trunc(x * id + 8.5)``, not ``round``; Q8_0 rounds half
 away from zero), scales rounded to f16 only after the quants are computed from the f32 scale.
-Inputs must be finite. K-quant quantizers come later.
+Inputs must be finite. The K types (Q2_K..Q6_K) are encoded by ``kquants``, byte for byte what
+llama.cpp's ``ggml_quantize_chunk`` writes without an importance matrix.
 """
 
 from __future__ import annotations
 
 import torch
 
+from cvllm_gguf.kquants import ENCODERS as K_ENCODERS
+from cvllm_gguf.kquants import quantize_k
 from cvllm_gguf.quant_types import FLOAT_DTYPES, FORMATS, GGMLType, resolve_qtype
 
 
@@ -92,13 +95,16 @@ def quantize(x: torch.Tensor, qtype: int | str) -> torch.Tensor:
     qtype = resolve_qtype(qtype)
     fmt = FORMATS[qtype]
     if x.dim() == 0 or x.shape[-1] % fmt.block_size:
-        raise ValueError(f"cannot quantize shape {list(x.shape)} to {qtype.name}: rows must be a multiple "
-                         f"of {fmt.block_size} elements")
+        row = x.shape[-1] if x.dim() else 0
+        raise ValueError(f"cannot quantize shape {list(x.shape)} to {qtype.name}: rows must be a multiple of "
+                         f"{fmt.block_size} elements (row length {row})")
     byte_shape = (*x.shape[:-1], x.shape[-1] // fmt.block_size * fmt.type_size)
     if qtype in FLOAT_DTYPES:
         return x.to(FLOAT_DTYPES[qtype]).contiguous().view(torch.uint8).reshape(byte_shape)
+    blocks = x.detach().to(torch.float32).reshape(-1, fmt.block_size)
+    if qtype.name in K_ENCODERS:
+        return quantize_k(blocks, qtype.name).reshape(byte_shape)
     encoder = _ENCODERS.get(qtype)
     if encoder is None:
         raise NotImplementedError(f"quantizing to {qtype.name} is not implemented yet")
-    blocks = x.detach().to(torch.float32).reshape(-1, fmt.block_size)
     return encoder(blocks).reshape(byte_shape)

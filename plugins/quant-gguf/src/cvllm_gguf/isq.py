@@ -1,0 +1,170 @@
+"""In-situ quantization (``--isq q4k``, ``LLM(..., isq="q8_0")``): an unquantized checkpoint's linear
+weights become GGML blocks while they load.
+
+The engine asks the "isq" quantizer for a method per linear layer (the checkpoint it passes carries
+the requested type as ``quant_config``). Each ``ISQLinearMethod`` holds a uint8 parameter named
+``weight``, so the checkpoint's float tensors find it by their usual names; its loader quantizes
+every shard (q/k/v, gate/up) as it arrives, so no layer ever holds its float weight whole.
+After loading, the blocks move to ``qweight`` and ``GGUFLinearMethod`` prepares its compute form
+(int4pack for Q4_0/Q4_1, bf16 or exact fp32 otherwise), exactly as for a GGUF file.
+
+Embeddings, the LM head and norms are not linear layers and stay as they are. K-quants need rows
+of whole 256-element super-blocks; a layer whose input is not a multiple of 256 falls back to the
+type llama.cpp uses, and a layer that fits no block stays unquantized.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from cvllm.checkpoint.base import Checkpoint
+from cvllm.layers.quantization import LinearMethod, LinearMethodFactory
+from cvllm_gguf.linear_method import GGUFLinearMethod, Mode
+from cvllm_gguf.quant_types import FORMATS, GGMLType, UnsupportedQuantType, resolve_qtype, row_bytes
+from cvllm_gguf.quantize import quantize
+
+logger = logging.getLogger(__name__)
+
+ISQ_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
+             GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
+
+# llama.cpp's choice for a tensor whose rows do not split into 256-element super-blocks
+FALLBACKS = {GGMLType.Q2_K: GGMLType.Q4_0, GGMLType.Q3_K: GGMLType.Q4_0, GGMLType.Q4_K: GGMLType.Q5_0,
+             GGMLType.Q5_K: GGMLType.Q5_1, GGMLType.Q6_K: GGMLType.Q8_0}
+
+
+def isq_type_names() -> list[str]:
+    return [t.name.lower() for t in ISQ_TYPES]
+
+
+def parse_isq_type(name: str) -> GGMLType:
+    """``"q4k"``, ``"q4_k"`` or ``"Q4_K"``; anything else is an error that lists the types."""
+    try:
+        qtype = resolve_qtype(name)
+    except UnsupportedQuantType:
+        qtype = None
+    if qtype not in ISQ_TYPES:
+        raise ValueError(f"unknown in-situ quantization type {name!r}; choose one of {', '.join(isq_type_names())}")
+    return qtype
+
+
+def layer_type(requested: GGMLType, in_features: int) -> GGMLType | None:
+    """The type a layer of ``in_features`` inputs gets: the requested one, its fallback, or None
+    (unquantized) when even 32-element blocks do not fit."""
+    for qtype in (requested, FALLBACKS.get(requested)):
+        if qtype is not None and in_features % FORMATS[qtype].block_size == 0:
+            return qtype
+    return None
+
+
+@dataclass(slots=True)
+class ISQProgress:
+    """Counts layers as their last shard is quantized; logs the summary after the last layer."""
+    requested: GGMLType
+    layers: int = 0
+    done: int = 0
+    bytes_before: int = 0  # the quantized layers' weights at the engine dtype
+    bytes_after: int = 0
+    fallbacks: dict[str, GGMLType] = field(default_factory=dict)
+    bar: tqdm | None = None
+
+    def layer_done(self) -> None:
+        if self.bar is None:
+            self.bar = tqdm(total=self.layers, desc=f"Quantizing to {self.requested.name}", unit=" layers",
+                            leave=False, disable=not logger.isEnabledFor(logging.INFO))
+        self.done += 1
+        self.bar.update()
+        if self.done == self.layers:
+            self.bar.close()
+            logger.info("in-situ quantization to %s: %d linear layers, %.1f MiB -> %.1f MiB%s",
+                        self.requested.name, self.layers, self.bytes_before / 2**20, self.bytes_after / 2**20,
+                        f" ({len(self.fallbacks)} fell back)" if self.fallbacks else "")
+
+
+class ISQLinearMethod(GGUFLinearMethod):
+    """A ``GGUFLinearMethod`` whose loader takes float weights and quantizes them."""
+
+    def __init__(self, requested: GGMLType, mode: Mode, name: str, shards: int, progress: ISQProgress):
+        super().__init__(requested, mode)
+        self.requested, self.name, self.shards, self.progress = requested, name, shards, progress
+        self.shards_loaded = 0
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
+        qtype = layer_type(self.requested, input_size)
+        if qtype is None:  # llama.cpp keeps such a tensor in F16; here it stays in the engine dtype
+            logger.info("isq: layer '%s' has %d inputs, which fit no GGML block: left unquantized",
+                        self.name, input_size)
+            self.qtype = None
+            layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
+            return
+        if qtype != self.requested:
+            logger.info("isq: layer '%s' has %d inputs, not a multiple of %d: %s instead of %s", self.name,
+                        input_size, FORMATS[self.requested].block_size, qtype.name, self.requested.name)
+            self.progress.fallbacks[self.name] = qtype
+        _check_implemented(qtype)
+        self.qtype = qtype
+        weight = nn.Parameter(torch.empty(output_size, row_bytes(qtype, input_size), dtype=torch.uint8),
+                              requires_grad=False)
+        weight.weight_loader = partial(self.weight_loader, layer)
+        layer.weight = weight  # the name the checkpoint's float tensors load into
+        layer.qtype = qtype
+        layer.gguf_shape = (output_size, input_size)
+        layer.gguf_compute = None
+        self.progress.layers += 1
+        self.progress.bytes_before += output_size * input_size * dtype.itemsize
+        self.progress.bytes_after += weight.numel()
+
+    def weight_loader(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: int | str | None = None) -> None:
+        if loaded.is_floating_point():
+            # quantized where the layer lives (a GPU quantizes much faster), one shard at a time
+            loaded = quantize(loaded.to(param.device), self.qtype)
+            self.shards_loaded += 1
+            if self.shards_loaded == self.shards:
+                self.progress.layer_done()
+        super().weight_loader(layer, param, loaded, shard_id)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.qtype is None:
+            return
+        if "weight" in layer._parameters:  # from here on the layout is GGUFLinearMethod's
+            blocks = layer._parameters.pop("weight")
+            layer.qweight = nn.Parameter(blocks.data, requires_grad=False)
+            layer.register_buffer("weight", torch.empty(0, device=blocks.device), persistent=False)
+        super().process_weights_after_loading(layer)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.qtype is None:
+            return F.linear(x, layer.weight, bias)
+        return super().apply(layer, x, bias)
+
+
+@functools.cache
+def _check_implemented(qtype: GGMLType) -> None:
+    # K-quant encoders arrive one by one: a type without one fails here, before any weight loads
+    try:
+        with torch.device("cpu"):  # called inside the engine's meta-device build
+            quantize(torch.zeros(1, FORMATS[qtype].block_size, dtype=torch.float32), qtype)
+    except NotImplementedError:
+        raise NotImplementedError(f"in-situ quantization to {qtype.name} is not implemented yet") from None
+
+
+def isq_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMethodFactory:
+    """The "isq" quantizer: ``checkpoint.quant_config`` is the requested type ("q4k", "q8_0" ...)."""
+    requested = parse_isq_type(str(checkpoint.quant_config))
+    mode: Mode = "exact" if dtype == torch.float32 else "fast"
+    progress = ISQProgress(requested)
+
+    def method_for(layer: str, sources: Sequence[str]) -> LinearMethod:
+        return ISQLinearMethod(requested, mode, layer, len(sources), progress)
+
+    return method_for
