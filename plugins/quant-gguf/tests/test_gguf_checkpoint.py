@@ -10,6 +10,7 @@ bit-equal weights and generate the same tokens with the same log-probabilities.
 from __future__ import annotations
 
 import json
+import logging
 
 import gguf
 import numpy as np
@@ -188,11 +189,17 @@ def test_float_linears_stay_unquantized(tmp_path, make_rows):
         assert torch.equal(value, reference[name]), name
 
 
-def test_fused_layer_of_mixed_types_is_a_clear_error(tmp_path, make_rows):
-    path, _, _ = write_tiny_llama(tmp_path, make_rows, types={"v_proj": GGMLType.Q8_0})
-    with pytest.raises(CheckpointError, match=r"layer 'model\.layers\.0\.self_attn\.qkv_proj' fuses weights of "
-                                              r"different GGML types \(q_proj Q4_1, k_proj Q4_1, v_proj Q8_0\)"):
-        LLM(model=str(path), dtype="float32", num_kv_blocks=32)
+def test_fused_layer_of_mixed_types_loads_dequantized(tmp_path, make_rows, caplog):
+    path, hf_dir, _ = write_tiny_llama(tmp_path, make_rows, types={"v_proj": GGMLType.Q8_0})
+    with caplog.at_level(logging.WARNING, logger="cvllm_gguf.checkpoint"):
+        llm = LLM(model=str(path), dtype="float32", num_kv_blocks=32)
+    assert "layer 'model.layers.0.self_attn.qkv_proj' fuses weights of different GGML types " \
+           "(q_proj Q4_1, k_proj Q4_1, v_proj Q8_0): loading it dequantized" in caplog.text
+    layer = llm.llm_engine.runner.model.model.layers[0]
+    assert not hasattr(layer.self_attn.qkv_proj, "qweight") and hasattr(layer.mlp.down_proj, "qweight")
+    reference = effective_weights(LLM(model=str(hf_dir), dtype="float32", num_kv_blocks=32))
+    for name, value in effective_weights(llm).items():
+        assert torch.equal(value, reference[name]), name
 
 
 def test_rope_scaling_from_metadata(tmp_path, make_rows):

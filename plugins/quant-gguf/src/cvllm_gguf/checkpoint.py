@@ -149,9 +149,12 @@ def gguf_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMet
         if not types or all(t in FLOAT_DTYPES for t in types.values()):
             return None
         if len(set(types.values())) > 1:
+            # llama.cpp's *_M mixes (e.g. Q6_K attn_v beside Q4_K q/k) fuse into one layer here, and one
+            # GGUFLinearMethod holds one type: such a layer loads dequantized (exact values, more memory)
             listed = ", ".join(f"{source.rpartition('.')[2]} {t.name}" for source, t in types.items())
-            raise CheckpointError(f"{quant.path}: layer '{layer}' fuses weights of different GGML types "
-                                  f"({listed}); one fused layer cannot hold mixed types yet")
+            logger.warning("%s: layer '%s' fuses weights of different GGML types (%s): loading it dequantized",
+                           quant.path.name, layer, listed)
+            return None
         quant.quantized_modules.update(types)
         return GGUFLinearMethod(next(iter(types.values())), mode)
 
