@@ -62,9 +62,18 @@ class CpuBackend(Backend):
     def memory(self) -> tuple[int, int]:
         return _available_memory()
 
+    def __init__(self) -> None:
+        # every layer of a forward pass writes through the same slot mapping: look for padding once
+        self._slots_seen: torch.Tensor | None = None
+        self._slots_kept: torch.Tensor | None = None
+
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        if slot_mapping.numel() and int(slot_mapping.min()) < 0:  # -1: a token whose K/V is not stored
-            keep = slot_mapping >= 0
+        if slot_mapping is not self._slots_seen:
+            self._slots_seen = slot_mapping
+            padded = slot_mapping.numel() and int(slot_mapping.min()) < 0  # -1: a token whose K/V is not stored
+            self._slots_kept = (slot_mapping >= 0) if padded else None
+        if self._slots_kept is not None:
+            keep = self._slots_kept
             k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

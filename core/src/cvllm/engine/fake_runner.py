@@ -35,7 +35,7 @@ class FakeModelRunner:
 
     def run(self, batch: ScheduledBatch, all_logits: bool = False, extra_indices=None) -> torch.Tensor:
         started = time.perf_counter()
-        rows = sum(batch.num_tokens) if all_logits else sum(1 for i in range(len(batch)) if batch.samples(i))
+        rows = sum(batch.num_tokens) if all_logits else len(batch.sample_indices)
         rows += 0 if extra_indices is None else len(extra_indices)
         if self._logits.shape[0] < rows:
             self._logits = torch.zeros(max(rows, 2 * self._logits.shape[0]), self.vocab_size)

@@ -168,7 +168,7 @@ class LLMEngine:
         self.last_batch = batch = self.scheduler.schedule()   # the engine core reads it when a step fails
         if not batch.seqs:
             return []
-        sampling = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
+        sampling = [batch.seqs[i] for i in batch.sample_indices]
         scoring, extra = self._prompt_logprob_rows(batch)
         logits = self.runner.run(batch, extra_indices=extra)
         if scoring:

@@ -142,8 +142,7 @@ class ModelRunner:
                      + torch.tensor(starts)[seq_index])
         block_tables = torch.tensor(tables, dtype=torch.int32)
         slots = block_tables[seq_index, positions // bs].long() * bs + positions % bs
-        sample_rows = [i for i in range(len(seqs)) if batch.samples(i)]
-        logits_indices = torch.tensor([query_start[i + 1] - 1 for i in sample_rows], dtype=torch.long)
+        logits_indices = torch.tensor([query_start[i + 1] - 1 for i in batch.sample_indices], dtype=torch.long)
 
         ctx = ForwardContext(
             backend=self.backend,

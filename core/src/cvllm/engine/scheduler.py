@@ -43,14 +43,15 @@ class ScheduledBatch:
     num_tokens: list[int] = field(default_factory=list)   # new tokens each sequence computes this step
     num_prefill_tokens: int = 0
     num_decodes: int = 0
+    # the sequences that reach their last token this step (their logits are sampled); fixed when scheduled
+    sample_indices: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)
 
     def samples(self, i: int) -> bool:
         """Whether sequence ``i`` reaches its last token this step, so its logits are sampled."""
-        seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_tokens[i] == seq.num_tokens
+        return i in self.sample_indices
 
 
 class Scheduler:
@@ -131,6 +132,8 @@ class Scheduler:
         return batch
 
     def _add(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+        if seq.num_computed_tokens + n == seq.num_tokens:
+            batch.sample_indices.append(len(batch.seqs))
         batch.seqs.append(seq)
         batch.num_tokens.append(n)
         is_decode = n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
