@@ -14,7 +14,7 @@ from starlette.responses import Response
 
 from cvllm.chat_template import ChatTemplateError
 from cvllm.engine.core_client import RequestError
-from cvllm.server.errors import bad_request, from_msgspec
+from cvllm.server.errors import bad_request
 from cvllm.server.lifecycle import SSEResponse, mid_stream_error, run_until_disconnect, start_request
 from cvllm.server.output import (
     SSE_DONE,
@@ -42,7 +42,7 @@ from cvllm.server.protocol import (
     UsageInfo,
     encode,
 )
-from cvllm.server.state import ServerState, check_logprobs, engine_error, validate_sampling_fields
+from cvllm.server.state import ServerState, check_logprobs, engine_error
 
 logger = logging.getLogger("cvllm.server")
 
@@ -198,13 +198,7 @@ class ChatService:
 
     async def __call__(self, http_request: Request, body: bytes) -> Response:
         state = self.state
-        try:
-            request = msgspec.json.decode(body, type=ChatCompletionRequest)
-        except msgspec.DecodeError as e:
-            raise from_msgspec(e) from None
-        model = state.check_model(request.model)
-        state.engine()
-        validate_sampling_fields(request)
+        request, model = state.parse_request(body, ChatCompletionRequest)
         if request.max_completion_tokens is not None and request.max_completion_tokens < 1:
             raise bad_request(f"max_completion_tokens must be >= 1, got {request.max_completion_tokens}",
                               param="max_completion_tokens")

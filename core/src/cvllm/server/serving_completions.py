@@ -7,13 +7,12 @@ import time
 import uuid
 from typing import Any
 
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
 from cvllm.engine.core_client import RequestError
 from cvllm.engine.messages import TokenLogprobs
-from cvllm.server.errors import bad_request, from_msgspec
+from cvllm.server.errors import bad_request
 from cvllm.server.lifecycle import SSEResponse, mid_stream_error, run_until_disconnect, start_request
 from cvllm.server.output import (
     SSE_DONE,
@@ -35,7 +34,7 @@ from cvllm.server.protocol import (
     UsageInfo,
     encode,
 )
-from cvllm.server.state import ServerState, check_logprobs, engine_error, validate_sampling_fields
+from cvllm.server.state import ServerState, check_logprobs, engine_error
 
 MAX_PROMPTS = 1024
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
@@ -138,13 +137,7 @@ class CompletionService:
 
     async def __call__(self, http_request: Request, body: bytes) -> Response:
         state = self.state
-        try:
-            request = msgspec.json.decode(body, type=CompletionRequest)
-        except msgspec.DecodeError as e:
-            raise from_msgspec(e) from None
-        model = state.check_model(request.model)
-        state.engine()
-        validate_sampling_fields(request)
+        request, model = state.parse_request(body, CompletionRequest)
         check_logprobs("logprobs", request.logprobs)
         if request.suffix:
             raise bad_request("suffix is not supported", param="suffix")

@@ -9,14 +9,18 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+import msgspec
 
 from cvllm.sampling_params import SamplingParams
 from cvllm.server.args import ServerArgs
-from cvllm.server.errors import APIError, bad_request
+from cvllm.server.errors import APIError, bad_request, from_msgspec
 from cvllm.server.metrics import Metrics
 from cvllm.server.protocol import SamplingFields
 from cvllm.server.reasoning import ParserFactory, detect, reasoning_parser
+
+R = TypeVar("R", bound=SamplingFields)
 
 MAX_N = 128                  # choices per request: more is a mistake, or an attempt to exhaust the server
 MAX_LOGPROBS = 20
@@ -110,6 +114,18 @@ class ServerState:
     @property
     def vocab_size(self) -> int:
         return self.engine().info.vocab_size
+
+    def parse_request(self, body: bytes, request_type: type[R]) -> tuple[R, str]:
+        """Decode and check what both generation endpoints share: (request, served model name).
+        Malformed bodies are 400s, an unknown model a 404, a server without an engine a 503."""
+        try:
+            request = msgspec.json.decode(body, type=request_type)
+        except msgspec.DecodeError as e:
+            raise from_msgspec(e) from None
+        model = self.check_model(request.model)
+        self.engine()
+        validate_sampling_fields(request)
+        return request, model
 
     def check_model(self, name: str | None) -> str:
         if name is None or name in self.model_names:
