@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from cvllm.testing.threads import one_torch_thread as single_torch_thread
 from cvllm_gguf.quant_types import FLOAT_DTYPES, FORMATS, GGMLType
 
 # byte offsets of the f16 scale fields in each block type: random bytes there could be NaN/inf,
@@ -49,10 +50,8 @@ def make_raw():
 
 @pytest.fixture(scope="module")
 def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+    with single_torch_thread():
+        yield
 
 
 def weight_rows(qtype: GGMLType, out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
