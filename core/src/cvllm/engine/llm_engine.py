@@ -14,7 +14,7 @@ from cvllm.engine.block_manager import BlockManager
 from cvllm.engine.config import EngineConfig
 from cvllm.engine.fake_runner import FakeModelRunner
 from cvllm.engine.model_runner import ModelRunner, build_model
-from cvllm.engine.sampler import Sampler, make_generator
+from cvllm.engine.sampler import make_generator
 from cvllm.engine.scheduler import EngineStats, ScheduledBatch, Scheduler, SchedulerConfig
 from cvllm.engine.sequence import Sequence
 from cvllm.outputs import Logprob
@@ -72,7 +72,7 @@ class LLMEngine:
             SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                             max_model_len=max_model_len, prefill_chunk_size=config.prefill_chunk_size),
             BlockManager(num_blocks, config.block_size, config.enable_prefix_caching))
-        self.sampler = Sampler()
+        self.sampler = plugins.samplers().get("default")()   # the built-in registers it like any plugin
         self.eos_token_ids = self.checkpoint.eos_token_ids()
         self.requests: dict[str, list[Sequence]] = {}
         self.last_batch: ScheduledBatch | None = None
