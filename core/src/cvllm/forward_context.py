@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ class ForwardContext:
     max_seq_len: int
     is_decode_only: bool
     backend_data: Any = None          # whatever the backend derives from the above once per forward pass
+    rope_cache: dict = field(default_factory=dict)  # rotary cos/sin looked up once per forward (layers/rotary.py)
 
 
 _context: ForwardContext | None = None
@@ -37,6 +38,11 @@ _context: ForwardContext | None = None
 def get_forward_context() -> ForwardContext:
     if _context is None:
         raise RuntimeError("attention ran outside a forward context (the ModelRunner sets one)")
+    return _context
+
+
+def current_forward_context() -> ForwardContext | None:
+    """The context of the forward pass running now, or None outside one (a layer called on its own)."""
     return _context
 
 

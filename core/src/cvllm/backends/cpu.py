@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,32 +21,52 @@ def _available_memory() -> tuple[int, int]:
         return total // 2, total
 
 
-def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              block_tables: torch.Tensor, query_pos: torch.Tensor, kv_lens: torch.Tensor,
-                              scale: float, sliding_window: int | None, soft_cap: float | None) -> torch.Tensor:
-    """Attention for ``B`` sequences of ``Lq`` queries each over their paged K/V, in fp32.
-
-    q: [B, Lq, H, D]; block_tables: [B, nb]; query_pos: [B, Lq] absolute positions (-1 = padding);
-    kv_lens: [B]. Key j is visible to query position p when j <= p, j < kv_len and p - j < window.
-    """
-    B, Lq, H, D = q.shape
-    Hkv = k_cache.shape[2]
-    k = k_cache[block_tables].flatten(1, 2).float()      # [B, S, Hkv, D]
-    v = v_cache[block_tables].flatten(1, 2).float()
-    S, G = k.shape[1], H // Hkv
-    qg = q.float().view(B, Lq, Hkv, G, D)
-    scores = torch.einsum("bqhgd,bshd->bhgqs", qg, k) * scale   # [B, Hkv, G, Lq, S]
-    if soft_cap:
-        scores = soft_cap * torch.tanh(scores / soft_cap)
-    j = torch.arange(S, device=q.device)
+def visible_keys(query_pos: torch.Tensor, kv_lens: torch.Tensor, num_keys: int,
+                 sliding_window: int | None) -> torch.Tensor:
+    """``[B, 1, 1, Lq, S]``: key j is visible to query position p when j <= p, j < kv_len and p - j < window."""
+    j = torch.arange(num_keys, device=query_pos.device)
     p = query_pos[:, :, None]                                    # [B, Lq, 1]
     visible = (j <= p) & (j < kv_lens[:, None, None])
     if sliding_window:
         visible &= (p - j) < sliding_window
-    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # padded query rows see nothing
-    out = torch.einsum("bhgqs,bshd->bqhgd", probs, v)
-    return out.reshape(B, Lq, H, D).to(q.dtype)
+    return visible[:, None, None]
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor, query_pos: torch.Tensor, kv_lens: torch.Tensor,
+                              scale: float, sliding_window: int | None, soft_cap: float | None,
+                              visible: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention for ``B`` sequences of ``Lq`` queries each over their paged K/V, in fp32.
+
+    q: [B, Lq, H, D]; block_tables: [B, nb]; query_pos: [B, Lq] absolute positions (-1 = padding);
+    kv_lens: [B]. ``visible`` is ``visible_keys(...)`` when the caller has it already (it is the same
+    for every layer of a forward pass).
+    """
+    B, Lq, H, D = q.shape
+    Hkv = k_cache.shape[2]
+    G = H // Hkv
+    blocks = block_tables.reshape(-1).long()  # index_select with int64 ids: far cheaper than advanced indexing
+    S = block_tables.shape[1] * k_cache.shape[1]
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        """The sequences' keys or values as contiguous fp32 [B, Hkv, S, D]: cast and transpose in one copy,
+        so the batched matmuls below fold (B, Hkv) into one batch dim without copying again."""
+        rows = cache.index_select(0, blocks).view(B, S, Hkv, D).transpose(1, 2)
+        return torch.empty(rows.shape, dtype=torch.float32, device=rows.device).copy_(rows)
+
+    k, v = gather(k_cache), gather(v_cache)
+    # the G query heads of a KV head and the Lq queries form the rows of one matmul per (sequence, KV head)
+    qg = q.float().view(B, Lq, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Lq, D)
+    scores = torch.matmul(qg, k.transpose(2, 3)).view(B, Hkv, G, Lq, S) * scale
+    if soft_cap:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    if visible is None:
+        visible = visible_keys(query_pos, kv_lens, S, sliding_window)
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    if Lq > 1:
+        probs = probs.nan_to_num_(0.0)  # padded query rows see nothing (a decode row always sees itself)
+    out = torch.matmul(probs.view(B, Hkv, G * Lq, S), v).view(B, Hkv, G, Lq, D)
+    return out.permute(0, 3, 1, 2, 4).reshape(B, Lq, H, D).to(q.dtype)
 
 
 class CpuBackend(Backend):
@@ -84,14 +104,19 @@ class CpuBackend(Backend):
             ctx.backend_data = _AttentionPlan.build(ctx, k_cache.shape[1])
         plan: _AttentionPlan = ctx.backend_data
         args = (layer.scale, layer.sliding_window, layer.logits_soft_cap)
+        if plan.decode_only:  # every row decodes one token, in order: no gather or scatter of rows
+            return paged_attention_reference(q[:, None], k_cache, v_cache, plan.decode_tables, plan.decode_positions,
+                                             plan.decode_lens, *args, plan.visible(-1, layer.sliding_window))[:, 0]
         out = torch.empty_like(q)
         if plan.decode_tokens is not None:
             # All single-token rows in one padded batch: gathers the blocks they use, one einsum.
             o = paged_attention_reference(q[plan.decode_tokens][:, None], k_cache, v_cache, plan.decode_tables,
-                                          plan.decode_positions, plan.decode_lens, *args)
+                                          plan.decode_positions, plan.decode_lens, *args,
+                                          plan.visible(-1, layer.sliding_window))
             out[plan.decode_tokens] = o[:, 0]
-        for start, n, tables, positions, lens in plan.prefills:
-            o = paged_attention_reference(q[None, start:start + n], k_cache, v_cache, tables, positions, lens, *args)
+        for i, (start, n, tables, positions, lens) in enumerate(plan.prefills):
+            o = paged_attention_reference(q[None, start:start + n], k_cache, v_cache, tables, positions, lens, *args,
+                                          plan.visible(i, layer.sliding_window))
             out[start:start + n] = o[0]
         return out
 
@@ -103,21 +128,37 @@ class _AttentionPlan:
     decode_positions: torch.Tensor | None   # [Bd, 1]
     decode_lens: torch.Tensor | None        # [Bd]
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]
+    block_size: int = 0
+    decode_only: bool = False               # decode_tokens is every row of the batch, in order
+    # visibility masks by (prefill index or -1 for the decode rows, sliding window): layers share them
+    masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def build(cls, ctx: Any, block_size: int) -> _AttentionPlan:
         starts, qlens, seq_lens = ctx.query_start_loc_cpu, ctx.query_lens_cpu, ctx.seq_lens_cpu
         rows = [i for i, n in enumerate(qlens) if n == 1]
-        plan = cls(None, None, None, None, [])
+        plan = cls(None, None, None, None, [], block_size)
         if rows:
             index = torch.tensor(rows)
             plan.decode_tokens = torch.tensor([starts[i] for i in rows])
             plan.decode_lens = ctx.seq_lens[index]
             plan.decode_positions = (plan.decode_lens - 1)[:, None]
-            plan.decode_tables = ctx.block_tables[index, :-(-max(seq_lens[i] for i in rows) // block_size)]
+            plan.decode_tables = ctx.block_tables[index, :-(-max(seq_lens[i] for i in rows) // block_size)].long()
+            plan.decode_only = len(rows) == len(qlens) and starts[:len(rows)] == list(range(len(rows)))
         for i, n in enumerate(qlens):
             if n != 1:
                 seq_len = seq_lens[i]
-                plan.prefills.append((starts[i], n, ctx.block_tables[i:i + 1, :-(-seq_len // block_size)],
+                plan.prefills.append((starts[i], n, ctx.block_tables[i:i + 1, :-(-seq_len // block_size)].long(),
                                       torch.arange(seq_len - n, seq_len)[None], ctx.seq_lens[i:i + 1]))
         return plan
+
+    def visible(self, part: int, sliding_window: int | None) -> torch.Tensor:
+        key = (part, sliding_window)
+        if key not in self.masks:
+            if part < 0:
+                tables, positions, lens = self.decode_tables, self.decode_positions, self.decode_lens
+            else:
+                _, _, tables, positions, lens = self.prefills[part]
+            self.masks[key] = visible_keys(positions, lens, tables.shape[1] * self.block_size,
+                                            sliding_window)
+        return self.masks[key]

@@ -46,8 +46,13 @@ def pack_q4_for_int4mm(qweight: torch.Tensor, qtype: GGMLType, in_features: int,
     return packed, scales_zeros
 
 
+_int4pack_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+
+
 def int4pack_linear(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ w.T in the dtype of ``scales_zeros``; returns [..., out] in that dtype."""
+    if x.dim() == 2 and x.dtype == scales_zeros.dtype and x.is_contiguous():
+        return _int4pack_mm(x, packed, GROUP_SIZE, scales_zeros)  # the decode path: no reshapes, no casts
     flat = x.reshape(-1, x.shape[-1]).to(scales_zeros.dtype).contiguous()
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, GROUP_SIZE, scales_zeros)
+    out = _int4pack_mm(flat, packed, GROUP_SIZE, scales_zeros)
     return out.view(*x.shape[:-1], out.shape[-1])

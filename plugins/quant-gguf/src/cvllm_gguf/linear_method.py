@@ -103,7 +103,7 @@ class GGUFLinearMethod(LinearMethod):
             out = int4pack_linear(x, layer.int4_weight, layer.int4_scales_zeros)
             if bias is not None:
                 out = out + bias.to(out.dtype)
-            return out.to(x.dtype)
+            return out if out.dtype == x.dtype else out.to(x.dtype)
         weight = layer.weight
         out = F.linear(x.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype))
         return out.to(x.dtype)
