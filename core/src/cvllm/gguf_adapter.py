@@ -7,6 +7,11 @@ without importing the GGUF plugin (plugins never import each other), and a new f
 GGUF support with its own plugin::
 
     register("llama", "cvllm_llama.gguf_adapter:LLAMA")
+
+Stacked expert tensors (llama.cpp's ``ffn_gate_exps`` ..., one 3-D tensor per layer, [experts, out,
+in] in Hugging Face order) are declared like any module, by the name gguf's ``TensorNameMap`` knows
+(``"model.layers.{bid}.mlp.experts.gate_proj"``); the GGUF plugin yields them under that name
+without a ``.weight`` suffix, which is the stacked form ``FusedMoE``'s weight loader takes.
 """
 
 from __future__ import annotations
@@ -32,6 +37,14 @@ class GGUFArchitecture:
     # HF config keys set to True when the GGUF tensor named here is present, False otherwise
     # (e.g. {"attention_bias": "blk.0.attn_q.bias"})
     flags_from_tensors: Mapping[str, str] = field(default_factory=dict)
+    # HF config keys read from a tensor's shape when the metadata does not say: key -> (GGUF tensor
+    # name, dimension in Hugging Face order). Older converters left out keys the tensors still
+    # imply, e.g. {"moe_intermediate_size": ("blk.0.ffn_gate_exps.weight", 1)} ([experts, rows, in])
+    config_from_tensor_shapes: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+    # Hugging Face weights of one row ([1, n], "{bid}" for the block) that a GGUF file may hold as a
+    # 1-D [n] (ggml drops trailing 1s; llama.cpp's older converters squeezed such tensors); they load
+    # as [1, n], e.g. Qwen2-MoE's "model.layers.{bid}.mlp.shared_expert_gate.weight"
+    single_row_weights: tuple[str, ...] = ()
     # llama.cpp's converter permutes the rows of q and k (rotary pairs interleaved) for this family
     permute_qk: bool = False
     # no "output.weight" in the file means the LM head is the token embedding

@@ -3,6 +3,13 @@
 from cvllm.layers.activation import GeluAndMul, SiluAndMul
 from cvllm.layers.attention import Attention
 from cvllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from cvllm.layers.fused_moe import (
+    FusedMoE,
+    FusedMoEMethod,
+    UnquantizedFusedMoEMethod,
+    load_weights_with_experts,
+    select_experts,
+)
 from cvllm.layers.layernorm import RMSNorm
 from cvllm.layers.linear import (
     ColumnParallelLinear,
@@ -14,7 +21,8 @@ from cvllm.layers.linear import (
 from cvllm.layers.rotary import RotaryEmbedding, get_rope
 
 __all__ = [
-    "Attention", "ColumnParallelLinear", "GeluAndMul", "MergedColumnParallelLinear", "ParallelLMHead",
+    "Attention", "ColumnParallelLinear", "FusedMoE", "FusedMoEMethod", "GeluAndMul", "MergedColumnParallelLinear",
+    "ParallelLMHead",
     "QKVParallelLinear", "RMSNorm", "ReplicatedLinear", "RotaryEmbedding", "RowParallelLinear", "SiluAndMul",
-    "VocabParallelEmbedding", "get_rope",
+    "UnquantizedFusedMoEMethod", "VocabParallelEmbedding", "get_rope", "load_weights_with_experts", "select_experts",
 ]

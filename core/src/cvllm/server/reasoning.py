@@ -120,8 +120,9 @@ register_reasoning_parser("deepseek_r1", lambda prompt: ThinkParser(opened=True)
 
 def detect(template: str | None, render: Callable[[], str] | None = None) -> str | None:
     """The parser a chat template calls for: ``deepseek_r1`` when its generation prompt ends in
-    ``<think>``, ``think`` when it mentions ``<think>`` at all, else None."""
-    if not template or START not in template:
+    ``<think>``, ``think`` when it mentions ``<think>`` or ``</think>`` at all (DeepSeek-R1 distills as first
+    released only strip ``</think>`` from history: the model writes ``<think>`` itself), else None."""
+    if not template or (START not in template and END not in template):
         return None
     if render is not None:
         try:

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -122,9 +122,11 @@ def _rope_scaling(value: Callable[[str], Any]) -> dict[str, Any] | None:
     raise ValueError(f"rope scaling type '{kind}' is not supported for GGUF files")
 
 
-def hf_config(arch_name: str, adapter: GGUFArchitecture, metadata: Callable[[str], Any], tensors: set[str],
-              vocab_size: int | None, read_tensor: Callable[[str], torch.Tensor]) -> dict[str, Any]:
-    """A config.json-style dict; ``metadata(key)`` reads full GGUF keys, None when absent."""
+def hf_config(arch_name: str, adapter: GGUFArchitecture, metadata: Callable[[str], Any],
+              tensors: Mapping[str, tuple[int, ...]], vocab_size: int | None,
+              read_tensor: Callable[[str], torch.Tensor]) -> dict[str, Any]:
+    """A config.json-style dict; ``metadata(key)`` reads full GGUF keys, None when absent; ``tensors``
+    maps each GGUF tensor name to its shape in Hugging Face order."""
     def value(key: str) -> Any:
         return metadata(f"{arch_name}.{key}")
 
@@ -135,6 +137,9 @@ def hf_config(arch_name: str, adapter: GGUFArchitecture, metadata: Callable[[str
     missing = [f"{arch_name}.{k}" for k, hf in adapter.config_keys.items() if hf in _REQUIRED and hf not in raw]
     if missing:
         raise ValueError(f"metadata lacks {', '.join(missing)}")
+    for key, (tensor, dim) in adapter.config_from_tensor_shapes.items():
+        if key not in raw and tensor in tensors:
+            raw[key] = tensors[tensor][dim]
     for key, default in adapter.defaults.items():
         raw.setdefault(key, default)
     for key, tensor in adapter.flags_from_tensors.items():

@@ -9,6 +9,11 @@ Opening reads only the header and metadata: the HF config comes from the model p
 2. The weight iterator yields those modules' weights as raw blocks, ``<module>.qweight`` (uint8
    rows, q/k rows un-permuted as bytes), and every other tensor (embeddings, norms, an untied LM
    head, float linears) dequantized to float32 under its HF name.
+3. Stacked expert tensors (3-D ``ffn_*_exps``, [experts, out, in]) go to ``FusedMoE``, which takes
+   plain tensors: they are dequantized at load, to float32 on the exact path (a float32 engine) and
+   to the engine's dtype otherwise, and yielded under the module name without ``.weight``
+   (``model.layers.0.mlp.experts.gate_proj``), the stacked form FusedMoE's loader takes. This costs
+   the memory of unquantized experts; a GPU kernel that reads the blocks will replace it.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from cvllm.checkpoint.base import Checkpoint, CheckpointError
 from cvllm.config import ConfigError, model_config_from_dict
 from cvllm.layers.quantization import LinearMethod, LinearMethodFactory
 from cvllm_gguf.adapters import expand_blocks, hf_config, tensor_names, unpermute_rows
-from cvllm_gguf.dequant import dequantize
+from cvllm_gguf.dequant import dequantize, dequantize_stacked
 from cvllm_gguf.linear_method import GGUFLinearMethod
 from cvllm_gguf.quant_types import FLOAT_DTYPES, GGMLType
 from cvllm_gguf.reader import GGUFFile, TensorInfo, open_gguf_files
@@ -41,6 +46,12 @@ class GGUFWeight:
     info: TensorInfo
     hf_name: str  # "model.layers.0.self_attn.q_proj.weight"
     permute_heads: int | None  # llama.cpp permuted these rows in this many heads
+    shape: tuple[int, ...]  # the Hugging Face shape it loads as (a 1-D single row becomes [1, n])
+
+    @property
+    def stacked(self) -> bool:
+        """A 3-D tensor of stacked experts, [experts, out, in]."""
+        return len(self.shape) == 3
 
 
 @dataclass(slots=True)
@@ -48,6 +59,7 @@ class GGUFQuantConfig:
     path: Path
     weight_types: dict[str, GGMLType]  # HF module name -> GGML type of its ".weight"
     quantized_modules: set[str] = field(default_factory=set)  # filled by the linear-method factory
+    dtype: torch.dtype | None = None  # the engine's, set by the linear-method factory; None: float32
 
 
 def open_gguf_checkpoint(path: str | Path) -> Checkpoint:
@@ -70,8 +82,9 @@ def open_gguf_checkpoint(path: str | Path) -> Checkpoint:
         return dequantize(file.raw(info), info.qtype, info.shape, name)
 
     try:
-        raw_config = hf_config(arch_name, adapter, meta.value, set(located),
-                               meta.array_length("tokenizer.ggml.tokens"), read_float)
+        shapes = {name: info.shape for name, (_, info) in located.items()}
+        raw_config = hf_config(arch_name, adapter, meta.value, shapes, meta.array_length("tokenizer.ggml.tokens"),
+                               read_float)
         config = model_config_from_dict(raw_config, source=str(path))
     except (ValueError, ConfigError) as e:
         raise CheckpointError(f"{path}: {e}") from None
@@ -104,6 +117,7 @@ def _plan_weights(path: Path, arch_name: str, adapter: Any, located: dict[str, t
     """Each GGUF tensor's HF name and whether its rows need un-permuting; unknown tensors are skipped."""
     names = tensor_names(arch_name, adapter, config.num_hidden_layers)
     ignored = set(expand_blocks(adapter.ignored_tensors, config.num_hidden_layers))
+    single_rows = set(expand_blocks(adapter.single_row_weights, config.num_hidden_layers))
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     weights, skipped = [], []
     for name, (file, info) in located.items():
@@ -114,7 +128,11 @@ def _plan_weights(path: Path, arch_name: str, adapter: Any, located: dict[str, t
             skipped.append(name)
             continue
         permute = heads.get(base.rpartition(".")[2]) if adapter.permute_qk else None
-        weights.append(GGUFWeight(file, info, f"{names[base]}.{suffix}", permute))
+        hf_name = f"{names[base]}.{suffix}"
+        shape = (1, *info.shape) if hf_name in single_rows and len(info.shape) == 1 else info.shape
+        if len(shape) == 3:
+            hf_name = names[base]  # stacked experts: FusedMoE's loader takes the module name
+        weights.append(GGUFWeight(file, info, hf_name, permute, shape))
     if skipped:
         logger.warning("%s: %d GGUF tensors have no %s name and are not loaded: %s", path, len(skipped),
                        adapter.hf_architecture, ", ".join(skipped[:8]) + (" ..." if len(skipped) > 8 else ""))
@@ -122,8 +140,19 @@ def _plan_weights(path: Path, arch_name: str, adapter: Any, located: dict[str, t
 
 
 def iterate_weights(weights: list[GGUFWeight], quant: GGUFQuantConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    stacked = [w for w in weights if w.stacked]
+    if stacked:
+        expert_dtype = quant.dtype or torch.float32
+        types = ", ".join(sorted({w.info.qtype.name for w in stacked}))
+        logger.info("%s: %d stacked expert tensors (%s) are dequantized to %s at load: FusedMoE computes on "
+                    "plain tensors (no kernel reads GGML blocks of experts yet)", quant.path.name, len(stacked),
+                    types, str(expert_dtype).removeprefix("torch."))
     for weight in weights:
         info = weight.info
+        if weight.stacked:
+            yield weight.hf_name, dequantize_stacked(weight.file.raw(info), info.qtype, weight.shape,
+                                                     expert_dtype, info.name)
+            continue
         raw = weight.file.raw(info)  # [rows, bytes_per_row]
         if weight.permute_heads is not None:
             rows = raw.view(info.shape[0], -1)  # a 1-D bias: one row per element
@@ -135,7 +164,7 @@ def iterate_weights(weights: list[GGUFWeight], quant: GGUFQuantConfig) -> Iterat
         if suffix == "weight" and module in quant.quantized_modules:
             yield f"{module}.qweight", raw
         else:
-            yield weight.hf_name, dequantize(raw, info.qtype, info.shape, info.name)
+            yield weight.hf_name, dequantize(raw, info.qtype, weight.shape, info.name)
 
 
 def gguf_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMethodFactory:
@@ -143,6 +172,8 @@ def gguf_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMet
     ("exact" float32 compute when the engine runs in float32, else "fast"); float weights stay unquantized."""
     quant: GGUFQuantConfig = checkpoint.quant_config
     mode = "exact" if dtype == torch.float32 else "fast"
+    # the weight iterator dequantizes stacked experts for this dtype: float32 (exact) or the engine's
+    quant.dtype = dtype
 
     def method_for(layer: str, sources: Sequence[str]) -> LinearMethod | None:
         types = {source: quant.weight_types[source] for source in sources if source in quant.weight_types}

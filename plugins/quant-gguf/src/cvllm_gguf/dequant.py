@@ -193,3 +193,18 @@ def dequantize(raw: torch.Tensor, qtype: int | str, shape: Sequence[int],
                 else _f16_to_f32(values) if qtype == GGMLType.F16 else values.float()).view(shape)
     blocks = raw.reshape(-1, fmt.type_size)
     return _DECODERS[qtype](blocks).view(shape)
+
+
+def dequantize_stacked(raw: torch.Tensor, qtype: int | str, shape: Sequence[int], dtype: torch.dtype,
+                       tensor_name: str | None = None) -> torch.Tensor:
+    """A stacked tensor (``shape`` [n, *rest], e.g. one weight per expert) dequantized to ``dtype``
+    one slice at a time: the float32 intermediate is one slice, never the whole tensor (a layer of
+    128 experts is hundreds of MB in float32)."""
+    shape = tuple(int(s) for s in shape)
+    if dtype == torch.float32 or len(shape) < 2 or raw.numel() % shape[0]:
+        return dequantize(raw, qtype, shape, tensor_name).to(dtype)  # (a wrong size raises there)
+    slices = raw.reshape(shape[0], -1)
+    out = torch.empty(shape, dtype=dtype)
+    for i in range(shape[0]):
+        out[i] = dequantize(slices[i], qtype, shape[1:], tensor_name)
+    return out
