@@ -4,28 +4,20 @@ bytes, n > 1 and engine failures are checked exactly."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import random
-from collections import deque
 
-import httpx
 import pytest
 
-from cvllm.engine.config import EngineConfig
 from cvllm.engine.core_client import EngineDeadError, RequestError
-from cvllm.engine.messages import CoreStats, Ready, SeqDelta, TokenLogprobs
+from cvllm.engine.messages import SeqDelta
 from cvllm.sampling_params import SamplingParams
-from cvllm.server.app import build_app
-from cvllm.server.args import ServerArgs
 from cvllm.server.output import ChoiceState
-from cvllm.server.reasoning import ThinkParser, detect
-from cvllm.server.state import ServerState
+from cvllm.server.reasoning import ThinkParser
+from cvllm.server.testing_fakes import HI, FakeClient, call, make_state, sse_chunks
 from cvllm.testing import CHATML_TEMPLATE, EOS_TOKEN_ID, write_tiny_tokenizer
 from cvllm.tokenizer import Tokenizer
 
 THINK_TEMPLATE = CHATML_TEMPLATE.replace("'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n<think>\\n'")
-HI = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
@@ -33,80 +25,6 @@ def tokenizer(tmp_path_factory) -> Tokenizer:
     path = tmp_path_factory.mktemp("tokenizer")
     write_tiny_tokenizer(path)
     return Tokenizer.from_dir(path)
-
-
-class FakeStream:
-    def __init__(self, batches: list[list[SeqDelta]], fail: Exception | None):
-        self.batches, self.fail, self.aborts = deque(batches), fail, 0
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> list[SeqDelta]:
-        await asyncio.sleep(0)
-        if not self.batches:
-            if self.fail is not None:
-                raise self.fail
-            raise StopAsyncIteration
-        return self.batches.popleft()
-
-    def abort(self) -> None:
-        self.aborts += 1
-
-
-class FakeClient:
-    """Plays back ``outputs[i]`` (token ids) as choice i, one token per choice per step."""
-
-    def __init__(self, outputs: list[list[int]], finish: str = "length", fail: Exception | None = None):
-        self.outputs, self.finish, self.fail = outputs, finish, fail
-        self.info = Ready(max_model_len=256, num_kv_blocks=64, block_size=16, backend="fake", dtype="float32",
-                          max_num_seqs=4, vocab_size=512)
-        self.stats, self.dead, self.num_in_flight = CoreStats(), None, 0
-        self.streams: list[FakeStream] = []
-        self.prompts: list[list[int]] = []
-        self.params: list[SamplingParams] = []
-
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> FakeStream:
-        self.prompts.append(prompt_ids)
-        self.params.append(params)
-        batches = []
-        for step in range(max(len(o) for o in self.outputs[:params.n])):
-            batch = []
-            for index, tokens in enumerate(self.outputs[:params.n]):
-                if step < len(tokens):
-                    last = step == len(tokens) - 1
-                    logprobs = None
-                    if params.logprobs is not None:
-                        logprobs = [TokenLogprobs(-0.25, [tokens[step]], [-0.25])]
-                    batch.append(SeqDelta(request_id, index, [tokens[step]], logprobs,
-                                          self.finish if last else None, num_prompt_tokens=len(prompt_ids)))
-            batches.append(batch)
-        stream = FakeStream(batches, self.fail)
-        self.streams.append(stream)
-        return stream
-
-
-def make_state(tokenizer: Tokenizer, client: FakeClient | None, template: str = CHATML_TEMPLATE,
-               reasoning_parser: str | None = None) -> ServerState:
-    args = ServerArgs(engine=EngineConfig(model="fake"), reasoning_parser=reasoning_parser)
-    parser = reasoning_parser or detect(template, lambda: tokenizer.apply_chat_template(HI, chat_template=template))
-    state = ServerState(args, tokenizer, "fake", ["fake"], template, {}, parser)
-    state.client = client
-    return state
-
-
-def call(state: ServerState, method: str, path: str, body: dict | None = None) -> httpx.Response:
-    async def run():
-        transport = httpx.ASGITransport(app=build_app(state))
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            return await client.request(method, path, json=body)
-    return asyncio.run(run())
-
-
-def sse_chunks(response: httpx.Response) -> list[dict]:
-    events = [e for e in response.text.split("\n\n") if e]
-    assert events[-1] == "data: [DONE]" and events.count("data: [DONE]") == 1
-    return [json.loads(e[len("data: "):]) for e in events[:-1]]
 
 
 def one_token_each(tokenizer: Tokenizer, text: str) -> list[int]:

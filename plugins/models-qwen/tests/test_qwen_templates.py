@@ -3,7 +3,8 @@ and the server's reasoning-parser detection picks the right parser for each.
 
 Templates (tests/data, each with a .source.md) are rendered by cvllm's ``render_chat`` and by
 ``cvllm.tokenizer.Tokenizer.apply_chat_template``, and compared character for character with transformers'
-``PreTrainedTokenizerFast.apply_chat_template(tokenize=False)`` on the tiny test tokenizer.
+``PreTrainedTokenizerFast.apply_chat_template(tokenize=False)`` on the tiny test tokenizer with the templates'
+control tokens and reasoning tags added (conftest.py).
 """
 
 from __future__ import annotations
@@ -19,40 +20,12 @@ from transformers import PreTrainedTokenizerFast
 
 from cvllm.chat_template import render_chat
 from cvllm.server.reasoning import detect
-from cvllm.testing import write_tiny_tokenizer
 from cvllm.tokenizer import Tokenizer
 
-DATA = Path(__file__).parent / "data"
-
-CHATML = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
-DEEPSEEK = {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>",
-            "pad_token": "<｜end▁of▁sentence｜>"}
-
-# DeepSeek revised the distills' tokenizer_config.json after the first release (the copy in tests/data) so that
-# the generation prompt opens the reasoning block; that one string is the whole change (checked against the
-# template llama.cpp's converter printed for DeepSeek-R1-Distill-Llama-8B, whose first release was identical).
-R1_FIRST_RELEASE_PROMPT = "{{'<｜Assistant｜>'}}{% endif %}"
-R1_REVISED_PROMPT = "{{'<｜Assistant｜><think>\\n'}}{% endif %}"
-
-
-def _file(name: str) -> str:
-    return (DATA / f"{name}.jinja").read_text(encoding="utf-8")
-
-
-def _r1_revised() -> str:
-    first = _file("deepseek-r1-distill-qwen-32b")
-    assert first.count(R1_FIRST_RELEASE_PROMPT) == 1 and first.endswith(R1_FIRST_RELEASE_PROMPT)
-    return first.replace(R1_FIRST_RELEASE_PROMPT, R1_REVISED_PROMPT)
-
-
-# name -> (template source, special tokens, what the generation prompt ends with)
-TEMPLATES: dict[str, tuple[str, dict[str, str], str]] = {
-    "qwen3-0.6b": (_file("qwen3-0.6b"), CHATML, "<|im_start|>assistant\n"),
-    "qwq-32b": (_file("qwq-32b"), CHATML, "<|im_start|>assistant\n<think>\n"),
-    "deepseek-r1-distill-qwen-32b": (_r1_revised(), DEEPSEEK, "<｜Assistant｜><think>\n"),
-    "deepseek-r1-distill-qwen-32b-first-release": (_file("deepseek-r1-distill-qwen-32b"), DEEPSEEK,
-                                                   "<｜Assistant｜>"),
-}
+# the templates in conftest.py's qwen_chat_templates (names here: parametrization happens before fixtures exist)
+TEMPLATE_NAMES = ("qwen3-0.6b", "qwq-32b", "deepseek-r1-distill-qwen-32b",
+                  "deepseek-r1-distill-qwen-32b-first-release")
+Templates = dict[str, tuple[str, dict[str, str], str]]
 
 SYSTEM = {"role": "system", "content": "You are terse. Answer in one line."}
 CONVERSATIONS: dict[str, list[dict[str, Any]]] = {
@@ -67,10 +40,18 @@ CONVERSATIONS: dict[str, list[dict[str, Any]]] = {
 
 
 @pytest.fixture(scope="module")
-def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-tokenizer")
-    write_tiny_tokenizer(path)
-    return path / "tokenizer.json"
+def tokenizer_file(chat_tokenizer_file: Path) -> Path:
+    return chat_tokenizer_file
+
+
+@pytest.fixture(scope="module")
+def templates(qwen_chat_templates) -> Templates:
+    """name -> (template source, special tokens, what the generation prompt ends with)"""
+    return {name: (t.source, t.specials, t.opens) for name, t in qwen_chat_templates.items()}
+
+
+def test_every_template_is_tested(templates: Templates) -> None:
+    assert sorted(templates) == sorted(TEMPLATE_NAMES)
 
 
 def _reference(tokenizer_file: Path, source: str, messages: list, specials: dict[str, str], **kwargs: Any) -> str:
@@ -92,7 +73,7 @@ def _ours(tokenizer_file: Path, source: str, messages: list, specials: dict[str,
 
 def _cases() -> list[tuple[str, str, dict[str, Any]]]:
     cases = []
-    for name in TEMPLATES:
+    for name in TEMPLATE_NAMES:
         for conversation in CONVERSATIONS:
             cases.append((name, conversation, {"add_generation_prompt": False}))
             for thinking in (None, True, False):  # None: the template's default
@@ -108,17 +89,18 @@ CASES = _cases()
 
 @pytest.mark.parametrize(("name", "conversation", "kwargs"), CASES,
                          ids=[f"{n}-{c}-{'-'.join(f'{k}={v}' for k, v in kw.items())}" for n, c, kw in CASES])
-def test_renders_as_transformers(tokenizer_file: Path, name: str, conversation: str, kwargs: dict[str, Any]) -> None:
-    source, specials, _ = TEMPLATES[name]
+def test_renders_as_transformers(tokenizer_file: Path, templates: Templates, name: str, conversation: str,
+                                 kwargs: dict[str, Any]) -> None:
+    source, specials, _ = templates[name]
     messages = CONVERSATIONS[conversation]
     expected = _reference(tokenizer_file, source, messages, specials, **kwargs)
     assert _ours(tokenizer_file, source, messages, specials, **kwargs) == expected
 
 
-@pytest.mark.parametrize("name", sorted(TEMPLATES))
+@pytest.mark.parametrize("name", TEMPLATE_NAMES)
 @pytest.mark.parametrize("thinking", [None, True, False])
-def test_generation_prompt(tokenizer_file: Path, name: str, thinking: bool | None) -> None:
-    source, specials, opens = TEMPLATES[name]
+def test_generation_prompt(tokenizer_file: Path, templates: Templates, name: str, thinking: bool | None) -> None:
+    source, specials, opens = templates[name]
     kwargs = {} if thinking is None else {"enable_thinking": thinking}
     prompt = _ours(tokenizer_file, source, CONVERSATIONS["single_user"], specials, add_generation_prompt=True,
                    **kwargs)
@@ -136,8 +118,8 @@ def test_generation_prompt(tokenizer_file: Path, name: str, thinking: bool | Non
     # first release: no <think> in the template, only </think> stripped from history; the model opens it itself
     ("deepseek-r1-distill-qwen-32b-first-release", "think"),
 ])
-def test_reasoning_parser_detection(tokenizer_file: Path, name: str, parser: str) -> None:
-    source, specials, _ = TEMPLATES[name]
+def test_reasoning_parser_detection(tokenizer_file: Path, templates: Templates, name: str, parser: str) -> None:
+    source, specials, _ = templates[name]
     tokenizer = _tokenizer(tokenizer_file, source, specials)
     # what the server does when no --reasoning-parser is given
     render = lambda: tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],  # noqa: E731
@@ -147,8 +129,9 @@ def test_reasoning_parser_detection(tokenizer_file: Path, name: str, parser: str
 
 @pytest.mark.parametrize("name", ["qwen3-0.6b", "qwq-32b", "deepseek-r1-distill-qwen-32b"])
 def test_data_files_are_the_verbatim_copies_their_notes_describe(name: str) -> None:
-    note = (DATA / f"{name}.source.md").read_text(encoding="utf-8")
+    data = Path(__file__).parent / "data"
+    note = (data / f"{name}.source.md").read_text(encoding="utf-8")
     assert "License" in note
     digest = re.search(r"sha256 `([0-9a-f]{64})`", note)
     assert digest, f"{name}.source.md gives no sha256"
-    assert hashlib.sha256((DATA / f"{name}.jinja").read_bytes()).hexdigest() == digest[1]
+    assert hashlib.sha256((data / f"{name}.jinja").read_bytes()).hexdigest() == digest[1]
