@@ -1,12 +1,18 @@
-"""Write a Llama-shaped checkpoint with random weights (for benchmarks; never all zeros)."""
+"""Llama/Qwen-shaped checkpoints with random weights, for benchmarks (never all zeros): written to disk
+(``write_random_llama``, through the real loader) or built in memory on the device (``random_checkpoint``:
+an 8B model in seconds, where writing and reading 16 GB of safetensors would take minutes)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
+
+if TYPE_CHECKING:
+    from cvllm.checkpoint.base import Checkpoint
 
 SHAPES = {
     # SmolLM2-135M's shape (the demo model of DESIGN.md §10)
@@ -16,15 +22,72 @@ SHAPES = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
                       max_position_embeddings=8192, rms_norm_eps=1e-5),
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                       rope_theta=1000000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                       architecture="Qwen3ForCausalLM"),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True, rope_theta=10000.0,
                  max_position_embeddings=2048, rms_norm_eps=1e-5),
 }
 
 
+def shape_config(shape: str, dtype: torch.dtype) -> dict:
+    cfg = dict(SHAPES[shape])
+    architecture = cfg.pop("architecture", "LlamaForCausalLM")
+    model_type = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}[architecture]
+    return dict(cfg, architectures=[architecture], model_type=model_type, hidden_act="silu",
+                torch_dtype=str(dtype).removeprefix("torch."), bos_token_id=0, eos_token_id=0)
+
+
+def random_checkpoint(shape: str, dtype: torch.dtype, device: str | torch.device, seed: int = 0) -> Checkpoint:
+    """An in-memory checkpoint whose tensors are drawn on ``device`` as the loader asks for them; the
+    engine loads it like any other (EngineConfig(model=checkpoint))."""
+    from cvllm.checkpoint.base import Checkpoint
+    from cvllm.config import model_config_from_dict
+
+    cfg = shape_config(shape, dtype)
+    config = model_config_from_dict(cfg, f"random:{shape}")
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or h // heads
+    qwen3 = cfg["architectures"][0] == "Qwen3ForCausalLM"
+
+    def tensors():
+        g = torch.Generator(device=device).manual_seed(seed)
+
+        def rand(*shape: int, std: float = 0.02) -> torch.Tensor:
+            return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * std).to(dtype)
+
+        def ones(n: int) -> torch.Tensor:  # norms near 1, not exactly (never a constant tensor)
+            return (1 + rand(n, std=0.01)).to(dtype)
+
+        yield "model.embed_tokens.weight", rand(v, h)
+        yield "model.norm.weight", ones(h)
+        if not cfg["tie_word_embeddings"]:
+            yield "lm_head.weight", rand(v, h)
+        for n in range(cfg["num_hidden_layers"]):
+            p = f"model.layers.{n}."
+            yield p + "self_attn.q_proj.weight", rand(heads * d, h)
+            yield p + "self_attn.k_proj.weight", rand(kv_heads * d, h)
+            yield p + "self_attn.v_proj.weight", rand(kv_heads * d, h)
+            yield p + "self_attn.o_proj.weight", rand(h, heads * d)
+            if qwen3:
+                yield p + "self_attn.q_norm.weight", ones(d)
+                yield p + "self_attn.k_norm.weight", ones(d)
+            yield p + "mlp.gate_proj.weight", rand(i, h)
+            yield p + "mlp.up_proj.weight", rand(i, h)
+            yield p + "mlp.down_proj.weight", rand(h, i)
+            yield p + "input_layernorm.weight", ones(h)
+            yield p + "post_attention_layernorm.weight", ones(h)
+
+    return Checkpoint(path=Path(f"random-{shape}"), config=config, weight_iterator=tensors, format="random")
+
+
 def write_random_llama(path: Path, shape: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Path:
-    cfg = dict(SHAPES[shape], architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
-               torch_dtype=str(dtype).removeprefix("torch."), bos_token_id=0, eos_token_id=0)
+    cfg = shape_config(shape, dtype)
+    if cfg["architectures"] != ["LlamaForCausalLM"]:
+        raise ValueError(f"write_random_llama writes Llama shapes only; use random_checkpoint for '{shape}'")
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     d = h // cfg["num_attention_heads"]
     kv = cfg["num_key_value_heads"] * d

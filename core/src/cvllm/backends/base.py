@@ -33,9 +33,11 @@ class Backend:
         """Varlen queries ``[T, H, D]`` over the paged cache; prefill chunks and decodes in one call."""
         raise NotImplementedError
 
-    def wrap_decode(self, fn: Callable) -> Callable:
-        """Optionally wrap the decode forward (CUDA graphs); the identity by default."""
-        return fn
+    def wrap_decode(self, forward: Callable, max_num_seqs: int, max_blocks_per_seq: int) -> Callable:
+        """Optionally wrap the decode-only forward ``forward(input_ids, positions, ctx) -> hidden`` (CUDA
+        graphs of up to ``max_num_seqs`` rows); the identity by default. A wrapper with a ``capture_all()``
+        method gets it called once, after the KV cache exists."""
+        return forward
 
     def synchronize(self) -> None:
         pass

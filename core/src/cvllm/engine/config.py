@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 
 @dataclass
 class EngineConfig:
-    model: str
+    model: Any                                  # a path or repo id, or an opened cvllm Checkpoint
     dtype: str | torch.dtype = "auto"
     backend: str | None = None                  # None: the first available of cuda, metal, cpu
     block_size: int = 16
@@ -25,6 +26,7 @@ class EngineConfig:
     seed: int = 0
     fake_step_ms: float | None = None           # no model: each step takes this long (measures the stack around it)
     isq: str | None = None                      # in-situ quantization of an unquantized checkpoint ("q4k", "q8_0" ...)
+    enforce_eager: bool = False                 # no CUDA graphs: every step launches its kernels one by one
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

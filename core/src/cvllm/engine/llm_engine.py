@@ -9,6 +9,7 @@ import time
 import torch
 
 from cvllm import plugins
+from cvllm.checkpoint.base import Checkpoint
 from cvllm.config import resolve_dtype
 from cvllm.engine.block_manager import BlockManager
 from cvllm.engine.config import EngineConfig
@@ -42,7 +43,9 @@ def select_backend(name: str | None):
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.checkpoint = plugins.open_checkpoint(config.model)
+        # a path (opened by whichever plugin claims it), or a Checkpoint built in memory (benchmarks' random weights)
+        model = config.model
+        self.checkpoint = model if isinstance(model, Checkpoint) else plugins.open_checkpoint(model)
         self.tokenizer = self.checkpoint.tokenizer
         self.backend = select_backend(config.backend)
         self.dtype = resolve_dtype(config.dtype, self.checkpoint.config)
@@ -67,6 +70,8 @@ class LLMEngine:
                            max_model_len, num_blocks * config.block_size, num_blocks)
             max_model_len = num_blocks * config.block_size
         self.max_model_len = max_model_len
+        if not config.enforce_eager and config.fake_step_ms is None:
+            self.runner.enable_decode_graphs(max_num_seqs, max_model_len)
         budget = config.max_num_batched_tokens or getattr(self.backend, "default_max_num_batched_tokens", 2048)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,

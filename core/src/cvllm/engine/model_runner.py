@@ -109,6 +109,7 @@ class ModelRunner:
         self.dtype = dtype
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.num_blocks = 0
+        self.decode_forward = self.forward   # decode-only steps; the backend may wrap it (CUDA graphs)
 
     def kv_bytes_per_block(self) -> int:
         per_token = sum(2 * torch.Size(layer.kv_cache_shape()).numel() for layer in self.attention_layers)
@@ -122,6 +123,20 @@ class ModelRunner:
             layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.num_blocks = num_blocks
+
+    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Let the backend wrap decode-only steps (CUDA graphs), once the KV cache exists."""
+        wrapped = self.backend.wrap_decode(self.forward, max_num_seqs, -(-max_model_len // self.block_size))
+        if wrapped is not self.forward:
+            capture = getattr(wrapped, "capture_all", None)
+            if capture is not None:
+                with torch.inference_mode():
+                    capture()
+            self.decode_forward = wrapped
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        with forward_context(ctx):
+            return self.model(input_ids, positions)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, torch.Tensor]:
         """Flat varlen tensors for the batch. Python touches each sequence, never each token."""
@@ -165,8 +180,8 @@ class ModelRunner:
         """Logits (fp32) of the last token of every sequence that samples, followed by those of the flat
         batch rows in ``extra_indices`` (prompt logprobs); or, with ``all_logits``, of every token."""
         input_ids, positions, ctx, logits_indices = self.prepare(batch)
-        with forward_context(ctx):
-            hidden = self.model(input_ids, positions)
+        forward = self.decode_forward if ctx.is_decode_only else self.forward
+        hidden = forward(input_ids, positions, ctx)
         if not all_logits:
             if extra_indices is not None:
                 logits_indices = torch.cat([logits_indices, extra_indices.to(logits_indices.device)])

@@ -1,0 +1,195 @@
+"""Batch-1 latency on a Llama-3-8B shape (random bf16 weights on the device): TTFT and decode tok/s at
+1k and 4k context, the share of each decode step the GPU sits idle, and the references of PERF.md
+(the copy-bandwidth ceiling, HF transformers ``generate`` on the same config) measured in the same run.
+
+    python bench/latency.py --json $OUT/latency.json          # on the H200 (one device call)
+    python bench/latency.py --tiny                            # a CPU rehearsal on a tiny shape
+
+Decode tok/s = generated tokens over the wall time of the decode steps (after the first token).
+GPU idle share = 1 - (GPU time of one decode step, timed with CUDA events on the replayed graph) /
+(wall time of one engine step): what host work between steps costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from random_checkpoint import random_checkpoint, shape_config  # noqa: E402
+
+from cvllm.engine.config import EngineConfig  # noqa: E402
+from cvllm.engine.llm_engine import LLMEngine  # noqa: E402
+from cvllm.sampling_params import SamplingParams  # noqa: E402
+
+
+def prompt(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(10, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def ttft_ms(engine: LLMEngine, length: int, vocab: int, device: str, repeats: int) -> float:
+    times = []
+    for r in range(repeats + 1):   # the first round compiles the prefill kernels for this length
+        engine.add_request(f"ttft-{length}-{r}", prompt(length, vocab, r), SamplingParams(temperature=0, max_tokens=1))
+        sync(device)
+        started = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        sync(device)
+        if r:
+            times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+def decode(engine: LLMEngine, context: int, tokens: int, vocab: int, device: str) -> dict:
+    engine.add_request(f"decode-{context}", prompt(context, vocab, 7), SamplingParams(temperature=0, max_tokens=tokens,
+                                                                                       ignore_eos=True))
+    engine.step()                        # the prefill and the first token
+    steps = []
+    while engine.has_unfinished():
+        sync(device)
+        started = time.perf_counter()
+        engine.step()
+        sync(device)
+        steps.append(time.perf_counter() - started)
+    steps = steps[3:]                    # the first decode steps warm up (graph replay, allocator)
+    step_s = statistics.median(steps)
+    return {"tok_s": 1 / step_s, "step_ms": step_s * 1e3}
+
+
+def gpu_step_ms(engine: LLMEngine) -> float | None:
+    """GPU time of one batch-1 decode step: the captured graph replayed alone, timed with CUDA events."""
+    graphs = getattr(engine.runner.decode_forward, "graphs", None)
+    if not graphs or 1 not in graphs:
+        return None
+    graph, _ = graphs[1]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(5):
+        graph.replay()
+    times = []
+    for _ in range(20):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth_tb_s() -> float:
+    x = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)   # 2 GiB, far past the L2
+    y = torch.empty_like(x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    y.copy_(x)
+    times = []
+    for _ in range(10):
+        start.record()
+        y.copy_(x)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * x.numel() * x.element_size() / statistics.median(times) / 1e12   # bytes read + written
+
+
+def hf_generate_tok_s(shape: str, context: int, tokens: int, device: str, dtype: torch.dtype) -> float:
+    """transformers' eager generate on the same config, random weights: decode tok/s after the first token."""
+    import transformers
+
+    cfg = shape_config(shape, dtype)
+    hf_config = transformers.AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items()
+                                                                         if k not in ("model_type", "torch_dtype")})
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()
+    ids = torch.tensor([prompt(context, cfg["vocab_size"], 3)], device=device)
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kwargs)      # warm-up
+        sync(device)
+        started = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+        sync(device)
+        first = time.perf_counter() - started
+        started = time.perf_counter()
+        model.generate(ids, max_new_tokens=tokens + 1, min_new_tokens=tokens + 1, **kwargs)
+        sync(device)
+        total = time.perf_counter() - started
+    del model
+    return tokens / (total - first)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="CPU rehearsal on the tiny shape")
+    ap.add_argument("--shape", default="llama3-8b")
+    ap.add_argument("--contexts", default="1024,4096")
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--hf-tokens", type=int, default=64)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--skip-hf", action="store_true", help="leave out the transformers reference")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    device = "cpu" if args.tiny else "cuda"
+    shape = "tiny" if args.tiny else args.shape
+    contexts = [64, 256] if args.tiny else [int(c) for c in args.contexts.split(",")]
+    dtype = torch.bfloat16
+    vocab = shape_config(shape, dtype)["vocab_size"]
+
+    started = time.perf_counter()
+    engine = LLMEngine(EngineConfig(model=random_checkpoint(shape, dtype, device), backend=device, dtype=dtype,
+                                    max_num_seqs=4, max_model_len=max(contexts) + args.decode_tokens + 16,
+                                    kv_cache_memory=8 << 30 if device == "cuda" else 64 << 20,
+                                    enforce_eager=args.enforce_eager))
+    load_s = time.perf_counter() - started
+    result: dict = {"bench": "latency", "shape": shape, "device": torch.cuda.get_device_name() if device == "cuda"
+                    else "cpu", "dtype": "bfloat16", "enforce_eager": args.enforce_eager, "load_s": load_s,
+                    "command": "python " + " ".join(sys.argv), "measured": {}, "ceiling": {}, "reference": {}}
+    result["cuda_graphs"] = hasattr(engine.runner.decode_forward, "graphs")
+    measured = result["measured"]
+    for context in contexts:
+        measured[f"ttft_ms_{context}"] = ttft_ms(engine, context, vocab, device, repeats=3 if args.tiny else 5)
+        d = decode(engine, context, args.decode_tokens, vocab, device)
+        measured[f"decode_tok_s_{context}"], measured[f"decode_step_ms_{context}"] = d["tok_s"], d["step_ms"]
+    measured["bs1_decode_tok_s"] = measured[f"decode_tok_s_{contexts[0]}"]
+    if device == "cuda":
+        gpu_ms = gpu_step_ms(engine)
+        if gpu_ms is not None:
+            measured["gpu_step_ms_bs1"] = gpu_ms
+            measured["gpu_idle_share_bs1"] = 1 - gpu_ms / measured[f"decode_step_ms_{contexts[0]}"]
+        weights = sum(p.numel() * p.element_size() for n, p in engine.runner.model.named_parameters()
+                      if "embed_tokens" not in n or engine.runner.model.config.get("tie_word_embeddings"))
+        bandwidth = copy_bandwidth_tb_s()
+        result["ceiling"] = {"copy_tb_s": bandwidth, "streamed_weight_gb": weights / 1e9,
+                             "bs1_decode_tok_s": bandwidth * 1e12 / weights}
+    del engine
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    if not args.skip_hf:
+        result["reference"]["hf_generate_bs1_decode_tok_s"] = hf_generate_tok_s(shape, contexts[0], args.hf_tokens,
+                                                                               device, dtype)
+    try:
+        result["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                          cwd=Path(__file__).parent).stdout.strip() or None
+    except OSError:
+        result["commit"] = None
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    print(f"\n{shape} on {result['device']} ({'graphs' if result['cuda_graphs'] else 'eager'}), load {load_s:.1f}s")
+    for key, value in {**measured, **{f"ceiling.{k}": v for k, v in result["ceiling"].items()},
+                       **{f"reference.{k}": v for k, v in result["reference"].items()}}.items():
+        print(f"  {key:36s} {value:10.3f}")
+
+
+if __name__ == "__main__":
+    main()

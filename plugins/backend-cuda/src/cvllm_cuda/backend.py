@@ -1,0 +1,53 @@
+"""The CUDA backend: the engine's device operations on an NVIDIA GPU.
+
+Attention and the KV-cache write are Triton kernels (kernels/); everything else a model does runs
+through torch's CUDA kernels. Decode steps replay CUDA graphs captured per batch size (graphs.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from cvllm.backends.base import Backend
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+    dist_backend = "nccl"
+    default_dtype = torch.bfloat16
+    default_max_num_seqs = 256
+    default_max_num_batched_tokens = 8192
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
+
+    def __init__(self) -> None:
+        from cvllm_cuda.kernels.kv_cache import write_kv
+        from cvllm_cuda.kernels.paged_attention import paged_attention
+
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self._write_kv, self._paged_attention = write_kv, paged_attention
+
+    def memory(self) -> tuple[int, int]:
+        return torch.cuda.mem_get_info(self.device)
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        self._write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Any,
+                  layer: Any) -> torch.Tensor:
+        return self._paged_attention(q, k_cache, v_cache, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables,
+                                     ctx.max_query_len, layer.scale, layer.sliding_window, layer.logits_soft_cap)
+
+    def wrap_decode(self, forward: Callable, max_num_seqs: int, max_blocks_per_seq: int) -> Callable:
+        from cvllm_cuda.graphs import DecodeGraphs
+
+        return DecodeGraphs(forward, self, max_num_seqs, max_blocks_per_seq)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)

@@ -1,0 +1,76 @@
+"""Store one step's keys and values in the paged KV cache: one Triton launch for both K and V.
+
+Cache layout (the engine's): ``[num_blocks, block_size, Hkv, D]`` per layer, and a token's slot is
+``block * block_size + offset``. Slot -1 marks a token whose K/V is not stored (padding rows of a
+CUDA graph), so the kernel tests the slot on the device instead of the host filtering the batch:
+no host sync, and the launch is graph-capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Elements one program copies per tensor: enough work to hide a launch's index arithmetic,
+# small enough that a big batch still spreads over every SM.
+_ELEMENTS_PER_PROGRAM = 2048
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    num_kv_heads, block_size,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:  # padding: nothing to store
+        return
+    block = slot // block_size
+    offset = slot % block_size
+
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    # BLOCK_D is HEAD_DIM rounded up to a power of two (tl.arange needs one): mask the tail (D = 80, 96)
+    mask = (heads < num_kv_heads)[:, None] & (dims < HEAD_DIM)[None, :]
+    row = token.to(tl.int64)
+
+    k = tl.load(k_ptr + row * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+    k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + heads[:, None] * stride_kch + dims[None, :]
+    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+
+    v = tl.load(v_ptr + row * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + heads[:, None] * stride_vch + dims[None, :]
+    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter ``k``/``v`` ``[T, Hkv, D]`` into the caches at ``slot_mapping`` ``[T]`` (slots < 0 skipped).
+
+    ``k`` and ``v`` may be strided views (a slice of a fused QKV output) as long as their last dim is
+    contiguous; the caches need a contiguous last dim too. Values are cast to the cache dtype.
+    The grid depends on T and Hkv only.
+    """
+    num_tokens, num_kv_heads, head_dim = k.shape
+    assert v.shape == k.shape and slot_mapping.shape == (num_tokens,), (k.shape, v.shape, slot_mapping.shape)
+    assert k_cache.shape[2:] == (num_kv_heads, head_dim) and v_cache.shape == k_cache.shape, k_cache.shape
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        assert t.stride(-1) == 1, f"{name} needs a contiguous last dim"
+    assert not slot_mapping.is_floating_point() and slot_mapping.stride(0) == 1
+    if num_tokens == 0:
+        return
+    block_d = triton.next_power_of_2(head_dim)
+    block_h = min(triton.next_power_of_2(num_kv_heads), max(1, _ELEMENTS_PER_PROGRAM // block_d))
+    grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
+    _write_kv_kernel[grid](
+        k, v, k_cache, v_cache, slot_mapping,
+        num_kv_heads, k_cache.shape[1],
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
+    )

@@ -1,0 +1,286 @@
+"""Paged attention over a mixed varlen batch (prefill chunks and decodes) in one Triton launch.
+
+Work split. One program owns one KV head of one tile of one sequence's queries. The rows of its
+tile are (query token x the G = H / Hkv query heads sharing that KV head), so each K/V block is
+loaded once per KV head and reused by all G heads (GQA). Sequence s owns the flat tiles from
+``query_start_loc[s] // BLOCK_Q + s`` on; a program finds its sequence by binary search, and the
+grid, ``cdiv(T, BLOCK_Q) + num_seqs - 1`` tiles, depends on the batch shape only. When every
+sequence decodes one token (``max_query_len == 1``) tile i is simply sequence i.
+
+Split-KV. A long decode leaves most SMs idle with one program per (sequence, KV head); a third
+grid axis then cuts each tile's key range into NUM_SPLITS slices, each program writes an
+unnormalised partial (row max, row sum, accumulator) to a workspace, and a small kernel combines
+them. Slices are cut on the device from the tile's own key range, so the grid never depends on
+context length and nothing is read back to the host: the decode path can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_SPLITS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionConfig:
+    block_m: int      # rows of a tile: query tokens x query heads of one KV head (>= G; >= 16 for tl.dot)
+    block_n: int      # keys per step of the inner loop
+    num_warps: int
+    num_stages: int
+
+
+# Autotuned configs committed per GPU: {torch.cuda.get_device_name(): {(head_dim, dtype, decode): config}},
+# dtype spelled as in torch ("bfloat16"), decode meaning max_query_len == 1. Empty until someone tunes
+# a card; attention_config() falls back to the defaults below for anything missing.
+TUNED_CONFIGS: dict[str, dict[tuple[int, str, bool], AttentionConfig]] = {}
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def attention_config(head_dim: int, dtype: torch.dtype, decode: bool, device: torch.device) -> AttentionConfig:
+    """Tile sizes for this head dim and dtype: a tuned entry for this GPU if committed, else a default.
+
+    Defaults, from a sweep on an H200 (bf16, 32 query / 8 KV heads): decodes are memory-bound and 64-key
+    steps reach ~4 TB/s; 16-bit prefill tiles of 64 x 64 for D <= 128 and 128 x 64 with 8 warps for
+    D = 256. fp32 tiles hold twice the bytes per element, so they get smaller tiles.
+    """
+    if device.type == "cuda":
+        key = (head_dim, str(dtype).removeprefix("torch."), decode)
+        tuned = TUNED_CONFIGS.get(_device_name(device.index or 0), {}).get(key)
+        if tuned is not None:
+            return tuned
+    fp32 = dtype == torch.float32
+    if decode:
+        return AttentionConfig(block_m=16, block_n=32 if fp32 or head_dim > 128 else 64, num_warps=4, num_stages=2)
+    if fp32:
+        return AttentionConfig(block_m=32, block_n=32, num_warps=4, num_stages=2)
+    if head_dim > 128:
+        return AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+    return AttentionConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, device: torch.device) -> int:
+    """Split decodes' keys only when the batch alone cannot fill the GPU: aim at two programs per SM.
+
+    A plain function of the batch shape and the SM count, never of sequence lengths, so the choice made
+    when a CUDA graph is captured stays right for any context. Prefill batches are not split: their
+    tiles already fill the GPU and their workspace would be large.
+    """
+    programs = num_seqs * num_kv_heads
+    if max_query_len != 1 or device.type != "cuda" or programs == 0:
+        return 1
+    sms = _num_sms(device.index or 0)
+    if programs >= sms:
+        return 1
+    return min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(2 * sms, programs)))
+
+
+@triton.jit
+def _tanh(x):
+    # tl has no tanh; this form saturates cleanly to +-1 (no inf / inf)
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """The last sequence s whose first tile, query_start_loc[s] // BLOCK_Q + s, is <= tile.
+
+    That start is increasing in s and leaves each sequence at least cdiv(q_len, BLOCK_Q) tiles.
+    """
+    lo = tl.zeros([], tl.int32)
+    hi = lo + num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        mid_first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        lo = tl.where(mid_first_tile <= tile, mid, lo)
+        hi = tl.where(mid_first_tile <= tile, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    num_seqs, scale, soft_cap, sliding_window,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
+    BLOCK_SIZE: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DECODE_ONLY: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if DECODE_ONLY:
+        seq = tile
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_tile = 0
+    else:
+        seq = _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_tile = tile - (q_start // BLOCK_Q + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:  # a spare tile: its sequence has fewer queries
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len  # keys cached before this step's queries
+
+    rows = tl.arange(0, BLOCK_M)
+    q_index = q_tile * BLOCK_Q + rows // G  # query token within its sequence
+    head = kv_head * G + rows % G
+    row_valid = (rows < BLOCK_Q * G) & (q_index < q_len)
+    q_pos = context_len + q_index  # absolute position: the causal and window masks compare keys with it
+    token = (q_start + q_index).to(tl.int64)
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < HEAD_DIM  # BLOCK_D is HEAD_DIM rounded up to a power of two (D = 80, 96)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+
+    # Keys any row of the tile may see: up to its last query, back one window from its first.
+    first_pos = context_len + q_tile * BLOCK_Q
+    kv_end = tl.minimum(first_pos + BLOCK_Q, seq_len)
+    kv_begin = first_pos * 0
+    if USE_WINDOW:
+        kv_begin = tl.maximum(first_pos - sliding_window + 1, 0)
+    # This program's slice: a contiguous run of BLOCK_N-key steps (all of them when NUM_SPLITS == 1).
+    steps_per_split = tl.cdiv(tl.cdiv(kv_end - kv_begin, BLOCK_N), NUM_SPLITS)
+    split_begin = kv_begin + split * steps_per_split * BLOCK_N
+    split_end = tl.minimum(kv_end, split_begin + steps_per_split * BLOCK_N)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(split_begin, split_end, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_valid = keys < split_end
+        page = tl.load(table + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        key_offset = page * stride_cb + (keys % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        k = tl.load(k_cache_ptr + key_offset[None, :] + dims[:, None],
+                    mask=dim_valid[:, None] & key_valid[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
+        if USE_SOFT_CAP:
+            s = soft_cap * _tanh(s / soft_cap)
+        visible = key_valid[None, :] & (keys[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (q_pos[:, None] - keys[None, :] < sliding_window)
+        s = tl.where(visible, s, float("-inf"))
+
+        # online softmax; a row that has seen no visible key yet keeps m = -inf, and subtracting 0
+        # instead makes exp() give 0 rather than NaN
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_ref[:, None])
+        alpha = tl.exp(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + key_offset[:, None] + dims[None, :],
+                    mask=key_valid[:, None] & dim_valid[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out_mask = row_valid[:, None] & dim_valid[None, :]
+    if NUM_SPLITS == 1:
+        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l == 0 only for a row that sees no key at all
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # workspace rows [T, H, NUM_SPLITS] (and [.., HEAD_DIM]); an empty slice writes (-inf, 0, 0)
+        part = (token * (tl.num_programs(1) * G) + head) * NUM_SPLITS + split
+        tl.store(part_max_ptr + part, m_i, mask=row_valid)
+        tl.store(part_sum_ptr + part, l_i, mask=row_valid)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=out_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    part = (token * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, BLOCK_D)
+    m = tl.load(part_max_ptr + part)
+    l = tl.load(part_sum_ptr + part)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=(dims < HEAD_DIM)[None, :])
+    m_all = tl.max(m, 0)
+    weight = tl.exp(m - tl.where(m_all == float("-inf"), 0.0, m_all))  # 0 for slices that saw no key
+    total = tl.sum(weight * l, 0)
+    o = tl.sum(acc * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, o.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int, scale: float,
+                    sliding_window: int | None, soft_cap: float | None, out: torch.Tensor | None = None, *,
+                    num_splits: int | None = None) -> torch.Tensor:
+    """Attention of varlen queries ``q [T, H, D]`` over the paged caches ``[num_blocks, block_size, Hkv, D]``.
+
+    Sequence i's queries are rows ``query_start_loc[i]:query_start_loc[i + 1]`` at positions
+    ``seq_lens[i] - q_len ... seq_lens[i] - 1``; its keys are at ``block_tables[i]`` (entries past its last
+    block are never read). ``max_query_len`` must be >= the longest q_len (it picks tile shapes; 1 selects
+    the decode path). ``num_splits`` forces the split-KV path (rounded up to a power of two); by default
+    ``default_num_splits``. Launches without reading anything back to the host.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim, (q.shape, k_cache.shape)
+    assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride(), "K and V caches differ in layout"
+    assert q.dtype == k_cache.dtype == v_cache.dtype, (q.dtype, k_cache.dtype)
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1, "q and the caches need a contiguous last dim"
+    assert query_start_loc.shape == (num_seqs + 1,) and block_tables.shape[0] == num_seqs
+    assert query_start_loc.stride(0) == 1 and seq_lens.stride(0) == 1 and block_tables.stride(1) == 1
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    assert out.shape == q.shape and out.stride(-1) == 1
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    decode = max_query_len == 1
+    config = attention_config(head_dim, q.dtype, decode, q.device)
+    block_q = max(1, min(config.block_m // group, max_query_len))
+    block_m = max(16, triton.next_power_of_2(block_q * group))
+    splits = num_splits or default_num_splits(num_seqs, num_kv_heads, max_query_len, q.device)
+    splits = min(MAX_SPLITS, triton.next_power_of_2(splits))
+    tiles = num_seqs if decode else triton.cdiv(num_tokens, block_q) + num_seqs - 1
+    block_d = triton.next_power_of_2(head_dim)
+
+    if splits > 1:
+        part_max = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+        part_acc = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+    else:
+        part_max = part_sum = part_acc = out  # never touched: the kernel writes `out` directly
+    _attention_kernel[(tiles, num_kv_heads, splits)](
+        q, k_cache, v_cache, out, part_max, part_sum, part_acc,
+        query_start_loc, seq_lens, block_tables,
+        num_seqs, float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        BLOCK_SIZE=block_size, G=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_Q=block_q,
+        BLOCK_N=config.block_n,
+        NUM_SPLITS=splits, DECODE_ONLY=decode, USE_WINDOW=bool(sliding_window), USE_SOFT_CAP=bool(soft_cap),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if splits > 1:
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            out, part_max, part_sum, part_acc, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, num_warps=4,
+        )
+    return out

@@ -1,0 +1,105 @@
+"""The Triton kernels on small shapes against the CPU oracle: in Triton's CPU interpreter without a GPU
+(conftest.py sets TRITON_INTERPRET=1), compiled on the GPU where there is one."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from cvllm_cuda.kernels import paged_attention, write_kv  # noqa: E402
+
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+
+# 2 decodes, a prefill chunk after 20 cached tokens, a fresh prefill: every kind of row in one launch
+MIXED = dict(query_lens=[1, 5, 1, 7], context_lens=[37, 20, 9, 0])
+
+
+def scatter_reference(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Direct per-token scatter, the obvious way."""
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            block, offset = divmod(slot, k_cache.shape[1])
+            k_cache[block, offset] = k[t].to(k_cache.dtype)
+            v_cache[block, offset] = v[t].to(v_cache.dtype)
+
+
+@pytest.mark.parametrize("num_kv_heads,head_dim", [(1, 64), (3, 80), (2, 16)])
+# (input, cache) dtypes; not fp32 -> bf16 here: the interpreter truncates where the GPU rounds to nearest
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.float16)])
+def test_write_kv_matches_a_scatter(generator, num_kv_heads, head_dim, dtype, cache_dtype):
+    num_tokens, num_blocks, block_size = 9, 4, 16
+    # k and v as strided views of one fused projection output, like a model's qkv split
+    fused = torch.randn(num_tokens, 3 * num_kv_heads * head_dim + 5, generator=generator).to(dtype)
+    k = fused[:, :num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    v = fused[:, num_kv_heads * head_dim:2 * num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=generator)[:num_tokens]
+    slots[[2, 6]] = -1  # padding tokens: not stored
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, generator=generator).to(cache_dtype)
+    v_cache = torch.randn(cache_shape, generator=generator).to(cache_dtype)
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    scatter_reference(k, v, k_expected, v_expected, slots)
+
+    k_cache, v_cache = k_cache.to(DEVICE), v_cache.to(DEVICE)
+    write_kv(k.to(DEVICE), v.to(DEVICE), k_cache, v_cache, slots.to(DEVICE))
+    # exact: written slots hold the (cast) inputs, every other slot is untouched
+    assert torch.equal(k_cache.cpu(), k_expected) and torch.equal(v_cache.cpu(), v_expected)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (2, 2)])
+@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_mixed_batch(make_attention_case, check_attention, num_heads, num_kv_heads, head_dim, block_size):
+    case = make_attention_case(**MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                               block_size=block_size, dtype=torch.float32, device=DEVICE)
+    check_attention(case)
+
+
+@pytest.mark.parametrize("sliding_window,soft_cap", [(8, None), (None, 2.0), (13, 3.0), (1, None)])
+def test_sliding_window_and_soft_cap(make_attention_case, check_attention, sliding_window, soft_cap):
+    case = make_attention_case(**MIXED, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                               dtype=torch.float32, device=DEVICE)
+    check_attention(case, sliding_window, soft_cap)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3])
+@pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (24, 2.5)])
+def test_split_kv_mixed_batch(make_attention_case, check_attention, num_splits, sliding_window, soft_cap):
+    case = make_attention_case(**MIXED, num_heads=4, num_kv_heads=2, head_dim=80, block_size=16,
+                               dtype=torch.float32, device=DEVICE)
+    check_attention(case, sliding_window, soft_cap, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4, 16])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_only_batch(make_attention_case, check_attention, num_splits, block_size):
+    # max_query_len == 1 takes the decode path: one tile per sequence, G = 4 heads per KV head;
+    # with 16 splits most slices of the short contexts are empty and must not disturb the result
+    case = make_attention_case(query_lens=[1, 1, 1], context_lens=[127, 0, 63], num_heads=8, num_kv_heads=2,
+                               head_dim=64, block_size=block_size, dtype=torch.float32, device=DEVICE)
+    check_attention(case, num_splits=num_splits)
+
+
+def test_strided_query_and_output(make_attention_case, check_attention, generator):
+    """q as a view of a fused QKV output (row stride > H * D), written into a strided output."""
+    case = make_attention_case(**MIXED, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                               dtype=torch.float32, device=DEVICE)
+    fused = torch.randn(case.q.shape[0], 6 * 64, generator=generator).to(DEVICE)
+    case.q = fused[:, :4 * 64].view(-1, 4, 64)
+    out = check_attention(case)
+    wide = torch.full((case.q.shape[0], 4, 96), float("nan"), device=DEVICE)
+    paged_attention(*case.args(), None, None, wide[:, :, :64])
+    torch.testing.assert_close(wide[:, :, :64], out, rtol=0, atol=0)
+    assert torch.isnan(wide[:, :, 64:]).all()  # nothing written outside the view
+
+
+def test_half_precision(make_attention_case, check_attention):
+    """fp16 here: triton 3.6's interpreter multiplies bf16 tiles as raw uint16 bits (bf16 runs on the GPU)."""
+    case = make_attention_case(**MIXED, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                               dtype=torch.float16 if DEVICE == "cpu" else torch.bfloat16, device=DEVICE)
+    check_attention(case, num_splits=2)
