@@ -163,10 +163,10 @@ def main() -> None:
         measured[f"decode_tok_s_{context}"], measured[f"decode_step_ms_{context}"] = d["tok_s"], d["step_ms"]
     measured["bs1_decode_tok_s"] = measured[f"decode_tok_s_{contexts[0]}"]
     if device == "cuda":
-        gpu_ms = gpu_step_ms(engine)
+        gpu_ms = gpu_step_ms(engine)    # the graph's buffers hold the last decode run's step: compare with it
         if gpu_ms is not None:
             measured["gpu_step_ms_bs1"] = gpu_ms
-            measured["gpu_idle_share_bs1"] = 1 - gpu_ms / measured[f"decode_step_ms_{contexts[0]}"]
+            measured["gpu_idle_share_bs1"] = 1 - gpu_ms / measured[f"decode_step_ms_{contexts[-1]}"]
         weights = sum(p.numel() * p.element_size() for n, p in engine.runner.model.named_parameters()
                       if "embed_tokens" not in n or engine.runner.model.config.get("tie_word_embeddings"))
         bandwidth = copy_bandwidth_tb_s()
