@@ -88,6 +88,22 @@ def gpu_step_ms(engine: LLMEngine) -> float | None:
     return statistics.median(times)
 
 
+def profile_host(engine: LLMEngine, context: int, vocab: int) -> None:
+    import cProfile
+    import pstats
+
+    engine.add_request("profile", prompt(context, vocab, 9), SamplingParams(temperature=0, max_tokens=70,
+                                                                            ignore_eos=True))
+    for _ in range(5):
+        engine.step()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    while engine.has_unfinished():
+        engine.step()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
+
+
 def copy_bandwidth_tb_s() -> float:
     x = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)   # 2 GiB, far past the L2
     y = torch.empty_like(x)
@@ -138,6 +154,8 @@ def main() -> None:
     ap.add_argument("--hf-tokens", type=int, default=64)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--skip-hf", action="store_true", help="leave out the transformers reference")
+    ap.add_argument("--profile-host", action="store_true",
+                    help="print where the host's time goes in batch-1 decode steps (cProfile, by own time)")
     ap.add_argument("--json")
     args = ap.parse_args()
     device = "cpu" if args.tiny else "cuda"
@@ -162,6 +180,8 @@ def main() -> None:
         d = decode(engine, context, args.decode_tokens, vocab, device)
         measured[f"decode_tok_s_{context}"], measured[f"decode_step_ms_{context}"] = d["tok_s"], d["step_ms"]
     measured["bs1_decode_tok_s"] = measured[f"decode_tok_s_{contexts[0]}"]
+    if args.profile_host:
+        profile_host(engine, contexts[0], vocab)
     if device == "cuda":
         gpu_ms = gpu_step_ms(engine)    # the graph's buffers hold the last decode run's step: compare with it
         if gpu_ms is not None:

@@ -7,12 +7,28 @@ from typing import Any
 
 import torch
 
+from cvllm.forward_context import current_forward_context
+
 
 class Backend:
     name: str = "base"
     device: torch.device = torch.device("cpu")
     dist_backend: str = "gloo"          # torch.distributed backend for tensor parallelism
     default_dtype: torch.dtype = torch.float32
+
+    # Optional fused kernels. The layers call one when the backend of the forward pass in progress
+    # has it (not None) and run their torch code otherwise, so model code never changes; a fused
+    # kernel must return the numbers of that torch code (same roundings) in new tensors. Set plain
+    # functions on the instance (or as staticmethods): a function class attribute would bind ``self``.
+    #   fused_add_rms_norm(x, residual, weight, eps): RMSNorm.forward (layers/layernorm.py); residual
+    #       may be None: ``weight * rms_norm(x)``, else ``(weight * rms_norm(x + residual), x + residual)``
+    #   rotary(positions, q, k, cos_sin, head_dim) -> (q, k): RotaryEmbedding's neox rotation of every
+    #       head of q [T, ...] and k (or None) by the rows ``positions`` of the table cos_sin
+    #       [max_position, rotary_dim] (cos ‖ sin, in the activations' dtype)
+    #   silu_and_mul(x [..., 2I]) -> [..., I]: SiluAndMul (layers/activation.py)
+    fused_add_rms_norm: Callable | None = None
+    rotary: Callable | None = None
+    silu_and_mul: Callable | None = None
 
     @classmethod
     def is_available(cls) -> bool:
@@ -41,3 +57,10 @@ class Backend:
 
     def synchronize(self) -> None:
         pass
+
+
+def fused_kernel(name: str) -> Callable | None:
+    """The fused kernel ``name`` of the backend running the current forward pass, or None (no such
+    kernel, or no forward pass in progress: a layer called on its own runs its torch code)."""
+    ctx = current_forward_context()
+    return None if ctx is None else getattr(ctx.backend, name, None)

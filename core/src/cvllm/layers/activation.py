@@ -6,9 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cvllm.backends.base import fused_kernel
+
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = fused_kernel("silu_and_mul")
+        if fused is not None:
+            return fused(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

@@ -6,8 +6,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cvllm.backends.base import fused_kernel
+
 
 class RMSNorm(nn.Module):
+    # whether the backend's fused_add_rms_norm computes this class's forward; a subclass that
+    # changes _norm (e.g. a (1 + weight) scale) must not be handed to it
+    _fusable = True
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._fusable = cls._norm is RMSNorm._norm and cls.forward is RMSNorm.forward
+
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
@@ -20,6 +30,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``."""
+        fused = fused_kernel("fused_add_rms_norm") if self._fusable else None
+        if fused is not None:
+            return fused(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cvllm.backends.base import fused_kernel
 from cvllm.forward_context import current_forward_context
 
 
@@ -131,19 +132,27 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin = self.table   # the copy in use: on the activations' device and dtype
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.cos_sin.device != positions.device or self.cos_sin.dtype != q.dtype:
-            # cast once, not per call: transformers also computes cos/sin in fp32 and casts them to
-            # the activations' dtype, so a table cast up front gives the same numbers
-            self.cos_sin = _shared_copy(self.table, positions.device, q.dtype)
+        self._use_table_for(positions, q)
+        fused = fused_kernel("rotary")
+        if fused is not None:  # the backend gathers cos/sin by position inside its kernel
+            return fused(positions, q, k, self.cos_sin, self.head_dim)
         cos, sin = self._lookup(positions)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def rotate_heads(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rotates every head of ``x`` [T, n_heads * head_dim]: q and k side by side (the first columns of a
         fused qkv output) take half the ops of two ``forward`` calls, which counts in a small model's decode."""
-        if self.cos_sin.device != positions.device or self.cos_sin.dtype != x.dtype:
-            self.cos_sin = _shared_copy(self.table, positions.device, x.dtype)
+        self._use_table_for(positions, x)
+        fused = fused_kernel("rotary")
+        if fused is not None:
+            return fused(positions, x, None, self.cos_sin, self.head_dim)[0]
         return self._rotate(x, *self._lookup(positions))
+
+    def _use_table_for(self, positions: torch.Tensor, x: torch.Tensor) -> None:
+        if self.cos_sin.device != positions.device or self.cos_sin.dtype != x.dtype:
+            # cast once, not per call: transformers also computes cos/sin in fp32 and casts them to
+            # the activations' dtype, so a table cast up front gives the same numbers
+            self.cos_sin = _shared_copy(self.table, positions.device, x.dtype)
 
     def _lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos ‖ cos, -sin ‖ sin)`` of each position, ``[T, 1, rotary_dim]``: every layer of a forward

@@ -1,7 +1,8 @@
 """The CUDA backend: the engine's device operations on an NVIDIA GPU.
 
-Attention and the KV-cache write are Triton kernels (kernels/); everything else a model does runs
-through torch's CUDA kernels. Decode steps replay CUDA graphs captured per batch size (graphs.py).
+Attention, the KV-cache write, RMSNorm with its residual add, rotary and SiLU·up are Triton kernels
+(kernels/); the matmuls are torch's (cuBLAS). Decode steps replay CUDA graphs captured per batch size
+(graphs.py).
 """
 
 from __future__ import annotations
@@ -27,11 +28,16 @@ class CudaBackend(Backend):
         return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
 
     def __init__(self) -> None:
+        from cvllm_cuda.kernels.activation import silu_and_mul
         from cvllm_cuda.kernels.kv_cache import write_kv
         from cvllm_cuda.kernels.paged_attention import paged_attention
+        from cvllm_cuda.kernels.rms_norm import fused_add_rms_norm
+        from cvllm_cuda.kernels.rotary import rotary
 
         self.device = torch.device("cuda", torch.cuda.current_device())
         self._write_kv, self._paged_attention = write_kv, paged_attention
+        # fused kernels the layers call instead of their torch ops (Backend's attributes say how)
+        self.fused_add_rms_norm, self.rotary, self.silu_and_mul = fused_add_rms_norm, rotary, silu_and_mul
 
     def memory(self) -> tuple[int, int]:
         return torch.cuda.mem_get_info(self.device)

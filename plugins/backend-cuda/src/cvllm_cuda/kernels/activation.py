@@ -1,0 +1,56 @@
+"""SiLU(gate) * up over a fused gate+up projection in one Triton launch (cvllm's SiluAndMul, fused).
+
+torch computes ``F.silu(gate)`` in fp32 as ``gate / (1 + exp(-gate))``, rounds it to the dtype, and the
+product with ``up`` rounds again; the kernel rounds in the same places. On the GPU it takes exp from
+libdevice (the CUDA math library's expf, which torch's CUDA kernel calls too) and divides with IEEE
+rounding, rather than Triton's default approximate exp2 and division.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+_BLOCK = 1024  # output features per program
+# Triton's CPU interpreter has no libdevice; it gets numpy's exp instead
+_LIBDEVICE_EXP = not triton.knobs.runtime.interpret
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, intermediate, stride_xt,
+    LIBDEVICE_EXP: tl.constexpr, BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < intermediate
+    gate = tl.load(x_ptr + token * stride_xt + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + token * stride_xt + intermediate + cols, mask=mask, other=0.0).to(tl.float32)
+    if LIBDEVICE_EXP:
+        exp_neg = libdevice.exp(-gate)
+    else:
+        exp_neg = tl.exp(-gate)
+    dtype = out_ptr.dtype.element_ty
+    silu = tl.math.div_rn(gate, 1.0 + exp_neg).to(dtype).to(tl.float32)  # F.silu rounds to the dtype
+    tl.store(out_ptr + token * intermediate + cols, (silu * up).to(dtype), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` with ``gate, up = x.chunk(2, dim=-1)``: ``[..., 2I]`` -> a new ``[..., I]`` tensor."""
+    assert x.shape[-1] % 2 == 0, x.shape
+    intermediate = x.shape[-1] // 2
+    out = torch.empty((*x.shape[:-1], intermediate), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    rows = x.reshape(-1, x.shape[-1])  # a view for the usual [T, 2I] or [B, S, 2I] projection output
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    grid = (rows.shape[0], triton.cdiv(intermediate, _BLOCK))
+    _silu_and_mul_kernel[grid](
+        rows, out, intermediate, rows.stride(0),
+        LIBDEVICE_EXP=_LIBDEVICE_EXP, BLOCK=min(_BLOCK, triton.next_power_of_2(intermediate)),
+        num_warps=4, enable_fp_fusion=False,
+    )
+    return out

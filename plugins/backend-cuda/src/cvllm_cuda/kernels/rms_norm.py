@@ -1,0 +1,101 @@
+"""Residual add + RMSNorm + weight multiply in one Triton launch (cvllm's RMSNorm.forward, fused).
+
+The numbers follow the torch code of ``cvllm.layers.layernorm.RMSNorm`` (Hugging Face's): the residual
+sum is rounded to the activations' dtype, the norm is computed in fp32 and rounded to that dtype,
+and the weight product is rounded again (to the promoted dtype, as ``weight * normed`` is). The only
+difference left is the order of the fp32 sum of squares, a last-bit effect in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Elements of one program's tile: a row of a large model's hidden size per program, several rows
+# of a per-head norm (Qwen3's q_norm over 128 features) per program.
+_TILE_ELEMENTS = 4096
+_MAX_HIDDEN = 65536  # one program holds a whole row in registers
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
+    num_rows, inner_rows, hidden, eps,
+    stride_xa, stride_xb, stride_ra, stride_rb,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # rows are the leading dims flattened: row = a * inner_rows + b, so a strided [A, B, N] view
+    # (per-head q of a fused qkv output) is read in place
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < num_rows
+    mask = row_ok[:, None] & (cols < hidden)[None, :]
+    rows64 = rows.to(tl.int64)
+    outer, inner = (rows // inner_rows).to(tl.int64), (rows % inner_rows).to(tl.int64)
+
+    x_offsets = (outer * stride_xa + inner * stride_xb)[:, None] + cols[None, :]
+    x = tl.load(x_ptr + x_offsets, mask=mask, other=0.0)
+    dense_offsets = (rows64 * hidden)[:, None] + cols[None, :]  # outputs are fresh contiguous tensors
+    if HAS_RESIDUAL:
+        r_offsets = (outer * stride_ra + inner * stride_rb)[:, None] + cols[None, :]
+        residual = tl.load(residual_ptr + r_offsets, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)  # x + residual, in the dtype
+        tl.store(new_residual_ptr + dense_offsets, x, mask=mask)
+    xf = x.to(tl.float32)
+
+    # mean of squares and 1/sqrt in fp32 with IEEE division and square root (not the approximate
+    # instructions Triton uses for '/' and sqrt): the closest a kernel gets to torch's numbers
+    sum_sq = tl.sum(xf * xf, axis=1)
+    mean_sq = tl.math.div_rn(sum_sq, tl.full(sum_sq.shape, hidden, tl.float32))
+    rstd = tl.math.div_rn(tl.full(sum_sq.shape, 1.0, tl.float32), tl.math.sqrt_rn(mean_sq + eps))
+    normed = (xf * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)  # torch rounds the norm to the dtype
+
+    weight = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
+    tl.store(out_ptr + dense_offsets, (weight[None, :] * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _as_3d(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[A, B, N]`` (a view where possible): the kernel reads rows at ``a * stride0 + b * stride1``."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    if t.dim() == 1:
+        return t.view(1, 1, -1)
+    if t.dim() == 2:
+        return t.unsqueeze(1)
+    return t.reshape(-1, t.shape[-2], t.shape[-1])
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                       eps: float) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``RMSNorm.forward`` in one launch: ``weight * rms_norm(x)``, or with ``residual``
+    ``(weight * rms_norm(x + residual), x + residual)``, normalising over the last dim.
+
+    ``x`` and ``residual`` may be strided views with any number of leading dims; the results are new
+    contiguous tensors (no writes into the inputs: safe inside CUDA graphs and autograd-free code
+    alike). Nothing is read back to the host.
+    """
+    hidden = x.shape[-1]
+    assert weight.shape == (hidden,), (weight.shape, x.shape)
+    assert hidden <= _MAX_HIDDEN, f"hidden size {hidden} > {_MAX_HIDDEN}"
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    new_residual = None
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, residual.dtype, x.dtype)
+        new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    num_rows = x.numel() // hidden if hidden else 0
+    if num_rows:
+        x3 = _as_3d(x)
+        r3 = _as_3d(residual) if residual is not None else x3
+        block_n = triton.next_power_of_2(hidden)
+        block_r = min(max(1, _TILE_ELEMENTS // block_n), triton.next_power_of_2(num_rows))
+        grid = (triton.cdiv(num_rows, block_r),)
+        _add_rms_norm_kernel[grid](
+            x3, r3, weight.contiguous(), out, new_residual if new_residual is not None else out,
+            num_rows, x3.shape[1], hidden, eps,
+            x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
+            HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_N=block_n,
+            num_warps=min(16, max(1, block_r * block_n // 512)),
+            enable_fp_fusion=False,  # no FMA contraction: the products round as torch's do
+        )
+    return out if residual is None else (out, new_residual)
