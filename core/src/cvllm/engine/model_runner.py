@@ -109,7 +109,7 @@ class ModelRunner:
         self.dtype = dtype
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.num_blocks = 0
-        self.decode_forward = self.forward   # decode-only steps; the backend may wrap it (CUDA graphs)
+        self.decode_forward = self.decode_logits   # decode-only steps; the backend may wrap it (CUDA graphs)
 
     def kv_bytes_per_block(self) -> int:
         per_token = sum(2 * torch.Size(layer.kv_cache_shape()).numel() for layer in self.attention_layers)
@@ -125,9 +125,9 @@ class ModelRunner:
         self.num_blocks = num_blocks
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Let the backend wrap decode-only steps (CUDA graphs), once the KV cache exists."""
-        wrapped = self.backend.wrap_decode(self.forward, max_num_seqs, -(-max_model_len // self.block_size))
-        if wrapped is not self.forward:
+        """Let the backend wrap decode-only steps, LM head included (CUDA graphs), once the KV cache exists."""
+        wrapped = self.backend.wrap_decode(self.decode_logits, max_num_seqs, -(-max_model_len // self.block_size))
+        if wrapped is not self.decode_logits:
             capture = getattr(wrapped, "capture_all", None)
             if capture is not None:
                 with torch.inference_mode():
@@ -138,9 +138,25 @@ class ModelRunner:
         with forward_context(ctx):
             return self.model(input_ids, positions)
 
+    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """fp32 logits of every row: in a decode-only step every row is a sequence's last token and samples."""
+        return self.model.compute_logits(self.forward(input_ids, positions, ctx)).float()
+
+    def _to_device(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """The step's integer inputs on the device in one host-to-device copy (each copy from pageable
+        memory waits for the transfer, and a decode step has six of them)."""
+        if self.device.type == "cpu":
+            return list(tensors)
+        packed = torch.cat([t.reshape(-1).long() for t in tensors]).to(self.device)
+        out, offset = [], 0
+        for t in tensors:
+            out.append(packed[offset:offset + t.numel()].view(t.shape).to(t.dtype))
+            offset += t.numel()
+        return out
+
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, torch.Tensor]:
         """Flat varlen tensors for the batch. Python touches each sequence, never each token."""
-        bs, dev = self.block_size, self.device
+        bs = self.block_size
         seqs, qlens = batch.seqs, batch.num_tokens
         starts = [seq.num_computed_tokens for seq in seqs]
         input_ids = list(itertools.chain.from_iterable(
@@ -159,12 +175,15 @@ class ModelRunner:
         slots = block_tables[seq_index, positions // bs].long() * bs + positions % bs
         logits_indices = torch.tensor([query_start[i + 1] - 1 for i in batch.sample_indices], dtype=torch.long)
 
+        ids_d, positions_d, query_start_d, seq_lens_d, slots_d, tables_d, logits_indices_d = self._to_device(
+            torch.tensor(input_ids), positions, query_start_t, torch.tensor(seq_lens, dtype=torch.int32), slots,
+            block_tables, logits_indices)
         ctx = ForwardContext(
             backend=self.backend,
-            query_start_loc=query_start_t.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
-            slot_mapping=slots.to(dev),
-            block_tables=block_tables.to(dev),
+            query_start_loc=query_start_d,
+            seq_lens=seq_lens_d,
+            slot_mapping=slots_d,
+            block_tables=tables_d,
             query_start_loc_cpu=query_start,
             query_lens_cpu=qlens,
             seq_lens_cpu=seq_lens,
@@ -172,7 +191,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             is_decode_only=batch.num_prefill_tokens == 0,
         )
-        return torch.tensor(input_ids).to(dev), positions.to(dev), ctx, logits_indices.to(dev)
+        return ids_d, positions_d, ctx, logits_indices_d
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, all_logits: bool = False,
@@ -180,8 +199,10 @@ class ModelRunner:
         """Logits (fp32) of the last token of every sequence that samples, followed by those of the flat
         batch rows in ``extra_indices`` (prompt logprobs); or, with ``all_logits``, of every token."""
         input_ids, positions, ctx, logits_indices = self.prepare(batch)
-        forward = self.decode_forward if ctx.is_decode_only else self.forward
-        hidden = forward(input_ids, positions, ctx)
+        if ctx.is_decode_only and not all_logits and extra_indices is None \
+                and len(batch.sample_indices) == len(batch.seqs):
+            return self.decode_forward(input_ids, positions, ctx)
+        hidden = self.forward(input_ids, positions, ctx)
         if not all_logits:
             if extra_indices is not None:
                 logits_indices = torch.cat([logits_indices, extra_indices.to(logits_indices.device)])

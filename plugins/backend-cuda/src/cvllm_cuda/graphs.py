@@ -1,4 +1,4 @@
-"""CUDA graphs of the decode forward pass, one per padded batch size.
+"""CUDA graphs of the decode step (forward pass and LM head), one per padded batch size.
 
 A decode step of a small model is dozens of kernels per layer, each a few microseconds: launched
 one by one from Python the GPU waits on the host. A graph replays the whole step in one launch.
@@ -22,6 +22,7 @@ from cvllm.forward_context import ForwardContext
 
 logger = logging.getLogger(__name__)
 
+# (input_ids, positions, ctx) -> one output row per input row (the runner passes its decode_logits)
 Forward = Callable[[torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor]
 
 
