@@ -29,6 +29,11 @@ SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True, rope_theta=10000.0,
                  max_position_embeddings=2048, rms_norm_eps=1e-5),
+    # the tiny shape on Qwen3's architecture (q/k norms, explicit head_dim): CPU rehearsals of Qwen3 benchmarks
+    "tiny-qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True,
+                       rope_theta=1000000.0, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                       architecture="Qwen3ForCausalLM"),
 }
 
 

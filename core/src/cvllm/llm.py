@@ -8,6 +8,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from cvllm.checkpoint.base import Checkpoint
 from cvllm.detokenizer import IncrementalDetokenizer
 from cvllm.engine.config import EngineConfig
 from cvllm.engine.llm_engine import LLMEngine
@@ -19,14 +20,17 @@ Prompt = str | dict[str, Any]
 
 
 class LLM:
-    def __init__(self, model: str, *, dtype: str = "auto", block_size: int = 16, max_num_seqs: int | None = None,
-                 max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
+    def __init__(self, model: str | Checkpoint, *, dtype: str = "auto", block_size: int = 16,
+                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                 max_model_len: int | None = None,
                  num_kv_blocks: int | None = None, enable_prefix_caching: bool = True, seed: int = 0,
                  backend: str | None = None, kv_cache_memory: int | None = None, prefill_chunk_size: int = 0,
                  **engine_options):
-        """``engine_options``: any other ``EngineConfig`` field (kv_fraction, fake_step_ms ...)."""
+        """``model``: a path or repo id (a Path too), or an opened Checkpoint (e.g. random weights built in
+        memory). ``engine_options``: any other ``EngineConfig`` field (kv_fraction, fake_step_ms ...)."""
         self.llm_engine = LLMEngine(EngineConfig(
-            model=str(model), dtype=dtype, backend=backend, block_size=block_size, max_num_seqs=max_num_seqs,
+            model=model if isinstance(model, Checkpoint) else str(model), dtype=dtype, backend=backend,
+            block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             prefill_chunk_size=prefill_chunk_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
             enable_prefix_caching=enable_prefix_caching, seed=seed, **engine_options))

@@ -1,0 +1,338 @@
+"""Serving throughput through ``cvserve`` on the H200 next to the offline engine's, Llama-3-8B shape.
+
+    python bench/serving.py --json $OUT/serving.json      # on the H200 (one device call)
+    python bench/serving.py --tiny                        # a CPU rehearsal: tiny shape, 1 and 4 streams of 32/32
+
+1. Writes a random bf16 checkpoint (drawn on the device, saved as safetensors shards) plus a tokenizer
+   covering its vocabulary; ``--checkpoint DIR`` keeps it there and reuses it on the next run.
+2. Starts ``cvserve`` on it on 127.0.0.1 and, per concurrency level, opens that many streamed
+   completions at once (random token-id prompts of ``--input-len``, ``--output-len`` tokens each,
+   ignore_eos). The load generator is httpx in several processes (``--streams-per-client`` each) so
+   that it never becomes the bottleneck; it reports its own CPU use (summed, and the busiest process).
+3. Stops the server, then runs the offline engine (``LLM.generate``) in a fresh process on the same
+   prompts of the largest level: the HTTP/offline ratio is what the server costs on top of the engine.
+
+Output tok/s = completion tokens over the wall time from the moment all streams are opened to the last
+token. TTFT and inter-token gaps are per stream (a chunk may carry several tokens when the server
+merges a lagging stream's deltas).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import multiprocessing
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import httpx
+
+from cvllm.clients.bench import BenchOptions, RequestRecord, one_request, summarize
+
+BENCH_DIR = Path(__file__).parent
+sys.path.insert(0, str(BENCH_DIR))   # the bench helpers, imported where used (the client processes need none)
+TARGETS = {"c64_output_tok_s": 6500, "c256_output_tok_s": 10000, "ratio_http_vs_offline": 0.95}
+
+
+def log(message: str) -> None:
+    print(f"[serving {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def prompts_for(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """Random token ids (no shared prefix to cache); ids below 10 (the specials) are left out."""
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(count)]
+
+
+# -- the checkpoint ------------------------------------------------------------------------------------
+
+def write_checkpoint(path: Path, shape: str, device: str, shard_bytes: int = 2 << 30) -> None:
+    """random_checkpoint's tensors (drawn on ``device``: an 8B model in seconds on a GPU, where the CPU
+    draws ~10^8 normals/s) copied to the host and saved in shards with an index, plus config and tokenizer."""
+    import torch
+    from random_checkpoint import random_checkpoint, shape_config
+    from safetensors.torch import save_file
+    from serving_cpu import write_tokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    shard: dict[str, torch.Tensor] = {}
+    weight_map: dict[str, str] = {}
+    size = total = 0
+
+    def flush() -> None:
+        nonlocal shard, size
+        name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+        save_file(shard, str(path / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+        shard, size = {}, 0
+
+    for name, tensor in random_checkpoint(shape, torch.bfloat16, device).weight_iterator():
+        shard[name] = tensor.to("cpu")
+        size += tensor.numel() * tensor.element_size()
+        total += tensor.numel() * tensor.element_size()
+        if size >= shard_bytes:
+            flush()
+    if shard:
+        flush()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    config = shape_config(shape, torch.bfloat16)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer(path, config["vocab_size"])
+    if device == "cuda":
+        torch.cuda.empty_cache()   # the server, another process, sizes its KV cache from what is free
+
+
+# -- the server --------------------------------------------------------------------------------------
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--dtype", "bfloat16", "--backend", args.backend, "--max-num-seqs", str(args.max_num_seqs),
+             "--max-model-len", str(args.input_len + args.output_len)]
+    if args.max_num_batched_tokens:
+        flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    return flags
+
+
+def start_server(model: Path, port: int, args: argparse.Namespace, log_path: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "cvllm.server.cli", "--w", str(model), "--p", str(port), "--log", "info",
+               *engine_flags(args)]
+    # its own session, so stopping it reaches its engine-core child too
+    with log_path.open("w") as log_file:
+        server = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                                  env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + args.startup_timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"cvserve exited with {server.returncode}:\n{log_path.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    stop_server(server)
+    raise RuntimeError(f"cvserve was not healthy within {args.startup_timeout} s:\n{log_path.read_text()[-4000:]}")
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    if server.poll() is not None:
+        return
+    server.send_signal(signal.SIGTERM)
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+# -- the load generator ------------------------------------------------------------------------------
+
+def stream_share(url: str, prompts: list[list[int]], output_len: int, start_at: float) -> dict:
+    """One load-generator process: its share of the streams, all opened at ``start_at`` (perf_counter
+    is CLOCK_MONOTONIC, one clock for every process of the machine)."""
+    return asyncio.run(_stream_share(url, prompts, output_len, start_at))
+
+
+async def _stream_share(url: str, prompts: list[list[int]], output_len: int, start_at: float) -> dict:
+    options = BenchOptions(url=url, input_len=len(prompts[0]), output_len=output_len)
+    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(60.0, read=None)) as client:
+        await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+        cpu = time.process_time()
+        records = await asyncio.gather(*(one_request(client, options, p) for p in prompts))
+        cpu = time.process_time() - cpu
+    return {"records": [asdict(r) for r in records], "cpu_s": cpu}
+
+
+def run_level(pool, url: str, prompts: list[list[int]], output_len: int, streams_per_client: int) -> dict:
+    procs = math.ceil(len(prompts) / streams_per_client)
+    shares = [prompts[i::procs] for i in range(procs)]
+    start_at = time.perf_counter() + 1.0          # time to hand every process its share
+    results = pool.starmap(stream_share, [(url, share, output_len, start_at) for share in shares], chunksize=1)
+    records = [RequestRecord(**r) for result in results for r in result["records"]]
+    wall = max(r.end for r in records) - start_at
+    cpu = [result["cpu_s"] for result in results]
+    summary = summarize(records, len(prompts), wall, sum(cpu))
+    summary |= {"client_procs": procs, "client_cpu_percent_max_proc": 100 * max(cpu) / wall}
+    return summary
+
+
+# -- the offline engine (a fresh process, after the server is gone) ----------------------------------
+
+def offline_worker(spec: dict) -> dict:
+    from cvllm import LLM, SamplingParams
+
+    started = time.perf_counter()
+    llm = LLM(spec["model"], dtype="bfloat16", backend=spec["backend"], max_num_seqs=spec["max_num_seqs"],
+              max_model_len=spec["input_len"] + spec["output_len"],
+              max_num_batched_tokens=spec["max_num_batched_tokens"])
+    load_s = time.perf_counter() - started
+    warm = prompts_for(8, spec["input_len"], spec["vocab"], seed=1)
+    llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    prompts = prompts_for(spec["concurrency"], spec["input_len"], spec["vocab"], seed=spec["concurrency"])
+    params = SamplingParams(temperature=0, max_tokens=spec["output_len"], ignore_eos=True)
+    started = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    wall = time.perf_counter() - started
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"output_tok_s": tokens / wall, "output_tokens": tokens, "wall_s": wall, "load_s": load_s,
+            "preemptions": llm.llm_engine.stats.preemptions}
+
+
+def run_offline(spec: dict) -> dict:
+    done = subprocess.run([sys.executable, __file__, "--offline-worker", json.dumps(spec)], stdout=subprocess.PIPE,
+                          text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    lines = [line for line in done.stdout.splitlines() if line.startswith("OFFLINE ")]
+    if done.returncode or not lines:
+        raise RuntimeError(f"the offline run failed ({done.returncode}):\n{done.stdout[-3000:]}")
+    return json.loads(lines[-1].removeprefix("OFFLINE "))
+
+
+# -- the run -----------------------------------------------------------------------------------------
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="CPU rehearsal: tiny shape, 1 and 4 streams of 32 in/32 out")
+    ap.add_argument("--shape", default="llama3-8b")
+    ap.add_argument("--concurrency", default="1,16,64,256")
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=1024)
+    ap.add_argument("--offline-concurrency", type=int, help="default: the largest level")
+    ap.add_argument("--max-num-batched-tokens", type=int, help="default: the backend's")
+    ap.add_argument("--streams-per-client", type=int, default=64, help="streams per load-generator process")
+    ap.add_argument("--checkpoint", type=Path, help="write the random checkpoint here and keep it (reused if there)")
+    ap.add_argument("--startup-timeout", type=float, default=900.0)
+    ap.add_argument("--skip-offline", action="store_true")
+    ap.add_argument("--json", help="write the result file here (the server's log goes beside it)")
+    ap.add_argument("--offline-worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.tiny:
+        args.shape, args.concurrency, args.input_len, args.output_len = "tiny", "1,4", 32, 32
+    args.backend = "cpu" if args.tiny else "cuda"
+    args.levels = [int(c) for c in args.concurrency.split(",")]
+    args.max_num_seqs = max(args.levels + [args.offline_concurrency or 0])
+    args.offline_concurrency = args.offline_concurrency or max(args.levels)
+    return args
+
+
+def measure(args: argparse.Namespace, workdir: Path, timings: dict) -> tuple[list[dict], dict | None]:
+    model = args.checkpoint or workdir / args.shape
+    vocab_size = None
+    if not (model / "config.json").exists():
+        started = time.perf_counter()
+        write_checkpoint(model, args.shape, args.backend)
+        timings["checkpoint_write"] = time.perf_counter() - started
+        log(f"random {args.shape} checkpoint written to {model} in {timings['checkpoint_write']:.1f}s")
+    vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
+    from serving_cpu import free_port
+
+    port = free_port()
+    server_log = Path(args.json).with_suffix(".server.log") if args.json else workdir / "cvserve.log"
+    clients = math.ceil(max(args.levels) / args.streams_per_client)
+    levels = []
+    with multiprocessing.get_context("spawn").Pool(clients) as pool:
+        started = time.perf_counter()
+        server = start_server(model, port, args, server_log)
+        timings["server_start"] = time.perf_counter() - started
+        log(f"cvserve healthy after {timings['server_start']:.1f}s")
+        url = f"http://127.0.0.1:{port}/v1"
+        try:
+            # warm-up: one full-length prefill alone, then a small concurrent batch (mixed steps)
+            run_level(pool, url, prompts_for(1, args.input_len, vocab_size, seed=2), 8, args.streams_per_client)
+            run_level(pool, url, prompts_for(8, args.input_len, vocab_size, seed=3), 8, args.streams_per_client)
+            for c in args.levels:
+                started = time.perf_counter()
+                levels.append(run_level(pool, url, prompts_for(c, args.input_len, vocab_size, seed=c),
+                                        args.output_len, args.streams_per_client))
+                timings[f"c{c}"] = time.perf_counter() - started
+                log(f"{c} streams: {levels[-1]['output_tok_per_s']:.1f} output tok/s, "
+                    f"{levels[-1]['errors']} errors, {timings[f'c{c}']:.1f}s")
+        finally:
+            stop_server(server)
+    if args.skip_offline:
+        return levels, None
+    started = time.perf_counter()
+    offline = run_offline({"model": str(model), "backend": args.backend, "max_num_seqs": args.max_num_seqs,
+                           "max_num_batched_tokens": args.max_num_batched_tokens, "input_len": args.input_len,
+                           "output_len": args.output_len, "vocab": vocab_size,
+                           "concurrency": args.offline_concurrency})
+    timings["offline"] = time.perf_counter() - started
+    log(f"offline {args.offline_concurrency}: {offline['output_tok_s']:.1f} output tok/s ({timings['offline']:.1f}s)")
+    return levels, offline
+
+
+def report(args: argparse.Namespace, levels: list[dict], offline: dict | None, timings: dict) -> dict:
+    measured = {}
+    for r in levels:
+        c = r["concurrency"]
+        measured |= {f"c{c}_output_tok_s": r["output_tok_per_s"], f"c{c}_ttft_ms_p50": r["ttft_ms"]["p50"],
+                     f"c{c}_ttft_ms_p99": r["ttft_ms"]["p99"], f"c{c}_itl_ms_p50": r["itl_ms"]["p50"],
+                     f"c{c}_client_cpu_percent": r["client_cpu_percent"]}
+    from throughput import commit, gpu_name
+
+    result = {"bench": "serving", "shape": args.shape, "dtype": "bfloat16", "gpu": gpu_name(args.backend),
+              "command": "python " + " ".join(sys.argv), "commit": commit(), "date": datetime.date.today().isoformat(),
+              "workload": {"input_len": args.input_len, "output_len": args.output_len, "levels": args.levels,
+                           "prompt": "random token ids", "ignore_eos": True, "temperature": 0, "stream": True},
+              "measured": measured, "reference": {}, "targets": TARGETS, "timings_s": timings, "levels": levels}
+    if offline is not None:
+        c = args.offline_concurrency
+        result["reference"][f"offline_c{c}_output_tok_s"] = offline["output_tok_s"]
+        result["offline"] = offline
+        if f"c{c}_output_tok_s" in measured:
+            result[f"ratio_http_vs_offline_c{c}"] = measured[f"c{c}_output_tok_s"] / offline["output_tok_s"]
+    return result
+
+
+def print_table(result: dict) -> None:
+    w = result["workload"]
+    print(f"\n{result['shape']} on {result['gpu']} through cvserve: {w['input_len']} in / {w['output_len']} out, "
+          f"one round of N streams per level")
+    print(f"{'streams':>7} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'ITL p50 ms':>11} "
+          f"{'client CPU sum/max':>19} {'procs':>5} {'errors':>6}")
+    for r in result["levels"]:
+        cpu = f"{r['client_cpu_percent']:.0f}%/{r['client_cpu_percent_max_proc']:.0f}%"
+        print(f"{r['concurrency']:>7} {r['output_tok_per_s']:>10.1f} {r['ttft_ms']['p50']:>12.1f} "
+              f"{r['ttft_ms']['p99']:>12.1f} {r['itl_ms']['p50']:>11.2f} {cpu:>19} {r['client_procs']:>5} "
+              f"{r['errors']:>6}")
+    for key, value in result["reference"].items():
+        print(f"{key}: {value:.1f}")
+    for key in [k for k in result if k.startswith("ratio_")]:
+        print(f"{key}: {result[key]:.3f} (target >= {TARGETS['ratio_http_vs_offline']})")
+
+
+def main() -> None:
+    args = parse_args()
+    if args.offline_worker:
+        print("OFFLINE " + json.dumps(offline_worker(json.loads(args.offline_worker))), flush=True)
+        return
+    started = time.perf_counter()
+    timings: dict[str, float] = {}
+    workdir = Path(tempfile.mkdtemp(prefix="cvllm-serving-bench-"))
+    try:
+        levels, offline = measure(args, workdir, timings)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    timings["total"] = time.perf_counter() - started
+    result = report(args, levels, offline, timings)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    for r in levels:
+        for message, count in r["error_messages"].items():
+            print(f"{r['concurrency']} streams: {count} x {message}", file=sys.stderr)
+    print_table(result)
+
+
+if __name__ == "__main__":
+    main()
