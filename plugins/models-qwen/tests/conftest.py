@@ -17,9 +17,9 @@ from tokenizers import AddedToken
 from cvllm.testing.checkpoints import (
     BASE_CONFIG,
     TOKENIZER_VOCAB_SIZE,
-    _randomize_norms_and_biases,
-    _save_sharded,
     published_spelling,
+    randomize_norms_and_biases,
+    save_sharded,
 )
 from cvllm.testing.threads import one_torch_thread as _one_torch_thread
 from cvllm.testing.tokenizer import build_tiny_tokenizer, tokenizer_config, write_tiny_tokenizer
@@ -66,11 +66,11 @@ def make_qwen_checkpoint(dir: Path, arch: str, *, spelling: str = "published", s
     config = getattr(transformers, config_name)(attn_implementation="eager", **values)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).to(torch.float32).eval()
-    _randomize_norms_and_biases(model, seed)
+    randomize_norms_and_biases(model, seed)
     if fused_experts:
         model.save_pretrained(dir, safe_serialization=True, save_original_format=False)
     else:
-        _save_sharded(model, dir, shards)
+        save_sharded(model, dir, shards)
     if spelling == "published":
         path = dir / "config.json"
         raw = published_spelling(json.loads(path.read_text()))

@@ -32,7 +32,7 @@ from cvllm.testing import (
     hf_greedy,
     hf_logits,
 )
-from cvllm.testing.checkpoints import BASE_CONFIG, EOS_TOKEN_ID, PAD_TOKEN_ID, _randomize_norms_and_biases
+from cvllm.testing.checkpoints import BASE_CONFIG, EOS_TOKEN_ID, PAD_TOKEN_ID, randomize_norms_and_biases
 
 LOGITS_ATOL = 1e-4
 MIN_GREEDY_MARGIN = 1e-3  # the oracle's top-1 must beat its top-2 by this much at each greedy step
@@ -71,7 +71,7 @@ def tiny_model(arch: str):
         attn_implementation="eager")
     torch.manual_seed(0)
     model = getattr(transformers, f"{prefix}ForCausalLM")(config).float().eval()
-    _randomize_norms_and_biases(model, seed=0)  # HF starts them at 1 and 0: a loader that skipped them would pass
+    randomize_norms_and_biases(model, seed=0)  # HF starts them at 1 and 0: a loader that skipped them would pass
     return model
 
 

@@ -12,6 +12,8 @@ from cvllm.testing.checkpoints import (
     hf_logits,
     make_checkpoint,
     published_spelling,
+    randomize_norms_and_biases,
+    save_sharded,
     tiny_config,
 )
 from cvllm.testing.tokenizer import (
@@ -33,6 +35,8 @@ __all__ = [
     "hf_logits",
     "make_checkpoint",
     "published_spelling",
+    "randomize_norms_and_biases",
+    "save_sharded",
     "tiny_config",
     "write_tiny_tokenizer",
 ]

@@ -105,9 +105,9 @@ def make_checkpoint(
 
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float32).eval()
-    _randomize_norms_and_biases(model, seed)
+    randomize_norms_and_biases(model, seed)
 
-    _save_sharded(model, dir, shards)
+    save_sharded(model, dir, shards)
     if spelling == "published":
         config_path = dir / "config.json"
         config_path.write_text(json.dumps(published_spelling(json.loads(config_path.read_text())), indent=2))
@@ -115,7 +115,7 @@ def make_checkpoint(
     return model
 
 
-def _randomize_norms_and_biases(model: torch.nn.Module, seed: int) -> None:
+def randomize_norms_and_biases(model: torch.nn.Module, seed: int) -> None:
     """HF initializes norm weights to 1 and biases to 0: a loader that skipped them would pass."""
     generator = torch.Generator().manual_seed(seed + 1)
     std = model.config.initializer_range
@@ -127,7 +127,7 @@ def _randomize_norms_and_biases(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(std * torch.randn(param.shape, generator=generator))
 
 
-def _save_sharded(model: PreTrainedModel, dir: Path, shards: int) -> None:
+def save_sharded(model: PreTrainedModel, dir: Path, shards: int) -> None:
     """save_pretrained, with a shard size that gives exactly `shards` safetensors files."""
     if shards < 1:
         raise ValueError("shards must be >= 1")
