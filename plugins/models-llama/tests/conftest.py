@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from cvllm.testing.threads import one_torch_thread as _one_torch_thread
+
 # Everything the tests load is on disk; nothing may reach for the hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -43,3 +45,10 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFacto
         return built[key]
 
     return build
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models are all per-op overhead: a second OpenMP thread only spins (5x slower on a busy machine)."""
+    with _one_torch_thread():
+        yield

@@ -17,6 +17,8 @@ import torch
 from cvllm import LLM, SamplingParams
 from cvllm.testing import EOS_TOKEN_ID, VARIANTS, greedy_margins, hf_greedy, hf_logits
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 LOGITS_ATOL = 1e-4
 # The oracle's top-1 must beat its top-2 by this much at every greedy step; below it, fp32 rounding
 # differences between two correct implementations could pick the other token.
