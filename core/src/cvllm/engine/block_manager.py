@@ -105,7 +105,9 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        # only blocks whose tokens are all known: the last token may still be on the device (async scheduling)
+        full = min(seq.num_computed_tokens, len(seq.token_ids)) // bs
+        full = min(full, len(seq.block_table))
         h = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else None
         for i in range(seq.num_hashed_blocks, full):
             block = self.blocks[seq.block_table[i]]

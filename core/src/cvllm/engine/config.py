@@ -27,6 +27,7 @@ class EngineConfig:
     fake_step_ms: float | None = None           # no model: each step takes this long (measures the stack around it)
     isq: str | None = None                      # in-situ quantization of an unquantized checkpoint ("q4k", "q8_0" ...)
     enforce_eager: bool = False                 # no CUDA graphs: every step launches its kernels one by one
+    async_scheduling: bool | None = None        # launch step N+1 before reading N's tokens; None: on except on CPU
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -182,7 +182,9 @@ class EngineCore:
         if deltas:   # a step that only ran a prefill chunk has nothing to say
             self.channel.send(StepOutputs(deltas, self._stats()))
         self._stats_sent = bool(deltas)
-        return bool(self.engine.last_batch and self.engine.last_batch.seqs)
+        # progress: tokens came back, a batch ran, or one is still in flight (async scheduling)
+        return bool(seqs) or bool(self.engine.last_batch and self.engine.last_batch.seqs) \
+            or self.engine.has_step_in_flight
 
     def _fail_step(self, error: Exception) -> None:
         if is_device_error(error):

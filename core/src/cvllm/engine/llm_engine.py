@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -15,7 +16,8 @@ from cvllm.engine.block_manager import BlockManager
 from cvllm.engine.config import EngineConfig
 from cvllm.engine.fake_runner import FakeModelRunner
 from cvllm.engine.model_runner import ModelRunner, build_model
-from cvllm.engine.sampler import make_generator
+from cvllm.engine.prompt_logprobs import prompt_logprob_rows, record_prompt_logprobs
+from cvllm.engine.sampler import SamplerOutput, make_generator
 from cvllm.engine.scheduler import EngineStats, ScheduledBatch, Scheduler, SchedulerConfig
 from cvllm.engine.sequence import Sequence
 from cvllm.outputs import Logprob
@@ -38,6 +40,14 @@ def select_backend(name: str | None):
         if candidate in registry and registry.get(candidate).is_available():
             return registry.get(candidate)()
     raise RuntimeError("no available backend")
+
+
+@dataclass(slots=True)
+class InFlightStep:
+    """A launched step whose sampled tokens are still on the device."""
+    sampling: list[Sequence]        # the sequences that sampled, in the order of out's rows
+    out: SamplerOutput | None
+    scoring: bool                   # it recorded prompt logprobs (such steps finish at once)
 
 
 class LLMEngine:
@@ -81,6 +91,10 @@ class LLMEngine:
         self.eos_token_ids = self.checkpoint.eos_token_ids()
         self.requests: dict[str, list[Sequence]] = {}
         self.last_batch: ScheduledBatch | None = None
+        # launch a step before reading the last one's tokens (see step()); the default overlaps on GPUs
+        self.async_scheduling = (self.backend.name != "cpu") if config.async_scheduling is None \
+            else config.async_scheduling
+        self._inflight: InFlightStep | None = None
         self._seq_ids = itertools.count()
         torch.manual_seed(config.seed)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), max_model_len %d, backend %s, dtype %s",
@@ -164,64 +178,85 @@ class LLMEngine:
         self.requests.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
+
+    @property
+    def has_step_in_flight(self) -> bool:
+        """A launched step whose tokens the next step() reads back (async scheduling)."""
+        return self._inflight is not None
 
     # -- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[Sequence]:
-        """Run one batch; returns the sequences that got a new token (finished ones included)."""
-        self.last_batch = batch = self.scheduler.schedule()   # the engine core reads it when a step fails
-        if not batch.seqs:
-            return []
+        """Run one batch; returns the sequences that got a new token (finished ones included).
+
+        With async scheduling (CUDA by default) a step launches batch N+1 before it reads batch N's
+        sampled tokens back: the host's scheduling and input preparation overlap the GPU's work, decode
+        rows take their input ids from N's sampled tensor on the device, and N's tokens are returned one
+        call later. A sequence that stopped at N has one token computed in N+1 for nothing; it is dropped.
+        Steps that need every earlier token on the host (penalties, pending min_tokens, prompt logprobs)
+        run synchronously."""
+        prev, self._inflight = self._inflight, None
+        try:
+            done = []
+            if prev is not None and not self._can_overlap():
+                done, prev = self._finish(prev), None     # schedule with every token known
+            self.last_batch = batch = self.scheduler.schedule()   # the engine core reads it when a step fails
+            launched = self._launch(batch, prev) if batch.seqs else None
+            if prev is not None:
+                done = self._finish(prev)
+            if launched is not None and (not self.async_scheduling or launched.scoring):
+                done += self._finish(launched)
+            else:
+                self._inflight = launched
+                if launched is not None and prev is not None:
+                    self.stats.overlapped_steps += 1
+            return done
+        except BaseException:
+            for step in (prev, self._inflight):
+                if step is not None:
+                    for seq in step.sampling:
+                        seq.num_inflight = 0
+            self._inflight = None
+            raise
+
+    def _can_overlap(self) -> bool:
+        """Whether the next batch may be sampled before the last one's tokens are on the host."""
+        return self.async_scheduling and not any(
+            seq.wants_prompt_logprobs or seq.sampling_params.needs_penalties
+            or seq.num_output_tokens + seq.num_inflight <= seq.sampling_params.min_tokens
+            for seq in itertools.chain(self.scheduler.running, self.scheduler.waiting))
+
+    def _launch(self, batch: ScheduledBatch, prev: InFlightStep | None) -> InFlightStep:
+        """Forward and sample ``batch`` without reading anything back to the host."""
         sampling = [batch.seqs[i] for i in batch.sample_indices]
-        scoring, extra = self._prompt_logprob_rows(batch)
-        logits = self.runner.run(batch, extra_indices=extra)
+        scoring, extra = prompt_logprob_rows(batch)
+        previous = None
+        if prev is not None and prev.out is not None:
+            previous = (prev.out.token_ids, {seq.seq_id: i for i, seq in enumerate(prev.sampling)})
+        logits = self.runner.run(batch, extra_indices=extra, previous_tokens=previous)
         if scoring:
-            self._record_prompt_logprobs(batch, scoring, logits[len(sampling):])
+            record_prompt_logprobs(batch, scoring, logits[len(sampling):])
             logits = logits[:len(sampling)]
         out = self.sampler(logits, sampling) if sampling else None
         self.scheduler.advance(batch)
-        if out is None:
+        for seq in sampling:
+            seq.num_inflight += 1
+        return InFlightStep(sampling, out, bool(scoring))
+
+    def _finish(self, step: InFlightStep) -> list[Sequence]:
+        """Read a launched step's tokens back (the one host transfer of a step) and apply them."""
+        if step.out is None:
             return []
-        self._postprocess(sampling, out)
-        return sampling
-
-    @staticmethod
-    def _prompt_logprob_rows(batch: ScheduledBatch) -> tuple[list[int], torch.Tensor | None]:
-        """Which scheduled sequences need prompt logprobs, and their rows in the flat batch."""
-        scoring = [i for i, seq in enumerate(batch.seqs) if seq.wants_prompt_logprobs]
-        if not scoring:
-            return [], None
-        starts = [0, *itertools.accumulate(batch.num_tokens)]
-        return scoring, torch.cat([torch.arange(starts[i], starts[i + 1]) for i in scoring])
-
-    def _record_prompt_logprobs(self, batch: ScheduledBatch, scoring: list[int], logits: torch.Tensor) -> None:
-        """The logits at position a score prompt token a + 1; entries are appended in order, so a
-        sequence recomputed after preemption does not record a position twice."""
-        offset = 0
-        for i in scoring:
-            seq, n = batch.seqs[i], batch.num_tokens[i]
-            rows = logits[offset:offset + n]
-            offset += n
-            first = seq.num_computed_tokens              # absolute position of rows[0]
-            targets = range(max(first + 1, len(seq.prompt_logprobs)), min(first + n + 1, seq.num_prompt_tokens))
-            if not targets:
-                continue
-            rows = rows[targets.start - 1 - first: targets.stop - 1 - first].log_softmax(dim=-1)
-            ids = torch.tensor(seq.token_ids[targets.start:targets.stop], device=rows.device)
-            chosen = rows.gather(1, ids[:, None])[:, 0].tolist()
-            k = seq.sampling_params.prompt_logprobs
-            top_lp, top_ids = rows.topk(k, dim=-1) if k else (rows[:, :0], rows[:, :0].long())
-            for token, lp, t_ids, t_lps in zip(ids.tolist(), chosen, top_ids.tolist(), top_lp.tolist()):
-                entry = {tid: Logprob(v, rank) for rank, (tid, v) in enumerate(zip(t_ids, t_lps), 1)}
-                entry.setdefault(token, Logprob(lp, None))
-                seq.prompt_logprobs.append(entry)
-
-    def _postprocess(self, seqs: list[Sequence], out) -> None:
-        token_ids = out.token_ids.tolist()  # the one host transfer of the step
+        out = step.out
+        token_ids = out.token_ids.tolist()
         if out.logprobs is not None:
             sampled_lp, top_ids, top_lp = out.logprobs.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist()
-        for i, (seq, token) in enumerate(zip(seqs, token_ids)):
+        done = []
+        for i, (seq, token) in enumerate(zip(step.sampling, token_ids)):
+            seq.num_inflight -= 1
+            if seq.is_finished:      # stopped (or aborted) while this step ran: its token is not wanted
+                continue
             seq.append_token(token)
             if seq.logprobs is not None:
                 k = seq.sampling_params.logprobs
@@ -229,7 +264,9 @@ class LLMEngine:
                 entry.setdefault(token, Logprob(sampled_lp[i], None))
                 seq.logprobs.append(entry)
             self._check_stop(seq, token)
-        self.stats.generated_tokens += len(seqs)
+            done.append(seq)
+        self.stats.generated_tokens += len(done)
+        return done
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.sampling_params
@@ -241,7 +278,7 @@ class LLMEngine:
                 seq.stop_reason = token
                 return
         if (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) \
-                or seq.num_tokens >= self.max_model_len:
+                or len(seq.token_ids) >= self.max_model_len:
             self.scheduler.finish(seq, "length")
 
     # -- scoring -----------------------------------------------------------------------------

@@ -21,6 +21,9 @@ from cvllm.layers.quantization import attach_linear_methods
 
 logger = logging.getLogger(__name__)
 
+# the step still in flight: its sampled token ids on the device, and each sampling sequence's row in them
+PreviousTokens = tuple[torch.Tensor, dict[int, int]]
+
 
 @contextmanager
 def _default_dtype(dtype: torch.dtype):
@@ -154,13 +157,25 @@ class ModelRunner:
             offset += t.numel()
         return out
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, torch.Tensor]:
-        """Flat varlen tensors for the batch. Python touches each sequence, never each token."""
+    def prepare(self, batch: ScheduledBatch, previous_tokens: PreviousTokens | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, torch.Tensor]:
+        """Flat varlen tensors for the batch. Python touches each sequence, never each token.
+
+        ``previous_tokens``: (sampled ids [B'] on the device, seq_id -> row) of the step still in flight; a
+        sequence whose last token is among them takes it from there (async scheduling)."""
         bs = self.block_size
         seqs, qlens = batch.seqs, batch.num_tokens
         starts = [seq.num_computed_tokens for seq in seqs]
-        input_ids = list(itertools.chain.from_iterable(
-            seq.token_ids[s:s + n] for seq, s, n in zip(seqs, starts, qlens)))
+        input_ids: list[int] = []
+        fill_at: list[int] = []       # rows of input_ids whose token is on the device only
+        fill_from: list[int] = []     # ... and where it is in previous_tokens
+        for seq, s, n in zip(seqs, starts, qlens):
+            known = seq.token_ids[s:s + n]
+            input_ids.extend(known)
+            if len(known) < n:        # the last token is still in flight (at most one: a decode row)
+                fill_at.append(len(input_ids))
+                fill_from.append(previous_tokens[1][seq.seq_id])
+                input_ids.append(0)
         seq_lens = [s + n for s, n in zip(starts, qlens)]
         query_start = [0, *itertools.accumulate(qlens)]
         max_blocks = max(len(seq.block_table) for seq in seqs)
@@ -175,9 +190,11 @@ class ModelRunner:
         slots = block_tables[seq_index, positions // bs].long() * bs + positions % bs
         logits_indices = torch.tensor([query_start[i + 1] - 1 for i in batch.sample_indices], dtype=torch.long)
 
-        ids_d, positions_d, query_start_d, seq_lens_d, slots_d, tables_d, logits_indices_d = self._to_device(
+        ids_d, positions_d, query_start_d, seq_lens_d, slots_d, tables_d, logits_indices_d, fill_d = self._to_device(
             torch.tensor(input_ids), positions, query_start_t, torch.tensor(seq_lens, dtype=torch.int32), slots,
-            block_tables, logits_indices)
+            block_tables, logits_indices, torch.tensor([fill_at, fill_from], dtype=torch.long).view(2, -1))
+        if fill_at:  # sampled ids feed the next step's input ids on the device
+            ids_d[fill_d[0]] = previous_tokens[0][fill_d[1]]
         ctx = ForwardContext(
             backend=self.backend,
             query_start_loc=query_start_d,
@@ -194,11 +211,11 @@ class ModelRunner:
         return ids_d, positions_d, ctx, logits_indices_d
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, all_logits: bool = False,
-            extra_indices: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, batch: ScheduledBatch, all_logits: bool = False, extra_indices: torch.Tensor | None = None,
+            previous_tokens: PreviousTokens | None = None) -> torch.Tensor:
         """Logits (fp32) of the last token of every sequence that samples, followed by those of the flat
         batch rows in ``extra_indices`` (prompt logprobs); or, with ``all_logits``, of every token."""
-        input_ids, positions, ctx, logits_indices = self.prepare(batch)
+        input_ids, positions, ctx, logits_indices = self.prepare(batch, previous_tokens)
         if ctx.is_decode_only and not all_logits and extra_indices is None \
                 and len(batch.sample_indices) == len(batch.seqs):
             return self.decode_forward(input_ids, positions, ctx)

@@ -35,6 +35,7 @@ class EngineStats:
     prefix_hit_tokens: int = 0
     prompt_tokens_computed: int = 0
     generated_tokens: int = 0
+    overlapped_steps: int = 0     # steps launched before the previous step's tokens were read back
 
 
 @dataclass(slots=True)

@@ -15,14 +15,18 @@ class SequenceStatus(Enum):
 class Sequence:
     __slots__ = ("seq_id", "request_id", "index", "token_ids", "num_prompt_tokens", "sampling_params",
                  "status", "num_computed_tokens", "num_hashed_blocks", "block_table", "generator",
-                 "min_tokens_stop_ids", "finish_reason", "stop_reason", "logprobs", "prompt_logprobs", "arrival")
+                 "min_tokens_stop_ids", "finish_reason", "stop_reason", "logprobs", "prompt_logprobs", "arrival",
+                 "num_inflight")
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
                  index: int = 0, arrival: float = 0.0):
         self.seq_id = seq_id
         self.request_id = request_id
         self.index = index                       # which of the request's n completions
-        self.token_ids = list(prompt_token_ids)  # prompt, then generated tokens
+        self.token_ids = list(prompt_token_ids)  # prompt, then generated tokens (those read back to the host)
+        # tokens sampled by a launched step but not read back yet (async scheduling): they count for
+        # scheduling (num_tokens) but are not in token_ids
+        self.num_inflight = 0
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
         self.status = SequenceStatus.WAITING
@@ -44,7 +48,8 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Tokens of the sequence so far, including any still on the device."""
+        return len(self.token_ids) + self.num_inflight
 
     @property
     def num_output_tokens(self) -> int:

@@ -166,7 +166,7 @@ def _engine_config(ns: argparse.Namespace, model: str) -> EngineConfig:
         model=model, dtype=ns.dtype, backend=ns.backend, block_size=ns.block_size, max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens, max_model_len=ns.max_model_len,
         prefill_chunk_size=ns.prefill_chunk_size, enable_prefix_caching=not ns.disable_prefix_cache, seed=ns.seed,
-        fake_step_ms=ns.fake_step_ms, enforce_eager=ns.enforce_eager,
+        fake_step_ms=ns.fake_step_ms, enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling,
     )
     fields.update(_kv_memory(ns))
     fields.update(_quantization(ns))

@@ -175,6 +175,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                    help="most prompt tokens one sequence computes per step (default: 0 = the step budget)")
     g.add_argument("--disable-prefix-cache", "--no-enable-prefix-caching", dest="disable_prefix_cache",
                    action="store_true", help="do not reuse the KV cache of shared prompt prefixes")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch each step before the previous one's tokens are read back, so host work overlaps "
+                        "the GPU's (default: on, except on the CPU backend)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: launch every decode step's kernels one by one (default: graphs on CUDA)")
     g.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling (default: 0)")
