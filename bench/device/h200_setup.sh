@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Source at the start of a device command on the GPU machine (see bench/device/README.md):
 # installs the carried wheels and the project's packages offline into /tmp/site.
-set -eo pipefail
+# (sourced: no `set -e`, which would end the caller's shell at its first failing command)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || return 1
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site \
-    ./core ./plugins/models-llama ./plugins/models-qwen ./plugins/quant-gguf ./plugins/backend-cuda
+    ./core ./plugins/models-llama ./plugins/models-qwen ./plugins/quant-gguf ./plugins/backend-cuda || return 1
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"

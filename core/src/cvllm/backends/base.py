@@ -55,6 +55,12 @@ class Backend:
         method gets it called once, after the KV cache exists."""
         return forward
 
+    def start_readback(self, tensors: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
+        """Start copying a step's results (sampled ids, logprobs) to the host; the returned function waits
+        for them and returns CPU tensors. A device backend must not make the wait include work queued after
+        this call (the next step, under async scheduling): a plain ``.cpu()`` waits for the whole stream."""
+        return lambda: [t.cpu() for t in tensors]
+
     def synchronize(self) -> None:
         pass
 

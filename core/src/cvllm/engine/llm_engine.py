@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +47,8 @@ def select_backend(name: str | None):
 class InFlightStep:
     """A launched step whose sampled tokens are still on the device."""
     sampling: list[Sequence]        # the sequences that sampled, in the order of out's rows
-    out: SamplerOutput | None
+    out: SamplerOutput | None       # on the device: the next step's decode rows read their input ids here
+    readback: Callable[[], list[torch.Tensor]] | None   # waits for out's copy to the host
     scoring: bool                   # it recorded prompt logprobs (such steps finish at once)
 
 
@@ -239,19 +241,24 @@ class LLMEngine:
             record_prompt_logprobs(batch, scoring, logits[len(sampling):])
             logits = logits[:len(sampling)]
         out = self.sampler(logits, sampling) if sampling else None
+        readback = None
+        if out is not None:   # queued now, so reading it back later does not wait for the next step
+            wanted = [out.token_ids] if out.logprobs is None else [out.token_ids, out.logprobs, out.top_ids,
+                                                                    out.top_logprobs]
+            readback = self.backend.start_readback(wanted)
         self.scheduler.advance(batch)
         for seq in sampling:
             seq.num_inflight += 1
-        return InFlightStep(sampling, out, bool(scoring))
+        return InFlightStep(sampling, out, readback, bool(scoring))
 
     def _finish(self, step: InFlightStep) -> list[Sequence]:
         """Read a launched step's tokens back (the one host transfer of a step) and apply them."""
-        if step.out is None:
+        if step.readback is None:
             return []
-        out = step.out
-        token_ids = out.token_ids.tolist()
-        if out.logprobs is not None:
-            sampled_lp, top_ids, top_lp = out.logprobs.tolist(), out.top_ids.tolist(), out.top_logprobs.tolist()
+        host = [t.tolist() for t in step.readback()]
+        token_ids = host[0]
+        if len(host) > 1:
+            sampled_lp, top_ids, top_lp = host[1:]
         done = []
         for i, (seq, token) in enumerate(zip(step.sampling, token_ids)):
             seq.num_inflight -= 1

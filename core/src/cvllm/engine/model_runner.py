@@ -150,7 +150,9 @@ class ModelRunner:
         memory waits for the transfer, and a decode step has six of them)."""
         if self.device.type == "cpu":
             return list(tensors)
-        packed = torch.cat([t.reshape(-1).long() for t in tensors]).to(self.device)
+        # from pinned memory without blocking: a plain copy from pageable memory waits for the stream,
+        # i.e. for the step still running on the GPU, and async scheduling would overlap nothing
+        packed = torch.cat([t.reshape(-1).long() for t in tensors]).pin_memory().to(self.device, non_blocking=True)
         out, offset = [], 0
         for t in tensors:
             out.append(packed[offset:offset + t.numel()].view(t.shape).to(t.dtype))

@@ -79,7 +79,7 @@ def _sample_or_argmax(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> torch
 
     if not any(p.greedy for p in params):
         return sampled_ids
-    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+    greedy = _row_tensor([p.greedy for p in params], logits, torch.bool)
     return torch.where(greedy, greedy_ids, sampled_ids)
 
 
@@ -95,9 +95,8 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
             values.extend(p.logit_bias.values())
     if not rows:
         return logits
-    device = logits.device
-    index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
-    return logits.index_put(index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
+    index = (_row_tensor(rows, logits, torch.long), _row_tensor(cols, logits, torch.long))
+    return logits.index_put(index, _row_tensor(values, logits), accumulate=True)
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> torch.Tensor:
@@ -201,5 +200,10 @@ def _exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator 
     return (probs / noise.clamp_min_(1e-10)).argmax(dim=-1)
 
 
-def _row_tensor(values: list[float] | list[int], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=like.dtype, device=like.device)
+def _row_tensor(values: list[float] | list[int], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Per-row parameters on the logits' device, copied without waiting for the device (a copy from
+    pageable memory would wait for the work queued before it: the forward pass, or the next step's)."""
+    rows = torch.tensor(values, dtype=dtype or like.dtype)
+    if like.device.type == "cpu":
+        return rows
+    return rows.pin_memory().to(like.device, non_blocking=True)

@@ -55,5 +55,20 @@ class CudaBackend(Backend):
 
         return DecodeGraphs(forward, self, max_num_seqs, max_blocks_per_seq)
 
+    def start_readback(self, tensors: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
+        # into pinned memory without blocking, then wait on an event recorded right after the copies:
+        # the wait ends when these copies do, not when the next step (queued behind them) does
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for dst, src in zip(host, tensors):
+            dst.copy_(src, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+
+        def wait() -> list[torch.Tensor]:
+            copied.synchronize()
+            return host
+
+        return wait
+
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
