@@ -199,6 +199,7 @@ class LLMEngine:
         Steps that need every earlier token on the host (penalties, pending min_tokens, prompt logprobs)
         run synchronously."""
         prev, self._inflight = self._inflight, None
+        launched = None
         try:
             done = []
             if prev is not None and not self._can_overlap():
@@ -214,8 +215,8 @@ class LLMEngine:
                 if launched is not None and prev is not None:
                     self.stats.overlapped_steps += 1
             return done
-        except BaseException:
-            for step in (prev, self._inflight):
+        except BaseException:   # nothing stays in flight: the failed step's requests are failed by the caller
+            for step in (prev, launched):
                 if step is not None:
                     for seq in step.sampling:
                         seq.num_inflight = 0
