@@ -156,6 +156,19 @@ class Harness:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         return [list(out.outputs[0].token_ids) for out in outputs]
 
+    def check_preemption(self, checkpoint: TinyCheckpoint) -> None:
+        """Four prompts that fit the KV pool alone but not together: greedy equals transformers through
+        preemption and recompute, and preemption really happened."""
+        block_size = 16
+        prompts = self.prompts((40, 38, 36, 34), seed=16)
+        blocks_needed = [-(-(len(p) + NEW_TOKENS) // block_size) for p in prompts]
+        num_kv_blocks = max(blocks_needed) + 2  # every request fits alone, the batch does not
+        assert sum(blocks_needed) > num_kv_blocks
+        want = self.oracle_greedy(checkpoint.model, prompts)
+        llm = self.llm(checkpoint, block_size=block_size, num_kv_blocks=num_kv_blocks)
+        assert self.greedy(llm, prompts) == want
+        assert llm.llm_engine.stats.preemptions > 0
+
     @staticmethod
     def max_logits_diff(llm: Any, model: Any, prompts: list[list[int]]) -> float:
         """Largest |ours - transformers'| over every position of every prompt (full-prompt logits)."""

@@ -9,7 +9,6 @@ applied on every layer or on none.
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 import pytest
@@ -117,13 +116,4 @@ def test_chunked_prefill(qwen_checkpoint, harness) -> None:
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen2_sliding"])
 def test_preemption(qwen_checkpoint, harness, name: str) -> None:
-    checkpoint = _checkpoint(qwen_checkpoint, name)
-    block_size = 16
-    prompts = harness.prompts((40, 38, 36, 34), seed=16)
-    blocks_needed = [math.ceil((len(p) + harness.NEW_TOKENS) / block_size) for p in prompts]
-    num_kv_blocks = max(blocks_needed) + 2  # every request fits alone, the batch does not
-    assert sum(blocks_needed) > num_kv_blocks
-    want = harness.oracle_greedy(checkpoint.model, prompts)
-    llm = harness.llm(checkpoint, block_size=block_size, num_kv_blocks=num_kv_blocks)
-    assert harness.greedy(llm, prompts) == want
-    assert llm.llm_engine.stats.preemptions > 0
+    harness.check_preemption(_checkpoint(qwen_checkpoint, name))
