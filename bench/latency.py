@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from common import git_commit  # noqa: E402
 from random_checkpoint import random_checkpoint, shape_config  # noqa: E402
 
 from cvllm.engine.config import EngineConfig  # noqa: E402
@@ -197,11 +197,7 @@ def main() -> None:
     if not args.skip_hf:
         result["reference"]["hf_generate_bs1_decode_tok_s"] = hf_generate_tok_s(shape, contexts[0], args.hf_tokens,
                                                                                device, dtype)
-    try:
-        result["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                          cwd=Path(__file__).parent).stdout.strip() or None
-    except OSError:
-        result["commit"] = None
+    result["commit"] = git_commit()
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     print(f"\n{shape} on {result['device']} ({'graphs' if result['cuda_graphs'] else 'eager'}), load {load_s:.1f}s")

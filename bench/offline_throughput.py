@@ -14,7 +14,6 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from common import git_commit  # noqa: E402
 from random_checkpoint import write_random_llama  # noqa: E402
 
 from cvllm import LLM, SamplingParams  # noqa: E402
@@ -77,7 +77,7 @@ def main() -> None:
         vocab = llm.llm_engine.checkpoint.config.vocab_size
         run(llm, 1, 16, 4, vocab)  # warm-up
         results = [run(llm, int(b), args.prompt_len, output_len, vocab) for b in args.batches.split(",")]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit()
     report = {"bench": "offline_throughput", "shape": shape, "dtype": args.dtype, "device": "cpu",
               "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
               "command": " ".join(sys.argv), "commit": commit, "results": results}

@@ -28,7 +28,6 @@ import multiprocessing
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -105,35 +104,10 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
 
 
 def start_server(model: Path, port: int, args: argparse.Namespace, log_path: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "cvllm.server.cli", "--w", str(model), "--p", str(port), "--log", "info",
-               *engine_flags(args)]
-    # its own session, so stopping it reaches its engine-core child too
-    with log_path.open("w") as log_file:
-        server = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-                                  env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
-    deadline = time.monotonic() + args.startup_timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"cvserve exited with {server.returncode}:\n{log_path.read_text()[-4000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    stop_server(server)
-    raise RuntimeError(f"cvserve was not healthy within {args.startup_timeout} s:\n{log_path.read_text()[-4000:]}")
+    from common import start_cvserve
 
-
-def stop_server(server: subprocess.Popen) -> None:
-    if server.poll() is not None:
-        return
-    server.send_signal(signal.SIGTERM)
-    try:
-        server.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
+    flags = ["--w", str(model), "--log", "info", *engine_flags(args)]
+    return start_cvserve(flags, port, log_path, args.startup_timeout)
 
 
 # -- the load generator ------------------------------------------------------------------------------
@@ -235,7 +209,7 @@ def measure(args: argparse.Namespace, workdir: Path, timings: dict) -> tuple[lis
         timings["checkpoint_write"] = time.perf_counter() - started
         log(f"random {args.shape} checkpoint written to {model} in {timings['checkpoint_write']:.1f}s")
     vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
-    from serving_cpu import free_port
+    from common import free_port, stop_cvserve
 
     port = free_port()
     server_log = Path(args.json).with_suffix(".server.log") if args.json else workdir / "cvserve.log"
@@ -259,7 +233,7 @@ def measure(args: argparse.Namespace, workdir: Path, timings: dict) -> tuple[lis
                 log(f"{c} streams: {levels[-1]['output_tok_per_s']:.1f} output tok/s, "
                     f"{levels[-1]['errors']} errors, {timings[f'c{c}']:.1f}s")
         finally:
-            stop_server(server)
+            stop_cvserve(server)
     if args.skip_offline:
         return levels, None
     started = time.perf_counter()
@@ -279,10 +253,12 @@ def report(args: argparse.Namespace, levels: list[dict], offline: dict | None, t
         measured |= {f"c{c}_output_tok_s": r["output_tok_per_s"], f"c{c}_ttft_ms_p50": r["ttft_ms"]["p50"],
                      f"c{c}_ttft_ms_p99": r["ttft_ms"]["p99"], f"c{c}_itl_ms_p50": r["itl_ms"]["p50"],
                      f"c{c}_client_cpu_percent": r["client_cpu_percent"]}
-    from throughput import commit, gpu_name
+    from common import git_commit
+    from throughput import gpu_name
 
     result = {"bench": "serving", "shape": args.shape, "dtype": "bfloat16", "gpu": gpu_name(args.backend),
-              "command": "python " + " ".join(sys.argv), "commit": commit(), "date": datetime.date.today().isoformat(),
+              "command": "python " + " ".join(sys.argv), "commit": git_commit(),
+              "date": datetime.date.today().isoformat(),
               "workload": {"input_len": args.input_len, "output_len": args.output_len, "levels": args.levels,
                            "prompt": "random token ids", "ignore_eos": True, "temperature": 0, "stream": True},
               "measured": measured, "reference": {}, "targets": TARGETS, "timings_s": timings, "levels": levels}

@@ -19,18 +19,16 @@ import asyncio
 import json
 import os
 import platform
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from common import free_port, git_commit, start_cvserve, stop_cvserve  # noqa: E402
 from random_checkpoint import write_random_llama  # noqa: E402
 
 from cvllm import LLM, SamplingParams  # noqa: E402
@@ -58,39 +56,13 @@ def offline_tok_s(llm: LLM, concurrency: int, input_len: int, output_len: int, v
     return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(model: Path, port: int, dtype: str, max_num_seqs: int, log: Path,
                  fake_step_ms: float | None = None) -> subprocess.Popen:
-    command = [sys.executable, "-m", "cvllm.server.cli", "--w", str(model), "--p", str(port), "--dtype", dtype,
-               "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", "4096", "--log", "warning"]
+    flags = ["--w", str(model), "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
+             "--max-num-batched-tokens", "4096", "--log", "warning"]
     if fake_step_ms is not None:
-        command += ["--fake-step-ms", str(fake_step_ms)]
-    server = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"cvserve exited with {server.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    server.kill()
-    raise RuntimeError("cvserve did not become healthy within 600 s")
-
-
-def stop_server(server: subprocess.Popen) -> None:
-    server.send_signal(signal.SIGINT)
-    try:
-        server.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        server.kill()
+        flags += ["--fake-step-ms", str(fake_step_ms)]
+    return start_cvserve(flags, port, log, timeout=600)
 
 
 def main() -> None:
@@ -125,7 +97,7 @@ def main() -> None:
             # One round of `concurrency` requests per level, as offline: the same work.
             serving = [asyncio.run(run_bench(options, [c], c, log=lambda line: None))[0] for c in levels]
         finally:
-            stop_server(server)
+            stop_cvserve(server)
 
     print(format_table(serving))
     print(f"\n{'conc':>5} {'serving tok/s':>14} {'offline tok/s':>14} {'ratio':>6}")
@@ -133,7 +105,7 @@ def main() -> None:
         c = r["concurrency"]
         print(f"{c:>5} {r['output_tok_per_s']:>14.1f} {offline[c]:>14.1f} {r['output_tok_per_s'] / offline[c]:>6.2f}")
     if args.json:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        commit = git_commit()
         report = {"bench": "serving_cpu", "shape": shape, "dtype": args.dtype, "device": "cpu",
                   "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                   "cpu": platform.processor() or platform.machine(), "command": " ".join(sys.argv),

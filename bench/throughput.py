@@ -20,7 +20,6 @@ import gc
 import json
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from common import git_commit  # noqa: E402
 from random_checkpoint import random_checkpoint, shape_config  # noqa: E402
 
 from cvllm.engine.config import EngineConfig  # noqa: E402
@@ -115,14 +115,6 @@ def gpu_name(backend: str) -> str:
     return torch.cuda.get_device_name() if backend == "cuda" else "cpu"
 
 
-def commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip() or None
-    except OSError:
-        return None
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="CPU rehearsal: tiny Qwen3 shape, 8 short requests")
@@ -184,7 +176,7 @@ def main() -> None:
     result: dict = {
         "bench": "throughput", "shape": shape, "dtype": "bfloat16",
         "gpu": gpu_name(device),
-        "command": "python " + " ".join(sys.argv), "commit": commit(),
+        "command": "python " + " ".join(sys.argv), "commit": git_commit(),
         "date": datetime.date.today().isoformat(), "load_s": load_s,
         "workload": {"requests": num, "length_range": [low, high], "temperature": args.temperature,
                      "ignore_eos": True, "output_tokens": main_run["output_tokens"],

@@ -1,0 +1,62 @@
+"""What the benchmark scripts share: the commit they ran at, and starting and stopping `cvserve`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def git_commit() -> str | None:
+    """The short hash of the checkout the script runs from (None outside a git checkout)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent)
+    except OSError:
+        return None
+    return out.stdout.strip() or None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_cvserve(flags: list[str], port: int, log_path: Path, timeout: float) -> subprocess.Popen:
+    """``python -m cvllm.server.cli --p PORT FLAGS`` in its own process session (so stopping it reaches its
+    engine-core child too), once /health answers; its output goes to ``log_path``."""
+    command = [sys.executable, "-m", "cvllm.server.cli", "--p", str(port), *flags]
+    with log_path.open("w") as log_file:
+        server = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                                  env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"cvserve exited with {server.returncode}:\n{log_path.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    stop_cvserve(server)
+    raise RuntimeError(f"cvserve was not healthy within {timeout} s:\n{log_path.read_text()[-4000:]}")
+
+
+def stop_cvserve(server: subprocess.Popen) -> None:
+    """SIGTERM (cvserve drains and exits), then SIGKILL to the whole session after a minute."""
+    if server.poll() is not None:
+        return
+    server.send_signal(signal.SIGTERM)
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
