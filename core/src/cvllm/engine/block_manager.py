@@ -106,8 +106,9 @@ class BlockManager:
             return
         bs = self.block_size
         # only blocks whose tokens are all known: the last token may still be on the device (async scheduling)
-        full = min(seq.num_computed_tokens, len(seq.token_ids)) // bs
-        full = min(full, len(seq.block_table))
+        full = min(min(seq.num_computed_tokens, len(seq.token_ids)) // bs, len(seq.block_table))
+        if full <= seq.num_hashed_blocks:   # the common case: no block filled up this step
+            return
         h = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else None
         for i in range(seq.num_hashed_blocks, full):
             block = self.blocks[seq.block_table[i]]

