@@ -48,6 +48,8 @@ def assert_same(checkpoint, requests, expect_overlap: bool = True, **engine: Any
                 assert g.keys() == w.keys() and all(abs(g[t] - w[t]) < 1e-4 for t in g)
     if expect_overlap:
         assert stats.overlapped_steps > 0, "no step was launched before the previous one was read back"
+    else:
+        assert stats.overlapped_steps == 0, "a step that needed every token on the host overlapped"
     return sync, stats
 
 
