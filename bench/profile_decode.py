@@ -8,7 +8,7 @@ by total time, and the host's share), on a random-weight model.
 from __future__ import annotations
 
 import argparse
-import statistics
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -17,11 +17,30 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
+from host_timers import HostTimers  # noqa: E402
 from random_checkpoint import random_checkpoint, shape_config  # noqa: E402
 
 from cvllm.engine.config import EngineConfig  # noqa: E402
 from cvllm.engine.llm_engine import LLMEngine  # noqa: E402
 from cvllm.sampling_params import SamplingParams  # noqa: E402
+
+
+def report_syncs(engine: LLMEngine, steps: int) -> None:
+    """Each place that made the host wait for the GPU during ``steps`` engine steps, with its count. One
+    wait per step is expected (reading the sampled ids back); more means a step cannot overlap the next."""
+    import collections
+    import warnings
+
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            engine.step()
+    torch.cuda.set_sync_debug_mode("default")
+    places = collections.Counter(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+    print(f"host waits in {steps} steps: {sum(places.values())}")
+    for place, count in places.most_common(12):
+        print(f"  {count:4d}  {place}")
 
 
 def main() -> None:
@@ -32,6 +51,11 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--phase", choices=["decode", "prefill"], default="decode",
+                    help="prefill: profile the steps that prefill the batch's prompts (budget-sized mixed steps)")
+    ap.add_argument("--cprofile", action="store_true", help="prefill phase: cProfile the host instead")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="also run a few steps under torch's sync debug mode and list where the host waited")
     args = ap.parse_args()
     device = "cpu" if args.tiny else "cuda"
     shape = "tiny" if args.tiny else args.shape
@@ -39,35 +63,80 @@ def main() -> None:
     dtype = torch.bfloat16
     vocab = shape_config(shape, dtype)["vocab_size"]
     engine = LLMEngine(EngineConfig(model=random_checkpoint(shape, dtype, device), backend=device, dtype=dtype,
-                                    max_num_seqs=batch, max_model_len=context + 64 + args.steps,
+                                    max_num_seqs=batch, max_model_len=context + 64 + 3 * args.steps,
                                     max_num_batched_tokens=8192))
     g = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=args.temperature, max_tokens=64, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(str(i), torch.randint(10, vocab, (context,), generator=g).tolist(), params)
-    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
-                                          for s in engine.scheduler.running):
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+
+    def submit(tag: str, max_tokens: int) -> None:
+        params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True)
+        for i in range(batch):
+            engine.add_request(f"{tag}{i}", torch.randint(10, vocab, (context,), generator=g).tolist(), params)
+
+    def prefilling() -> bool:
+        return bool(engine.scheduler.waiting) or any(s.num_computed_tokens < s.num_prompt_tokens
+                                                     for s in engine.scheduler.running)
+
+    if args.phase == "prefill":
+        submit("warm", 1)             # compiles every kernel variant the prefill steps use
+        while engine.has_unfinished():
+            engine.step()
+        submit("", 64)
+        timers = HostTimers(engine)
+        sync()
+        started, steps = time.perf_counter(), 0
+        if args.cprofile:
+            import cProfile
+            import pstats
+            profiler = cProfile.Profile()
+            prof = contextlib.nullcontext()
+            profiler.enable()
+        else:
+            prof = profile(activities=activities)
+        with prof, timers.installed():
+            while prefilling():
+                engine.step()
+                steps += 1
+            sync()
+        wall = time.perf_counter() - started
+        if args.cprofile:
+            profiler.disable()
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        else:
+            print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
+        print(timers.table(steps))
+        print(f"{shape} on {device}: {batch} prompts of {context} tokens prefilled in {steps} steps, "
+              f"{wall * 1e3:.1f} ms ({batch * context / wall:.0f} prompt tok/s, profiler on)")
+        return
+
+    submit("", 64)
+    while prefilling():
         engine.step()
     for _ in range(3):
         engine.step()
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sync()                     # no synchronisation per step: async scheduling overlaps consecutive steps
     started = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
     sync()
-    walls = [(time.perf_counter() - started) / args.steps]
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    wall = (time.perf_counter() - started) / args.steps
+    timers = HostTimers(engine)
+    with timers.installed():
+        for _ in range(args.steps):
+            engine.step()
+        sync()
     with profile(activities=activities) as prof:
         for _ in range(args.steps):
             engine.step()
         sync()
-    key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
-    print(f"{shape} on {device}: batch {batch}, context {context}: median engine step "
-          f"{statistics.median(walls) * 1e3:.2f} ms ({batch / statistics.median(walls):.0f} tok/s); "
-          f"profiled {args.steps} steps above")
-
+    print(timers.table(args.steps))
+    if args.sync_debug and device == "cuda":
+        report_syncs(engine, args.steps)
+    print(f"{shape} on {device}: batch {batch}, context {context}: engine step {wall * 1e3:.2f} ms "
+          f"({batch / wall:.0f} tok/s) over {args.steps} steps; profiled {args.steps} more above")
 
 if __name__ == "__main__":
     main()
