@@ -141,3 +141,40 @@ def test_cuda_graph_replay_with_new_context_lengths(generator, make_attention_ca
     graph.replay()
     torch.cuda.synchronize()
     assert_matches_reference(out, case, soft_cap=30.0)
+
+
+def compiled_variants(kernel) -> int:
+    """How many compiled variants of a Triton kernel exist (Triton keeps one cache per device)."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton version keeps its compiled kernels elsewhere")
+    return sum(len(entry[0]) for entry in caches.values())
+
+
+def test_new_batch_shapes_compile_nothing(generator, make_attention_case, check_attention):
+    """Eager steps change batch size, block-table width, token count and query lengths every step: once a
+    decode and a prefill batch have run, no new shape may compile another variant (each costs ~0.5 s of a
+    serving step) -- checked on the attention and RMSNorm kernels, whose launches take such integers."""
+    from cvllm_cuda.kernels.paged_attention import _attention_kernel
+    from cvllm_cuda.kernels.rms_norm import _add_rms_norm_kernel, fused_add_rms_norm
+
+    def attention(query_lens, contexts):
+        check_attention(make_attention_case(query_lens, contexts, 32, 8, 128, 16, torch.bfloat16, "cuda"))
+
+    def norm(rows):
+        x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+        fused_add_rms_norm(x, torch.randn_like(x), torch.ones(4096, device="cuda", dtype=torch.bfloat16), 1e-5)
+
+    # decodes of >= 17 sequences fill the SMs without split-KV (NUM_SPLITS, a constexpr, stays 1); mixed
+    # batches never split
+    attention([1] * 17, list(range(5, 600, 35)))    # a decode batch
+    attention([1, 20, 1], [5, 0, 99])               # a mixed batch (query tiles of 16 tokens)
+    norm(3)
+    before = compiled_variants(_attention_kernel), compiled_variants(_add_rms_norm_kernel)
+    for seqs in (17, 32, 33, 64, 100):
+        attention([1] * seqs, torch.randint(1, 2000, (seqs,), generator=generator).tolist())
+    for seqs in (1, 2, 5, 16, 17, 32, 33):
+        attention([48] + [1] * (seqs - 1), [1024] + torch.randint(0, 700, (seqs - 1,), generator=generator).tolist())
+    for rows in (1, 16, 17, 32, 100, 8192):
+        norm(rows)
+    assert (compiled_variants(_attention_kernel), compiled_variants(_add_rms_norm_kernel)) == before

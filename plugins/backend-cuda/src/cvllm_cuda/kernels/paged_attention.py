@@ -110,7 +110,9 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     return lo
 
 
-@triton.jit
+# num_seqs and the block-table width change from step to step: Triton's default specialisation of integer
+# arguments (== 1, divisible by 16) would compile new variants mid-serving, ~0.5 s each
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
@@ -253,7 +255,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     group = num_heads // num_kv_heads
     decode = max_query_len == 1
     config = attention_config(head_dim, q.dtype, decode, q.device)
-    block_q = max(1, min(config.block_m // group, max_query_len))
+    # query tokens per tile: a power of two, so short prefill chunks share a handful of compiled variants
+    block_q = max(1, min(config.block_m // group, triton.next_power_of_2(max_query_len)))
     block_m = max(16, triton.next_power_of_2(block_q * group))
     splits = num_splits or default_num_splits(num_seqs, num_kv_heads, max_query_len, q.device)
     splits = min(MAX_SPLITS, triton.next_power_of_2(splits))

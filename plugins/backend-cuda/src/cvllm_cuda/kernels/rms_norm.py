@@ -18,7 +18,9 @@ _TILE_ELEMENTS = 4096
 _MAX_HIDDEN = 65536  # one program holds a whole row in registers
 
 
-@triton.jit
+# num_rows changes every eager step: specialising on it (== 1, divisible by 16) would compile new
+# variants while serving, each costing the step it first appears in ~0.5 s
+@triton.jit(do_not_specialize=["num_rows"])
 def _add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
     num_rows, inner_rows, hidden, eps,
