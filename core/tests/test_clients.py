@@ -15,7 +15,7 @@ from cvllm import cli
 from cvllm.clients import api_url, server_root, sse_events
 from cvllm.clients import bench as bench_mod
 from cvllm.clients import chat as chat_mod
-from cvllm.clients.bench import BenchOptions, RequestRecord, percentile, run_level, summarize
+from cvllm.clients.bench import BenchOptions, RequestRecord, describe_error, percentile, run_level, summarize
 from cvllm.clients.chat import ChatDelta, ChatError, ChatOptions, ChatSession, run_repl, stream_chat
 
 
@@ -213,6 +213,18 @@ def test_summarize_counts_and_latencies():
     assert s["tpot_ms"]["p50"] == pytest.approx((200 + 1000) / 2)  # 0.8 s / 4 and 1.0 s / 1
     assert s["e2e_ms"]["p90"] == pytest.approx(1000 + 0.9 * 500)
     assert s["client_cpu_percent"] == pytest.approx(25.0)
+    assert s["failed_after_s"] == [0.1, 0.1] and s["failed_chunks"] == [0, 0]
+
+
+def test_describe_error_names_the_cause_of_a_bare_error():
+    try:
+        try:
+            raise ConnectionResetError(104, "Connection reset by peer")
+        except ConnectionResetError as reset:
+            raise httpx.ReadError("") from reset
+    except httpx.ReadError as exc:
+        assert describe_error(exc) == "ReadError:  <- ConnectionResetError: [Errno 104] Connection reset by peer"
+    assert describe_error(httpx.ConnectError("refused")) == "ConnectError: refused"
 
 
 class FakeCompletionServer:

@@ -53,6 +53,17 @@ class RequestRecord:
     error: str | None = None
 
 
+def describe_error(exc: BaseException) -> str:
+    """``Type: message``, followed by the underlying error where the message is empty (httpx's ReadError
+    says nothing itself: the reset or closed socket is in its cause)."""
+    text = f"{type(exc).__name__}: {exc}"
+    cause = exc.__cause__ or exc.__context__
+    while not str(exc) and cause is not None:
+        text += f" <- {type(cause).__name__}: {cause}"
+        exc, cause = cause, cause.__cause__ or cause.__context__
+    return text
+
+
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile with linear interpolation between closest ranks (numpy's default)."""
     if not values:
@@ -90,6 +101,9 @@ def summarize(records: list[RequestRecord], concurrency: int, wall: float, cpu: 
         "tpot_ms": _distribution_ms([(r.chunk_times[-1] - r.chunk_times[0]) / (r.output_tokens - 1)
                                      for r in streamed if r.output_tokens > 1]),
         "e2e_ms": _distribution_ms([r.end - r.start for r in ok]),
+        # when failed requests failed (seconds after they were sent) and how far their streams had got
+        "failed_after_s": sorted(round(r.end - r.start, 3) for r in records if r.error is not None)[:32],
+        "failed_chunks": sorted(len(r.chunk_times) for r in records if r.error is not None)[:32],
         "client_cpu_percent": 100 * cpu / wall,
     }
 
@@ -113,7 +127,7 @@ async def one_request(client: httpx.AsyncClient, options: BenchOptions, prompt: 
             else:
                 record.output_tokens = json.loads(await response.aread())["usage"]["completion_tokens"]
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-        record.error = f"{type(exc).__name__}: {exc}"
+        record.error = describe_error(exc)
     record.end = clock()
     return record
 

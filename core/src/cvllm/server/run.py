@@ -37,6 +37,9 @@ def _hypercorn_config(args: ServerArgs) -> Config:
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
     config.keep_alive_timeout = 30
+    # hypercorn's default listen backlog is 100: a burst of more new connections than that (256 clients
+    # opening their streams at once) overflows the accept queue; uvicorn and vLLM listen with 2048
+    config.backlog = 2048
     return config
 
 
