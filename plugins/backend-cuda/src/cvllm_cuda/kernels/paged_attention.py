@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cvllm_cuda.kernels.tuned_configs import TUNED
+
 MAX_SPLITS = 16
 
 
@@ -34,10 +36,12 @@ class AttentionConfig:
     num_stages: int
 
 
-# Autotuned configs committed per GPU: {torch.cuda.get_device_name(): {(head_dim, dtype, decode): config}},
-# dtype spelled as in torch ("bfloat16"), decode meaning max_query_len == 1. Empty until someone tunes
-# a card; attention_config() falls back to the defaults below for anything missing.
-TUNED_CONFIGS: dict[str, dict[tuple[int, str, bool], AttentionConfig]] = {}
+# Autotuned configs committed per GPU (bench/tune_attention.py writes them):
+# {torch.cuda.get_device_name(): {(head_dim, dtype, decode): (block_m, block_n, num_warps, num_stages)}},
+# dtype spelled as in torch ("bfloat16"), decode meaning max_query_len == 1; attention_config() falls back
+# to the defaults below for anything missing.
+TUNED_CONFIGS: dict[str, dict[tuple[int, str, bool], AttentionConfig]] = {
+    gpu: {key: AttentionConfig(*value) for key, value in entries.items()} for gpu, entries in TUNED.items()}
 
 
 @functools.cache
@@ -228,14 +232,15 @@ def _combine_splits_kernel(
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int, scale: float,
                     sliding_window: int | None, soft_cap: float | None, out: torch.Tensor | None = None, *,
-                    num_splits: int | None = None) -> torch.Tensor:
+                    num_splits: int | None = None, config: AttentionConfig | None = None) -> torch.Tensor:
     """Attention of varlen queries ``q [T, H, D]`` over the paged caches ``[num_blocks, block_size, Hkv, D]``.
 
     Sequence i's queries are rows ``query_start_loc[i]:query_start_loc[i + 1]`` at positions
     ``seq_lens[i] - q_len ... seq_lens[i] - 1``; its keys are at ``block_tables[i]`` (entries past its last
     block are never read). ``max_query_len`` must be >= the longest q_len (it picks tile shapes; 1 selects
     the decode path). ``num_splits`` forces the split-KV path (rounded up to a power of two); by default
-    ``default_num_splits``. Launches without reading anything back to the host.
+    ``default_num_splits``. ``config`` overrides the tile sizes of ``attention_config`` (tuning).
+    Launches without reading anything back to the host.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -254,7 +259,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     group = num_heads // num_kv_heads
     decode = max_query_len == 1
-    config = attention_config(head_dim, q.dtype, decode, q.device)
+    config = config or attention_config(head_dim, q.dtype, decode, q.device)
     # query tokens per tile: a power of two, so short prefill chunks share a handful of compiled variants
     block_q = max(1, min(config.block_m // group, triton.next_power_of_2(max_query_len)))
     block_m = max(16, triton.next_power_of_2(block_q * group))

@@ -1,0 +1,154 @@
+"""Sweep the paged-attention tile sizes on this GPU and print the TUNED entry for
+plugins/backend-cuda/src/cvllm_cuda/kernels/tuned_configs.py (bf16, head_dim 128: the Llama-3 / Qwen3 shapes
+of the benchmarks).
+
+    python bench/tune_attention.py --json $OUT/tune_attention.json     # on the GPU machine
+
+Workloads are what the engine launches: decode batches (Llama-3-8B heads 32/8 at 256 x 1k, 256 x 2k,
+64 x 1.5k and a split-KV batch of one at 1k; Qwen3-0.6B heads 16/8 at 256 x 800) and mixed prefill steps
+(8 fresh 1024-token prompts beside 248 decodes at 1k context; one 1024-token prompt alone). Each config's
+time is the median of do_bench over rotating K/V caches larger than the L2; a config is scored by the
+geometric mean of its times over the default config's, and only a config that wins every workload of its
+kind by noise-free margin is worth committing (the table shows each one's times)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import git_commit  # noqa: E402
+
+from cvllm_cuda.kernels.paged_attention import AttentionConfig, attention_config, paged_attention  # noqa: E402
+
+BLOCK_SIZE, HEAD_DIM, DTYPE = 16, 128, torch.bfloat16
+
+
+def workload(query_lens: list[int], contexts: list[int], heads: int, kv_heads: int, generator) -> dict:
+    seq_lens = [c + q for c, q in zip(contexts, query_lens)]
+    blocks = [-(-s // BLOCK_SIZE) for s in seq_lens]
+    num_blocks = sum(blocks)
+    # pages in random order, as a running engine's would be
+    order = torch.randperm(num_blocks, generator=generator).to(torch.int32)
+    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(blocks):
+        tables[i, :n] = order[at:at + n]
+        at += n
+    cache = (num_blocks, BLOCK_SIZE, kv_heads, HEAD_DIM)
+    copies = max(1, math.ceil(3 * 60e6 / (2 * math.prod(cache) * 2)))   # K+V of all copies > 3x the L2
+    caches = [(torch.randn(cache, device="cuda", dtype=DTYPE), torch.randn(cache, device="cuda", dtype=DTYPE))
+              for _ in range(min(copies, 4))]
+    return {"q": torch.randn(sum(query_lens), heads, HEAD_DIM, device="cuda", dtype=DTYPE), "caches": caches,
+            "query_start_loc": torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32, device="cuda"),
+            "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device="cuda"), "tables": tables.cuda(),
+            "max_query_len": max(query_lens),
+            "kv_bytes": sum(seq_lens) * kv_heads * HEAD_DIM * 2 * 2}
+
+
+def time_ms(w: dict, config: AttentionConfig | None) -> float:
+    turn = itertools.count()
+
+    def run():
+        k, v = w["caches"][next(turn) % len(w["caches"])]
+        paged_attention(w["q"], k, v, w["query_start_loc"], w["seq_lens"], w["tables"], w["max_query_len"],
+                        HEAD_DIM ** -0.5, None, None, config=config)
+    return triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
+
+
+def candidates(decode: bool) -> list[AttentionConfig]:
+    if decode:
+        return [AttentionConfig(16, n, w, s) for n in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3, 4)]
+    return [AttentionConfig(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json")
+    ap.add_argument("--write", type=Path, help="write tuned_configs.py here with this GPU's entries merged in")
+    args = ap.parse_args()
+    g = torch.Generator().manual_seed(0)
+    workloads = {
+        True: {"llama 256x1k": workload([1] * 256, [1024] * 256, 32, 8, g),
+               "llama 256x2k": workload([1] * 256, [2048] * 256, 32, 8, g),
+               "llama 64x1.5k": workload([1] * 64, [1536] * 64, 32, 8, g),
+               "llama 1x1k (split)": workload([1], [1024], 32, 8, g),
+               "qwen3 256x800": workload([1] * 256, [800] * 256, 16, 8, g)},
+        False: {"mixed 8x1024+248": workload([1024] * 8 + [1] * 248, [0] * 8 + [1024] * 248, 32, 8, g),
+                "prefill 1x1024": workload([1024], [0], 32, 8, g)},
+    }
+    gpu = torch.cuda.get_device_name()
+    result = {"bench": "tune_attention", "gpu": gpu, "commit": git_commit(), "date": datetime.date.today().isoformat(),
+              "command": "python " + " ".join(sys.argv), "head_dim": HEAD_DIM, "dtype": "bfloat16", "kinds": {}}
+    entries = {}
+    for decode, named in workloads.items():
+        default = attention_config(HEAD_DIM, DTYPE, decode, torch.device("cuda"))
+        base = {name: time_ms(w, default) for name, w in named.items()}
+        rows = []
+        for config in candidates(decode):
+            try:
+                times = {name: time_ms(w, config) for name, w in named.items()}
+            except Exception as e:     # a config the compiler rejects (shared memory): not a candidate
+                print(f"  skip {config}: {type(e).__name__}", file=sys.stderr)
+                continue
+            score = math.exp(sum(math.log(times[n] / base[n]) for n in named) / len(named))
+            rows.append((score, config, times))
+        rows.sort(key=lambda r: r[0])
+        kind = "decode" if decode else "prefill"
+        print(f"\n{kind} (best of {len(rows)} configs first):")
+        print("  " + " | ".join(named))
+        print(f"  {'default ' + str(astuple(default)):28s} {1.0:6.3f} {cells(named, base)}")
+        for score, config, times in rows[:6]:
+            print(f"  {str(astuple(config)):28s} {score:6.3f} {cells(named, times)}")
+        best_score, best, best_times = rows[0]
+        result["kinds"][kind] = {"default": astuple(default), "default_ms": base, "best": astuple(best),
+                                 "best_ms": best_times, "score": best_score,
+                                 "top": [(astuple(c), s, t) for s, c, t in rows[:10]]}
+        if best_score < 0.98 and best != default:   # commit only a real gain (2% is above run-to-run noise)
+            entries[(HEAD_DIM, "bfloat16", decode)] = astuple(best)
+    print(f"\nTUNED entry for {gpu!r} (commit {result['commit']}, {result['date']}):")
+    print(f"    {gpu!r}: {{" + ", ".join(f"{k!r}: {v!r}" for k, v in entries.items()) + "},")
+    result["entries"] = {repr(k): v for k, v in entries.items()}
+    if args.write:
+        from cvllm_cuda.kernels.tuned_configs import TUNED
+        args.write.write_text(module_text({**TUNED, gpu: {**TUNED.get(gpu, {}), **entries}},
+                                          f"{result['command']} at {result['commit']}, {result['date']}"))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+def module_text(tuned: dict, provenance: str) -> str:
+    """tuned_configs.py with ``tuned`` as its table."""
+    import cvllm_cuda.kernels.tuned_configs as module
+
+    doc = module.__doc__.strip()
+    lines = [f'"""{doc}"""', "", "TUNED: dict[str, dict[tuple[int, str, bool], tuple[int, int, int, int]]] = {"]
+    for gpu, entries in sorted(tuned.items()):
+        lines.append(f"    # {provenance}")
+        lines.append(f'    "{gpu}": {{')
+        lines += [f'        ({head_dim}, "{dtype}", {decode}): {value!r},'
+                  for (head_dim, dtype, decode), value in sorted(entries.items())]
+        lines.append("    },")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def cells(named: dict, times: dict) -> str:
+    """Each workload's time and the K/V bytes it streamed per second."""
+    return " ".join(f"{times[n] * 1e3:8.1f}us {named[n]['kv_bytes'] / times[n] / 1e9:4.2f}TB/s" for n in named)
+
+
+def astuple(config: AttentionConfig) -> tuple[int, int, int, int]:
+    return (config.block_m, config.block_n, config.num_warps, config.num_stages)
+
+
+if __name__ == "__main__":
+    main()
