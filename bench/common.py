@@ -14,7 +14,10 @@ import httpx
 
 
 def git_commit() -> str | None:
-    """The short hash of the checkout the script runs from (None outside a git checkout)."""
+    """The short hash of the checkout the script runs from (None outside a git checkout). CVLLM_BENCH_COMMIT
+    overrides it: the GPU machine's copy of the tree carries a .git that need not be at the copied commit."""
+    if os.environ.get("CVLLM_BENCH_COMMIT"):
+        return os.environ["CVLLM_BENCH_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).parent)
