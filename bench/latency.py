@@ -155,6 +155,8 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true", help="leave out the transformers reference")
     ap.add_argument("--profile-host", action="store_true",
                     help="print where the host's time goes in batch-1 decode steps (cProfile, by own time)")
+    ap.add_argument("--no-tuned", action="store_true",
+                    help="attention with the default tiles, not this GPU's tuned ones (an A/B of the tuning)")
     ap.add_argument("--json")
     args = ap.parse_args()
     device = "cpu" if args.tiny else "cuda"
@@ -163,6 +165,9 @@ def main() -> None:
     dtype = torch.bfloat16
     vocab = shape_config(shape, dtype)["vocab_size"]
 
+    if args.no_tuned:
+        from cvllm_cuda.kernels.paged_attention import TUNED_CONFIGS
+        TUNED_CONFIGS.clear()
     started = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=random_checkpoint(shape, dtype, device), backend=device, dtype=dtype,
                                     max_num_seqs=4, max_model_len=max(contexts) + args.decode_tokens + 16,
@@ -170,7 +175,8 @@ def main() -> None:
                                     enforce_eager=args.enforce_eager))
     load_s = time.perf_counter() - started
     result: dict = {"bench": "latency", "shape": shape, "device": torch.cuda.get_device_name() if device == "cuda"
-                    else "cpu", "dtype": "bfloat16", "enforce_eager": args.enforce_eager, "load_s": load_s,
+                    else "cpu", "dtype": "bfloat16", "enforce_eager": args.enforce_eager,
+                    "tuned_attention": not args.no_tuned, "load_s": load_s,
                     "command": "python " + " ".join(sys.argv), "measured": {}, "ceiling": {}, "reference": {}}
     result["cuda_graphs"] = hasattr(engine.runner.decode_forward, "graphs")
     measured = result["measured"]

@@ -65,6 +65,13 @@ def time_ms(w: dict, config: AttentionConfig | None) -> float:
     return triton.testing.do_bench_cudagraph(run, rep=100, return_mode="median") / len(w["caches"])
 
 
+def parse_configs(text: str | None) -> list[AttentionConfig] | None:
+    """``"16,64,2,3 16,128,8,2"`` -> configs (block_m, block_n, num_warps, num_stages)."""
+    if not text:
+        return None
+    return [AttentionConfig(*map(int, item.split(","))) for item in text.split()]
+
+
 def candidates(decode: bool) -> list[AttentionConfig]:
     if decode:
         return [AttentionConfig(16, n, w, s) for n in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3, 4)]
@@ -74,6 +81,8 @@ def candidates(decode: bool) -> list[AttentionConfig]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json")
+    ap.add_argument("--decode", help="only these decode configs, e.g. '16,64,2,3 16,128,8,2' (m,n,warps,stages)")
+    ap.add_argument("--prefill", help="only these prefill configs, likewise")
     ap.add_argument("--write", type=Path, help="write tuned_configs.py here with this GPU's entries merged in")
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
@@ -94,7 +103,8 @@ def main() -> None:
         default = attention_config(HEAD_DIM, DTYPE, decode, torch.device("cuda"))
         base = {name: time_ms(w, default) for name, w in named.items()}
         rows = []
-        for config in candidates(decode):
+        chosen = parse_configs(args.decode if decode else args.prefill)
+        for config in chosen or candidates(decode):
             try:
                 times = {name: time_ms(w, config) for name, w in named.items()}
             except Exception as e:     # a config the compiler rejects (shared memory): not a candidate
