@@ -120,3 +120,13 @@ def test_abort_while_a_step_is_in_flight(gqa) -> None:
     kept = engine.requests["keep"][0]
     assert kept.output_token_ids == hf_greedy(gqa.model, [ps[0]], 16)[0]
     assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_fake_model_runner_steps(gqa, async_scheduling) -> None:
+    """--fake-step-ms (no model: the HTTP stack's benchmarks) runs through the same step(), async or not."""
+    ps = prompts((9, 30), seed=10)
+    llm = LLM(model=str(gqa.path), **ENGINE, fake_step_ms=0, async_scheduling=async_scheduling)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(max_tokens=7, ignore_eos=True))
+    assert [len(out.outputs[0].token_ids) for out in outputs] == [7, 7]
+    assert (llm.llm_engine.stats.overlapped_steps > 0) == async_scheduling

@@ -33,7 +33,9 @@ class FakeModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
 
-    def run(self, batch: ScheduledBatch, all_logits: bool = False, extra_indices=None) -> torch.Tensor:
+    def run(self, batch: ScheduledBatch, all_logits: bool = False, extra_indices=None,
+            previous_tokens=None) -> torch.Tensor:
+        """ModelRunner.run's signature; the fixed logits depend on no input (previous_tokens included)."""
         started = time.perf_counter()
         rows = sum(batch.num_tokens) if all_logits else len(batch.sample_indices)
         rows += 0 if extra_indices is None else len(extra_indices)
