@@ -5,7 +5,8 @@
 
 1. Writes a random bf16 checkpoint (drawn on the device, saved as safetensors shards) plus a tokenizer
    covering its vocabulary; ``--checkpoint DIR`` keeps it there and reuses it on the next run.
-2. Starts ``cvserve`` on it on 127.0.0.1 and, per concurrency level, opens that many streamed
+2. Starts ``cvserve`` on it on 127.0.0.1, times the first token of six single requests sent one after
+   another (PERF.md's TTFT on an idle server), then, per concurrency level, opens that many streamed
    completions at once (random token-id prompts of ``--input-len``, ``--output-len`` tokens each,
    ignore_eos). The load generator is httpx in several processes (``--streams-per-client`` each) so
    that it never becomes the bottleneck; it reports its own CPU use (summed, and the busiest process).
@@ -28,6 +29,7 @@ import multiprocessing
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -129,6 +131,26 @@ async def _stream_share(url: str, prompts: list[list[int]], output_len: int, sta
     return {"records": [asdict(r) for r in records], "cpu_s": cpu}
 
 
+def sequential_ttft_ms(url: str, prompts: list[list[int]]) -> list[float]:
+    """TTFT of single requests sent back to back from this process (the first one follows >= 1 s of idle
+    server, the rest follow each other at once): the levels' one-request TTFT is one sample after an idle
+    gap, this is several, so an idle GPU's slow start shows apart from the steady case. The first token is
+    the first streamed chunk with a choice, text or not (a lone token may decode to no text yet)."""
+    times = []
+    with httpx.Client(timeout=httpx.Timeout(60.0, read=None)) as client:
+        for prompt in prompts:
+            body = {"prompt": prompt, "max_tokens": 1, "ignore_eos": True, "temperature": 0.0, "stream": True}
+            started = time.perf_counter()
+            with client.stream("POST", f"{url}/completions", json=body) as response:
+                if response.status_code != 200:
+                    raise RuntimeError(f"TTFT probe: HTTP {response.status_code}: {response.read()[:200]!r}")
+                for line in response.iter_lines():
+                    if line.startswith("data:") and '"choices"' in line:
+                        times.append(1000 * (time.perf_counter() - started))
+                        break
+    return times
+
+
 def run_level(pool, url: str, prompts: list[list[int]], output_len: int, streams_per_client: int) -> dict:
     procs = math.ceil(len(prompts) / streams_per_client)
     shares = [prompts[i::procs] for i in range(procs)]
@@ -225,6 +247,10 @@ def measure(args: argparse.Namespace, workdir: Path, timings: dict) -> tuple[lis
             # warm-up: one full-length prefill alone, then a small concurrent batch (mixed steps)
             run_level(pool, url, prompts_for(1, args.input_len, vocab_size, seed=2), 8, args.streams_per_client)
             run_level(pool, url, prompts_for(8, args.input_len, vocab_size, seed=3), 8, args.streams_per_client)
+            ttft = sequential_ttft_ms(url, prompts_for(6, args.input_len, vocab_size, seed=4))
+            timings["ttft_probe"] = ttft
+            log(f"TTFT of {args.input_len}-token prompts sent one after another: "
+                f"{', '.join(f'{t:.1f}' for t in ttft)} ms")
             for c in args.levels:
                 started = time.perf_counter()
                 levels.append(run_level(pool, url, prompts_for(c, args.input_len, vocab_size, seed=c),
@@ -248,6 +274,10 @@ def measure(args: argparse.Namespace, workdir: Path, timings: dict) -> tuple[lis
 
 def report(args: argparse.Namespace, levels: list[dict], offline: dict | None, timings: dict) -> dict:
     measured = {}
+    if "ttft_probe" in timings:
+        probe = timings.pop("ttft_probe")
+        measured[f"ttft_ms_{args.input_len}_http_after_idle"] = probe[0]
+        measured[f"ttft_ms_{args.input_len}_http"] = statistics.median(probe[1:])
     for r in levels:
         c = r["concurrency"]
         measured |= {f"c{c}_output_tok_s": r["output_tok_per_s"], f"c{c}_ttft_ms_p50": r["ttft_ms"]["p50"],
@@ -282,6 +312,8 @@ def print_table(result: dict) -> None:
         print(f"{r['concurrency']:>7} {r['output_tok_per_s']:>10.1f} {r['ttft_ms']['p50']:>12.1f} "
               f"{r['ttft_ms']['p99']:>12.1f} {r['itl_ms']['p50']:>11.2f} {cpu:>19} {r['client_procs']:>5} "
               f"{r['errors']:>6}")
+    for key in [k for k in result["measured"] if k.startswith("ttft_ms_")]:
+        print(f"{key}: {result['measured'][key]:.1f} ms")
     for key, value in result["reference"].items():
         print(f"{key}: {value:.1f}")
     for key in [k for k in result if k.startswith("ratio_")]:
