@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from cvllm.engine.penalties import PenaltyHistory, histories_from_token_lists
 from cvllm.engine.sampler import (
     Sampler,
     apply_min_p,
@@ -16,6 +17,7 @@ from cvllm.sampling_params import SamplingParams
 
 @dataclass
 class Row:
+    seq_id: int
     sampling_params: SamplingParams
     token_ids: list[int]
     num_prompt_tokens: int
@@ -23,9 +25,18 @@ class Row:
     min_tokens_stop_ids: list[int] = field(default_factory=list)
 
 
+_seq_ids = iter(range(10**9))
+
+
 def make_row(params: SamplingParams, prompt=(0,), output=(), stop_ids=()) -> Row:
     generator = make_generator(params.seed, "cpu") if params.seed is not None else None
-    return Row(params, [*prompt, *output], len(prompt), generator, list(stop_ids))
+    return Row(next(_seq_ids), params, [*prompt, *output], len(prompt), generator, list(stop_ids))
+
+
+def penalise(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    """apply_penalties with the rows' histories built from their token lists."""
+    counts, seen = histories_from_token_lists(rows, logits.shape[1], logits.device)
+    return apply_penalties(logits, [row.sampling_params for row in rows], counts, seen)
 
 
 # A distribution whose top-p and min-p cut points are far from ties and rounding.
@@ -67,7 +78,7 @@ def test_penalties_match_hand_computed_values():
         [2.0, -1.0, 0.5, 3.0, -2.0, 1.0],
         [1.0, -1.0, 0.5, 3.0, -2.0, 1.0],
     ])
-    torch.testing.assert_close(apply_penalties(logits, rows), expected)
+    torch.testing.assert_close(penalise(logits, rows), expected)
     # The caller's logits are left alone.
     assert logits[0, 3].item() == 3.0
 
@@ -80,7 +91,7 @@ def test_penalties_match_hand_computed_values():
 def test_repetition_penalty_below_one_favours_seen_tokens():
     logits = torch.tensor([[1.0, 0.8, -0.5]])
     rows = [make_row(SamplingParams(repetition_penalty=0.5), prompt=(1, 2))]
-    torch.testing.assert_close(apply_penalties(logits, rows), torch.tensor([[1.0, 1.6, -0.25]]))
+    torch.testing.assert_close(penalise(logits, rows), torch.tensor([[1.0, 1.6, -0.25]]))
 
 
 def test_greedy_is_argmax_whatever_the_global_seed():
@@ -143,6 +154,55 @@ def test_disabled_filters_do_no_work():
     assert apply_min_p(probs, params) is probs
 
 
+def test_penalty_history_on_the_device_matches_the_token_lists():
+    """Rows built from token lists, grown past the first allocation, fed sampled tokens, released and
+    reused: what gather returns equals the histories rebuilt from the rows' lists each time."""
+    g = torch.Generator().manual_seed(3)
+    vocab = 40
+    history = PenaltyHistory(vocab, "cpu")
+
+    def random_row():
+        prompt = torch.randint(0, vocab, (int(torch.randint(1, 12, (), generator=g)),), generator=g).tolist()
+        output = torch.randint(0, vocab, (int(torch.randint(0, 5, (), generator=g)),), generator=g).tolist()
+        return make_row(SamplingParams(frequency_penalty=1.0), prompt=prompt, output=output)
+
+    live = [random_row() for _ in range(5)]
+    for step in range(6):
+        rows = history.rows(live)
+        counts, seen = history.gather(rows)
+        want_counts, want_seen = histories_from_token_lists(live, vocab, "cpu")
+        assert torch.equal(counts, want_counts) and torch.equal(seen, want_seen), step
+        sampled = torch.randint(0, vocab, (len(live),), generator=g)
+        history.record(rows, sampled)
+        for row, token in zip(live, sampled.tolist()):
+            row.token_ids.append(token)
+        finished = live.pop(step % len(live))         # one finishes (its row is reused), two arrive
+        history.release(finished.seq_id)
+        live += [random_row(), random_row()]
+    history.rows(live)
+    assert len(history) == 11 and history.counts.shape[0] == 16   # grown past the first 8 rows
+
+
+def test_sampler_with_a_penalty_history_samples_like_one_built_from_lists():
+    """Steps of greedy sampling under every penalty: the device history gives the tokens the host lists give."""
+    logits = torch.randn(8, 4, 30, generator=torch.Generator().manual_seed(5)).abs()   # positive: penalties bite
+    params = [SamplingParams(temperature=0, repetition_penalty=1.8), SamplingParams(temperature=0),
+              SamplingParams(temperature=0, presence_penalty=2.0, frequency_penalty=0.7),
+              SamplingParams(temperature=0, frequency_penalty=1.5)]
+    with_history = [make_row(p, prompt=(1, 2, 3)) for p in params]
+    from_lists = [make_row(p, prompt=(1, 2, 3)) for p in params]
+    history, sampler = PenaltyHistory(30, "cpu"), Sampler()
+    for step_logits in logits:
+        a = sampler(step_logits, with_history, history=history).token_ids.tolist()
+        b = sampler(step_logits, from_lists).token_ids.tolist()
+        assert a == b
+        for rows, tokens in ((with_history, a), (from_lists, b)):
+            for row, token in zip(rows, tokens):
+                row.token_ids.append(token)
+    assert len(history) == 3   # the row without penalties has no history
+    assert [len(set(row.token_ids[3:])) for row in from_lists][3] > 1   # frequency penalty moved greedy on
+
+
 class RowWithoutHistory(Row):
     """A row whose token history must not be read when no penalty or min_tokens applies."""
 
@@ -156,7 +216,7 @@ class RowWithoutHistory(Row):
 
 
 def test_penalty_inputs_are_not_built_when_no_row_uses_penalties():
-    rows = [RowWithoutHistory(SamplingParams(temperature=t), [], 1) for t in (0.0, 0.7)]
+    rows = [RowWithoutHistory(i, SamplingParams(temperature=t), [], 1) for i, t in enumerate((0.0, 0.7))]
     out = Sampler()(torch.randn(2, 16), rows)
     assert out.token_ids.dtype == torch.int64 and out.logprobs is None
     assert out.top_ids is None and out.top_logprobs is None

@@ -58,7 +58,8 @@ def register_quantizers(register):
 def register_samplers(register):
     """register_samplers(register)
 
-    Register named batch-level logits processors, ``apply(logits[B, V], state) -> logits``::
+    Register named samplers, called once a step as ``sampler(logits[B, V], rows, history=...)`` and
+    returning a ``SamplerOutput`` (docs/plugins.md)::
 
         register("default", "cvllm.engine.sampler:Sampler")
     """

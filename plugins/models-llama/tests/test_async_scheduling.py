@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from cvllm import LLM, SamplingParams
+from cvllm.engine.sampler import Sampler
 from cvllm.testing import hf_greedy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -98,9 +99,11 @@ def test_seeded_sampling_with_n(gqa) -> None:
 
 
 def test_steps_that_need_every_token_run_synchronously(gqa) -> None:
+    """A pending min_tokens (its stop-id mask counts the host's tokens) keeps every step of the batch
+    synchronous; so does a prompt whose logprobs are still being computed."""
     ps = prompts((7, 15), seed=8)
     requests = [(ps[0], SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3, ignore_eos=True)),
-                (ps[1], SamplingParams(temperature=0, max_tokens=12, min_tokens=8, prompt_logprobs=1))]
+                (ps[1], SamplingParams(temperature=0, max_tokens=12, min_tokens=12, prompt_logprobs=1))]
     assert_same(gqa, requests, expect_overlap=False)
 
 
@@ -130,3 +133,42 @@ def test_fake_model_runner_steps(gqa, async_scheduling) -> None:
     outputs = llm.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(max_tokens=7, ignore_eos=True))
     assert [len(out.outputs[0].token_ids) for out in outputs] == [7, 7]
     assert (llm.llm_engine.stats.overlapped_steps > 0) == async_scheduling
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tiny_checkpoint):
+    """48 tokens: 24 greedy tokens must repeat some, so penalties change what greedy picks."""
+    return tiny_checkpoint("llama", vocab_size=48)
+
+
+def test_penalties_overlap_and_match_transformers(small_vocab, monkeypatch) -> None:
+    """Penalties read token counts kept on the device, so their steps overlap. Oracles: transformers for the
+    repetition penalty (RepetitionPenaltyLogitsProcessor, prompt + output), and for every penalty the
+    sampler's host path (histories rebuilt from complete token lists, in synchronous steps), through a
+    batch that queues (max_num_seqs 2: history rows freed and reused) and one that preempts."""
+    gqa = small_vocab
+    ps = [[t % 45 + 3 for t in p] for p in prompts((7, 15, 22, 9), seed=11)]
+    repetition = SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.5, ignore_eos=True)
+    requests = [(ps[0], repetition),
+                (ps[1], SamplingParams(temperature=0, max_tokens=20, frequency_penalty=0.8, presence_penalty=0.4,
+                                       ignore_eos=True)),
+                (ps[2], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)),
+                (ps[3], SamplingParams(temperature=0.8, seed=5, max_tokens=16, frequency_penalty=1.1, ignore_eos=True))]
+    plain = [(p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)) for p in ps[:2]]
+    unpenalised, _ = run(gqa, False, plain)
+    with torch.no_grad():
+        want = gqa.model.generate(torch.tensor([ps[0]]), max_new_tokens=24, do_sample=False, repetition_penalty=1.5,
+                                  eos_token_id=[], pad_token_id=0)[0, len(ps[0]):].tolist()
+
+    host_lists = Sampler.__call__
+    with monkeypatch.context() as patch:   # the reference: no device history, token lists read each step
+        patch.setattr(Sampler, "__call__", lambda self, logits, rows, history=None: host_lists(self, logits, rows))
+        reference, _ = run(gqa, False, requests, max_num_seqs=2)
+    for engine in ({"max_num_seqs": 2}, {"num_kv_blocks": 5}):
+        got, stats = run(gqa, True, requests, **engine)
+        assert [[c[:2] for c in out] for out in got] == [[c[:2] for c in out] for out in reference]
+        assert stats.overlapped_steps > 0
+    assert stats.preemptions > 0
+    assert reference[0][0][0] == want
+    # the penalties changed what greedy picks, so the comparisons above could fail
+    assert reference[0][0][0] != unpenalised[0][0][0] and reference[1][0][0][:20] != unpenalised[1][0][0][:20]

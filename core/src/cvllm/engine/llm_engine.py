@@ -17,6 +17,7 @@ from cvllm.engine.block_manager import BlockManager
 from cvllm.engine.config import EngineConfig
 from cvllm.engine.fake_runner import FakeModelRunner
 from cvllm.engine.model_runner import ModelRunner, build_model
+from cvllm.engine.penalties import PenaltyHistory
 from cvllm.engine.prompt_logprobs import prompt_logprob_rows, record_prompt_logprobs
 from cvllm.engine.sampler import SamplerOutput, make_generator
 from cvllm.engine.scheduler import EngineStats, ScheduledBatch, Scheduler, SchedulerConfig
@@ -90,6 +91,8 @@ class LLMEngine:
                             max_model_len=max_model_len, prefill_chunk_size=config.prefill_chunk_size),
             BlockManager(num_blocks, config.block_size, config.enable_prefix_caching))
         self.sampler = plugins.samplers().get("default")()   # the built-in registers it like any plugin
+        # token counts of penalised sequences, on the device: penalties need no host token list (penalties.py)
+        self.penalties = PenaltyHistory(self.checkpoint.config.vocab_size, self.backend.device)
         self.eos_token_ids = self.checkpoint.eos_token_ids()
         self.requests: dict[str, list[Sequence]] = {}
         self.last_batch: ScheduledBatch | None = None
@@ -168,12 +171,14 @@ class LLMEngine:
         for seq in self.requests.pop(request_id, []):
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
+            self.penalties.release(seq.seq_id)
 
     def finish_sequence(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """End one completion early (a stop string matched in the detokenizer)."""
         if not seq.is_finished:
             self.scheduler.finish(seq, reason)
             seq.stop_reason = stop_reason
+            self.penalties.release(seq.seq_id)
 
     def release_request(self, request_id: str) -> None:
         """Forget a finished request (its sequences are already freed)."""
@@ -196,8 +201,8 @@ class LLMEngine:
         sampled tokens back: the host's scheduling and input preparation overlap the GPU's work, decode
         rows take their input ids from N's sampled tensor on the device, and N's tokens are returned one
         call later. A sequence that stopped at N has one token computed in N+1 for nothing; it is dropped.
-        Steps that need every earlier token on the host (penalties, pending min_tokens, prompt logprobs)
-        run synchronously."""
+        Steps that need every earlier token on the host (pending min_tokens, prompt logprobs) run
+        synchronously; penalties read token counts kept on the device (penalties.py) and overlap."""
         prev, self._inflight = self._inflight, None
         launched = None
         try:
@@ -230,7 +235,7 @@ class LLMEngine:
         for seq in itertools.chain(self.scheduler.running, self.scheduler.waiting):
             params = seq.sampling_params
             if (params.min_tokens and seq.num_output_tokens + seq.num_inflight <= params.min_tokens) \
-                    or params.needs_penalties or (seq.prompt_logprobs is not None and seq.wants_prompt_logprobs):
+                    or (seq.prompt_logprobs is not None and seq.wants_prompt_logprobs):
                 return False
         return True
 
@@ -245,7 +250,7 @@ class LLMEngine:
         if scoring:
             record_prompt_logprobs(batch, scoring, logits[len(sampling):])
             logits = logits[:len(sampling)]
-        out = self.sampler(logits, sampling) if sampling else None
+        out = self.sampler(logits, sampling, history=self.penalties) if sampling else None
         readback = None
         if out is not None:   # queued now, so reading it back later does not wait for the next step
             wanted = [out.token_ids] if out.logprobs is None else [out.token_ids, out.logprobs, out.top_ids,
@@ -276,6 +281,8 @@ class LLMEngine:
                 entry.setdefault(token, Logprob(sampled_lp[i], None))
                 seq.logprobs.append(entry)
             self._check_stop(seq, token)
+            if seq.is_finished:
+                self.penalties.release(seq.seq_id)
             done.append(seq)
         self.stats.generated_tokens += len(done)
         return done

@@ -1,8 +1,8 @@
 """One batched sampling step: logits [B, V] for B sequences in, one token id per sequence out.
 
 Semantics follow vLLM: min_tokens suppression, repetition penalty (prompt + output), presence and
-frequency penalties (output only), greedy argmax, then temperature, top-k, top-p and min-p before
-an exponential-race draw. Returned logprobs are the raw model log-softmax.
+frequency penalties (output only; token counts kept on the device, penalties.py), greedy argmax, then
+temperature, top-k, top-p and min-p before an exponential-race draw. Returned logprobs are the raw model log-softmax.
 """
 
 from __future__ import annotations
@@ -13,12 +13,14 @@ from typing import Protocol
 
 import torch
 
+from cvllm.engine.penalties import PenaltyHistory, histories_from_token_lists
 from cvllm.sampling_params import SamplingParams
 
 
 class SamplerRow(Protocol):
     """What the sampler reads from each sequence (the engine's Sequence provides it)."""
 
+    seq_id: int  # keys its penalty history
     sampling_params: SamplingParams
     token_ids: list[int]  # prompt followed by the tokens generated so far
     num_prompt_tokens: int
@@ -41,7 +43,10 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplerRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplerRow],
+                 history: PenaltyHistory | None = None) -> SamplerOutput:
+        """``history``: the engine's device-side token history of penalised sequences (penalties.py); the
+        sampled tokens of penalised rows are added to it. Without one, penalties read the rows' token lists."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
         logits = logits.float()
         params = [row.sampling_params for row in rows]
@@ -51,10 +56,21 @@ class Sampler:
 
         logits = apply_logit_bias(logits, params)
         logits = apply_min_tokens(logits, rows)
-        if any(p.needs_penalties for p in params):
-            logits = apply_penalties(logits, rows)
+        penalised = [i for i, p in enumerate(params) if p.needs_penalties]
+        if penalised:
+            index = _row_tensor(penalised, logits, torch.long)
+            subset = [rows[i] for i in penalised]
+            if history is not None:
+                history_rows = history.rows(subset)
+                counts, seen = history.gather(history_rows)
+            else:
+                counts, seen = histories_from_token_lists(subset, logits.shape[1], logits.device)
+            penalised_logits = apply_penalties(logits[index], [params[i] for i in penalised], counts, seen)
+            logits = logits.index_put((index,), penalised_logits)
 
         token_ids = _sample_or_argmax(logits, rows)
+        if penalised and history is not None:
+            history.record(history_rows, token_ids[index])
 
         if raw_logprobs is None:
             return SamplerOutput(token_ids, None, None, None)
@@ -114,37 +130,17 @@ def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> torch.
     return logits.index_put((index[0], index[1]), torch.tensor(float("-inf"), device=logits.device))
 
 
-def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> torch.Tensor:
-    """Repetition penalty over prompt and output tokens; presence/frequency over output tokens."""
-    params = [row.sampling_params for row in rows]
-    batch, vocab = logits.shape
-    device = logits.device
-    # Rows without penalties contribute no tokens: their neutral parameters would undo nothing.
-    token_lists = [list(row.token_ids) if p.needs_penalties else [] for row, p in zip(rows, params)]
-    width = max(1, max(len(ids) for ids in token_lists))
-    # Pad with an extra column `vocab` that is dropped after the scatter.
-    padded = [ids + [vocab] * (width - len(ids)) for ids in token_lists]
-    tokens = torch.tensor(padded, dtype=torch.long, device=device)  # [B, L]
-    num_prompt = torch.tensor(
-        [row.num_prompt_tokens for row in rows], dtype=torch.long, device=device
-    )
-    positions = torch.arange(width, device=device)
-    is_output = (positions.unsqueeze(0) >= num_prompt.unsqueeze(1)).float()  # [B, L]
-
-    output_counts = torch.zeros(batch, vocab + 1, device=device)
-    output_counts.scatter_add_(1, tokens, is_output)
-    output_counts = output_counts[:, :vocab]
-    seen = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=device)
-    seen.scatter_(1, tokens, True)
-    seen = seen[:, :vocab]
-
+def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], counts: torch.Tensor,
+                    seen: torch.Tensor) -> torch.Tensor:
+    """Repetition penalty over the tokens ``seen`` (prompt + output); presence and frequency penalties over
+    the output ``counts`` (``[B, V]`` each, from penalties.py)."""
     repetition = _row_tensor([p.repetition_penalty for p in params], logits).unsqueeze(1)
     penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
     logits = torch.where(seen, penalised, logits)
 
     frequency = _row_tensor([p.frequency_penalty for p in params], logits).unsqueeze(1)
     presence = _row_tensor([p.presence_penalty for p in params], logits).unsqueeze(1)
-    return logits - frequency * output_counts - presence * (output_counts > 0).float()
+    return logits - frequency * counts - presence * (counts > 0).float()
 
 
 def apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
