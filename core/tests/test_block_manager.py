@@ -36,12 +36,12 @@ def test_grow_takes_free_blocks_in_order_and_counts_refs():
     a = make_seq(0, range(10))
     assert bm.num_blocks == 8 and bm.num_free_blocks == 8
     assert bm.grow(a, 10)
-    assert a.block_table == [0, 1, 2]
+    assert a.block_table.tolist() == [0, 1, 2]
     assert bm.num_free_blocks == 5
     assert ref_counts(bm) == [1, 1, 1, 0, 0, 0, 0, 0]
     # Already covered: no new block. One more token past the boundary: exactly one more.
-    assert bm.grow(a, 12) and a.block_table == [0, 1, 2]
-    assert bm.grow(a, 13) and a.block_table == [0, 1, 2, 3]
+    assert bm.grow(a, 12) and a.block_table.tolist() == [0, 1, 2]
+    assert bm.grow(a, 13) and a.block_table.tolist() == [0, 1, 2, 3]
     assert bm.num_free_blocks == 4
 
 
@@ -51,12 +51,12 @@ def test_grow_is_all_or_nothing():
     assert bm.grow(a, 10)
     assert not bm.can_grow(b, 24)
     assert not bm.grow(b, 24)          # needs 6 blocks, 5 free: takes none of them
-    assert b.block_table == [] and bm.num_free_blocks == 5
+    assert b.block_table.tolist() == [] and bm.num_free_blocks == 5
     assert bm.can_grow(b, 20)
     assert bm.grow(b, 20)
-    assert b.block_table == [3, 4, 5, 6, 7] and bm.num_free_blocks == 0
+    assert b.block_table.tolist() == [3, 4, 5, 6, 7] and bm.num_free_blocks == 0
     assert not bm.grow(a, 13)          # a full pool refuses even one block
-    assert a.block_table == [0, 1, 2]
+    assert a.block_table.tolist() == [0, 1, 2]
 
 
 def test_free_returns_blocks_and_resets_sequence():
@@ -64,20 +64,20 @@ def test_free_returns_blocks_and_resets_sequence():
     a = make_seq(0, range(10))
     assert bm.grow(a, 10)
     bm.free(a)
-    assert a.block_table == [] and a.num_hashed_blocks == 0
+    assert a.block_table.tolist() == [] and a.num_hashed_blocks == 0
     assert bm.num_free_blocks == 8
     assert ref_counts(bm) == [0] * 8
     # Blocks holding no hash go to the front, head first: the next grow gets the same blocks back.
     assert list(bm.free_blocks)[:3] == [0, 1, 2]
     b = make_seq(1, range(5))
-    assert bm.grow(b, 5) and b.block_table == [0, 1]
+    assert bm.grow(b, 5) and b.block_table.tolist() == [0, 1]
 
 
 def test_double_free_of_a_block_is_caught():
     bm = BlockManager(num_blocks=2, block_size=4)
     a = make_seq(0, range(4))
     assert bm.grow(a, 4)
-    table = list(a.block_table)
+    table = a.block_table[:]
     bm.free(a)
     a.block_table = table
     with pytest.raises(AssertionError):
@@ -123,11 +123,11 @@ def test_hit_shares_blocks_and_new_blocks_follow():
     compute(bm, a)
     b = make_seq(1, [*range(1, 9), 42])  # same 8-token prefix
     assert bm.allocate_cached_prefix(b) == 8
-    assert b.block_table == [0, 1] and b.num_hashed_blocks == 2
+    assert b.block_table.tolist() == [0, 1] and b.num_hashed_blocks == 2
     assert ref_counts(bm)[:3] == [2, 2, 1]
     assert bm.num_free_blocks == 5       # the shared blocks were already in use
     assert bm.grow(b, 9)
-    assert b.block_table == [0, 1, 3]
+    assert b.block_table.tolist() == [0, 1, 3]
     assert ref_counts(bm)[:4] == [2, 2, 1, 1]
 
 
@@ -137,17 +137,17 @@ def test_same_block_after_a_different_prefix_does_not_hit():
     # Block [5, 6, 7, 8] exists in the cache, but after [1, 2, 3, 4]; its K/V would be wrong here.
     b = make_seq(1, [90, 91, 92, 93, 5, 6, 7, 8, 9])
     assert bm.allocate_cached_prefix(b) == 0
-    assert b.block_table == [] and b.num_hashed_blocks == 0
+    assert b.block_table.tolist() == [] and b.num_hashed_blocks == 0
     # A partial match stops at the first differing block.
     c = make_seq(2, [1, 2, 3, 4, 50, 6, 7, 8, 9])
-    assert bm.allocate_cached_prefix(c) == 4 and c.block_table == [0]
+    assert bm.allocate_cached_prefix(c) == 4 and c.block_table.tolist() == [0]
     assert ref_counts(bm)[:3] == [2, 1, 1]
     # Once b is computed, its [5, 6, 7, 8] block is a different cache entry from a's.
     compute(bm, b)
-    assert b.block_table == [3, 4, 5]
+    assert b.block_table.tolist() == [3, 4, 5]
     assert bm.blocks[4].token_ids == bm.blocks[1].token_ids and bm.blocks[4].hash != bm.blocks[1].hash
     d = make_seq(3, [90, 91, 92, 93, 5, 6, 7, 8, 1])
-    assert bm.allocate_cached_prefix(d) == 8 and d.block_table == [3, 4]
+    assert bm.allocate_cached_prefix(d) == 8 and d.block_table.tolist() == [3, 4]
 
 
 def test_hash_collision_is_caught_by_token_check(monkeypatch):
@@ -157,10 +157,10 @@ def test_hash_collision_is_caught_by_token_check(monkeypatch):
     assert bm.hash_to_block == {7: 0}
     b = make_seq(1, [9, 9, 9, 9, 5])     # same (forced) hash, different tokens
     assert bm.allocate_cached_prefix(b) == 0
-    assert b.block_table == [] and bm.blocks[0].ref_count == 1
+    assert b.block_table.tolist() == [] and bm.blocks[0].ref_count == 1
     c = make_seq(2, [1, 2, 3, 4, 6])     # same hash and the same tokens: a genuine hit
     assert bm.allocate_cached_prefix(c) == 4
-    assert c.block_table == [0] and bm.blocks[0].ref_count == 2
+    assert c.block_table.tolist() == [0] and bm.blocks[0].ref_count == 2
 
 
 def test_chain_hash_is_a_digest_of_the_whole_prefix():
@@ -184,7 +184,7 @@ def test_hit_never_covers_the_last_token():
     assert bm.allocate_cached_prefix(make_seq(3, range(4))) == 0
     # One token past a block boundary is enough for the whole block to hit.
     d = make_seq(4, range(13))
-    assert bm.allocate_cached_prefix(d) == 12 and d.block_table == [0, 1, 2]
+    assert bm.allocate_cached_prefix(d) == 12 and d.block_table.tolist() == [0, 1, 2]
 
 
 def test_freed_blocks_stay_findable_until_reused():
@@ -196,7 +196,7 @@ def test_freed_blocks_stay_findable_until_reused():
     assert len(bm.hash_to_block) == 2
     b = make_seq(1, [*range(1, 9), 77])
     assert bm.allocate_cached_prefix(b) == 8
-    assert b.block_table == [0, 1]
+    assert b.block_table.tolist() == [0, 1]
     assert ref_counts(bm)[:2] == [1, 1]
     assert bm.num_free_blocks == 6       # the hit took its blocks off the free list
     assert 0 not in bm.free_blocks and 1 not in bm.free_blocks
@@ -208,7 +208,7 @@ def test_lru_reuse_order_and_eviction():
     b = make_seq(1, [10, 11, 12, 13, 14])   # blocks 3, 4 cached; 5 partial
     compute(bm, a)
     compute(bm, b)
-    assert a.block_table == [0, 1, 2] and b.block_table == [3, 4, 5]
+    assert a.block_table.tolist() == [0, 1, 2] and b.block_table.tolist() == [3, 4, 5]
     assert bm.num_free_blocks == 0
     bm.free(a)
     bm.free(b)
@@ -217,16 +217,16 @@ def test_lru_reuse_order_and_eviction():
 
     c = make_seq(2, range(50, 56))
     assert bm.grow(c, 6)
-    assert c.block_table == [5, 2, 1]
+    assert c.block_table.tolist() == [5, 2, 1]
     # Block 1 was a's tail: evicted, its hash mapping removed; a's head (block 0) and b survive.
     assert bm.blocks[1].hash is None and bm.blocks[1].token_ids == ()
     h0 = BlockManager.chain_hash(None, (1, 2))
     h3 = BlockManager.chain_hash(None, (10, 11))
     assert bm.hash_to_block == {h0: 0, h3: 3, BlockManager.chain_hash(h3, (12, 13)): 4}
     d = make_seq(3, [1, 2, 3, 4, 99])
-    assert bm.allocate_cached_prefix(d) == 2 and d.block_table == [0]
+    assert bm.allocate_cached_prefix(d) == 2 and d.block_table.tolist() == [0]
     e = make_seq(4, [10, 11, 12, 13, 99])
-    assert bm.allocate_cached_prefix(e) == 4 and e.block_table == [3, 4]
+    assert bm.allocate_cached_prefix(e) == 4 and e.block_table.tolist() == [3, 4]
 
 
 def test_reused_cached_block_moves_to_the_back_of_the_lru():
@@ -257,7 +257,7 @@ def test_evicting_a_duplicate_keeps_the_original_mapping():
     bm.free(b)
     # Block 3 (no hash, so at the front), then 4, 5 (never used), then the duplicate 2 is reused.
     c = make_seq(2, range(20, 28))
-    assert bm.grow(c, 8) and c.block_table == [3, 4, 5, 2]
+    assert bm.grow(c, 8) and c.block_table.tolist() == [3, 4, 5, 2]
     assert bm.hash_to_block == {h: 0}
     assert bm.allocate_cached_prefix(make_seq(3, [1, 2, 9])) == 2
 
@@ -269,6 +269,6 @@ def test_prefix_caching_disabled_never_hits():
     assert bm.hash_to_block == {} and a.num_hashed_blocks == 0
     assert all(b.hash is None for b in bm.blocks)
     b = make_seq(1, range(1, 10))
-    assert bm.allocate_cached_prefix(b) == 0 and b.block_table == []
+    assert bm.allocate_cached_prefix(b) == 0 and b.block_table.tolist() == []
     bm.free(a)
     assert bm.allocate_cached_prefix(b) == 0 and bm.num_free_blocks == 8

@@ -82,7 +82,7 @@ def test_decodes_go_before_waiting_prompts():
     sched.add(late)
     # The three decodes use the whole budget: the new prompt waits.
     assert scheduled(step(sched)) == [(0, 1), (1, 1), (2, 1)]
-    assert list(sched.waiting) == [late] and late.block_table == []
+    assert list(sched.waiting) == [late] and late.block_table.tolist() == []
     sched.finish(sched.running[0], "stop")
     assert scheduled(step(sched)) == [(1, 1), (2, 1), (3, 1)]
 
@@ -143,7 +143,7 @@ def test_admission_stops_when_blocks_run_out():
     for seq in seqs:
         sched.add(seq)
     assert scheduled(step(sched)) == [(0, 8), (1, 8)]
-    assert [s.block_table for s in seqs] == [[0, 1], [2, 3], []]
+    assert [s.block_table.tolist() for s in seqs] == [[0, 1], [2, 3], []]
     assert seqs[2].num_computed_tokens == 0 and seqs[2].status is SequenceStatus.WAITING
     assert sched.block_manager.num_free_blocks == 0
 
@@ -158,7 +158,7 @@ def test_failed_admission_gives_back_its_prefix_hit():
     sched.add(s1)
     assert scheduled(step(sched)) == [(0, 1)]
     assert list(sched.waiting) == [s1]
-    assert s1.block_table == [] and s1.num_computed_tokens == 0
+    assert s1.block_table.tolist() == [] and s1.num_computed_tokens == 0
     assert [b.ref_count for b in bm.blocks] == [1, 1, 1, 0, 0]
     assert sched.stats.prefix_hit_tokens == 0
     sched.finish(s0, "stop")
@@ -176,7 +176,7 @@ def test_prefix_hit_tokens_counted_on_admission():
     sched.add(s1)
     assert scheduled(step(sched)) == [(0, 1), (1, 2)]
     assert sched.stats.prefix_hit_tokens == 8
-    assert s1.block_table[:2] == s0.block_table[:2] == [0, 1]
+    assert s1.block_table[:2].tolist() == s0.block_table[:2].tolist() == [0, 1]
     assert [bm.blocks[i].ref_count for i in (0, 1)] == [2, 2]
     assert sched.stats.prompt_tokens_computed == 9 + 2
 
@@ -196,8 +196,8 @@ def test_preemption_newest_first_to_the_front_of_waiting_then_resumed():
     assert sched.stats.preemptions == 1
     assert list(sched.waiting) == [s2, s3]        # at the front, ahead of older waiting work
     assert s2.status is SequenceStatus.WAITING
-    assert s2.num_computed_tokens == 0 and s2.block_table == [] and s2.num_hashed_blocks == 0
-    assert s0.block_table == [0, 1, 5] and s1.block_table == [2, 3, 4]  # s2's blocks, tail first
+    assert s2.num_computed_tokens == 0 and s2.block_table.tolist() == [] and s2.num_hashed_blocks == 0
+    assert s0.block_table.tolist() == [0, 1, 5] and s1.block_table.tolist() == [2, 3, 4]  # s2's blocks, tail first
     assert s2.num_tokens == 9                     # its generated token is kept and recomputed
 
     sched.finish(s0, "stop")
@@ -219,7 +219,7 @@ def test_two_preemptions_and_self_preemption():
     assert scheduled(step(sched)) == [(0, 1)]
     assert sched.stats.preemptions == 2
     assert sched.running == [s0] and list(sched.waiting) == [s1, s2]
-    assert s0.block_table == [0, 1, 3]
+    assert s0.block_table.tolist() == [0, 1, 3]
     assert sched.block_manager.num_free_blocks == 1
 
 
@@ -237,7 +237,7 @@ def test_lone_sequence_that_cannot_grow_preempts_itself():
     assert bm.num_free_blocks == 2 and [b.ref_count for b in bm.blocks] == [0, 0]
     # Readmission hits both cached blocks, still can't grow, and gives them back.
     assert len(step(sched)) == 0
-    assert seq.block_table == [] and bm.num_free_blocks == 2
+    assert seq.block_table.tolist() == [] and bm.num_free_blocks == 2
     assert sched.stats.prefix_hit_tokens == 0
 
 
@@ -251,7 +251,7 @@ def test_finish_frees_running_and_waiting_sequences():
     assert sched.running == [running] and list(sched.waiting) == [waiting]
     sched.finish(running, "abort")
     assert running.status is SequenceStatus.FINISHED and running.finish_reason == "abort"
-    assert running.block_table == [] and bm.num_free_blocks == 4
+    assert running.block_table.tolist() == [] and bm.num_free_blocks == 4
     assert sched.running == []
     sched.finish(waiting, "abort")
     assert list(sched.waiting) == [] and waiting.is_finished
@@ -323,7 +323,7 @@ def check_invariants(sched: Scheduler, live: set[Sequence]) -> None:
         assert len(seq.block_table) >= -(-seq.num_computed_tokens // bm.block_size)
         assert seq.status is SequenceStatus.RUNNING
     for seq in sched.waiting:
-        assert seq.block_table == [] and seq.num_computed_tokens == 0 and seq.status is SequenceStatus.WAITING
+        assert seq.block_table.tolist() == [] and seq.num_computed_tokens == 0 and seq.status is SequenceStatus.WAITING
     assert all(bm.blocks[b].hash == h for h, b in bm.hash_to_block.items())
 
 

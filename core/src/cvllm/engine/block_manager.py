@@ -129,5 +129,5 @@ class BlockManager:
                     self.free_blocks.move_to_end(block_id, last=False)  # holds nothing: reuse first
                 else:
                     self.free_blocks[block_id] = None
-        seq.block_table = []
+        seq.block_table = array("i")
         seq.num_hashed_blocks = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 from enum import Enum, auto
 from typing import Any
 
@@ -32,7 +33,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0             # tokens whose K/V are in the cache
         self.num_hashed_blocks = 0               # leading full blocks registered for prefix caching
-        self.block_table: list[int] = []
+        # int32 block ids, as the block-table tensor wants them: the runner copies whole rows (a memcpy
+        # each, where a list's Python ints would be converted one by one every step)
+        self.block_table = array.array("i")
         self.generator = None                    # torch.Generator for seeded requests (set by the engine)
         self.min_tokens_stop_ids: list[int] = []
         self.finish_reason: str | None = None
@@ -44,7 +47,7 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id}, {self.status.name}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, blocks={self.block_table})")
+                f"computed={self.num_computed_tokens}, blocks={self.block_table.tolist()})")
 
     @property
     def num_tokens(self) -> int:

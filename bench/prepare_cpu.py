@@ -1,0 +1,51 @@
+"""Host cost of ``ModelRunner.prepare`` for a decode batch (the per-step input building that must stay well
+under a GPU step): N sequences of 1-2k tokens, CPU device, one torch thread. No model is built.
+
+    python bench/prepare_cpu.py --seqs 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from cvllm.backends.cpu import CpuBackend
+from cvllm.engine.model_runner import ModelRunner
+from cvllm.engine.scheduler import ScheduledBatch
+from cvllm.engine.sequence import Sequence
+from cvllm.sampling_params import SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqs", type=int, default=256)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=200)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    runner = ModelRunner.__new__(ModelRunner)   # prepare() needs no model: only its batch-building state
+    runner.block_size, runner.device, runner.backend = args.block_size, torch.device("cpu"), CpuBackend()
+    rng = random.Random(0)
+    seqs = []
+    for i in range(args.seqs):
+        n = rng.randrange(1024, 2048)
+        seq = Sequence(i, str(i), [rng.randrange(1000) for _ in range(n)], SamplingParams())
+        first = i * (2048 // args.block_size + 1)
+        seq.block_table.extend(range(first, first + -(-(n + 1) // args.block_size)))
+        seq.num_computed_tokens = n - 1
+        seqs.append(seq)
+    batch = ScheduledBatch(seqs, [1] * len(seqs), 0, len(seqs), list(range(len(seqs))))
+    for _ in range(20):
+        runner.prepare(batch)
+    started = time.perf_counter()
+    for _ in range(args.repeats):
+        runner.prepare(batch)
+    print(f"prepare: {(time.perf_counter() - started) / args.repeats * 1e3:.3f} ms a step "
+          f"({args.seqs} decodes of 1-2k tokens, CPU device, 1 thread)")
+
+
+if __name__ == "__main__":
+    main()
