@@ -121,3 +121,14 @@ def test_tuned_tiles_are_looked_up_by_gpu_name(monkeypatch):
             assert block_m >= 16 and block_m & (block_m - 1) == 0 and block_n & (block_n - 1) == 0
     monkeypatch.setattr(module, "_device_name", lambda index: "a GPU nobody tuned")
     assert module.attention_config(128, torch.bfloat16, True, cuda) == default
+
+
+def test_launch_size_arithmetic_matches_triton():
+    import triton
+
+    from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
+
+    for n in [0, 1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 80, 96, 127, 128, 129, 1000, 4096, 14336, 65535, 65536, 1 << 40]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 2, 3, 16, 64, 1000):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)

@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
+
 _BLOCK = 1024  # output features per program
 # Triton's CPU interpreter has no libdevice; it gets numpy's exp instead
 _LIBDEVICE_EXP = not triton.knobs.runtime.interpret
@@ -47,10 +49,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])  # a view for the usual [T, 2I] or [B, S, 2I] projection output
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    grid = (rows.shape[0], triton.cdiv(intermediate, _BLOCK))
+    grid = (rows.shape[0], cdiv(intermediate, _BLOCK))
     _silu_and_mul_kernel[grid](
         rows, out, intermediate, rows.stride(0),
-        LIBDEVICE_EXP=_LIBDEVICE_EXP, BLOCK=min(_BLOCK, triton.next_power_of_2(intermediate)),
+        LIBDEVICE_EXP=_LIBDEVICE_EXP, BLOCK=min(_BLOCK, next_power_of_2(intermediate)),
         num_warps=4, enable_fp_fusion=False,
     )
     return out

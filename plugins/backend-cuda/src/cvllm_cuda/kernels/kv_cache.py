@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
+
 # Elements one program copies per tensor: enough work to hide a launch's index arithmetic,
 # small enough that a big batch still spreads over every SM.
 _ELEMENTS_PER_PROGRAM = 2048
@@ -63,9 +65,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     assert not slot_mapping.is_floating_point() and slot_mapping.stride(0) == 1
     if num_tokens == 0:
         return
-    block_d = triton.next_power_of_2(head_dim)
-    block_h = min(triton.next_power_of_2(num_kv_heads), max(1, _ELEMENTS_PER_PROGRAM // block_d))
-    grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
+    block_d = next_power_of_2(head_dim)
+    block_h = min(next_power_of_2(num_kv_heads), max(1, _ELEMENTS_PER_PROGRAM // block_d))
+    grid = (num_tokens, cdiv(num_kv_heads, block_h))
     _write_kv_kernel[grid](
         k, v, k_cache, v_cache, slot_mapping,
         num_kv_heads, k_cache.shape[1],

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
 from cvllm_cuda.kernels.tuned_configs import TUNED
 
 MAX_SPLITS = 16
@@ -89,7 +90,7 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, dev
     sms = _num_sms(device.index or 0)
     if programs >= sms:
         return 1
-    return min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(2 * sms, programs)))
+    return min(MAX_SPLITS, next_power_of_2(cdiv(2 * sms, programs)))
 
 
 @triton.jit
@@ -261,12 +262,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     decode = max_query_len == 1
     config = config or attention_config(head_dim, q.dtype, decode, q.device)
     # query tokens per tile: a power of two, so short prefill chunks share a handful of compiled variants
-    block_q = max(1, min(config.block_m // group, triton.next_power_of_2(max_query_len)))
-    block_m = max(16, triton.next_power_of_2(block_q * group))
+    block_q = max(1, min(config.block_m // group, next_power_of_2(max_query_len)))
+    block_m = max(16, next_power_of_2(block_q * group))
     splits = num_splits or default_num_splits(num_seqs, num_kv_heads, max_query_len, q.device)
-    splits = min(MAX_SPLITS, triton.next_power_of_2(splits))
-    tiles = num_seqs if decode else triton.cdiv(num_tokens, block_q) + num_seqs - 1
-    block_d = triton.next_power_of_2(head_dim)
+    splits = min(MAX_SPLITS, next_power_of_2(splits))
+    tiles = num_seqs if decode else cdiv(num_tokens, block_q) + num_seqs - 1
+    block_d = next_power_of_2(head_dim)
 
     if splits > 1:
         part_max = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
+
 # Elements of one program's tile: a row of a large model's hidden size per program, several rows
 # of a per-head norm (Qwen3's q_norm over 128 features) per program.
 _TILE_ELEMENTS = 4096
@@ -89,9 +91,9 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: t
     if num_rows:
         x3 = _as_3d(x)
         r3 = _as_3d(residual) if residual is not None else x3
-        block_n = triton.next_power_of_2(hidden)
-        block_r = min(max(1, _TILE_ELEMENTS // block_n), triton.next_power_of_2(num_rows))
-        grid = (triton.cdiv(num_rows, block_r),)
+        block_n = next_power_of_2(hidden)
+        block_r = min(max(1, _TILE_ELEMENTS // block_n), next_power_of_2(num_rows))
+        grid = (cdiv(num_rows, block_r),)
         _add_rms_norm_kernel[grid](
             x3, r3, weight.contiguous(), out, new_residual if new_residual is not None else out,
             num_rows, x3.shape[1], hidden, eps,

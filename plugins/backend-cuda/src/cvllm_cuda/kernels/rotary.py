@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
+
 _TILE_ELEMENTS = 2048  # (heads x half rotary dims) per program
 
 
@@ -97,15 +99,15 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, cos
     if num_tokens == 0:
         return q_out, k_out
     half = rotary_dim // 2
-    block_half = triton.next_power_of_2(half)
-    block_h = min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), max(1, _TILE_ELEMENTS // block_half))
+    block_half = next_power_of_2(half)
+    block_h = min(next_power_of_2(max(num_q_heads, num_k_heads)), max(1, _TILE_ELEMENTS // block_half))
     tail = head_dim - rotary_dim
-    grid = (num_tokens, triton.cdiv(num_q_heads, block_h) + triton.cdiv(num_k_heads, block_h))
+    grid = (num_tokens, cdiv(num_q_heads, block_h) + cdiv(num_k_heads, block_h))
     _rotary_kernel[grid](
         positions, cos_sin, q3, k3, q_out, k_out if k_out is not None else q_out,
         num_q_heads, num_k_heads, q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), cos_sin.stride(0),
         HEAD_DIM=head_dim, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
-        BLOCK_TAIL=triton.next_power_of_2(tail) if tail else 0,
+        BLOCK_TAIL=next_power_of_2(tail) if tail else 0,
         num_warps=4,
         enable_fp_fusion=False,  # no FMA contraction: the products round as torch's do
     )
