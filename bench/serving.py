@@ -11,7 +11,9 @@
    ignore_eos). The load generator is httpx in several processes (``--streams-per-client`` each) so
    that it never becomes the bottleneck; it reports its own CPU use (summed, and the busiest process).
 3. Stops the server, then runs the offline engine (``LLM.generate``) in a fresh process on the same
-   prompts of the largest level: the HTTP/offline ratio is what the server costs on top of the engine.
+   prompts of the largest level: the HTTP/offline ratio is what the server costs on top of the engine. The
+   same process then measures transformers' ``generate`` on the config (batches of 16 and 64, 64 new
+   tokens) and the copy-bandwidth ceiling (PERF.md's references).
 
 Output tok/s = completion tokens over the wall time from the moment all streams are opened to the last
 token. TTFT and inter-token gaps are per stream (a chunk may carry several tokens when the server
@@ -126,8 +128,37 @@ def offline_worker(spec: dict) -> dict:
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     wall = time.perf_counter() - started
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"output_tok_s": tokens / wall, "output_tokens": tokens, "wall_s": wall, "load_s": load_s,
-            "preemptions": llm.llm_engine.stats.preemptions}
+    result = {"output_tok_s": tokens / wall, "output_tokens": tokens, "wall_s": wall, "load_s": load_s,
+              "preemptions": llm.llm_engine.stats.preemptions}
+    if spec["hf_batches"]:
+        del llm, outputs
+        result["hf"] = hf_reference(spec)
+    return result
+
+
+def hf_reference(spec: dict) -> dict:
+    """PERF.md's references for this shape, in the offline worker once its engine is gone: transformers'
+    ``generate`` at the given batch sizes (prompts of the benchmark's input length, 64 new tokens) and the
+    device-to-device copy rate."""
+    import gc
+
+    import torch
+    from latency import copy_bandwidth_tb_s
+    from throughput import hf_generate_tok_s, hf_model
+
+    gc.collect()
+    if spec["backend"] == "cuda":
+        torch.cuda.empty_cache()
+    device = spec["backend"]
+    model = hf_model(spec["shape"], device)
+    reference = {f"hf_generate_c{batch}_output_tok_s": hf_generate_tok_s(
+        spec["shape"], batch, spec["input_len"], spec["hf_new_tokens"], device, repeats=1, model=model)["output_tok_s"]
+        for batch in spec["hf_batches"]}
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        reference["copy_tb_s"] = copy_bandwidth_tb_s()
+    return reference
 
 
 def run_offline(spec: dict) -> dict:
@@ -153,7 +184,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--streams-per-client", type=int, default=64, help="streams per load-generator process")
     ap.add_argument("--checkpoint", type=Path, help="write the random checkpoint here and keep it (reused if there)")
     ap.add_argument("--startup-timeout", type=float, default=900.0)
-    ap.add_argument("--skip-offline", action="store_true")
+    ap.add_argument("--skip-offline", action="store_true", help="also skips the transformers reference")
+    ap.add_argument("--skip-hf", action="store_true", help="leave out the transformers reference and copy rate")
+    ap.add_argument("--hf-batches", default="16,64", help="batch sizes of the transformers reference")
+    ap.add_argument("--hf-new-tokens", type=int, default=64)
     ap.add_argument("--json", help="write the result file here (the server's log goes beside it)")
     ap.add_argument("--offline-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -161,6 +195,9 @@ def parse_args() -> argparse.Namespace:
         args.shape, args.concurrency, args.input_len, args.output_len = "tiny", "1,4", 32, 32
     args.backend = "cpu" if args.tiny else "cuda"
     args.levels = [int(c) for c in args.concurrency.split(",")]
+    args.hf_batches = [int(b) for b in args.hf_batches.split(",")] if not args.tiny else [2]
+    if args.tiny:
+        args.hf_new_tokens = 8
     args.max_num_seqs = max(args.levels + [args.offline_concurrency or 0])
     args.offline_concurrency = args.offline_concurrency or max(args.levels)
     return args
@@ -210,7 +247,8 @@ def measure(args: argparse.Namespace, workdir: Path, timings: dict) -> tuple[lis
     offline = run_offline({"model": str(model), "backend": args.backend, "max_num_seqs": args.max_num_seqs,
                            "max_num_batched_tokens": args.max_num_batched_tokens, "input_len": args.input_len,
                            "output_len": args.output_len, "vocab": vocab_size,
-                           "concurrency": args.offline_concurrency})
+                           "concurrency": args.offline_concurrency, "shape": args.shape,
+                           "hf_batches": [] if args.skip_hf else args.hf_batches, "hf_new_tokens": args.hf_new_tokens})
     timings["offline"] = time.perf_counter() - started
     log(f"offline {args.offline_concurrency}: {offline['output_tok_s']:.1f} output tok/s ({timings['offline']:.1f}s)")
     return levels, offline
@@ -239,6 +277,8 @@ def report(args: argparse.Namespace, levels: list[dict], offline: dict | None, t
     if offline is not None:
         c = args.offline_concurrency
         result["reference"][f"offline_c{c}_output_tok_s"] = offline["output_tok_s"]
+        for key, value in offline.pop("hf", {}).items():
+            (result.setdefault("ceiling", {}) if key == "copy_tb_s" else result["reference"])[key] = value
         result["offline"] = offline
         if f"c{c}_output_tok_s" in measured:
             result[f"ratio_http_vs_offline_c{c}"] = measured[f"c{c}_output_tok_s"] / offline["output_tok_s"]

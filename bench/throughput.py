@@ -73,18 +73,27 @@ def run_batch(engine: LLMEngine, requests: list[tuple[list[int], int]], temperat
             "steps": steps}
 
 
-def hf_generate_tok_s(shape: str, batch: int, prompt_len: int, new_tokens: int, device: str, repeats: int) -> dict:
-    """transformers' eager ``generate`` on the same config with random weights: a left-padded batch of
-    prompts of prompt_len ± 1/8, exactly new_tokens each; output tok/s over the whole call (median)."""
+def hf_model(shape: str, device: str):
+    """transformers' model of the shape's config, random bf16 weights drawn on ``device``."""
     import transformers
 
-    dtype = torch.bfloat16
-    cfg = shape_config(shape, dtype)
+    cfg = shape_config(shape, torch.bfloat16)
     hf_config = transformers.AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items()
                                                                          if k not in ("model_type", "torch_dtype")})
     torch.manual_seed(0)
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()
+        return transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
+
+
+def hf_generate_tok_s(shape: str, batch: int, prompt_len: int, new_tokens: int, device: str, repeats: int,
+                      model=None) -> dict:
+    """transformers' eager ``generate`` on the same config with random weights (``model``, or one built here):
+    a left-padded batch of prompts of prompt_len ± 1/8, exactly new_tokens each; output tok/s over the whole
+    call (median)."""
+    cfg = shape_config(shape, torch.bfloat16)
+    own_model = model is None
+    if own_model:
+        model = hf_model(shape, device)
     rng = random.Random(1)
     lengths = [rng.randint(prompt_len - prompt_len // 8, prompt_len + prompt_len // 8) for _ in range(batch)]
     width = max(lengths)
@@ -106,7 +115,8 @@ def hf_generate_tok_s(shape: str, batch: int, prompt_len: int, new_tokens: int, 
             times.append(time.perf_counter() - started)
     if out.shape[1] != width + new_tokens:
         raise RuntimeError(f"transformers generated {out.shape[1] - width} tokens per row, not {new_tokens}")
-    del model
+    if own_model:
+        del model
     return {"output_tok_s": batch * new_tokens / statistics.median(times), "batch": batch,
             "mean_prompt_len": sum(lengths) / batch, "new_tokens": new_tokens, "wall_s": statistics.median(times)}
 
