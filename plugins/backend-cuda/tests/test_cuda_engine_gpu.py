@@ -86,3 +86,28 @@ def test_graphs_equal_eager_in_bf16(checkpoint) -> None:
     graphs = generate(cuda_llm(path, dtype="bfloat16"), prompts)
     eager = generate(cuda_llm(path, dtype="bfloat16", enforce_eager=True), prompts)
     assert graphs == eager
+
+
+def test_penalties_on_the_device_match_transformers_and_the_cpu(tmp_path) -> None:
+    """Penalised requests on CUDA (graphs, async scheduling: the token counts live on the GPU) give the
+    tokens of transformers' repetition penalty and of the CPU backend's engine for every penalty."""
+    path = tmp_path / "small-vocab"
+    model = make_checkpoint(path, "llama", vocab_size=48)   # 24 greedy tokens must repeat: penalties bite
+    prompts = [[t % 45 + 3 for t in p] for p in random_prompts((7, 15, 22), seed=12)]
+    params = [SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.5, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=20, frequency_penalty=0.8, presence_penalty=0.4,
+                             ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)]
+
+    def run(llm: LLM) -> list[list[int]]:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        return [list(out.outputs[0].token_ids) for out in outputs]
+
+    llm = cuda_llm(path)
+    got = run(llm)
+    assert llm.llm_engine.async_scheduling and llm.llm_engine.stats.overlapped_steps > 0
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompts[0]]), max_new_tokens=24, do_sample=False,
+                              repetition_penalty=1.5, eos_token_id=[], pad_token_id=0)[0, len(prompts[0]):].tolist()
+    assert got[0] == want
+    assert got == run(LLM(model=str(path), backend="cpu", dtype="float32", max_num_seqs=8))
