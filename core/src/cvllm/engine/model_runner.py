@@ -16,6 +16,7 @@ from tqdm import tqdm
 from cvllm import plugins
 from cvllm.checkpoint.base import Checkpoint, CheckpointError
 from cvllm.engine.scheduler import ScheduledBatch
+from cvllm.engine.upload import upload
 from cvllm.forward_context import ForwardContext, forward_context
 from cvllm.layers.attention import Attention
 from cvllm.layers.quantization import attach_linear_methods
@@ -147,13 +148,11 @@ class ModelRunner:
         return self.model.compute_logits(self.forward(input_ids, positions, ctx)).float()
 
     def _to_device(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        """The step's integer inputs on the device in one host-to-device copy (each copy from pageable
-        memory waits for the transfer, and a decode step has six of them)."""
+        """The step's integer inputs on the device in one non-blocking host-to-device copy (upload.py):
+        a decode step has eight of them, and each copy has a fixed cost."""
         if self.device.type == "cpu":
             return list(tensors)
-        # from pinned memory without blocking: a plain copy from pageable memory waits for the stream,
-        # i.e. for the step still running on the GPU, and async scheduling would overlap nothing
-        packed = torch.cat([t.reshape(-1).long() for t in tensors]).pin_memory().to(self.device, non_blocking=True)
+        packed = upload(torch.cat([t.reshape(-1).long() for t in tensors]), self.device)
         out, offset = [], 0
         for t in tensors:
             out.append(packed[offset:offset + t.numel()].view(t.shape).to(t.dtype))

@@ -14,6 +14,8 @@ from typing import Protocol
 
 import torch
 
+from cvllm.engine.upload import upload
+
 
 class PenalisedRow(Protocol):
     seq_id: int
@@ -31,11 +33,6 @@ def histories_from_token_lists(rows: Sequence[PenalisedRow], vocab_size: int, de
     return counts, (in_prompt > 0) | (counts > 0)
 
 
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Pinned and non-blocking: a copy from pageable memory would wait for all work queued on the stream."""
-    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
-
-
 def _add_tokens(counts: torch.Tensor, in_prompt: torch.Tensor, row_index: torch.Tensor,
                 rows: Sequence[PenalisedRow]) -> None:
     """Count ``rows``' output tokens into ``counts[row_index[i]]`` and their prompt tokens into
@@ -46,7 +43,7 @@ def _add_tokens(counts: torch.Tensor, in_prompt: torch.Tensor, row_index: torch.
     which = torch.repeat_interleave(row_index.long().cpu(), lengths)
     first = torch.repeat_interleave(torch.tensor([row.num_prompt_tokens for row in rows]), lengths)
     position = torch.arange(len(tokens)) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
-    which, tokens, is_output = _to_device(torch.stack([which, tokens, (position >= first).long()]), counts.device)
+    which, tokens, is_output = upload(torch.stack([which, tokens, (position >= first).long()]), counts.device)
     counts.index_put_((which, tokens), is_output.to(counts.dtype), accumulate=True)
     in_prompt.index_put_((which, tokens), (1 - is_output).to(in_prompt.dtype), accumulate=True)
 
@@ -77,11 +74,11 @@ class PenaltyHistory:
             self._reserve(len(new))
             rows = [self._free.pop() for _ in new]
             self._row_of.update({seq.seq_id: row for seq, row in zip(new, rows)})
-            index = _to_device(torch.tensor(rows), self.device)
+            index = upload(torch.tensor(rows), self.device)
             self.counts[index] = 0.0
             self.in_prompt[index] = 0.0
             _add_tokens(self.counts, self.in_prompt, torch.tensor(rows), new)
-        return _to_device(torch.tensor([self._row_of[seq.seq_id] for seq in seqs]), self.device)
+        return upload(torch.tensor([self._row_of[seq.seq_id] for seq in seqs]), self.device)
 
     def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(counts [B, V], seen [B, V])`` of ``rows``: seen = in the prompt or the output so far."""

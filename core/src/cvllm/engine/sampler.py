@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from cvllm.engine.penalties import PenaltyHistory, histories_from_token_lists
+from cvllm.engine.upload import upload
 from cvllm.sampling_params import SamplingParams
 
 
@@ -197,9 +198,5 @@ def _exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator 
 
 
 def _row_tensor(values: list[float] | list[int], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Per-row parameters on the logits' device, copied without waiting for the device (a copy from
-    pageable memory would wait for the work queued before it: the forward pass, or the next step's)."""
-    rows = torch.tensor(values, dtype=dtype or like.dtype)
-    if like.device.type == "cpu":
-        return rows
-    return rows.pin_memory().to(like.device, non_blocking=True)
+    """Per-row parameters on the logits' device, copied without waiting for the device (upload.py)."""
+    return upload(torch.tensor(values, dtype=dtype or like.dtype), like.device)
