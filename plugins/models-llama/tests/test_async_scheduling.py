@@ -146,7 +146,7 @@ def test_penalties_overlap_and_match_transformers(small_vocab, monkeypatch) -> N
     repetition penalty (RepetitionPenaltyLogitsProcessor, prompt + output), and for every penalty the
     sampler's host path (histories rebuilt from complete token lists, in synchronous steps), through a
     batch that queues (max_num_seqs 2: history rows freed and reused) and one that preempts."""
-    gqa = small_vocab
+    checkpoint = small_vocab
     ps = [[t % 45 + 3 for t in p] for p in prompts((7, 15, 22, 9), seed=11)]
     repetition = SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.5, ignore_eos=True)
     requests = [(ps[0], repetition),
@@ -155,20 +155,44 @@ def test_penalties_overlap_and_match_transformers(small_vocab, monkeypatch) -> N
                 (ps[2], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)),
                 (ps[3], SamplingParams(temperature=0.8, seed=5, max_tokens=16, frequency_penalty=1.1, ignore_eos=True))]
     plain = [(p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)) for p in ps[:2]]
-    unpenalised, _ = run(gqa, False, plain)
+    unpenalised, _ = run(checkpoint, False, plain)
     with torch.no_grad():
-        want = gqa.model.generate(torch.tensor([ps[0]]), max_new_tokens=24, do_sample=False, repetition_penalty=1.5,
-                                  eos_token_id=[], pad_token_id=0)[0, len(ps[0]):].tolist()
+        want = checkpoint.model.generate(torch.tensor([ps[0]]), max_new_tokens=24, do_sample=False,
+                                         repetition_penalty=1.5, eos_token_id=[], pad_token_id=0)[0, len(ps[0]):]
+    want = want.tolist()
 
     host_lists = Sampler.__call__
     with monkeypatch.context() as patch:   # the reference: no device history, token lists read each step
         patch.setattr(Sampler, "__call__", lambda self, logits, rows, history=None: host_lists(self, logits, rows))
-        reference, _ = run(gqa, False, requests, max_num_seqs=2)
+        reference, _ = run(checkpoint, False, requests, max_num_seqs=2)
     for engine in ({"max_num_seqs": 2}, {"num_kv_blocks": 5}):
-        got, stats = run(gqa, True, requests, **engine)
+        got, stats = run(checkpoint, True, requests, **engine)
         assert [[c[:2] for c in out] for out in got] == [[c[:2] for c in out] for out in reference]
         assert stats.overlapped_steps > 0
     assert stats.preemptions > 0
     assert reference[0][0][0] == want
     # the penalties changed what greedy picks, so the comparisons above could fail
     assert reference[0][0][0] != unpenalised[0][0][0] and reference[1][0][0][:20] != unpenalised[1][0][0][:20]
+
+
+def test_every_way_a_sequence_ends_frees_its_penalty_row(small_vocab) -> None:
+    """Length, stop token, stop string (finish_sequence) and abort each give the sequence's history row back."""
+    llm = LLM(model=str(small_vocab.path), **ENGINE, async_scheduling=True)
+    engine = llm.llm_engine
+    ps = [[t % 45 + 3 for t in p] for p in prompts((7, 9, 11, 13), seed=13)]
+    penalised = dict(temperature=0, frequency_penalty=0.5, ignore_eos=True)
+    engine.add_request("length", ps[0], SamplingParams(max_tokens=3, **penalised))
+    engine.add_request("stop-token", ps[1], SamplingParams(max_tokens=40, stop_token_ids=list(range(48)),
+                                                           **penalised))
+    engine.add_request("stop-string", ps[2], SamplingParams(max_tokens=40, **penalised))
+    engine.add_request("abort", ps[3], SamplingParams(max_tokens=40, **penalised))
+    for _ in range(4):
+        engine.step()
+    assert len(engine.penalties) == 2                       # "length" and "stop-token" are done
+    engine.finish_sequence(engine.requests["stop-string"][0], "stop", "x")
+    engine.abort_request("abort")
+    while engine.has_unfinished():
+        engine.step()
+    assert len(engine.penalties) == 0
+    assert [seq.finish_reason for seq in engine.requests["length"] + engine.requests["stop-token"]] == \
+        ["length", "stop"]

@@ -170,15 +170,13 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         for seq in self.requests.pop(request_id, []):
             if not seq.is_finished:
-                self.scheduler.finish(seq, "abort")
-            self.penalties.release(seq.seq_id)
+                self._retire(seq, "abort")
 
     def finish_sequence(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """End one completion early (a stop string matched in the detokenizer)."""
         if not seq.is_finished:
-            self.scheduler.finish(seq, reason)
+            self._retire(seq, reason)
             seq.stop_reason = stop_reason
-            self.penalties.release(seq.seq_id)
 
     def release_request(self, request_id: str) -> None:
         """Forget a finished request (its sequences are already freed)."""
@@ -281,24 +279,27 @@ class LLMEngine:
                 entry.setdefault(token, Logprob(sampled_lp[i], None))
                 seq.logprobs.append(entry)
             self._check_stop(seq, token)
-            if seq.is_finished:
-                self.penalties.release(seq.seq_id)
             done.append(seq)
         self.stats.generated_tokens += len(done)
         return done
+
+    def _retire(self, seq: Sequence, reason: str) -> None:
+        """Every way a sequence ends: the scheduler frees its blocks, the penalty history its row."""
+        self.scheduler.finish(seq, reason)
+        self.penalties.release(seq.seq_id)
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.sampling_params
         if seq.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
-                return self.scheduler.finish(seq, "stop")
+                return self._retire(seq, "stop")
             if token in params.stop_token_ids:
-                self.scheduler.finish(seq, "stop")
+                self._retire(seq, "stop")
                 seq.stop_reason = token
                 return
         if (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) \
                 or len(seq.token_ids) >= self.max_model_len:
-            self.scheduler.finish(seq, "length")
+            self._retire(seq, "length")
 
     # -- scoring -----------------------------------------------------------------------------
 

@@ -184,7 +184,7 @@ class ModelRunner:
         # one flat int32 buffer, padded per row, viewed as [B, max_blocks]: each row is a memcpy of the
         # sequence's int32 block table (18x cheaper than converting a list's ints at 256 sequences)
         tables = array.array("i")
-        padding = array.array("i", bytes(4 * max_blocks))
+        padding = array.array("i", [0]) * max_blocks
         for seq in seqs:
             tables.extend(seq.block_table)
             tables.extend(padding[len(seq.block_table):])

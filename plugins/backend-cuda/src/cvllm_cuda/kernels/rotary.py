@@ -107,7 +107,7 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, cos
         positions, cos_sin, q3, k3, q_out, k_out if k_out is not None else q_out,
         num_q_heads, num_k_heads, q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), cos_sin.stride(0),
         HEAD_DIM=head_dim, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
-        BLOCK_TAIL=next_power_of_2(tail) if tail else 0,
+        BLOCK_TAIL=next_power_of_2(tail),  # 0 when the whole head rotates
         num_warps=4,
         enable_fp_fusion=False,  # no FMA contraction: the products round as torch's do
     )
