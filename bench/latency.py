@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import git_commit  # noqa: E402
-from random_checkpoint import random_checkpoint, shape_config  # noqa: E402
+from random_checkpoint import hf_model, random_checkpoint, shape_config  # noqa: E402
 
 from cvllm.engine.config import EngineConfig  # noqa: E402
 from cvllm.engine.llm_engine import LLMEngine  # noqa: E402
@@ -120,13 +120,8 @@ def copy_bandwidth_tb_s() -> float:
 
 def hf_generate_tok_s(shape: str, context: int, tokens: int, device: str, dtype: torch.dtype) -> float:
     """transformers' eager generate on the same config, random weights: decode tok/s after the first token."""
-    import transformers
-
     cfg = shape_config(shape, dtype)
-    hf_config = transformers.AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items()
-                                                                         if k not in ("model_type", "torch_dtype")})
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()
+    model = hf_model(shape, device, dtype)
     ids = torch.tensor([prompt(context, cfg["vocab_size"], 3)], device=device)
     kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.inference_mode():

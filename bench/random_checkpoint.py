@@ -118,3 +118,16 @@ def write_random_llama(path: Path, shape: str, dtype: torch.dtype = torch.bfloat
     save_file(tensors, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     return path
+
+
+def hf_model(shape: str, device: str, dtype: torch.dtype = torch.bfloat16):
+    """transformers' model of the shape's config (the benchmarks' reference), random weights drawn on
+    ``device``."""
+    import transformers
+
+    cfg = shape_config(shape, dtype)
+    hf_config = transformers.AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items()
+                                                                         if k not in ("model_type", "torch_dtype")})
+    torch.manual_seed(0)
+    with torch.device(device):
+        return transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()

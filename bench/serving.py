@@ -144,7 +144,8 @@ def hf_reference(spec: dict) -> dict:
 
     import torch
     from latency import copy_bandwidth_tb_s
-    from throughput import hf_generate_tok_s, hf_model
+    from random_checkpoint import hf_model
+    from throughput import hf_generate_tok_s
 
     gc.collect()
     if spec["backend"] == "cuda":

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import git_commit  # noqa: E402
-from random_checkpoint import random_checkpoint, shape_config  # noqa: E402
+from random_checkpoint import hf_model, random_checkpoint, shape_config  # noqa: E402
 
 from cvllm.engine.config import EngineConfig  # noqa: E402
 from cvllm.engine.llm_engine import LLMEngine  # noqa: E402
@@ -71,18 +71,6 @@ def run_batch(engine: LLMEngine, requests: list[tuple[list[int], int]], temperat
         raise RuntimeError(f"{tag}: generated {generated} tokens, expected {expected}")
     return {"wall_s": wall, "output_tokens": generated, "prompt_tokens": sum(len(ids) for ids, _ in requests),
             "steps": steps}
-
-
-def hf_model(shape: str, device: str):
-    """transformers' model of the shape's config, random bf16 weights drawn on ``device``."""
-    import transformers
-
-    cfg = shape_config(shape, torch.bfloat16)
-    hf_config = transformers.AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items()
-                                                                         if k not in ("model_type", "torch_dtype")})
-    torch.manual_seed(0)
-    with torch.device(device):
-        return transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).eval()
 
 
 def hf_generate_tok_s(shape: str, batch: int, prompt_len: int, new_tokens: int, device: str, repeats: int,
