@@ -26,7 +26,10 @@ class Backend:
     #       head of q [T, ...] and k (or None) by the rows ``positions`` of the table cos_sin
     #       [max_position, rotary_dim] (cos ‖ sin, in the activations' dtype)
     #   silu_and_mul(x [..., 2I]) -> [..., I]: SiluAndMul (layers/activation.py)
+    #   linear(x, weight, bias): ``F.linear`` of an unquantized linear layer (layers/quantization.py), for a
+    #       backend with its own matmul for some shapes (the CUDA backend's one-token GEMV)
     fused_add_rms_norm: Callable | None = None
+    linear: Callable | None = None
     rotary: Callable | None = None
     silu_and_mul: Callable | None = None
 

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cvllm.backends.base import fused_kernel
+
 
 class LinearMethod:
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
@@ -34,6 +36,9 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        backend_linear = fused_kernel("linear")
+        if backend_linear is not None:
+            return backend_linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
 

@@ -1,0 +1,111 @@
+"""One-row matmul (GEMV) in one Triton launch: ``F.linear(x, weight, bias)`` for a single token.
+
+A batch-1 decode step is the weights streamed once from memory: for a Llama-3-8B shape 15 GB of the
+step's 15.1. cuBLAS picks split-K kernels for the square projections at M = 1 (qkv 3.2 TB/s, o 3.1 TB/s
+plus a reduction kernel each, on an H200 whose copy rate is ~4.1-4.3 TB/s). Here each program owns
+BLOCK_N output features and walks the whole K range: no split, no second kernel, one fp32 accumulator
+tile per program, reduced once at the end. The weight is read with an evict-first hint (it is used once
+a step and would only push the activations and KV blocks out of L2).
+
+The sum order differs from cuBLAS's (fp32 accumulation both), a last-bit effect on the rounded output,
+like the fused RMSNorm's sum of squares.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from cvllm_cuda.kernels.sizes import cdiv
+from cvllm_cuda.kernels.tuned_gemv import TUNED_GEMV
+
+
+@dataclass(frozen=True, slots=True)
+class GemvConfig:
+    block_n: int      # output features per program
+    block_k: int      # input features per step of the K loop
+    num_warps: int
+    num_stages: int
+
+
+DEFAULT_CONFIG = GemvConfig(block_n=16, block_k=256, num_warps=4, num_stages=3)
+# Smaller layers stay with cuBLAS: their time is launch latency, and below this many programs the GPU's
+# SMs would not all get work.
+MIN_OUT_FEATURES = 1024
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr,
+    N, K, stride_wn,
+    HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_K)
+    row_ok = rows < N
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN:
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+            x = tl.load(x_ptr + k + cols)
+        else:
+            k_ok = k + cols < K
+            w = tl.load(w_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptr + k + cols, mask=k_ok, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w_ptrs += BLOCK_K
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def gemv_config(out_features: int, in_features: int, dtype: torch.dtype, device: torch.device) -> GemvConfig:
+    """The tile for this weight shape: a tuned entry for this GPU (tuned_gemv.py) or the default."""
+    if device.type == "cuda":
+        key = (out_features, in_features, str(dtype).removeprefix("torch."))
+        tuned = TUNED_GEMV.get(_device_name(device.index or 0), {}).get(key)
+        if tuned is not None:
+            return GemvConfig(*tuned)
+    return DEFAULT_CONFIG
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         config: GemvConfig | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for an ``x`` of one row (``[K]``, ``[1, K]``, ``[1, 1, K]`` ...) as a new
+    tensor of ``x``'s leading shape: a contiguous ``weight [N, K]`` (its rows may be strided) and x's dtype."""
+    n, k = weight.shape
+    assert x.shape[-1] == k and x.numel() == k, (x.shape, weight.shape)
+    assert weight.stride(1) == 1 and x.dtype == weight.dtype, (weight.stride(), x.dtype, weight.dtype)
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    cfg = config or gemv_config(n, k, weight.dtype, weight.device)
+    x = x.reshape(k)
+    if x.stride(0) != 1:
+        x = x.contiguous()
+    even = n % cfg.block_n == 0 and k % cfg.block_k == 0
+    _gemv_kernel[(cdiv(n, cfg.block_n),)](
+        x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, EVEN=even, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear``, through gemv() for one token of a 16-bit layer large enough to fill the GPU."""
+    if (x.numel() == x.shape[-1] and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.shape[0] >= MIN_OUT_FEATURES and weight.stride(1) == 1 and x.is_cuda
+            and (bias is None or bias.dtype == x.dtype)):
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)

@@ -1,0 +1,145 @@
+"""The one-token GEMV (kernels/gemv.py) against an fp64 matmul: in Triton's CPU interpreter on small shapes
+(fp32, fp16: the interpreter truncates where the GPU rounds to bf16), and compiled on a GPU on the real
+model shapes in bf16, inside a CUDA graph, and through the backend's linear() dispatch."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from cvllm_cuda.kernels.gemv import GemvConfig, gemv, gemv_config, linear  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
+                               reason="needs a CUDA device and compiled (not interpreted) Triton")
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+
+
+def assert_rounds_the_exact_product(out: torch.Tensor, ref: torch.Tensor, x: torch.Tensor,
+                                    weight: torch.Tensor) -> None:
+    """Within one rounding of the output dtype of the fp64 result, plus the fp32 accumulation's own error
+    (bounded by K * 2^-24 * sum |w| |x|, far below a 16-bit ulp)."""
+    assert out.shape == ref.shape and out.dtype == x.dtype
+    scale = F.linear(x.double().abs(), weight.double().abs())
+    eps = torch.finfo(out.dtype).eps
+    bound = eps * ref.abs() + weight.shape[1] * 2.0 ** -24 * scale + torch.finfo(out.dtype).tiny
+    err = (out.double() - ref).abs()
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, f"error {worst:.3g}x the bound"
+
+
+def make(generator: torch.Generator, n: int, k: int, dtype: torch.dtype, bias: bool):
+    weight = torch.randn(n, k, generator=generator).to(DEVICE, dtype) * k ** -0.5
+    x = torch.randn(1, k, generator=generator).to(DEVICE, dtype)
+    b = torch.randn(n, generator=generator).to(DEVICE, dtype) if bias else None
+    return x, weight, b
+
+
+SMALL = GemvConfig(block_n=16, block_k=32, num_warps=2, num_stages=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k,bias", [(64, 128, False), (40, 100, True), (3, 32, False)])
+def test_gemv_matches_an_fp64_matmul(generator, dtype, n, k, bias):
+    x, weight, b = make(generator, n, k, dtype, bias)
+    out = gemv(x, weight, b, config=SMALL)
+    assert_rounds_the_exact_product(out, reference(x, weight, b), x, weight)
+
+
+def test_gemv_takes_any_one_row_shape_and_strided_rows(generator):
+    """x as [K], [1, 1, K] and a column slice; the weight as the row slice of a wider fused matrix."""
+    wide = torch.randn(48, 96, generator=generator).to(DEVICE)
+    weight = wide[8:40, :64]  # rows of stride 96
+    x_wide = torch.randn(1, 80, generator=generator).to(DEVICE)
+    x = x_wide[:, 8:72]
+    for shaped in (x, x.reshape(64), x.reshape(1, 1, 64)):
+        out = gemv(shaped, weight, config=SMALL)
+        assert out.shape == (*shaped.shape[:-1], 32)
+        assert_rounds_the_exact_product(out.reshape(1, 32), reference(x, weight, None), x, weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_linear_keeps_torch_for_batches_small_layers_and_other_devices(generator, dtype):
+    x, weight, _ = make(generator, 32, 64, dtype, False)
+    two = torch.cat([x, x])
+    # CPU tensors (the interpreter), two rows, a layer under MIN_OUT_FEATURES: all F.linear itself
+    assert torch.equal(linear(two, weight, None), F.linear(two, weight))
+    assert torch.equal(linear(x, weight, None), F.linear(x, weight))
+
+
+# -- compiled, on the GPU --------------------------------------------------------------------------------
+
+# (out, in) features of Llama-3-8B (qkv, o, gate_up, down, lm_head), Qwen3-0.6B (qkv, gate_up) and shapes
+# that fit no tile evenly
+MODEL_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (4096, 1024),
+                (6144, 1024), (1030, 4100), (5003, 2048)]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("n,k", MODEL_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_on_the_gpu(generator, n, k, dtype, bias):
+    if bias and n > 30000:
+        pytest.skip("bias is covered on the smaller shapes")
+    x, weight, b = make(generator, n, k, dtype, bias)
+    ref = reference(x, weight, b)
+    out = gemv(x, weight, b)
+    assert_rounds_the_exact_product(out, ref, x, weight)
+    # cuBLAS rounds the same near-exact fp32 sums: nearly always the same bits
+    same = (out == F.linear(x, weight, b)).float().mean().item()
+    assert same > 0.98, f"{same:.2%} equal to cuBLAS"
+    assert gemv_config(n, k, dtype, weight.device) is not None
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("config", [GemvConfig(4, 1024, 4, 1), GemvConfig(8, 256, 2, 3), GemvConfig(32, 128, 8, 2)])
+def test_gemv_tiles_on_the_gpu(generator, config):
+    for n, k in [(6144, 4096), (1030, 4100)]:
+        x, weight, _ = make(generator, n, k, torch.bfloat16, False)
+        assert_rounds_the_exact_product(gemv(x, weight, config=config), reference(x, weight, None), x, weight)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gemv_in_a_cuda_graph_reads_its_input_at_replay(generator):
+    x, weight, b = make(generator, 4096, 4096, torch.bfloat16, True)
+    static_x = x.clone()
+    gemv(static_x, weight, b)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = gemv(static_x, weight, b)
+    for _ in range(3):
+        fresh = torch.randn(x.shape, generator=generator).to(DEVICE, x.dtype)
+        static_x.copy_(fresh)
+        graph.replay()
+        assert_rounds_the_exact_product(static_out, reference(fresh, weight, b), fresh, weight)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_linear_dispatches_one_token_of_a_large_16_bit_layer_to_the_gemv(generator, monkeypatch):
+    import cvllm_cuda.kernels.gemv as module
+
+    calls = []
+    monkeypatch.setattr(module, "gemv", lambda *args: calls.append(args) or F.linear(*args))
+    x, weight, _ = make(generator, 4096, 1024, torch.bfloat16, False)
+    linear(x, weight, None)
+    linear(x.reshape(1, 1, 1024), weight, None)
+    assert len(calls) == 2
+    linear(torch.cat([x, x]), weight, None)                     # two tokens: cuBLAS
+    linear(x.float(), weight.float(), None)                     # fp32: cuBLAS
+    linear(x, weight[:512], None)                               # < MIN_OUT_FEATURES: cuBLAS
+    assert len(calls) == 2
+
