@@ -9,7 +9,8 @@ Qwen3-0.6B's four projections. Each time is the median over CUDA-graph replays t
 copies larger than the L2 (a 33 MB o_proj would otherwise be read from cache), reported as the weight
 bytes streamed per second. The chain is every projection of the 32 layers plus the lm_head, each layer
 with its own weights (15 GB), in one graph: the matmul-only ceiling of batch-1 decode (PERF.md quotes
-cuBLAS's: 241 tok/s). A tile is committed for a shape only where it beats the default by more than 2%."""
+cuBLAS's: 241 tok/s), timed with programmatic dependent launch (kernels/pdl.py) on and off. A tile is
+committed for a shape only where it beats the default by more than 2%."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -43,8 +45,10 @@ def candidates(tiny: bool):
 
     if tiny:
         return [GemvConfig(16, 32, 2, 1), GemvConfig(32, 64, 4, 1)]
-    tiles = [(4, 512), (4, 1024), (8, 256), (8, 512), (16, 128), (16, 256), (16, 512), (32, 128), (32, 256)]
-    return [GemvConfig(n, k, w, s) for n, k in tiles for w in (2, 4, 8) for s in (1, 3)]
+    tiles = [(1, 2048), (2, 1024), (2, 2048), (4, 512), (4, 1024), (4, 2048), (8, 256), (8, 512), (8, 1024),
+             (16, 256), (16, 512)]
+    return [GemvConfig(n, k, w, s) for n, k in tiles for w in (1, 2, 4, 8) for s in (1, 3)
+            if n * k // (32 * w) <= 256]   # fp32 accumulator elements per thread: more would spill
 
 
 def time_ms(fn, calls: int) -> float:
@@ -87,7 +91,7 @@ def chain_ms(layers: int, device: str, dtype: torch.dtype, use_gemv: bool, confi
             matmul(x, o)
             matmul(x, gate_up)
             matmul(mid, down)
-        F.linear(x, lm_head)   # the engine's lm_head is cuBLAS (compute_logits)
+        matmul(x, lm_head)
 
     return time_ms(step, 1)
 
@@ -108,7 +112,7 @@ def measure_shape(n: int, k: int, device: str, dtype: torch.dtype, configs: list
     top = sorted(timed, key=timed.get)[:8]
     return {"out_features": n, "in_features": k, "weight_bytes": w["bytes"], "cublas_us": base * 1e3,
             "default_us": timed[default] * 1e3, "best": astuple(best), "best_us": timed[best] * 1e3,
-            "top": [(astuple(c), timed[c] * 1e3) for c in top], "best_config": best}
+            "top": [(astuple(c), timed[c] * 1e3) for c in top], "best_config": best, "all_us": timed}
 
 
 def main() -> None:
@@ -118,7 +122,6 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="CPU rehearsal: Triton's interpreter, two small shapes")
     args = ap.parse_args()
     if args.tiny:
-        import os
         os.environ["TRITON_INTERPRET"] = "1"
     from cvllm_cuda.kernels.gemv import DEFAULT_CONFIG
 
@@ -128,24 +131,38 @@ def main() -> None:
     shapes = TINY_SHAPES if args.tiny else SHAPES
     result = {"bench": "tune_gemv", "gpu": gpu, "commit": git_commit(), "date": datetime.date.today().isoformat(),
               "command": "python " + " ".join(sys.argv), "dtype": str(dtype).removeprefix("torch."), "shapes": {}}
-    entries, best_configs = {}, {}
+    entries, best_configs, all_us = {}, {}, {}
     print(f"{'shape':20s} {'cuBLAS':>16s} {'default':>16s} {'best':>16s}  best tile (n, k, warps, stages)")
     for name, (n, k) in shapes.items():
         row = measure_shape(n, k, device, dtype, candidates(args.tiny) + [DEFAULT_CONFIG], DEFAULT_CONFIG)
         best = row.pop("best_config")
+        all_us[name] = row.pop("all_us")
         print(f"{name:20s} " + " ".join(f"{row[key]:7.1f}us {row['weight_bytes'] / row[key] / 1e6:4.2f}TB/s"
                                         for key in ("cublas_us", "default_us", "best_us")) + f"  {row['best']}")
         result["shapes"][name] = row
         best_configs[(n, k)] = best
         if row["best_us"] < 0.98 * row["default_us"] and best != DEFAULT_CONFIG:
             entries[(n, k, result["dtype"])] = row["best"]
+    # the one tile closest to each shape's best over all shapes: what gemv.DEFAULT_CONFIG should be
+    common = set.intersection(*(set(t) for t in all_us.values()))
+    overall = min(common, key=lambda c: statistics.geometric_mean([t[c] / min(t.values()) for t in all_us.values()]))
+    result["best_overall"] = astuple(overall)
+    result["best_overall_vs_best"] = statistics.geometric_mean([t[overall] / min(t.values()) for t in all_us.values()])
+    print(f"one tile for all shapes: {astuple(overall)}, {result['best_overall_vs_best']:.3f}x each shape's best "
+          f"(geometric mean)")
     if not args.tiny:
         layers = 32
         chain = {}
-        for key, use_gemv, configs in [("cublas", False, {}), ("gemv_default", True, {}),
-                                       ("gemv_tuned", True, best_configs)]:
-            chain[key] = chain_ms(layers, device, dtype, use_gemv, configs)
+        from cvllm_cuda.kernels import pdl
+
+        for key, use_gemv, use_pdl in [("cublas", False, True), ("gemv_tuned", True, True),
+                                       ("gemv_tuned_no_pdl", True, False)]:
+            os.environ["CVLLM_PDL"] = "1" if use_pdl else "0"
+            pdl._enabled.cache_clear()
+            chain[key] = chain_ms(layers, device, dtype, use_gemv, best_configs)
             torch.cuda.empty_cache()
+        os.environ.pop("CVLLM_PDL")
+        pdl._enabled.cache_clear()
         result["chain_ms_per_token"] = chain
         result["chain_tok_s"] = {key: 1e3 / ms for key, ms in chain.items()}
         print("\nmatmul chain of one Llama-3-8B token (32 layers + lm_head, 15 GB):")
@@ -157,7 +174,9 @@ def main() -> None:
     result["geomean_vs_cublas"] = statistics.geometric_mean(
         [s["best_us"] / s["cublas_us"] for s in result["shapes"].values()])
     if args.write and not args.tiny:
-        args.write.write_text(module_text(gpu, entries, f"{result['command']} at {result['commit']}, {result['date']}"))
+        provenance = (f"bench/tune_gemv.py at {result['commit']}, {result['date']} "
+                      f"(bench/results/{result['date']}-h200-tune_gemv-{result['commit']}.json)")
+        args.write.write_text(module_text(gpu, entries, provenance))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 

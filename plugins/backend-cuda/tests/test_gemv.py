@@ -76,6 +76,20 @@ def test_linear_keeps_torch_for_batches_small_layers_and_other_devices(generator
     assert torch.equal(linear(x, weight, None), F.linear(x, weight))
 
 
+def test_gemv_config_reads_the_tuned_table_of_the_gpu_it_runs_on(monkeypatch):
+    import cvllm_cuda.kernels.gemv as module
+    from cvllm_cuda.kernels.tuned_gemv import TUNED_GEMV
+
+    (n, k, dtype), tile = next(iter(TUNED_GEMV["NVIDIA H200"].items()))
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(module, "_device_name", lambda index: "NVIDIA H200")
+    assert gemv_config(n, k, getattr(torch, dtype), cuda) == GemvConfig(*tile)
+    assert gemv_config(n + 1, k, getattr(torch, dtype), cuda) == module.DEFAULT_CONFIG
+    assert gemv_config(n, k, getattr(torch, dtype), torch.device("cpu")) == module.DEFAULT_CONFIG
+    monkeypatch.setattr(module, "_device_name", lambda index: "another GPU")
+    assert gemv_config(n, k, getattr(torch, dtype), cuda) == module.DEFAULT_CONFIG
+
+
 # -- compiled, on the GPU --------------------------------------------------------------------------------
 
 # (out, in) features of Llama-3-8B (qkv, o, gate_up, down, lm_head), Qwen3-0.6B (qkv, gate_up) and shapes
@@ -96,10 +110,9 @@ def test_gemv_on_the_gpu(generator, n, k, dtype, bias):
     ref = reference(x, weight, b)
     out = gemv(x, weight, b)
     assert_rounds_the_exact_product(out, ref, x, weight)
-    # cuBLAS rounds the same near-exact fp32 sums: nearly always the same bits
-    same = (out == F.linear(x, weight, b)).float().mean().item()
-    assert same > 0.98, f"{same:.2%} equal to cuBLAS"
-    assert gemv_config(n, k, dtype, weight.device) is not None
+    # at least as close to the exact product as cuBLAS is (which may reduce split-K partials in 16 bits)
+    error, cublas_error = ((t.double() - ref).abs().mean().item() for t in (out, F.linear(x, weight, b)))
+    assert error <= 1.05 * cublas_error, (error, cublas_error)
 
 
 @pytest.mark.gpu
@@ -143,3 +156,51 @@ def test_linear_dispatches_one_token_of_a_large_16_bit_layer_to_the_gemv(generat
     linear(x, weight[:512], None)                               # < MIN_OUT_FEATURES: cuBLAS
     assert len(calls) == 2
 
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_chain_of_dependent_kernels_in_a_graph_is_the_same_with_and_without_pdl(generator, monkeypatch):
+    """Programmatic dependent launch lets each kernel start before the previous one ends: a kernel that read
+    its input before the wait would see stale numbers. 60 norm -> GEMV -> SiLU -> GEMV links, each reading
+    the last one's output, replayed as a CUDA graph, must give the bits of the same chain launched plainly."""
+    from cvllm_cuda.kernels import pdl
+    from cvllm_cuda.kernels.activation import silu_and_mul
+    from cvllm_cuda.kernels.rms_norm import fused_add_rms_norm
+
+    hidden, inter = 1024, 2048
+    up = [torch.randn(2 * inter, hidden, generator=generator).to(DEVICE, torch.bfloat16) * hidden ** -0.5
+          for _ in range(3)]
+    down = [torch.randn(hidden, inter, generator=generator).to(DEVICE, torch.bfloat16) * inter ** -0.5
+            for _ in range(3)]
+    norm_weight = torch.rand(hidden, generator=generator).to(DEVICE, torch.bfloat16) + 0.5
+    x0 = torch.randn(1, hidden, generator=generator).to(DEVICE, torch.bfloat16)
+
+    def chain(x):
+        residual = torch.zeros_like(x)
+        for i in range(60):
+            h, residual = fused_add_rms_norm(x, residual, norm_weight, 1e-5)
+            x = gemv(silu_and_mul(gemv(h, up[i % 3])), down[i % 3])
+        return x + residual
+
+    def run(use_pdl: bool) -> torch.Tensor:
+        monkeypatch.setenv("CVLLM_PDL", "1" if use_pdl else "0")
+        pdl._enabled.cache_clear()
+        static_x = x0.clone()
+        chain(static_x)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(static_x)
+        results = []
+        for _ in range(3):
+            graph.replay()
+            results.append(out.clone())
+        return torch.stack(results)
+
+    try:
+        with_pdl, without = run(True), run(False)
+    finally:
+        monkeypatch.delenv("CVLLM_PDL", raising=False)
+        pdl._enabled.cache_clear()
+    assert pdl.options(x0.device)["USE_PDL"] == (torch.cuda.get_device_capability()[0] >= 9)
+    assert torch.isfinite(without).all() and torch.equal(with_pdl, without)

@@ -139,13 +139,10 @@ class ModelRunner:
                     capture()
             self.decode_forward = wrapped
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        with forward_context(ctx):
-            return self.model(input_ids, positions)
-
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """fp32 logits of every row: in a decode-only step every row is a sequence's last token and samples."""
-        return self.model.compute_logits(self.forward(input_ids, positions, ctx)).float()
+        with forward_context(ctx):  # the lm_head too may take the backend's matmul
+            return self.model.compute_logits(self.model(input_ids, positions)).float()
 
     def _to_device(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """The step's integer inputs on the device in one non-blocking host-to-device copy (upload.py):
@@ -227,9 +224,10 @@ class ModelRunner:
         if ctx.is_decode_only and not all_logits and extra_indices is None \
                 and len(batch.sample_indices) == len(batch.seqs):
             return self.decode_forward(input_ids, positions, ctx)
-        hidden = self.forward(input_ids, positions, ctx)
-        if not all_logits:
-            if extra_indices is not None:
-                logits_indices = torch.cat([logits_indices, extra_indices.to(logits_indices.device)])
-            hidden = hidden[logits_indices]
-        return self.model.compute_logits(hidden).float()
+        with forward_context(ctx):
+            hidden = self.model(input_ids, positions)
+            if not all_logits:
+                if extra_indices is not None:
+                    logits_indices = torch.cat([logits_indices, extra_indices.to(logits_indices.device)])
+                hidden = hidden[logits_indices]
+            return self.model.compute_logits(hidden).float()

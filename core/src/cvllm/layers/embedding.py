@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cvllm.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from cvllm.layers.quantization import dense
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -51,7 +52,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight, self.bias)
+        logits = dense(hidden, self.weight, self.bias)
         if self.tp_size > 1:
             logits = all_gather_last_dim(logits)
         return logits[..., : self.num_embeddings]

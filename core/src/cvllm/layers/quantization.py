@@ -36,10 +36,15 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        backend_linear = fused_kernel("linear")
-        if backend_linear is not None:
-            return backend_linear(x, layer.weight, bias)
-        return F.linear(x, layer.weight, bias)
+        return dense(x, layer.weight, bias)
+
+
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear``, or the running backend's own matmul for it (Backend.linear: the CUDA backend's GEMV)."""
+    backend_linear = fused_kernel("linear")
+    if backend_linear is not None:
+        return backend_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 # (layer name, the checkpoint module names whose rows it holds) -> a method, or None to stay unquantized.

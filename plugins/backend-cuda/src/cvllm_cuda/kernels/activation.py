@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from cvllm_cuda.kernels import pdl
+from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
 
 _BLOCK = 1024  # output features per program
@@ -23,8 +25,9 @@ _LIBDEVICE_EXP = not triton.knobs.runtime.interpret
 @triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, intermediate, stride_xt,
-    LIBDEVICE_EXP: tl.constexpr, BLOCK: tl.constexpr,
+    LIBDEVICE_EXP: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < intermediate
@@ -53,6 +56,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     _silu_and_mul_kernel[grid](
         rows, out, intermediate, rows.stride(0),
         LIBDEVICE_EXP=_LIBDEVICE_EXP, BLOCK=min(_BLOCK, next_power_of_2(intermediate)),
-        num_warps=4, enable_fp_fusion=False,
+        num_warps=4, enable_fp_fusion=False, **pdl.options(x.device),
     )
     return out

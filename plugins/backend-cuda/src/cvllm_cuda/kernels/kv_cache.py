@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cvllm_cuda.kernels import pdl
+from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
 
 # Elements one program copies per tensor: enough work to hide a launch's index arithmetic,
@@ -25,8 +27,9 @@ def _write_kv_kernel(
     num_kv_heads, block_size,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:  # padding: nothing to store
@@ -74,5 +77,5 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d,
+        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, **pdl.options(k.device),
     )

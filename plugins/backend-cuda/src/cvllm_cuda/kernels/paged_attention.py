@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cvllm_cuda.kernels import pdl
+from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
 from cvllm_cuda.kernels.tuned_configs import TUNED
 
@@ -126,7 +128,9 @@ def _attention_kernel(
     BLOCK_SIZE: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DECODE_ONLY: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -213,8 +217,9 @@ def _attention_kernel(
 @triton.jit
 def _combine_splits_kernel(
     out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     part = (token * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
@@ -275,6 +280,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_acc = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
     else:
         part_max = part_sum = part_acc = out  # never touched: the kernel writes `out` directly
+    launch = pdl.options(q.device)
     _attention_kernel[(tiles, num_kv_heads, splits)](
         q, k_cache, v_cache, out, part_max, part_sum, part_acc,
         query_start_loc, seq_lens, block_tables,
@@ -285,11 +291,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_N=config.block_n,
         NUM_SPLITS=splits, DECODE_ONLY=decode, USE_WINDOW=bool(sliding_window), USE_SOFT_CAP=bool(soft_cap),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch,
     )
     if splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
             out, part_max, part_sum, part_acc, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, num_warps=4,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, num_warps=4, **launch,
         )
     return out

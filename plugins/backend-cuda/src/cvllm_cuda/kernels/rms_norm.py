@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cvllm_cuda.kernels import pdl
+from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
 
 # Elements of one program's tile: a row of a large model's hidden size per program, several rows
@@ -27,8 +29,9 @@ def _add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
     num_rows, inner_rows, hidden, eps,
     stride_xa, stride_xb, stride_ra, stride_rb,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     # rows are the leading dims flattened: row = a * inner_rows + b, so a strided [A, B, N] view
     # (per-head q of a fused qkv output) is read in place
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -101,5 +104,6 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: t
             HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_N=block_n,
             num_warps=min(16, max(1, block_r * block_n // 512)),
             enable_fp_fusion=False,  # no FMA contraction: the products round as torch's do
+            **pdl.options(x.device),
         )
     return out if residual is None else (out, new_residual)

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cvllm_cuda.kernels import pdl
+from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
 
 _TILE_ELEMENTS = 2048  # (heads x half rotary dims) per program
@@ -52,8 +54,9 @@ def _rotary_kernel(
     positions_ptr, cos_sin_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr,
     num_q_heads, num_k_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_table,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_TAIL: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     # grid: (token, head block); the head blocks of q come first, then those of k
     token = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -110,5 +113,6 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, cos
         BLOCK_TAIL=next_power_of_2(tail),  # 0 when the whole head rotates
         num_warps=4,
         enable_fp_fusion=False,  # no FMA contraction: the products round as torch's do
+        **pdl.options(q.device),
     )
     return q_out, k_out

@@ -1,0 +1,47 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the backend's Triton kernels.
+
+A decode step at batch 1 is ~400 short kernels back to back; between two of them the GPU drains the first
+(its last wave, then a memory flush) before it even starts scheduling the second. With PDL the next kernel
+is launched while the previous one finishes: its programs are placed on the SMs and wait at
+``griddepcontrol.wait`` until the previous grid has completed and its writes are visible. Each kernel
+waits first thing, before it reads or writes anything, so nothing can see a half-written input or
+overwrite memory the previous kernel still reads; then it lets its own successor launch. A kernel whose
+predecessor is an ordinary launch (a torch op) waits for nothing. CUDA-graph capture keeps the edges.
+
+CVLLM_PDL=0 turns it off (an A/B switch); GPUs before compute capability 9.0 and Triton's interpreter
+never use it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+@functools.cache
+def _enabled(device_index: int) -> bool:
+    if triton.knobs.runtime.interpret or os.environ.get("CVLLM_PDL", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def options(device: torch.device) -> dict:
+    """Keyword arguments of a launch on ``device``: the kernel's USE_PDL and Triton's launch_pdl."""
+    if device.type != "cuda":
+        return {"USE_PDL": False}
+    if _enabled(device.index if device.index is not None else torch.cuda.current_device()):
+        return {"USE_PDL": True, "launch_pdl": True}
+    return {"USE_PDL": False}
+
+
+@triton.jit
+def wait_for_previous_kernel(USE_PDL: tl.constexpr):
+    """Call first in a kernel launched with options(): waits for the previous grid, then lets the next one launch."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
