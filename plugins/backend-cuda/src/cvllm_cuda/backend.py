@@ -1,8 +1,8 @@
 """The CUDA backend: the engine's device operations on an NVIDIA GPU.
 
 Attention, the KV-cache write, RMSNorm with its residual add, rotary and SiLU·up are Triton kernels
-(kernels/); the matmuls are torch's (cuBLAS) except one token's, a Triton GEMV (kernels/gemv.py). Decode
-steps replay CUDA graphs captured per batch size (graphs.py).
+(kernels/); the matmuls are cuBLAS's except for one token (a Triton GEMV) and a few where a tuned Triton
+skinny GEMM beats it (kernels/linear.py). Decode steps replay CUDA graphs captured per batch size (graphs.py).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ class CudaBackend(Backend):
 
     def __init__(self) -> None:
         from cvllm_cuda.kernels.activation import silu_and_mul
-        from cvllm_cuda.kernels.gemv import linear
         from cvllm_cuda.kernels.kv_cache import write_kv
+        from cvllm_cuda.kernels.linear import linear
         from cvllm_cuda.kernels.paged_attention import paged_attention
         from cvllm_cuda.kernels.rms_norm import fused_add_rms_norm
         from cvllm_cuda.kernels.rotary import rotary
@@ -40,8 +40,8 @@ class CudaBackend(Backend):
         self._write_kv, self._paged_attention = write_kv, paged_attention
         # fused kernels the layers call instead of their torch ops (Backend's attributes say how)
         self.fused_add_rms_norm, self.rotary, self.silu_and_mul = fused_add_rms_norm, rotary, silu_and_mul
-        # CVLLM_GEMV=0: every matmul through cuBLAS (an A/B switch for benchmarks, and a way out)
-        self.linear = linear if os.environ.get("CVLLM_GEMV", "1") != "0" else None
+        # CVLLM_TRITON_MATMUL=0: every matmul through cuBLAS (an A/B switch for benchmarks, and a way out)
+        self.linear = linear if os.environ.get("CVLLM_TRITON_MATMUL", "1") != "0" else None
 
     def memory(self) -> tuple[int, int]:
         return torch.cuda.mem_get_info(self.device)

@@ -17,14 +17,13 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from cvllm_cuda.kernels import pdl
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.sizes import cdiv
-from cvllm_cuda.kernels.tuned_gemv import TUNED_GEMV
+from cvllm_cuda.kernels.tuned_matmul import TUNED_GEMV
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,9 +37,6 @@ class GemvConfig:
 # a sweep on an H200 (bench/results/2026-12-01-h200-tune_gemv-5817599.json): four rows a program stream the
 # Llama-3-8B projections at 3.4-4.4 TB/s
 DEFAULT_CONFIG = GemvConfig(block_n=4, block_k=1024, num_warps=2, num_stages=3)
-# Smaller layers stay with cuBLAS: their time is launch latency, and below this many programs the GPU's
-# SMs would not all get work.
-MIN_OUT_FEATURES = 1024
 
 
 @triton.jit
@@ -78,7 +74,7 @@ def _device_name(index: int) -> str:
 
 
 def gemv_config(out_features: int, in_features: int, dtype: torch.dtype, device: torch.device) -> GemvConfig:
-    """The tile for this weight shape: a tuned entry for this GPU (tuned_gemv.py) or the default."""
+    """The tile for this weight shape: a tuned entry for this GPU (tuned_matmul.py) or the default."""
     if device.type == "cuda":
         key = (out_features, in_features, str(dtype).removeprefix("torch."))
         tuned = TUNED_GEMV.get(_device_name(device.index or 0), {}).get(key)
@@ -107,11 +103,3 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     )
     return out
 
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear``, through gemv() for one token of a 16-bit layer large enough to fill the GPU."""
-    if (x.numel() == x.shape[-1] and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.shape[0] >= MIN_OUT_FEATURES and weight.stride(1) == 1 and x.is_cuda
-            and (bias is None or bias.dtype == x.dtype)):
-        return gemv(x, weight, bias)
-    return F.linear(x, weight, bias)

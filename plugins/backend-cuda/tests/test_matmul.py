@@ -1,6 +1,7 @@
-"""The one-token GEMV (kernels/gemv.py) against an fp64 matmul: in Triton's CPU interpreter on small shapes
-(fp32, fp16: the interpreter truncates where the GPU rounds to bf16), and compiled on a GPU on the real
-model shapes in bf16, inside a CUDA graph, and through the backend's linear() dispatch."""
+"""The one-token GEMV (kernels/gemv.py) and the few-row skinny GEMM (kernels/skinny_gemm.py) against an fp64
+matmul: in Triton's CPU interpreter on small shapes (fp32, fp16: the interpreter truncates where the GPU rounds
+to bf16), and compiled on a GPU on the real model shapes in bf16, inside a CUDA graph, through the backend's
+linear() dispatch, and chained under programmatic dependent launch."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from cvllm_cuda.kernels.gemv import GemvConfig, gemv, gemv_config, linear  # noqa: E402
+from cvllm_cuda.kernels.gemv import GemvConfig, gemv, gemv_config  # noqa: E402
+from cvllm_cuda.kernels.linear import linear  # noqa: E402
+from cvllm_cuda.kernels.skinny_gemm import SkinnyConfig, skinny_gemm  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -37,9 +40,9 @@ def assert_rounds_the_exact_product(out: torch.Tensor, ref: torch.Tensor, x: tor
     assert worst <= 1.0, f"error {worst:.3g}x the bound"
 
 
-def make(generator: torch.Generator, n: int, k: int, dtype: torch.dtype, bias: bool):
+def make(generator: torch.Generator, n: int, k: int, dtype: torch.dtype, bias: bool, rows: int = 1):
     weight = torch.randn(n, k, generator=generator).to(DEVICE, dtype) * k ** -0.5
-    x = torch.randn(1, k, generator=generator).to(DEVICE, dtype)
+    x = torch.randn(rows, k, generator=generator).to(DEVICE, dtype)
     b = torch.randn(n, generator=generator).to(DEVICE, dtype) if bias else None
     return x, weight, b
 
@@ -76,9 +79,30 @@ def test_linear_keeps_torch_for_batches_small_layers_and_other_devices(generator
     assert torch.equal(linear(x, weight, None), F.linear(x, weight))
 
 
+SKINNY_SMALL = SkinnyConfig(block_n=16, block_k=32, num_warps=4, num_stages=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k,rows,bias", [(64, 128, 5, False), (40, 100, 17, True), (32, 64, 2, False)])
+def test_skinny_gemm_matches_an_fp64_matmul(generator, dtype, n, k, rows, bias):
+    x, weight, b = make(generator, n, k, dtype, bias, rows)
+    out = skinny_gemm(x, weight, b, SKINNY_SMALL)
+    assert_rounds_the_exact_product(out, reference(x, weight, b), x, weight)
+
+
+def test_skinny_gemm_takes_leading_dims_and_strided_rows(generator):
+    wide = torch.randn(3, 4, 80, generator=generator).to(DEVICE)
+    x = wide[..., 8:72]                                # [3, 4, 64] with a row stride of 80
+    weight = torch.randn(48, 64, generator=generator).to(DEVICE)
+    out = skinny_gemm(x, weight, None, SKINNY_SMALL)
+    assert out.shape == (3, 4, 48)
+    flat = x.reshape(12, 64)
+    assert_rounds_the_exact_product(out.reshape(12, 48), reference(flat, weight, None), flat, weight)
+
+
 def test_gemv_config_reads_the_tuned_table_of_the_gpu_it_runs_on(monkeypatch):
     import cvllm_cuda.kernels.gemv as module
-    from cvllm_cuda.kernels.tuned_gemv import TUNED_GEMV
+    from cvllm_cuda.kernels.tuned_matmul import TUNED_GEMV
 
     (n, k, dtype), tile = next(iter(TUNED_GEMV["NVIDIA H200"].items()))
     cuda = torch.device("cuda", 0)
@@ -143,7 +167,7 @@ def test_gemv_in_a_cuda_graph_reads_its_input_at_replay(generator):
 @pytest.mark.gpu
 @needs_gpu
 def test_linear_dispatches_one_token_of_a_large_16_bit_layer_to_the_gemv(generator, monkeypatch):
-    import cvllm_cuda.kernels.gemv as module
+    import cvllm_cuda.kernels.linear as module
 
     calls = []
     monkeypatch.setattr(module, "gemv", lambda *args: calls.append(args) or F.linear(*args))
@@ -156,6 +180,59 @@ def test_linear_dispatches_one_token_of_a_large_16_bit_layer_to_the_gemv(generat
     linear(x, weight[:512], None)                               # < MIN_OUT_FEATURES: cuBLAS
     assert len(calls) == 2
 
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("rows", [2, 16, 33, 64])
+@pytest.mark.parametrize("config", [SkinnyConfig(64, 128, 4, 4), SkinnyConfig(32, 256, 4, 3),
+                                    SkinnyConfig(128, 64, 8, 5)])
+def test_skinny_gemm_on_the_gpu(generator, rows, config):
+    for n, k, bias in [(6144, 4096, False), (4096, 14336, False), (1030, 4100, True)]:
+        x, weight, b = make(generator, n, k, torch.bfloat16, bias, rows)
+        ref = reference(x, weight, b)
+        out = skinny_gemm(x, weight, b, config)
+        assert_rounds_the_exact_product(out, ref, x, weight)
+        error, cublas_error = ((t.double() - ref).abs().mean().item() for t in (out, F.linear(x, weight, b)))
+        assert error <= 1.05 * cublas_error, (n, k, error, cublas_error)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_skinny_gemm_in_a_cuda_graph_reads_its_input_at_replay(generator):
+    x, weight, _ = make(generator, 4096, 4096, torch.bfloat16, False, 24)
+    config = SkinnyConfig(64, 128, 4, 4)
+    static_x = x.clone()
+    skinny_gemm(static_x, weight, None, config)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = skinny_gemm(static_x, weight, None, config)
+    for _ in range(3):
+        fresh = torch.randn(x.shape, generator=generator).to(DEVICE, x.dtype)
+        static_x.copy_(fresh)
+        graph.replay()
+        assert_rounds_the_exact_product(static_out, reference(fresh, weight, None), fresh, weight)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_linear_takes_the_skinny_gemm_only_for_tuned_row_tiles_and_shapes(generator, monkeypatch):
+    import cvllm_cuda.kernels.linear as module
+
+    calls = []
+    monkeypatch.setattr(module, "skinny_gemm", lambda x, w, b, config: calls.append((x.shape[0], config))
+                        or F.linear(x, w, b))
+    entry = {(16, 4096, 1024, "bfloat16"): (64, 128, 4, 4)}
+    monkeypatch.setitem(module.TUNED_SKINNY, torch.cuda.get_device_name(), entry)
+    x, weight, _ = make(generator, 4096, 1024, torch.bfloat16, False, 16)
+    linear(x, weight, None)       # 16 rows: tuned
+    linear(x[:9], weight, None)   # 9 rows: the 16-row tile too
+    assert calls == [(16, SkinnyConfig(64, 128, 4, 4)), (9, SkinnyConfig(64, 128, 4, 4))]
+    linear(x[:3], weight, None)   # a 16-row tile as well (the smallest)
+    assert len(calls) == 3
+    linear(torch.cat([x, x]), weight, None)        # 32 rows: no entry, cuBLAS
+    linear(x[:, :512], weight[:, :512].contiguous(), None)   # another shape: cuBLAS
+    assert len(calls) == 3
 
 
 @pytest.mark.gpu

@@ -1,0 +1,264 @@
+"""Sweep the Triton matmuls' tiles on this GPU against cuBLAS: the one-token GEMV (kernels/gemv.py) and the
+few-row skinny GEMM (kernels/skinny_gemm.py); time the whole batch-1 matmul chain of a Llama-3-8B shape.
+
+    python bench/tune_matmul.py --json $OUT/tune_matmul.json --write $OUT/tuned_matmul.py   # on the GPU machine
+    python bench/tune_matmul.py --tiny                                                      # CPU rehearsal
+
+Shapes are the bf16 layers of decode steps: Llama-3-8B's qkv, o, gate_up, down and lm_head, Qwen3-0.6B's four
+projections. Each time is the median over CUDA-graph replays that cycle through weight copies larger than
+the L2 (a 33 MB o_proj would otherwise be read from cache), shown as the weight bytes streamed per second.
+
+GEMV: a tile is committed for a shape where it beats gemv.DEFAULT_CONFIG by more than 2%. Skinny GEMM, per
+row tile (16, 32, 64 rows: batches of 2-16, 17-32, 33-64): committed only where its best tile beats cuBLAS
+by more than 2% at every batch size of that tile measured (2, 4, 8, 16; 32; 64), since the engine falls back
+to cuBLAS for every (tile, shape) without an entry. The chain is every projection of the 32 layers plus the
+lm_head, each layer its own weights (15 GB), in one graph: the matmul-only ceiling of batch-1 decode
+(PERF.md quotes cuBLAS's: 241 tok/s), with programmatic dependent launch (kernels/pdl.py) on and off."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import git_commit  # noqa: E402
+
+SHAPES = {  # name: (out_features, in_features)
+    "llama qkv": (6144, 4096), "llama o": (4096, 4096), "llama gate_up": (28672, 4096),
+    "llama down": (4096, 14336), "llama lm_head": (128256, 4096),
+    "qwen3-0.6b qkv": (4096, 1024), "qwen3-0.6b o": (1024, 2048), "qwen3-0.6b gate_up": (6144, 1024),
+    "qwen3-0.6b down": (1024, 3072),
+}
+TINY_SHAPES = {"tiny a": (64, 128), "tiny b": (96, 256)}
+ROW_TILES = {16: [2, 4, 8, 16], 32: [32], 64: [64]}   # skinny row tile: the batch sizes timed for it
+L2_BYTES = 60e6  # the H200's 50 MB L2, rounded up
+
+
+def gemv_candidates(tiny: bool):
+    from cvllm_cuda.kernels.gemv import DEFAULT_CONFIG, GemvConfig
+
+    if tiny:
+        return [GemvConfig(16, 32, 2, 1), DEFAULT_CONFIG]
+    tiles = [(1, 2048), (2, 1024), (2, 2048), (4, 512), (4, 1024), (4, 2048), (8, 256), (8, 512), (8, 1024),
+             (16, 256)]
+    found = [GemvConfig(n, k, w, s) for n, k in tiles for w in (1, 2, 4) for s in (1, 3)
+             if n * k // (32 * w) <= 256]   # fp32 accumulator elements per thread: more would spill
+    return found + [DEFAULT_CONFIG] if DEFAULT_CONFIG not in found else found
+
+
+def skinny_candidates(tiny: bool, row_tile: int):
+    from cvllm_cuda.kernels.skinny_gemm import SkinnyConfig
+
+    if tiny:
+        return [SkinnyConfig(16, 32, 4, 1)]
+    tiles = [(32, 128, 4), (32, 256, 4), (64, 64, 4), (64, 128, 4), (64, 256, 4), (128, 64, 4), (128, 128, 8)]
+    return [SkinnyConfig(n, k, w, s) for n, k, w in tiles for s in (3, 4, 5)
+            if s * (n * k + k * row_tile) * 2 <= 200_000]   # the pipeline's shared memory
+
+
+def time_ms(fn, calls: int) -> float:
+    """GPU time of one of ``calls`` launches in ``fn``: CUDA-graph replays (plain launches would time the host)."""
+    fn()  # compiles outside the graph
+    if not torch.cuda.is_available():
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3 / calls
+    import triton
+
+    return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") / calls
+
+
+def per_launch_ms(kernel, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
+    """``kernel(x, w)`` once per weight copy, timed as above: ms per launch."""
+    return time_ms(lambda: [kernel(x, w) for w in weights], len(weights))
+
+
+def weight_copies(n: int, k: int, device: str, dtype: torch.dtype) -> list[torch.Tensor]:
+    copies = max(2, math.ceil(3 * L2_BYTES / (n * k * dtype.itemsize))) if device == "cuda" else 1
+    return [torch.randn(n, k, device=device, dtype=dtype) * k ** -0.5 for _ in range(copies)]
+
+
+def sweep(run, configs: list) -> dict:
+    """{config: ms} for the configs that compile; ``run(config)`` launches once per weight copy."""
+    timed = {}
+    for config in configs:
+        try:
+            timed[config] = run(config)
+        except Exception as e:   # a tile the compiler rejects (registers, shared memory): not a candidate
+            print(f"  skip {astuple(config)}: {type(e).__name__}", file=sys.stderr)
+    return timed
+
+
+def tune_gemv(shapes: dict, device: str, dtype: torch.dtype, tiny: bool, result: dict) -> tuple[dict, dict]:
+    from cvllm_cuda.kernels.gemv import DEFAULT_CONFIG, gemv
+
+    entries, best_configs, all_ms = {}, {}, {}
+    print(f"GEMV, one token\n{'shape':20s} {'cuBLAS':>16s} {'default':>16s} {'best':>16s}  best (n, k, warps, stages)")
+    for name, (n, k) in shapes.items():
+        weights = weight_copies(n, k, device, dtype)
+        x = torch.randn(1, k, device=device, dtype=dtype)
+        cublas = per_launch_ms(F.linear, x, weights)
+        timed = sweep(lambda c, x=x, weights=weights: per_launch_ms(lambda a, w: gemv(a, w, config=c), x, weights),
+                      gemv_candidates(tiny))
+        best = min(timed, key=timed.get)
+        nbytes = n * k * dtype.itemsize
+        print(f"{name:20s} " + " ".join(f"{ms * 1e3:7.1f}us {nbytes / ms / 1e9:4.2f}TB/s"
+                                        for ms in (cublas, timed[DEFAULT_CONFIG], timed[best])) + f"  {astuple(best)}")
+        result["gemv"][name] = {"out_features": n, "in_features": k, "weight_bytes": nbytes, "cublas_us": cublas * 1e3,
+                                "default_us": timed[DEFAULT_CONFIG] * 1e3, "best": astuple(best),
+                                "best_us": timed[best] * 1e3,
+                                "top": [(astuple(c), timed[c] * 1e3) for c in sorted(timed, key=timed.get)[:8]]}
+        best_configs[(n, k)], all_ms[name] = best, timed
+        if timed[best] < 0.98 * timed[DEFAULT_CONFIG] and best != DEFAULT_CONFIG:
+            entries[(n, k, result["dtype"])] = astuple(best)
+    # the one tile closest to each shape's best: what gemv.DEFAULT_CONFIG should be
+    common = set.intersection(*(set(t) for t in all_ms.values()))
+    overall = min(common, key=lambda c: statistics.geometric_mean([t[c] / min(t.values()) for t in all_ms.values()]))
+    result["gemv_best_overall"] = astuple(overall)
+    print(f"one tile for all shapes: {astuple(overall)}")
+    return entries, best_configs
+
+
+def tune_skinny(shapes: dict, device: str, dtype: torch.dtype, tiny: bool, result: dict) -> dict:
+    from cvllm_cuda.kernels.skinny_gemm import skinny_gemm
+
+    entries = {}
+    row_tiles = {16: [4]} if tiny else ROW_TILES
+    print(f"\nskinny GEMM, per row tile\n{'shape':20s} {'tile':>4s}  cuBLAS (rows: us)              best       "
+          "gain  best (n, k, warps, stages)")
+    for name, (n, k) in shapes.items():
+        weights = weight_copies(n, k, device, dtype)
+        for tile, batch_sizes in row_tiles.items():
+            xs = {m: torch.randn(m, k, device=device, dtype=dtype) for m in batch_sizes}
+            cublas = {m: per_launch_ms(F.linear, x, weights) for m, x in xs.items()}
+            timed = sweep(lambda c, x=xs[batch_sizes[-1]], weights=weights:
+                          per_launch_ms(lambda a, w: skinny_gemm(a, w, None, c), x, weights),
+                          skinny_candidates(tiny, tile))
+            best = min(timed, key=timed.get)
+            gain = min(cublas.values()) / timed[best]
+            cells = " ".join(f"{m}:{ms * 1e3:.1f}" for m, ms in cublas.items())
+            print(f"{name:20s} {tile:4d}  {cells:30s} {timed[best] * 1e3:7.1f}us {gain:5.2f}x  {astuple(best)}")
+            result["skinny"][f"{name} / {tile}"] = {
+                "row_tile": tile, "out_features": n, "in_features": k,
+                "cublas_us": {m: ms * 1e3 for m, ms in cublas.items()}, "best": astuple(best),
+                "best_us": timed[best] * 1e3, "gain_vs_cublas": gain,
+                "top": [(astuple(c), timed[c] * 1e3) for c in sorted(timed, key=timed.get)[:6]]}
+            if gain > 1.02:
+                entries[(tile, n, k, result["dtype"])] = astuple(best)
+    return entries
+
+
+def chain_ms(layers: int, device: str, dtype: torch.dtype, use_gemv: bool, configs: dict) -> float:
+    """One token through every projection of a Llama-3-8B shape, each layer its own weights: ms per token."""
+    from cvllm_cuda.kernels.gemv import gemv
+
+    shapes = [SHAPES[f"llama {p}"] for p in ("qkv", "o", "gate_up", "down")]
+    weights = [[torch.randn(n, k, device=device, dtype=dtype) * k ** -0.5 for n, k in shapes] for _ in range(layers)]
+    lm_head = torch.randn(*SHAPES["llama lm_head"], device=device, dtype=dtype) * 0.02
+    x = torch.randn(1, 4096, device=device, dtype=dtype) * 0.1
+    mid = torch.randn(1, 14336, device=device, dtype=dtype) * 0.1
+
+    def matmul(inp, w):
+        return gemv(inp, w, config=configs.get(tuple(w.shape))) if use_gemv else F.linear(inp, w)
+
+    def step():
+        for qkv, o, gate_up, down in weights:   # inputs of the right widths; the math is not the point
+            matmul(x, qkv)
+            matmul(x, o)
+            matmul(x, gate_up)
+            matmul(mid, down)
+        matmul(x, lm_head)
+
+    return time_ms(step, 1)
+
+
+def time_chain(device: str, dtype: torch.dtype, best_configs: dict, result: dict) -> None:
+    from cvllm_cuda.kernels import pdl
+
+    chain = {}
+    for key, use_gemv, use_pdl in [("cublas", False, True), ("gemv_tuned", True, True),
+                                   ("gemv_tuned_no_pdl", True, False)]:
+        os.environ["CVLLM_PDL"] = "1" if use_pdl else "0"
+        pdl._enabled.cache_clear()
+        chain[key] = chain_ms(32, device, dtype, use_gemv, best_configs)
+        torch.cuda.empty_cache()
+    os.environ.pop("CVLLM_PDL")
+    pdl._enabled.cache_clear()
+    result["chain_ms_per_token"] = chain
+    print("\nmatmul chain of one Llama-3-8B token (32 layers + lm_head, 15 GB):")
+    for key, ms in chain.items():
+        print(f"  {key:18s} {ms:6.3f} ms  {1e3 / ms:6.1f} tok/s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json")
+    ap.add_argument("--write", type=Path, help="write tuned_matmul.py here with this GPU's entries merged in")
+    ap.add_argument("--tiny", action="store_true", help="CPU rehearsal: Triton's interpreter, two small shapes")
+    ap.add_argument("--skip-skinny", action="store_true")
+    args = ap.parse_args()
+    if args.tiny:
+        os.environ["TRITON_INTERPRET"] = "1"
+    device = "cpu" if args.tiny else "cuda"
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    gpu = "cpu (interpreter)" if args.tiny else torch.cuda.get_device_name()
+    shapes = TINY_SHAPES if args.tiny else SHAPES
+    result = {"bench": "tune_matmul", "gpu": gpu, "commit": git_commit(), "date": datetime.date.today().isoformat(),
+              "command": "python " + " ".join(sys.argv), "dtype": str(dtype).removeprefix("torch."),
+              "gemv": {}, "skinny": {}}
+    gemv_entries, best_configs = tune_gemv(shapes, device, dtype, args.tiny, result)
+    skinny_entries = {} if args.skip_skinny else tune_skinny(shapes, device, dtype, args.tiny, result)
+    if not args.tiny:
+        time_chain(device, dtype, best_configs, result)
+    result["entries"] = {"gemv": {repr(k): v for k, v in gemv_entries.items()},
+                         "skinny": {repr(k): v for k, v in skinny_entries.items()}}
+    print(f"\nentries for {gpu!r}: {len(gemv_entries)} GEMV, {len(skinny_entries)} skinny: "
+          f"{sorted(skinny_entries)}")
+    if args.write and not args.tiny:
+        provenance = (f"bench/tune_matmul.py at {result['commit']}, {result['date']} "
+                      f"(results/{result['date']}-h200-tune_matmul-{result['commit']}.json)")
+        args.write.write_text(module_text(gpu, gemv_entries, skinny_entries, provenance))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
+def module_text(gpu: str, gemv_entries: dict, skinny_entries: dict, provenance: str) -> str:
+    """tuned_matmul.py with this GPU's entries replacing the committed ones (other GPUs' kept)."""
+    import cvllm_cuda.kernels.tuned_matmul as module
+
+    lines = [f'"""{module.__doc__.strip()}"""', ""]
+    for table_name, committed, entries, key_type in [
+            ("TUNED_GEMV", module.TUNED_GEMV, gemv_entries, "tuple[int, int, str]"),
+            ("TUNED_SKINNY", module.TUNED_SKINNY, skinny_entries, "tuple[int, int, int, str]")]:
+        tables = {**committed, gpu: entries}
+        lines.append(f"{table_name}: dict[str, dict[{key_type}, tuple[int, int, int, int]]] = {{")
+        for name, table in sorted(tables.items()):
+            lines += [f"    # {provenance}" if name == gpu else "    # (kept from the committed table)",
+                      f'    "{name}": {{']
+            lines += [f"        {key_text(key)}: {value!r}," for key, value in sorted(table.items())]
+            lines.append("    },")
+        lines += ["}", ""]
+    return "\n".join(lines)
+
+
+def key_text(key: tuple) -> str:
+    """``(4096, 1024, 'bfloat16')`` as the formatter writes it: ``(4096, 1024, "bfloat16")``."""
+    return "(" + ", ".join(f'"{part}"' if isinstance(part, str) else str(part) for part in key) + ")"
+
+
+def astuple(config) -> tuple[int, int, int, int]:
+    return (config.block_n, config.block_k, config.num_warps, config.num_stages)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Matmuls of a few rows (2..64 tokens: decode batches) in one Triton launch, ``F.linear(x, weight, bias)``.
+
+At these sizes a matmul is the weight streamed from memory once, like the one-token GEMV; cuBLAS's kernels
+for them read a Llama-3-8B projection at 2.8-3.8 TB/s on an H200 (copy rate ~4.2). Each program here owns
+BLOCK_N output features and all rows: it computes ``W_tile @ x^T`` (features x rows), so the weight tile is
+the tensor cores' M side and the few rows their N side (the "swap AB" layout of skinny GEMMs), and walks the
+whole K range with the loads pipelined over num_stages. No split-K: the grid is N / BLOCK_N programs.
+
+Only used where bench/tune_matmul.py measured it faster than cuBLAS on this GPU (tuned_matmul.TUNED_SKINNY);
+fp32 accumulation, as cuBLAS's, in another order (a last-bit difference of the rounded output).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from cvllm_cuda.kernels import pdl
+from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
+from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
+
+MIN_BLOCK_M = 16  # tl.dot's smallest operand side
+
+
+@dataclass(frozen=True, slots=True)
+class SkinnyConfig:
+    block_n: int      # output features per program
+    block_k: int      # input features per step of the K loop
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _skinny_gemm_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr,
+    num_rows, N, K, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    wait_for_previous_kernel(USE_PDL)
+    features = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    ks = tl.arange(0, BLOCK_K)
+    feature_ok = features < N
+    row_ok = rows < num_rows
+    w_ptrs = w_ptr + features.to(tl.int64)[:, None] * stride_wn + ks[None, :]
+    xt_ptrs = x_ptr + rows.to(tl.int64)[None, :] * stride_xm + ks[:, None]   # x^T: [BLOCK_K, BLOCK_M]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=feature_ok[:, None], other=0.0, eviction_policy="evict_first")
+            xt = tl.load(xt_ptrs, mask=row_ok[None, :], other=0.0)
+        else:
+            k_ok = k + ks < K
+            w = tl.load(w_ptrs, mask=feature_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            xt = tl.load(xt_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+        acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
+        w_ptrs += BLOCK_K
+        xt_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + features, mask=feature_ok, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + rows.to(tl.int64)[None, :] * stride_om + features[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=feature_ok[:, None] & row_ok[None, :])
+
+
+def block_m(num_rows: int) -> int:
+    """The row tile of ``num_rows`` rows: a power of two, at least MIN_BLOCK_M (also the tuned table's key)."""
+    return max(MIN_BLOCK_M, next_power_of_2(num_rows))
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x [..., K]`` of at most a few dozen rows, as a new tensor."""
+    n, k = weight.shape
+    assert x.shape[-1] == k and weight.stride(1) == 1 and x.dtype == weight.dtype, (x.shape, weight.shape, x.dtype)
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    num_rows = rows.shape[0]
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return out
+    _skinny_gemm_kernel[(cdiv(n, config.block_n),)](
+        rows, weight, bias if bias is not None else weight, out,
+        num_rows, n, k, rows.stride(0), weight.stride(0), n,
+        HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0, BLOCK_M=block_m(num_rows),
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.options(x.device),
+    )
+    return out
