@@ -8,16 +8,33 @@ dtype): (block_n, block_k, num_warps, num_stages)}}, only where the sweep measur
 cuBLAS; linear.linear() runs cuBLAS for every shape without an entry."""
 
 TUNED_GEMV: dict[str, dict[tuple[int, int, str], tuple[int, int, int, int]]] = {
-    # bench/tune_gemv.py (now tune_matmul.py) at 5817599, 2026-12-01 (results/2026-12-01-h200-tune_gemv-5817599.json)
+    # bench/tune_matmul.py at b223536, 2026-12-01 (results/2026-12-01-h200-tune_matmul-b223536.json)
     "NVIDIA H200": {
-        (1024, 2048, "bfloat16"): (4, 1024, 4, 3),
-        (1024, 3072, "bfloat16"): (4, 1024, 8, 1),
-        (4096, 1024, "bfloat16"): (4, 512, 2, 1),
-        (4096, 4096, "bfloat16"): (4, 1024, 2, 3),
-        (4096, 14336, "bfloat16"): (4, 1024, 2, 1),
-        (6144, 1024, "bfloat16"): (4, 512, 2, 3),
-        (6144, 4096, "bfloat16"): (4, 512, 2, 3),
+        (1024, 2048, "bfloat16"): (4, 2048, 4, 1),
+        (1024, 3072, "bfloat16"): (2, 1024, 4, 3),
+        (4096, 1024, "bfloat16"): (4, 1024, 4, 3),
+        (6144, 1024, "bfloat16"): (8, 512, 4, 3),
+        (6144, 4096, "bfloat16"): (2, 2048, 2, 1),
+        (28672, 4096, "bfloat16"): (4, 2048, 4, 1),
+        (128256, 4096, "bfloat16"): (4, 2048, 4, 1),
     },
 }
 
-TUNED_SKINNY: dict[str, dict[tuple[int, int, int, str], tuple[int, int, int, int]]] = {}
+TUNED_SKINNY: dict[str, dict[tuple[int, int, int, str], tuple[int, int, int, int]]] = {
+    # bench/tune_matmul.py at b223536, 2026-12-01 (results/2026-12-01-h200-tune_matmul-b223536.json)
+    "NVIDIA H200": {
+        (16, 4096, 1024, "bfloat16"): (64, 128, 4, 5),
+        (16, 4096, 4096, "bfloat16"): (64, 256, 4, 4),
+        (16, 6144, 1024, "bfloat16"): (64, 128, 4, 5),
+        (16, 6144, 4096, "bfloat16"): (64, 128, 4, 5),
+        (16, 128256, 4096, "bfloat16"): (128, 128, 8, 3),
+        (32, 4096, 1024, "bfloat16"): (64, 128, 4, 5),
+        (32, 4096, 4096, "bfloat16"): (64, 128, 4, 5),
+        (32, 6144, 1024, "bfloat16"): (64, 128, 4, 5),
+        (32, 6144, 4096, "bfloat16"): (64, 128, 4, 4),
+        (32, 128256, 4096, "bfloat16"): (128, 128, 8, 4),
+        (64, 6144, 1024, "bfloat16"): (64, 128, 4, 5),
+        (64, 28672, 4096, "bfloat16"): (128, 128, 8, 4),
+        (64, 128256, 4096, "bfloat16"): (128, 128, 8, 4),
+    },
+}
