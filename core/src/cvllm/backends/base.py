@@ -28,8 +28,11 @@ class Backend:
     #   silu_and_mul(x [..., 2I]) -> [..., I]: SiluAndMul (layers/activation.py)
     #   linear(x, weight, bias): ``F.linear`` of an unquantized linear layer (layers/quantization.py), for a
     #       backend with its own matmul for some shapes (the CUDA backend's one-token GEMV)
+    #   argmax(x [B, V]) -> int64 [B]: ``x.argmax(dim=-1)`` (first index of the max; NaN ranks highest), for
+    #       the sampler (the engine hands it over; no forward pass is in progress when it samples)
     fused_add_rms_norm: Callable | None = None
     linear: Callable | None = None
+    argmax: Callable | None = None
     rotary: Callable | None = None
     silu_and_mul: Callable | None = None
 
@@ -51,6 +54,13 @@ class Backend:
                   layer: Any) -> torch.Tensor:
         """Varlen queries ``[T, H, D]`` over the paged cache; prefill chunks and decodes in one call."""
         raise NotImplementedError
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               ctx: Any, layer: Any) -> torch.Tensor:
+        """What the Attention layer calls: store this step's K/V, then attend. A backend may do both in one
+        kernel where it can (the CUDA backend does for decodes)."""
+        self.write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        return self.attention(q, k_cache, v_cache, ctx, layer)
 
     def wrap_decode(self, forward: Callable, max_num_seqs: int, max_blocks_per_seq: int) -> Callable:
         """Optionally wrap the decode-only forward ``forward(input_ids, positions, ctx) -> hidden`` (CUDA

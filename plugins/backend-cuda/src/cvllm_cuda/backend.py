@@ -30,6 +30,7 @@ class CudaBackend(Backend):
 
     def __init__(self) -> None:
         from cvllm_cuda.kernels.activation import silu_and_mul
+        from cvllm_cuda.kernels.argmax import argmax
         from cvllm_cuda.kernels.kv_cache import write_kv
         from cvllm_cuda.kernels.linear import linear
         from cvllm_cuda.kernels.paged_attention import paged_attention
@@ -42,6 +43,7 @@ class CudaBackend(Backend):
         self.fused_add_rms_norm, self.rotary, self.silu_and_mul = fused_add_rms_norm, rotary, silu_and_mul
         # CVLLM_TRITON_MATMUL=0: every matmul through cuBLAS (an A/B switch for benchmarks, and a way out)
         self.linear = linear if os.environ.get("CVLLM_TRITON_MATMUL", "1") != "0" else None
+        self.argmax = argmax
 
     def memory(self) -> tuple[int, int]:
         return torch.cuda.mem_get_info(self.device)
@@ -53,6 +55,14 @@ class CudaBackend(Backend):
                   layer: Any) -> torch.Tensor:
         return self._paged_attention(q, k_cache, v_cache, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables,
                                      ctx.max_query_len, layer.scale, layer.sliding_window, layer.logits_soft_cap)
+
+    def attend(self, q, k, v, k_cache, v_cache, ctx: Any, layer: Any) -> torch.Tensor:
+        if ctx.max_query_len == 1 and k.dtype == k_cache.dtype and v.dtype == v_cache.dtype:
+            # decodes: the KV write happens inside the attention launch (one kernel a layer fewer)
+            return self._paged_attention(q, k_cache, v_cache, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables,
+                                         1, layer.scale, layer.sliding_window, layer.logits_soft_cap,
+                                         new_kv=(k, v, ctx.slot_mapping))
+        return super().attend(q, k, v, k_cache, v_cache, ctx, layer)
 
     def wrap_decode(self, forward: Callable, max_num_seqs: int, max_blocks_per_seq: int) -> Callable:
         from cvllm_cuda.graphs import DecodeGraphs
