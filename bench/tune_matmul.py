@@ -45,24 +45,24 @@ L2_BYTES = 60e6  # the H200's 50 MB L2, rounded up
 
 
 def gemv_candidates(tiny: bool):
-    from cvllm_cuda.kernels.gemv import DEFAULT_CONFIG, GemvConfig
+    from cvllm_cuda.kernels.gemv import DEFAULT_CONFIG, MatmulTile
 
     if tiny:
-        return [GemvConfig(16, 32, 2, 1), DEFAULT_CONFIG]
+        return [MatmulTile(16, 32, 2, 1), DEFAULT_CONFIG]
     tiles = [(1, 2048), (2, 1024), (2, 2048), (4, 512), (4, 1024), (4, 2048), (8, 256), (8, 512), (8, 1024),
              (16, 256)]
-    found = [GemvConfig(n, k, w, s) for n, k in tiles for w in (1, 2, 4) for s in (1, 3)
+    found = [MatmulTile(n, k, w, s) for n, k in tiles for w in (1, 2, 4) for s in (1, 3)
              if n * k // (32 * w) <= 256]   # fp32 accumulator elements per thread: more would spill
     return found + [DEFAULT_CONFIG] if DEFAULT_CONFIG not in found else found
 
 
 def skinny_candidates(tiny: bool, row_tile: int):
-    from cvllm_cuda.kernels.skinny_gemm import SkinnyConfig
+    from cvllm_cuda.kernels.gemv import MatmulTile
 
     if tiny:
-        return [SkinnyConfig(16, 32, 4, 1)]
+        return [MatmulTile(16, 32, 4, 1)]
     tiles = [(32, 128, 4), (32, 256, 4), (64, 64, 4), (64, 128, 4), (64, 256, 4), (128, 64, 4), (128, 128, 8)]
-    return [SkinnyConfig(n, k, w, s) for n, k, w in tiles for s in (3, 4, 5)
+    return [MatmulTile(n, k, w, s) for n, k, w in tiles for s in (3, 4, 5)
             if s * (n * k + k * row_tile) * 2 <= 200_000]   # the pipeline's shared memory
 
 

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from cvllm_cuda.kernels.gemv import GemvConfig, gemv, gemv_config  # noqa: E402
+from cvllm_cuda.kernels.gemv import MatmulTile, gemv, gemv_config  # noqa: E402
 from cvllm_cuda.kernels.linear import linear  # noqa: E402
-from cvllm_cuda.kernels.skinny_gemm import SkinnyConfig, skinny_gemm  # noqa: E402
+from cvllm_cuda.kernels.skinny_gemm import skinny_gemm  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -47,7 +47,7 @@ def make(generator: torch.Generator, n: int, k: int, dtype: torch.dtype, bias: b
     return x, weight, b
 
 
-SMALL = GemvConfig(block_n=16, block_k=32, num_warps=2, num_stages=1)
+SMALL = MatmulTile(block_n=16, block_k=32, num_warps=2, num_stages=1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -79,7 +79,7 @@ def test_linear_keeps_torch_for_batches_small_layers_and_other_devices(generator
     assert torch.equal(linear(x, weight, None), F.linear(x, weight))
 
 
-SKINNY_SMALL = SkinnyConfig(block_n=16, block_k=32, num_warps=4, num_stages=1)
+SKINNY_SMALL = MatmulTile(block_n=16, block_k=32, num_warps=4, num_stages=1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -107,7 +107,7 @@ def test_gemv_config_reads_the_tuned_table_of_the_gpu_it_runs_on(monkeypatch):
     (n, k, dtype), tile = next(iter(TUNED_GEMV["NVIDIA H200"].items()))
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(module, "_device_name", lambda index: "NVIDIA H200")
-    assert gemv_config(n, k, getattr(torch, dtype), cuda) == GemvConfig(*tile)
+    assert gemv_config(n, k, getattr(torch, dtype), cuda) == MatmulTile(*tile)
     assert gemv_config(n + 1, k, getattr(torch, dtype), cuda) == module.DEFAULT_CONFIG
     assert gemv_config(n, k, getattr(torch, dtype), torch.device("cpu")) == module.DEFAULT_CONFIG
     monkeypatch.setattr(module, "_device_name", lambda index: "another GPU")
@@ -141,7 +141,7 @@ def test_gemv_on_the_gpu(generator, n, k, dtype, bias):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("config", [GemvConfig(4, 1024, 4, 1), GemvConfig(8, 256, 2, 3), GemvConfig(32, 128, 8, 2)])
+@pytest.mark.parametrize("config", [MatmulTile(4, 1024, 4, 1), MatmulTile(8, 256, 2, 3), MatmulTile(32, 128, 8, 2)])
 def test_gemv_tiles_on_the_gpu(generator, config):
     for n, k in [(6144, 4096), (1030, 4100)]:
         x, weight, _ = make(generator, n, k, torch.bfloat16, False)
@@ -150,13 +150,16 @@ def test_gemv_tiles_on_the_gpu(generator, config):
 
 @pytest.mark.gpu
 @needs_gpu
-def test_gemv_in_a_cuda_graph_reads_its_input_at_replay(generator):
-    x, weight, b = make(generator, 4096, 4096, torch.bfloat16, True)
+@pytest.mark.parametrize("kernel,rows,bias", [("gemv", 1, True), ("skinny", 24, False)])
+def test_in_a_cuda_graph_the_kernels_read_their_input_at_replay(generator, kernel, rows, bias):
+    x, weight, b = make(generator, 4096, 4096, torch.bfloat16, bias, rows)
+    tile = MatmulTile(64, 128, 4, 4)
+    run = (lambda t: gemv(t, weight, b)) if kernel == "gemv" else (lambda t: skinny_gemm(t, weight, b, tile))
     static_x = x.clone()
-    gemv(static_x, weight, b)  # compile outside the capture
+    run(static_x)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = gemv(static_x, weight, b)
+        static_out = run(static_x)
     for _ in range(3):
         fresh = torch.randn(x.shape, generator=generator).to(DEVICE, x.dtype)
         static_x.copy_(fresh)
@@ -185,8 +188,8 @@ def test_linear_dispatches_one_token_of_a_large_16_bit_layer_to_the_gemv(generat
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("rows", [2, 16, 33, 64])
-@pytest.mark.parametrize("config", [SkinnyConfig(64, 128, 4, 4), SkinnyConfig(32, 256, 4, 3),
-                                    SkinnyConfig(128, 64, 8, 5)])
+@pytest.mark.parametrize("config", [MatmulTile(64, 128, 4, 4), MatmulTile(32, 256, 4, 3),
+                                    MatmulTile(128, 64, 8, 5)])
 def test_skinny_gemm_on_the_gpu(generator, rows, config):
     for n, k, bias in [(6144, 4096, False), (4096, 14336, False), (1030, 4100, True)]:
         x, weight, b = make(generator, n, k, torch.bfloat16, bias, rows)
@@ -195,23 +198,6 @@ def test_skinny_gemm_on_the_gpu(generator, rows, config):
         assert_rounds_the_exact_product(out, ref, x, weight)
         error, cublas_error = ((t.double() - ref).abs().mean().item() for t in (out, F.linear(x, weight, b)))
         assert error <= 1.05 * cublas_error, (n, k, error, cublas_error)
-
-
-@pytest.mark.gpu
-@needs_gpu
-def test_skinny_gemm_in_a_cuda_graph_reads_its_input_at_replay(generator):
-    x, weight, _ = make(generator, 4096, 4096, torch.bfloat16, False, 24)
-    config = SkinnyConfig(64, 128, 4, 4)
-    static_x = x.clone()
-    skinny_gemm(static_x, weight, None, config)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = skinny_gemm(static_x, weight, None, config)
-    for _ in range(3):
-        fresh = torch.randn(x.shape, generator=generator).to(DEVICE, x.dtype)
-        static_x.copy_(fresh)
-        graph.replay()
-        assert_rounds_the_exact_product(static_out, reference(fresh, weight, None), fresh, weight)
 
 
 @pytest.mark.gpu
@@ -227,7 +213,7 @@ def test_linear_takes_the_skinny_gemm_only_for_tuned_row_tiles_and_shapes(genera
     x, weight, _ = make(generator, 4096, 1024, torch.bfloat16, False, 16)
     linear(x, weight, None)       # 16 rows: tuned
     linear(x[:9], weight, None)   # 9 rows: the 16-row tile too
-    assert calls == [(16, SkinnyConfig(64, 128, 4, 4)), (9, SkinnyConfig(64, 128, 4, 4))]
+    assert calls == [(16, MatmulTile(64, 128, 4, 4)), (9, MatmulTile(64, 128, 4, 4))]
     linear(x[:3], weight, None)   # a 16-row tile as well (the smallest)
     assert len(calls) == 3
     linear(torch.cat([x, x]), weight, None)        # 32 rows: no entry, cuBLAS

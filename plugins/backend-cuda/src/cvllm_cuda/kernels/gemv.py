@@ -27,7 +27,8 @@ from cvllm_cuda.kernels.tuned_matmul import TUNED_GEMV
 
 
 @dataclass(frozen=True, slots=True)
-class GemvConfig:
+class MatmulTile:
+    """A program's share of a matmul (the GEMV's and the skinny GEMM's): output features x a K step."""
     block_n: int      # output features per program
     block_k: int      # input features per step of the K loop
     num_warps: int
@@ -36,7 +37,7 @@ class GemvConfig:
 
 # a sweep on an H200 (bench/results/2026-12-01-h200-tune_gemv-5817599.json): four rows a program stream the
 # Llama-3-8B projections at 3.4-4.4 TB/s
-DEFAULT_CONFIG = GemvConfig(block_n=4, block_k=1024, num_warps=2, num_stages=3)
+DEFAULT_CONFIG = MatmulTile(block_n=4, block_k=1024, num_warps=2, num_stages=3)
 
 
 @triton.jit
@@ -85,18 +86,18 @@ def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def gemv_config(out_features: int, in_features: int, dtype: torch.dtype, device: torch.device) -> GemvConfig:
+def gemv_config(out_features: int, in_features: int, dtype: torch.dtype, device: torch.device) -> MatmulTile:
     """The tile for this weight shape: a tuned entry for this GPU (tuned_matmul.py) or the default."""
     if device.type == "cuda":
         key = (out_features, in_features, str(dtype).removeprefix("torch."))
         tuned = TUNED_GEMV.get(_device_name(device.index or 0), {}).get(key)
         if tuned is not None:
-            return GemvConfig(*tuned)
+            return MatmulTile(*tuned)
     return DEFAULT_CONFIG
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
+         config: MatmulTile | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for an ``x`` of one row (``[K]``, ``[1, K]``, ``[1, 1, K]`` ...) as a new
     tensor of ``x``'s leading shape: a contiguous ``weight [N, K]`` (its rows may be strided) and x's dtype."""
     n, k = weight.shape

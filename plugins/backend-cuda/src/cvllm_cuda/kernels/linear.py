@@ -13,8 +13,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from cvllm_cuda.kernels.gemv import gemv
-from cvllm_cuda.kernels.skinny_gemm import SkinnyConfig, block_m, skinny_gemm
+from cvllm_cuda.kernels.gemv import MatmulTile, gemv
+from cvllm_cuda.kernels.skinny_gemm import block_m, skinny_gemm
 from cvllm_cuda.kernels.tuned_matmul import TUNED_SKINNY
 
 # Smaller layers stay with cuBLAS: their time is launch latency, and with fewer output features the GEMV's
@@ -28,12 +28,12 @@ def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def skinny_config(num_rows: int, weight: torch.Tensor) -> SkinnyConfig | None:
+def skinny_config(num_rows: int, weight: torch.Tensor) -> MatmulTile | None:
     """The tuned skinny-GEMM tile for this many rows of this weight on this GPU, or None (use cuBLAS)."""
     n, k = weight.shape
     table = TUNED_SKINNY.get(_device_name(weight.device.index or 0))
     tuned = table.get((block_m(num_rows), n, k, str(weight.dtype).removeprefix("torch."))) if table else None
-    return SkinnyConfig(*tuned) if tuned is not None else None
+    return MatmulTile(*tuned) if tuned is not None else None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

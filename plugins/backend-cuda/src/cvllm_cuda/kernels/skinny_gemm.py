@@ -12,25 +12,16 @@ fp32 accumulation, as cuBLAS's, in another order (a last-bit difference of the r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from cvllm_cuda.kernels import pdl
+from cvllm_cuda.kernels.gemv import MatmulTile
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
 
 MIN_BLOCK_M = 16  # tl.dot's smallest operand side
-
-
-@dataclass(frozen=True, slots=True)
-class SkinnyConfig:
-    block_n: int      # output features per program
-    block_k: int      # input features per step of the K loop
-    num_warps: int
-    num_stages: int
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -71,7 +62,7 @@ def block_m(num_rows: int) -> int:
     return max(MIN_BLOCK_M, next_power_of_2(num_rows))
 
 
-def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig) -> torch.Tensor:
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: MatmulTile) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x [..., K]`` of at most a few dozen rows, as a new tensor."""
     n, k = weight.shape
     assert x.shape[-1] == k and weight.stride(1) == 1 and x.dtype == weight.dtype, (x.shape, weight.shape, x.dtype)
