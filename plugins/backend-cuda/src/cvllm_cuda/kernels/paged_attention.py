@@ -9,10 +9,9 @@ sequence decodes one token (``max_query_len == 1``) tile i is simply sequence i.
 
 Split-KV. A long decode leaves most SMs idle with one program per (sequence, KV head); a third
 grid axis then cuts each tile's key range into NUM_SPLITS slices, each program writes an
-unnormalised partial (row max, row sum, accumulator) to a workspace, and the last of them to finish
-(a counter per tile) merges the partials in the same launch. Slices are cut on the device from the
-tile's own key range, so the grid never depends on context length and nothing is read back to the
-host: the decode path can be captured in a CUDA graph.
+unnormalised partial (row max, row sum, accumulator) to a workspace, and a small kernel combines
+them. Slices are cut on the device from the tile's own key range, so the grid never depends on
+context length and nothing is read back to the host: the decode path can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -123,7 +122,7 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, new_k_ptr, new_v_ptr, slot_ptr, counters_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, new_k_ptr, new_v_ptr, slot_ptr,
     num_seqs, scale, soft_cap, sliding_window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
     stride_nkt, stride_nkh, stride_nvt, stride_nvh,
@@ -230,45 +229,27 @@ def _attention_kernel(
         tl.store(part_max_ptr + part, m_i, mask=row_valid)
         tl.store(part_sum_ptr + part, l_i, mask=row_valid)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=out_mask)
-        # The last of the tile's NUM_SPLITS programs to get here merges all their partials: no second kernel.
-        # Every thread's stores precede the counter's release (the barrier); the winner reads the others'
-        # partials after its acquire, from L2 (.cg: no stale L1 lines), and zeroes the counter for the next launch.
-        tl.debug_barrier()
-        counter = counters_ptr + tile * tl.num_programs(1) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-            tl.store(counter, 0)
-            first = (token * (tl.num_programs(1) * G) + head) * NUM_SPLITS
-            m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            for s in tl.static_range(NUM_SPLITS):
-                m_all = tl.maximum(m_all, tl.load(part_max_ptr + first + s, mask=row_valid, other=float("-inf"),
-                                                  cache_modifier=".cg"))
-            m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)  # a row no slice saw: weights exp(-inf) = 0
-            total = tl.zeros([BLOCK_M], tl.float32)
-            merged = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-            for s in tl.static_range(NUM_SPLITS):
-                weight = tl.exp(tl.load(part_max_ptr + first + s, mask=row_valid, other=float("-inf"),
-                                        cache_modifier=".cg") - m_ref)
-                total += weight * tl.load(part_sum_ptr + first + s, mask=row_valid, other=0.0, cache_modifier=".cg")
-                merged += weight[:, None] * tl.load(part_acc_ptr + (first + s)[:, None] * HEAD_DIM + dims[None, :],
-                                                    mask=out_mask, other=0.0, cache_modifier=".cg")
-            merged = merged / tl.where(total == 0.0, 1.0, total)[:, None]
-            tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-                     merged.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_OLD_COUNTERS: list[torch.Tensor | None] = []
-
-
-def _split_counters(device: torch.device, needed: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per (tile, KV head) of a split launch, kept for the process: each launch
-    leaves them zero again, and a CUDA graph captures their address. Grown (never freed) for larger grids."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < needed:
-        counters = torch.zeros(max(needed, 1 << 16), dtype=torch.int32, device=device)
-        _OLD_COUNTERS.append(_COUNTERS.get(device))  # graphs captured earlier still point at the old ones
-        _COUNTERS[device] = counters
-    return counters
+@triton.jit
+def _combine_splits_kernel(
+    out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    wait_for_previous_kernel(USE_PDL)
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    part = (token * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, BLOCK_D)
+    m = tl.load(part_max_ptr + part)
+    l = tl.load(part_sum_ptr + part)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=(dims < HEAD_DIM)[None, :])
+    m_all = tl.max(m, 0)
+    weight = tl.exp(m - tl.where(m_all == float("-inf"), 0.0, m_all))  # 0 for slices that saw no key
+    total = tl.sum(weight * l, 0)
+    o = tl.sum(acc * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, o.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
@@ -317,10 +298,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_max = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
         part_sum = torch.empty_like(part_max)
         part_acc = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
-        counters = _split_counters(q.device, tiles * num_kv_heads)
     else:
         part_max = part_sum = part_acc = out  # never touched: the kernel writes `out` directly
-        counters = seq_lens
     if new_kv is not None:
         new_k, new_v, slots = new_kv
         assert decode and new_k.shape == new_v.shape == (num_tokens, num_kv_heads, head_dim), (new_k.shape, decode)
@@ -331,7 +310,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     launch = pdl.options(q.device)
     _attention_kernel[(tiles, num_kv_heads, splits)](
         q, k_cache, v_cache, out, part_max, part_sum, part_acc,
-        query_start_loc, seq_lens, block_tables, new_k, new_v, slots, counters,
+        query_start_loc, seq_lens, block_tables, new_k, new_v, slots,
         num_seqs, float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -342,4 +321,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", NEW_KV=new_kv is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch,
     )
+    if splits > 1:
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            out, part_max, part_sum, part_acc, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, num_warps=4, **launch,
+        )
     return out
