@@ -82,24 +82,6 @@ def make_attention_case(generator: torch.Generator) -> Callable[..., AttentionCa
     return make
 
 
-@pytest.fixture
-def take_newest_kv() -> Callable[[AttentionCase], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    return _take_newest_kv
-
-
-def _take_newest_kv(case: AttentionCase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For a decode case: each sequence's newest K/V (position seq_len - 1) and its slots, taken out of the
-    caches, whose slots are then NaN: what a fused KV write must store (paged_attention's ``new_kv``)."""
-    block_size, kv_heads, head_dim = case.k_cache.shape[1:]
-    newest = (case.seq_lens - 1).long()
-    pages = case.block_tables.long().gather(1, (newest // block_size)[:, None])[:, 0]
-    slots = pages * block_size + newest % block_size
-    flat_k, flat_v = case.k_cache.view(-1, kv_heads, head_dim), case.v_cache.view(-1, kv_heads, head_dim)
-    new_k, new_v = flat_k[slots].clone(), flat_v[slots].clone()
-    flat_k[slots], flat_v[slots] = float("nan"), float("nan")
-    return new_k, new_v, slots
-
-
 def reference_attention(case: AttentionCase, sliding_window: int | None, soft_cap: float | None) -> torch.Tensor:
     """The CPU backend's oracle, one sequence at a time, in fp32: ``[T, H, D]``."""
     k_cache, v_cache = case.k_cache.float(), case.v_cache.float()

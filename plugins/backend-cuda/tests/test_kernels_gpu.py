@@ -101,20 +101,6 @@ def test_many_decodes(generator, make_attention_case, check_attention, sliding_w
     check_attention(case, sliding_window, soft_cap)
 
 
-@pytest.mark.parametrize("num_seqs,max_context", [(1, 1024), (1, 32000), (64, 4096), (256, 2048)])
-@pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (1000, 30.0)])
-def test_decode_with_the_kv_write_fused_in_is_write_kv_then_attention(generator, make_attention_case, take_newest_kv,
-                                                                      num_seqs, max_context, sliding_window, soft_cap):
-    contexts = torch.randint(0, max_context, (num_seqs,), generator=generator).tolist()
-    case = make_attention_case([1] * num_seqs, contexts, 32, 8, 128, 16, torch.bfloat16, "cuda")
-    expected = paged_attention(*case.args(), sliding_window, soft_cap)
-    k_before, v_before = case.k_cache.clone(), case.v_cache.clone()
-    new_kv = take_newest_kv(case)
-    out = paged_attention(*case.args(), sliding_window, soft_cap, new_kv=new_kv)
-    assert torch.equal(out, expected)
-    assert torch.equal(case.k_cache, k_before) and torch.equal(case.v_cache, v_before)
-
-
 def test_half(generator, make_attention_case, check_attention):
     query_lens, context_lens = random_mixed_batch(generator, num_seqs=8, max_query_len=100, max_context=500)
     check_attention(make_attention_case(query_lens, context_lens, 16, 4, 128, 16, torch.float16, "cuda"))

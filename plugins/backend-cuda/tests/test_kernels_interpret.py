@@ -86,27 +86,6 @@ def test_decode_only_batch(make_attention_case, check_attention, num_splits, blo
     check_attention(case, num_splits=num_splits)
 
 
-@pytest.mark.parametrize("num_splits,sliding_window,soft_cap", [(1, None, None), (16, None, None), (4, 40, 30.0)])
-def test_decode_with_the_kv_write_fused_in(make_attention_case, take_newest_kv, num_splits, sliding_window, soft_cap):
-    """new_kv: this step's K/V stored by the attention launch itself and attended to from the given tensors;
-    the same bits as write_kv followed by attention, and the same caches after (nothing at slot -1)."""
-    case = make_attention_case(query_lens=[1, 1, 1, 1], context_lens=[127, 0, 63, 16], num_heads=8, num_kv_heads=2,
-                               head_dim=64, block_size=16, dtype=torch.float32, device=DEVICE)
-    expected = paged_attention(*case.args(), sliding_window, soft_cap, num_splits=num_splits)
-    k_before, v_before = case.k_cache.clone(), case.v_cache.clone()
-    new_k, new_v, slots = take_newest_kv(case)  # the write must land, and nothing read before it
-    padding_slot = slots[3].item()
-    slots[3] = -1                               # a padding row: attends, stores nothing
-    out = paged_attention(*case.args(), sliding_window, soft_cap, num_splits=num_splits, new_kv=(new_k, new_v, slots))
-    assert torch.equal(out, expected)
-    flat_k, flat_v = case.k_cache.view(-1, 2, 64), case.v_cache.view(-1, 2, 64)
-    written = torch.ones(flat_k.shape[0], dtype=torch.bool, device=DEVICE)
-    written[padding_slot] = False
-    assert torch.equal(flat_k[written], k_before.view(-1, 2, 64)[written])
-    assert torch.equal(flat_v[written], v_before.view(-1, 2, 64)[written])
-    assert torch.isnan(flat_k[~written]).all() and torch.isnan(flat_v[~written]).all()
-
-
 def test_strided_query_and_output(make_attention_case, check_attention, generator):
     """q as a view of a fused QKV output (row stride > H * D), written into a strided output."""
     case = make_attention_case(**MIXED, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,

@@ -55,13 +55,6 @@ class Backend:
         """Varlen queries ``[T, H, D]`` over the paged cache; prefill chunks and decodes in one call."""
         raise NotImplementedError
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               ctx: Any, layer: Any) -> torch.Tensor:
-        """What the Attention layer calls: store this step's K/V, then attend. A backend may do both in one
-        kernel where it can (the CUDA backend does for decodes)."""
-        self.write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
-        return self.attention(q, k_cache, v_cache, ctx, layer)
-
     def wrap_decode(self, forward: Callable, max_num_seqs: int, max_blocks_per_seq: int) -> Callable:
         """Optionally wrap the decode-only forward ``forward(input_ids, positions, ctx) -> hidden`` (CUDA
         graphs of up to ``max_num_seqs`` rows); the identity by default. A wrapper with a ``capture_all()``

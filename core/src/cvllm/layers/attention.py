@@ -33,5 +33,6 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)      # [T, H, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = ctx.backend.attend(q, k, v, self.k_cache, self.v_cache, ctx, self)
+        ctx.backend.write_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        out = ctx.backend.attention(q, self.k_cache, self.v_cache, ctx, self)
         return out.reshape(-1, self.num_heads * self.head_dim)

@@ -56,14 +56,6 @@ class CudaBackend(Backend):
         return self._paged_attention(q, k_cache, v_cache, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables,
                                      ctx.max_query_len, layer.scale, layer.sliding_window, layer.logits_soft_cap)
 
-    def attend(self, q, k, v, k_cache, v_cache, ctx: Any, layer: Any) -> torch.Tensor:
-        if ctx.max_query_len == 1 and k.dtype == k_cache.dtype and v.dtype == v_cache.dtype:
-            # decodes: the KV write happens inside the attention launch (one kernel a layer fewer)
-            return self._paged_attention(q, k_cache, v_cache, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables,
-                                         1, layer.scale, layer.sliding_window, layer.logits_soft_cap,
-                                         new_kv=(k, v, ctx.slot_mapping))
-        return super().attend(q, k, v, k_cache, v_cache, ctx, layer)
-
     def wrap_decode(self, forward: Callable, max_num_seqs: int, max_blocks_per_seq: int) -> Callable:
         from cvllm_cuda.graphs import DecodeGraphs
 

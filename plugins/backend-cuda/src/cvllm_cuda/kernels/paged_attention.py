@@ -122,14 +122,13 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, new_k_ptr, new_v_ptr, slot_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
     num_seqs, scale, soft_cap, sliding_window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
-    stride_nkt, stride_nkh, stride_nvt, stride_nvh,
     BLOCK_SIZE: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DECODE_ONLY: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NEW_KV: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     tile = tl.program_id(0)
@@ -159,18 +158,6 @@ def _attention_kernel(
     dim_valid = dims < HEAD_DIM  # BLOCK_D is HEAD_DIM rounded up to a power of two (D = 80, 96)
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
-    if NEW_KV:
-        # decode with the KV write fused in: this step's key and value (position seq_len - 1) are taken from
-        # new_k / new_v wherever a tile holds them, and split 0 stores them into the cache for later steps
-        new_token = q_start.to(tl.int64)
-        new_k = tl.load(new_k_ptr + new_token * stride_nkt + kv_head * stride_nkh + dims, mask=dim_valid, other=0.0)
-        new_v = tl.load(new_v_ptr + new_token * stride_nvt + kv_head * stride_nvh + dims, mask=dim_valid, other=0.0)
-        if split == 0:
-            slot = tl.load(slot_ptr + new_token)
-            if slot >= 0:  # padding rows of a graph batch have none
-                new_offset = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-                tl.store(k_cache_ptr + new_offset + dims, new_k, mask=dim_valid)
-                tl.store(v_cache_ptr + new_offset + dims, new_v, mask=dim_valid)
 
     # Keys any row of the tile may see: up to its last query, back one window from its first.
     first_pos = context_len + q_tile * BLOCK_Q
@@ -194,8 +181,6 @@ def _attention_kernel(
         key_offset = page * stride_cb + (keys % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
         k = tl.load(k_cache_ptr + key_offset[None, :] + dims[:, None],
                     mask=dim_valid[:, None] & key_valid[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
-        if NEW_KV:
-            k = tl.where((keys == seq_len - 1)[None, :], new_k[:, None], k)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
         if USE_SOFT_CAP:
             s = soft_cap * _tanh(s / soft_cap)
@@ -213,8 +198,6 @@ def _attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + key_offset[:, None] + dims[None, :],
                     mask=key_valid[:, None] & dim_valid[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        if NEW_KV:
-            v = tl.where((keys == seq_len - 1)[:, None], new_v[None, :], v)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -255,8 +238,7 @@ def _combine_splits_kernel(
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int, scale: float,
                     sliding_window: int | None, soft_cap: float | None, out: torch.Tensor | None = None, *,
-                    num_splits: int | None = None, config: AttentionConfig | None = None,
-                    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    num_splits: int | None = None, config: AttentionConfig | None = None) -> torch.Tensor:
     """Attention of varlen queries ``q [T, H, D]`` over the paged caches ``[num_blocks, block_size, Hkv, D]``.
 
     Sequence i's queries are rows ``query_start_loc[i]:query_start_loc[i + 1]`` at positions
@@ -264,8 +246,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block are never read). ``max_query_len`` must be >= the longest q_len (it picks tile shapes; 1 selects
     the decode path). ``num_splits`` forces the split-KV path (rounded up to a power of two); by default
     ``default_num_splits``. ``config`` overrides the tile sizes of ``attention_config`` (tuning).
-    ``new_kv = (k, v, slot_mapping)``, decodes only: this step's K/V ``[T, Hkv, D]`` in the caches' dtype, stored
-    by this launch (write_kv's work, fused) and attended to without being read back from the cache.
     Launches without reading anything back to the host.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -300,25 +280,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_acc = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
     else:
         part_max = part_sum = part_acc = out  # never touched: the kernel writes `out` directly
-    if new_kv is not None:
-        new_k, new_v, slots = new_kv
-        assert decode and new_k.shape == new_v.shape == (num_tokens, num_kv_heads, head_dim), (new_k.shape, decode)
-        assert new_k.dtype == new_v.dtype == k_cache.dtype and new_k.stride(-1) == new_v.stride(-1) == 1
-        assert slots.shape == (num_tokens,) and not slots.is_floating_point() and slots.stride(0) == 1
-    else:
-        new_k = new_v = slots = q   # never read
     launch = pdl.options(q.device)
     _attention_kernel[(tiles, num_kv_heads, splits)](
         q, k_cache, v_cache, out, part_max, part_sum, part_acc,
-        query_start_loc, seq_lens, block_tables, new_k, new_v, slots,
+        query_start_loc, seq_lens, block_tables,
         num_seqs, float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
         BLOCK_SIZE=block_size, G=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_N=config.block_n,
         NUM_SPLITS=splits, DECODE_ONLY=decode, USE_WINDOW=bool(sliding_window), USE_SOFT_CAP=bool(soft_cap),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", NEW_KV=new_kv is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages, **launch,
     )
     if splits > 1:
