@@ -28,11 +28,8 @@ class Backend:
     #   silu_and_mul(x [..., 2I]) -> [..., I]: SiluAndMul (layers/activation.py)
     #   linear(x, weight, bias): ``F.linear`` of an unquantized linear layer (layers/quantization.py), for a
     #       backend with its own matmul for some shapes (the CUDA backend's one-token GEMV)
-    #   argmax(x [B, V]) -> int64 [B]: ``x.argmax(dim=-1)`` (first index of the max; NaN ranks highest), for
-    #       the sampler (the engine hands it over; no forward pass is in progress when it samples)
     fused_add_rms_norm: Callable | None = None
     linear: Callable | None = None
-    argmax: Callable | None = None
     rotary: Callable | None = None
     silu_and_mul: Callable | None = None
 

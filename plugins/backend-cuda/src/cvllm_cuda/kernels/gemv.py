@@ -41,40 +41,28 @@ DEFAULT_CONFIG = MatmulTile(block_n=4, block_k=1024, num_warps=2, num_stages=3)
 
 
 @triton.jit
-def _load_weights(w_ptrs, k, cols, row_ok, K, EVEN: tl.constexpr):
-    """Columns k..k + BLOCK_K of this program's weight rows, streamed once: evicted from L2 first."""
-    if EVEN:
-        return tl.load(w_ptrs + k, eviction_policy="evict_first")
-    return tl.load(w_ptrs + k, mask=row_ok[:, None] & (k + cols < K)[None, :], other=0.0,
-                   eviction_policy="evict_first")
-
-
-@triton.jit
-def _load_x(x_ptr, k, cols, K, EVEN: tl.constexpr):
-    if EVEN:
-        return tl.load(x_ptr + k + cols)
-    return tl.load(x_ptr + k + cols, mask=k + cols < K, other=0.0)
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr,
     N, K, stride_wn,
     HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     row_ok = rows < N
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
-    # The weights are nobody's output: the first tile is requested before waiting for the previous kernel,
-    # so under PDL its memory latency overlaps that kernel's last wave. x is read only after the wait.
-    w = _load_weights(w_ptrs, 0, cols, row_ok, K, EVEN)
-    wait_for_previous_kernel(USE_PDL)
-    acc = w.to(tl.float32) * _load_x(x_ptr, 0, cols, K, EVEN).to(tl.float32)[None, :]
-    for k in range(BLOCK_K, K, BLOCK_K):
-        w = _load_weights(w_ptrs, k, cols, row_ok, K, EVEN)
-        acc += w.to(tl.float32) * _load_x(x_ptr, k, cols, K, EVEN).to(tl.float32)[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN:
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+            x = tl.load(x_ptr + k + cols)
+        else:
+            k_ok = k + cols < K
+            w = tl.load(w_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptr + k + cols, mask=k_ok, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w_ptrs += BLOCK_K
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
