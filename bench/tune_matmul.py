@@ -8,12 +8,13 @@ Shapes are the bf16 layers of decode steps: Llama-3-8B's qkv, o, gate_up, down a
 projections. Each time is the median over CUDA-graph replays that cycle through weight copies larger than
 the L2 (a 33 MB o_proj would otherwise be read from cache), shown as the weight bytes streamed per second.
 
-GEMV: a tile is committed for a shape where it beats gemv.DEFAULT_CONFIG by more than 2%. Skinny GEMM, per
-row tile (16, 32, 64 rows: batches of 2-16, 17-32, 33-64): committed only where its best tile beats cuBLAS
-by more than 2% at every batch size of that tile measured (2, 4, 8, 16; 32; 64), since the engine falls back
-to cuBLAS for every (tile, shape) without an entry. The chain is every projection of the 32 layers plus the
-lm_head, each layer its own weights (15 GB), in one graph: the matmul-only ceiling of batch-1 decode
-(PERF.md quotes cuBLAS's: 241 tok/s), with programmatic dependent launch (kernels/pdl.py) on and off."""
+GEMV: a tile is committed for a shape where it beats gemv.DEFAULT_CONFIG by more than 2%. Skinny GEMM (tiles
+with and without split-K), per row tile (16, 32, 64 rows: batches of 2-16, 17-32, 33-64): committed only where
+its best tile beats cuBLAS by more than 2% at every batch size of that tile measured (2, 4, 8, 16; 32; 64),
+since the engine falls back to cuBLAS for every (tile, shape) without an entry. The chain is every projection
+of the 32 layers plus the lm_head, each layer its own weights (15 GB), in one graph: the matmul-only ceiling of
+batch-1 decode (PERF.md quotes cuBLAS's: 241 tok/s), with programmatic dependent launch (kernels/pdl.py) on and
+off. ``--skip-skinny`` sweeps the GEMV alone and keeps the committed skinny table."""
 
 from __future__ import annotations
 
@@ -62,8 +63,11 @@ def skinny_candidates(tiny: bool, row_tile: int):
     if tiny:
         return [MatmulTile(16, 32, 4, 1)]
     tiles = [(32, 128, 4), (32, 256, 4), (64, 64, 4), (64, 128, 4), (64, 256, 4), (128, 64, 4), (128, 128, 8)]
-    return [MatmulTile(n, k, w, s) for n, k, w in tiles for s in (3, 4, 5)
-            if s * (n * k + k * row_tile) * 2 <= 200_000]   # the pipeline's shared memory
+    found = [MatmulTile(n, k, w, s) for n, k, w in tiles for s in (3, 4, 5)
+             if s * (n * k + k * row_tile) * 2 <= 200_000]   # the pipeline's shared memory
+    # split-K for the layers whose N / block_n programs leave SMs idle (4096 / 64 = 64 on 132)
+    return found + [MatmulTile(n, k, w, s, split) for n, k, w, s in [(64, 128, 4, 4), (64, 256, 4, 4), (128, 128, 8, 4)]
+                    for split in (2, 4)]
 
 
 def time_ms(fn, calls: int) -> float:
@@ -217,13 +221,14 @@ def main() -> None:
               "command": "python " + " ".join(sys.argv), "dtype": str(dtype).removeprefix("torch."),
               "gemv": {}, "skinny": {}}
     gemv_entries, best_configs = tune_gemv(shapes, device, dtype, args.tiny, result)
-    skinny_entries = {} if args.skip_skinny else tune_skinny(shapes, device, dtype, args.tiny, result)
+    skinny_entries = None if args.skip_skinny else tune_skinny(shapes, device, dtype, args.tiny, result)
     if not args.tiny:
         time_chain(device, dtype, best_configs, result)
     result["entries"] = {"gemv": {repr(k): v for k, v in gemv_entries.items()},
-                         "skinny": {repr(k): v for k, v in skinny_entries.items()}}
-    print(f"\nentries for {gpu!r}: {len(gemv_entries)} GEMV, {len(skinny_entries)} skinny: "
-          f"{sorted(skinny_entries)}")
+                         "skinny": {repr(k): v for k, v in (skinny_entries or {}).items()}}
+    print(f"\nentries for {gpu!r}: {len(gemv_entries)} GEMV, "
+          + ("skinny not swept (committed entries kept)" if skinny_entries is None
+             else f"{len(skinny_entries)} skinny: {sorted(skinny_entries)}"))
     if args.write and not args.tiny:
         provenance = (f"bench/tune_matmul.py at {result['commit']}, {result['date']} "
                       f"(results/{result['date']}-h200-tune_matmul-{result['commit']}.json)")
@@ -232,16 +237,17 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(result, indent=2))
 
 
-def module_text(gpu: str, gemv_entries: dict, skinny_entries: dict, provenance: str) -> str:
-    """tuned_matmul.py with this GPU's entries replacing the committed ones (other GPUs' kept)."""
+def module_text(gpu: str, gemv_entries: dict, skinny_entries: dict | None, provenance: str) -> str:
+    """tuned_matmul.py with this GPU's entries replacing the committed ones (other GPUs' kept; a table not swept,
+    None, kept whole)."""
     import cvllm_cuda.kernels.tuned_matmul as module
 
     lines = [f'"""{module.__doc__.strip()}"""', ""]
-    for table_name, committed, entries, key_type in [
-            ("TUNED_GEMV", module.TUNED_GEMV, gemv_entries, "tuple[int, int, str]"),
-            ("TUNED_SKINNY", module.TUNED_SKINNY, skinny_entries, "tuple[int, int, int, str]")]:
-        tables = {**committed, gpu: entries}
-        lines.append(f"{table_name}: dict[str, dict[{key_type}, tuple[int, int, int, int]]] = {{")
+    for table_name, committed, entries, key_type, value_type in [
+            ("TUNED_GEMV", module.TUNED_GEMV, gemv_entries, "tuple[int, int, str]", "tuple[int, int, int, int]"),
+            ("TUNED_SKINNY", module.TUNED_SKINNY, skinny_entries, "tuple[int, int, int, str]", "tuple[int, ...]")]:
+        tables = committed if entries is None else {**committed, gpu: entries}   # None: not swept, kept
+        lines.append(f"{table_name}: dict[str, dict[{key_type}, {value_type}]] = {{")
         for name, table in sorted(tables.items()):
             lines += [f"    # {provenance}" if name == gpu else "    # (kept from the committed table)",
                       f'    "{name}": {{']
@@ -256,8 +262,10 @@ def key_text(key: tuple) -> str:
     return "(" + ", ".join(f'"{part}"' if isinstance(part, str) else str(part) for part in key) + ")"
 
 
-def astuple(config) -> tuple[int, int, int, int]:
-    return (config.block_n, config.block_k, config.num_warps, config.num_stages)
+def astuple(config) -> tuple[int, ...]:
+    """The table's value: (block_n, block_k, num_warps, num_stages), and split_k after them when it is not 1."""
+    tile = (config.block_n, config.block_k, config.num_warps, config.num_stages)
+    return tile if config.split_k == 1 else (*tile, config.split_k)
 
 
 if __name__ == "__main__":

@@ -90,6 +90,16 @@ def test_skinny_gemm_matches_an_fp64_matmul(generator, dtype, n, k, rows, bias):
     assert_rounds_the_exact_product(out, reference(x, weight, b), x, weight)
 
 
+@pytest.mark.parametrize("split_k", [2, 3, 8])
+def test_skinny_gemm_split_k_sums_every_slice_once(generator, split_k):
+    """K = 100 in steps of 32 is 4 steps: 2 slices of 2, 3 slices of 2 + 2 + 0 (an empty one), 8 of 1 (4 empty)."""
+    x, weight, b = make(generator, 40, 100, torch.float32, True, 17)
+    tile = MatmulTile(block_n=16, block_k=32, num_warps=4, num_stages=1, split_k=split_k)
+    out = skinny_gemm(x, weight, b, tile)
+    assert_rounds_the_exact_product(out, reference(x, weight, b), x, weight)
+    assert torch.equal(skinny_gemm(x, weight, b, tile), out)  # a fixed summation order
+
+
 def test_skinny_gemm_takes_leading_dims_and_strided_rows(generator):
     wide = torch.randn(3, 4, 80, generator=generator).to(DEVICE)
     x = wide[..., 8:72]                                # [3, 4, 64] with a row stride of 80
@@ -189,7 +199,8 @@ def test_linear_dispatches_one_token_of_a_large_16_bit_layer_to_the_gemv(generat
 @needs_gpu
 @pytest.mark.parametrize("rows", [2, 16, 33, 64])
 @pytest.mark.parametrize("config", [MatmulTile(64, 128, 4, 4), MatmulTile(32, 256, 4, 3),
-                                    MatmulTile(128, 64, 8, 5)])
+                                    MatmulTile(128, 64, 8, 5), MatmulTile(64, 128, 4, 4, split_k=2),
+                                    MatmulTile(64, 256, 4, 4, split_k=4)])
 def test_skinny_gemm_on_the_gpu(generator, rows, config):
     for n, k, bias in [(6144, 4096, False), (4096, 14336, False), (1030, 4100, True)]:
         x, weight, b = make(generator, n, k, torch.bfloat16, bias, rows)

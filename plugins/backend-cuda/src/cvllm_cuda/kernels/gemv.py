@@ -33,6 +33,7 @@ class MatmulTile:
     block_k: int      # input features per step of the K loop
     num_warps: int
     num_stages: int
+    split_k: int = 1  # skinny GEMM only: K cut into this many slices, their fp32 partials summed by a second kernel
 
 
 # a sweep on an H200 (bench/results/2026-12-01-h200-tune_gemv-5817599.json): four rows a program stream the

@@ -4,8 +4,8 @@ result file of its sweep).
 TUNED_GEMV, one-token GEMV tiles (kernels/gemv.py): {gpu name: {(out_features, in_features, dtype):
 (block_n, block_k, num_warps, num_stages)}}; gemv.gemv_config reads them, missing keys take its default.
 TUNED_SKINNY, few-row matmul tiles (kernels/skinny_gemm.py): {gpu name: {(block_m, out_features, in_features,
-dtype): (block_n, block_k, num_warps, num_stages)}}, only where the sweep measured the kernel faster than
-cuBLAS; linear.linear() runs cuBLAS for every shape without an entry."""
+dtype): (block_n, block_k, num_warps, num_stages[, split_k])}}, only where the sweep measured the kernel faster
+than cuBLAS; linear.linear() runs cuBLAS for every shape without an entry."""
 
 TUNED_GEMV: dict[str, dict[tuple[int, int, str], tuple[int, int, int, int]]] = {
     # bench/tune_matmul.py at b223536, 2026-12-01 (results/2026-12-01-h200-tune_matmul-b223536.json)
@@ -20,7 +20,7 @@ TUNED_GEMV: dict[str, dict[tuple[int, int, str], tuple[int, int, int, int]]] = {
     },
 }
 
-TUNED_SKINNY: dict[str, dict[tuple[int, int, int, str], tuple[int, int, int, int]]] = {
+TUNED_SKINNY: dict[str, dict[tuple[int, int, int, str], tuple[int, ...]]] = {
     # bench/tune_matmul.py at b223536, 2026-12-01 (results/2026-12-01-h200-tune_matmul-b223536.json)
     "NVIDIA H200": {
         (16, 4096, 1024, "bfloat16"): (64, 128, 4, 5),
