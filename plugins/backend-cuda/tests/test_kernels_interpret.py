@@ -110,16 +110,17 @@ def test_tuned_tiles_are_looked_up_by_gpu_name(monkeypatch):
     """The committed table's entries reach attention_config for their GPU; other GPUs, head dims and
     dtypes take the defaults."""
     module = importlib.import_module("cvllm_cuda.kernels.paged_attention")   # the package exports the function
+    gpu = importlib.import_module("cvllm_cuda.kernels.gpu")
 
     cuda = torch.device("cuda", 0)
     default = module.attention_config(128, torch.bfloat16, True, torch.device("cpu"))
-    for gpu, entries in module.TUNED.items():
-        monkeypatch.setattr(module, "_device_name", lambda index, name=gpu: name)
+    for name, entries in module.TUNED.items():
+        monkeypatch.setattr(gpu, "device_name", lambda index, name=name: name)
         for (head_dim, dtype, decode), (block_m, block_n, warps, stages) in entries.items():
             got = module.attention_config(head_dim, getattr(torch, dtype), decode, cuda)
             assert got == module.AttentionConfig(block_m, block_n, warps, stages)
             assert block_m >= 16 and block_m & (block_m - 1) == 0 and block_n & (block_n - 1) == 0
-    monkeypatch.setattr(module, "_device_name", lambda index: "a GPU nobody tuned")
+    monkeypatch.setattr(gpu, "device_name", lambda index: "a GPU nobody tuned")
     assert module.attention_config(128, torch.bfloat16, True, cuda) == default
 
 

@@ -70,13 +70,22 @@ def test_gemv_takes_any_one_row_shape_and_strided_rows(generator):
         assert_rounds_the_exact_product(out.reshape(1, 32), reference(x, weight, None), x, weight)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_linear_keeps_torch_for_batches_small_layers_and_other_devices(generator, dtype):
-    x, weight, _ = make(generator, 32, 64, dtype, False)
-    two = torch.cat([x, x])
-    # CPU tensors (the interpreter), two rows, a layer under MIN_OUT_FEATURES: all F.linear itself
-    assert torch.equal(linear(two, weight, None), F.linear(two, weight))
-    assert torch.equal(linear(x, weight, None), F.linear(x, weight))
+@pytest.mark.skipif(DEVICE != "cpu", reason="about CPU tensors; the GPU dispatch has its own test below")
+def test_linear_leaves_cpu_tensors_to_torch(generator, monkeypatch):
+    """A layer large enough for the Triton kernels, one token and a few, on the CPU: F.linear, not the kernels
+    (which Triton's interpreter would happily run, with other numbers and a thousand times slower)."""
+    import cvllm_cuda.kernels.linear as module
+
+    def fail(*args):
+        raise AssertionError("a Triton matmul for CPU tensors")
+
+    monkeypatch.setattr(module, "gemv", fail)
+    monkeypatch.setattr(module, "skinny_gemm", fail)
+    monkeypatch.setattr(module, "skinny_config", lambda num_rows, weight: MatmulTile(64, 64, 4, 1))
+    weight = torch.randn(1024, 64, generator=generator).to(torch.float16)
+    for rows in (1, 8):
+        x = torch.randn(rows, 64, generator=generator).to(torch.float16)
+        assert torch.equal(linear(x, weight, None), F.linear(x, weight))
 
 
 SKINNY_SMALL = MatmulTile(block_n=16, block_k=32, num_warps=4, num_stages=1)
@@ -112,15 +121,16 @@ def test_skinny_gemm_takes_leading_dims_and_strided_rows(generator):
 
 def test_gemv_config_reads_the_tuned_table_of_the_gpu_it_runs_on(monkeypatch):
     import cvllm_cuda.kernels.gemv as module
+    from cvllm_cuda.kernels import gpu
     from cvllm_cuda.kernels.tuned_matmul import TUNED_GEMV
 
     (n, k, dtype), tile = next(iter(TUNED_GEMV["NVIDIA H200"].items()))
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(module, "_device_name", lambda index: "NVIDIA H200")
+    monkeypatch.setattr(gpu, "device_name", lambda index: "NVIDIA H200")
     assert gemv_config(n, k, getattr(torch, dtype), cuda) == MatmulTile(*tile)
     assert gemv_config(n + 1, k, getattr(torch, dtype), cuda) == module.DEFAULT_CONFIG
     assert gemv_config(n, k, getattr(torch, dtype), torch.device("cpu")) == module.DEFAULT_CONFIG
-    monkeypatch.setattr(module, "_device_name", lambda index: "another GPU")
+    monkeypatch.setattr(gpu, "device_name", lambda index: "another GPU")
     assert gemv_config(n, k, getattr(torch, dtype), cuda) == module.DEFAULT_CONFIG
 
 
@@ -219,8 +229,8 @@ def test_linear_takes_the_skinny_gemm_only_for_tuned_row_tiles_and_shapes(genera
     calls = []
     monkeypatch.setattr(module, "skinny_gemm", lambda x, w, b, config: calls.append((x.shape[0], config))
                         or F.linear(x, w, b))
-    entry = {(16, 4096, 1024, "bfloat16"): (64, 128, 4, 4)}
-    monkeypatch.setitem(module.TUNED_SKINNY, torch.cuda.get_device_name(), entry)
+    entry = {(16, 4096, 1024, "bfloat16"): MatmulTile(64, 128, 4, 4)}
+    monkeypatch.setitem(module.SKINNY_TILES, torch.cuda.get_device_name(), entry)
     x, weight, _ = make(generator, 4096, 1024, torch.bfloat16, False, 16)
     linear(x, weight, None)       # 16 rows: tuned
     linear(x[:9], weight, None)   # 9 rows: the 16-row tile too

@@ -13,14 +13,13 @@ like the fused RMSNorm's sum of squares.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from cvllm_cuda.kernels import pdl
+from cvllm_cuda.kernels import gpu, pdl
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.sizes import cdiv
 from cvllm_cuda.kernels.tuned_matmul import TUNED_GEMV
@@ -70,19 +69,18 @@ def _gemv_kernel(
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
-@functools.cache
-def _device_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
+def tiles(table: dict[str, dict[tuple, tuple[int, ...]]]) -> dict[str, dict[tuple, MatmulTile]]:
+    """A committed table of tuned_matmul.py with its values as tiles (converted once, not per launch)."""
+    return {name: {key: MatmulTile(*value) for key, value in entries.items()} for name, entries in table.items()}
+
+
+GEMV_TILES = tiles(TUNED_GEMV)
 
 
 def gemv_config(out_features: int, in_features: int, dtype: torch.dtype, device: torch.device) -> MatmulTile:
     """The tile for this weight shape: a tuned entry for this GPU (tuned_matmul.py) or the default."""
-    if device.type == "cuda":
-        key = (out_features, in_features, str(dtype).removeprefix("torch."))
-        tuned = TUNED_GEMV.get(_device_name(device.index or 0), {}).get(key)
-        if tuned is not None:
-            return MatmulTile(*tuned)
-    return DEFAULT_CONFIG
+    tuned = gpu.tuned_entry(GEMV_TILES, device, (out_features, in_features, str(dtype).removeprefix("torch.")))
+    return DEFAULT_CONFIG if tuned is None else tuned
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

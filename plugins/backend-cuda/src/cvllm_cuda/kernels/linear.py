@@ -8,12 +8,11 @@ and layers too small to fill the GPU: cuBLAS.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
-from cvllm_cuda.kernels.gemv import MatmulTile, gemv
+from cvllm_cuda.kernels import gpu
+from cvllm_cuda.kernels.gemv import MatmulTile, gemv, tiles
 from cvllm_cuda.kernels.skinny_gemm import block_m, skinny_gemm
 from cvllm_cuda.kernels.tuned_matmul import TUNED_SKINNY
 
@@ -23,17 +22,14 @@ MIN_OUT_FEATURES = 1024
 MAX_SKINNY_ROWS = 64
 
 
-@functools.cache
-def _device_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
+SKINNY_TILES = tiles(TUNED_SKINNY)
 
 
 def skinny_config(num_rows: int, weight: torch.Tensor) -> MatmulTile | None:
     """The tuned skinny-GEMM tile for this many rows of this weight on this GPU, or None (use cuBLAS)."""
     n, k = weight.shape
-    table = TUNED_SKINNY.get(_device_name(weight.device.index or 0))
-    tuned = table.get((block_m(num_rows), n, k, str(weight.dtype).removeprefix("torch."))) if table else None
-    return MatmulTile(*tuned) if tuned is not None else None
+    key = (block_m(num_rows), n, k, str(weight.dtype).removeprefix("torch."))
+    return gpu.tuned_entry(SKINNY_TILES, weight.device, key)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -16,14 +16,13 @@ context length and nothing is read back to the host: the decode path can be capt
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from cvllm_cuda.kernels import pdl
+from cvllm_cuda.kernels import gpu, pdl
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
 from cvllm_cuda.kernels.tuned_configs import TUNED
@@ -47,16 +46,6 @@ TUNED_CONFIGS: dict[str, dict[tuple[int, str, bool], AttentionConfig]] = {
     gpu: {key: AttentionConfig(*value) for key, value in entries.items()} for gpu, entries in TUNED.items()}
 
 
-@functools.cache
-def _device_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
-
-
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def attention_config(head_dim: int, dtype: torch.dtype, decode: bool, device: torch.device) -> AttentionConfig:
     """Tile sizes for this head dim and dtype: a tuned entry for this GPU if committed, else a default.
 
@@ -64,11 +53,9 @@ def attention_config(head_dim: int, dtype: torch.dtype, decode: bool, device: to
     steps reach ~4 TB/s; 16-bit prefill tiles of 64 x 64 for D <= 128 and 128 x 64 with 8 warps for
     D = 256. fp32 tiles hold twice the bytes per element, so they get smaller tiles.
     """
-    if device.type == "cuda":
-        key = (head_dim, str(dtype).removeprefix("torch."), decode)
-        tuned = TUNED_CONFIGS.get(_device_name(device.index or 0), {}).get(key)
-        if tuned is not None:
-            return tuned
+    tuned = gpu.tuned_entry(TUNED_CONFIGS, device, (head_dim, str(dtype).removeprefix("torch."), decode))
+    if tuned is not None:
+        return tuned
     fp32 = dtype == torch.float32
     if decode:
         return AttentionConfig(block_m=16, block_n=32 if fp32 or head_dim > 128 else 64, num_warps=4, num_stages=2)
@@ -89,7 +76,7 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, dev
     programs = num_seqs * num_kv_heads
     if max_query_len != 1 or device.type != "cuda" or programs == 0:
         return 1
-    sms = _num_sms(device.index or 0)
+    sms = gpu.num_sms(gpu.device_index(device))
     if programs >= sms:
         return 1
     return min(MAX_SPLITS, next_power_of_2(cdiv(2 * sms, programs)))

@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from cvllm_cuda.kernels import gpu
+
 
 @functools.cache
 def _enabled(device_index: int) -> bool:
@@ -30,13 +32,13 @@ def _enabled(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+_ON, _OFF = {"USE_PDL": True, "launch_pdl": True}, {"USE_PDL": False}
+
+
 def options(device: torch.device) -> dict:
-    """Keyword arguments of a launch on ``device``: the kernel's USE_PDL and Triton's launch_pdl."""
-    if device.type != "cuda":
-        return {"USE_PDL": False}
-    if _enabled(device.index if device.index is not None else torch.cuda.current_device()):
-        return {"USE_PDL": True, "launch_pdl": True}
-    return {"USE_PDL": False}
+    """Keyword arguments of a launch on ``device``: the kernel's USE_PDL and Triton's launch_pdl (not to be
+    modified: the same dict every call)."""
+    return _ON if device.type == "cuda" and _enabled(gpu.device_index(device)) else _OFF
 
 
 @triton.jit
