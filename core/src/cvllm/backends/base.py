@@ -26,8 +26,8 @@ class Backend:
     #       head of q [T, ...] and k (or None) by the rows ``positions`` of the table cos_sin
     #       [max_position, rotary_dim] (cos ‖ sin, in the activations' dtype)
     #   silu_and_mul(x [..., 2I]) -> [..., I]: SiluAndMul (layers/activation.py)
-    #   linear(x, weight, bias): ``F.linear`` of an unquantized linear layer (layers/quantization.py), for a
-    #       backend with its own matmul for some shapes (the CUDA backend's one-token GEMV)
+    #   linear(x, weight, bias): ``F.linear`` of an unquantized linear layer and of the LM head
+    #       (layers/quantization.dense), for a backend with its own matmul for some shapes (CUDA: Triton GEMVs)
     fused_add_rms_norm: Callable | None = None
     linear: Callable | None = None
     rotary: Callable | None = None
