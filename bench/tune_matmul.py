@@ -14,7 +14,10 @@ its best tile beats cuBLAS by more than 2% at every batch size of that tile meas
 since the engine falls back to cuBLAS for every (tile, shape) without an entry. The chain is every projection
 of the 32 layers plus the lm_head, each layer its own weights (15 GB), in one graph: the matmul-only ceiling of
 batch-1 decode (PERF.md quotes cuBLAS's: 241 tok/s), with programmatic dependent launch (kernels/pdl.py) on and
-off. ``--skip-skinny`` sweeps the GEMV alone and keeps the committed skinny table."""
+off. ``--skip-skinny`` / ``--skip-gemv`` keep that committed table; ``--shapes`` and ``--row-tiles`` sweep a part of
+the shapes or row tiles, and ``--write`` then replaces only the entries of what was swept:
+
+    python bench/tune_matmul.py --skip-gemv --row-tiles 64 --shapes "llama qkv,llama o,llama down" --write ..."""
 
 from __future__ import annotations
 
@@ -63,11 +66,11 @@ def skinny_candidates(tiny: bool, row_tile: int):
     if tiny:
         return [MatmulTile(16, 32, 4, 1)]
     tiles = [(32, 128, 4), (32, 256, 4), (64, 64, 4), (64, 128, 4), (64, 256, 4), (128, 64, 4), (128, 128, 8)]
-    found = [MatmulTile(n, k, w, s) for n, k, w in tiles for s in (3, 4, 5)
-             if s * (n * k + k * row_tile) * 2 <= 200_000]   # the pipeline's shared memory
     # split-K for the layers whose N / block_n programs leave SMs idle (4096 / 64 = 64 on 132)
-    return found + [MatmulTile(n, k, w, s, split) for n, k, w, s in [(64, 128, 4, 4), (64, 256, 4, 4), (128, 128, 8, 4)]
-                    for split in (2, 4)]
+    split = [(32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 8, 3)]
+    found = [MatmulTile(n, k, w, s) for n, k, w in tiles for s in (3, 4, 5)]
+    found += [MatmulTile(n, k, w, s, splits) for n, k, w, s in split for splits in (2, 4, 8)]
+    return [t for t in found if t.num_stages * (t.block_n + row_tile) * t.block_k * 2 <= 200_000]   # shared memory
 
 
 def time_ms(fn, calls: int) -> float:
@@ -133,11 +136,13 @@ def tune_gemv(shapes: dict, device: str, dtype: torch.dtype, tiny: bool, result:
     return entries, best_configs
 
 
-def tune_skinny(shapes: dict, device: str, dtype: torch.dtype, tiny: bool, result: dict) -> dict:
+def tune_skinny(shapes: dict, device: str, dtype: torch.dtype, tiny: bool, result: dict,
+                row_tiles: dict) -> tuple[dict, set]:
+    """The entries that won and the keys swept (an entry not won is dropped from the table: cuBLAS runs it)."""
     from cvllm_cuda.kernels.skinny_gemm import skinny_gemm
 
-    entries = {}
-    row_tiles = {16: [4]} if tiny else ROW_TILES
+    entries, swept = {}, set()
+    row_tiles = {16: [4]} if tiny else row_tiles
     print(f"\nskinny GEMM, per row tile\n{'shape':20s} {'tile':>4s}  cuBLAS (rows: us)              best       "
           "gain  best (n, k, warps, stages)")
     for name, (n, k) in shapes.items():
@@ -157,9 +162,10 @@ def tune_skinny(shapes: dict, device: str, dtype: torch.dtype, tiny: bool, resul
                 "cublas_us": {m: ms * 1e3 for m, ms in cublas.items()}, "best": astuple(best),
                 "best_us": timed[best] * 1e3, "gain_vs_cublas": gain,
                 "top": [(astuple(c), timed[c] * 1e3) for c in sorted(timed, key=timed.get)[:6]]}
+            swept.add((tile, n, k, result["dtype"]))
             if gain > 1.02:
                 entries[(tile, n, k, result["dtype"])] = astuple(best)
-    return entries
+    return entries, swept
 
 
 def chain_ms(layers: int, device: str, dtype: torch.dtype, use_gemv: bool, configs: dict) -> float:
@@ -210,6 +216,9 @@ def main() -> None:
     ap.add_argument("--write", type=Path, help="write tuned_matmul.py here with this GPU's entries merged in")
     ap.add_argument("--tiny", action="store_true", help="CPU rehearsal: Triton's interpreter, two small shapes")
     ap.add_argument("--skip-skinny", action="store_true")
+    ap.add_argument("--skip-gemv", action="store_true")
+    ap.add_argument("--shapes", help="comma-separated names of SHAPES to sweep (default: all)")
+    ap.add_argument("--row-tiles", help="comma-separated skinny row tiles to sweep, of 16, 32, 64 (default: all)")
     args = ap.parse_args()
     if args.tiny:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -217,39 +226,51 @@ def main() -> None:
     dtype = torch.float32 if args.tiny else torch.bfloat16
     gpu = "cpu (interpreter)" if args.tiny else torch.cuda.get_device_name()
     shapes = TINY_SHAPES if args.tiny else SHAPES
+    if args.shapes:
+        shapes = {name: shapes[name] for name in args.shapes.split(",")}
+    row_tiles = {int(t): ROW_TILES[int(t)] for t in args.row_tiles.split(",")} if args.row_tiles else ROW_TILES
     result = {"bench": "tune_matmul", "gpu": gpu, "commit": git_commit(), "date": datetime.date.today().isoformat(),
               "command": "python " + " ".join(sys.argv), "dtype": str(dtype).removeprefix("torch."),
               "gemv": {}, "skinny": {}}
-    gemv_entries, best_configs = tune_gemv(shapes, device, dtype, args.tiny, result)
-    skinny_entries = None if args.skip_skinny else tune_skinny(shapes, device, dtype, args.tiny, result)
-    if not args.tiny:
-        time_chain(device, dtype, best_configs, result)
-    result["entries"] = {"gemv": {repr(k): v for k, v in gemv_entries.items()},
-                         "skinny": {repr(k): v for k, v in (skinny_entries or {}).items()}}
-    print(f"\nentries for {gpu!r}: {len(gemv_entries)} GEMV, "
-          + ("skinny not swept (committed entries kept)" if skinny_entries is None
-             else f"{len(skinny_entries)} skinny: {sorted(skinny_entries)}"))
+    gemv, skinny = (None, None), (None, None)   # (entries that won, keys swept); None: not swept
+    if not args.skip_gemv:
+        gemv_entries, best_configs = tune_gemv(shapes, device, dtype, args.tiny, result)
+        gemv = (gemv_entries, {(n, k, result["dtype"]) for n, k in shapes.values()})
+        if not args.tiny and not args.shapes:
+            time_chain(device, dtype, best_configs, result)
+    if not args.skip_skinny:
+        skinny = tune_skinny(shapes, device, dtype, args.tiny, result, row_tiles)
+    result["entries"] = {"gemv": {repr(k): v for k, v in (gemv[0] or {}).items()},
+                         "skinny": {repr(k): v for k, v in (skinny[0] or {}).items()}}
+    print(f"\nentries for {gpu!r}: "
+          + ("GEMV not swept" if gemv[0] is None else f"{len(gemv[0])} GEMV") + ", "
+          + ("skinny not swept" if skinny[0] is None else f"{len(skinny[0])} skinny: {sorted(skinny[0])}"))
     if args.write and not args.tiny:
         provenance = (f"bench/tune_matmul.py at {result['commit']}, {result['date']} "
                       f"(results/{result['date']}-h200-tune_matmul-{result['commit']}.json)")
-        args.write.write_text(module_text(gpu, gemv_entries, skinny_entries, provenance))
+        args.write.write_text(module_text(gpu, gemv, skinny, provenance))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 
 
-def module_text(gpu: str, gemv_entries: dict, skinny_entries: dict | None, provenance: str) -> str:
-    """tuned_matmul.py with this GPU's entries replacing the committed ones (other GPUs' kept; a table not swept,
-    None, kept whole)."""
+def module_text(gpu: str, gemv: tuple, skinny: tuple, provenance: str) -> str:
+    """tuned_matmul.py with this GPU's swept keys replaced by the entries that won (other keys and other GPUs'
+    kept; a table not swept, (None, None), kept whole)."""
     import cvllm_cuda.kernels.tuned_matmul as module
 
     lines = [f'"""{module.__doc__.strip()}"""', ""]
-    for table_name, committed, entries, key_type, value_type in [
-            ("TUNED_GEMV", module.TUNED_GEMV, gemv_entries, "tuple[int, int, str]", "tuple[int, int, int, int]"),
-            ("TUNED_SKINNY", module.TUNED_SKINNY, skinny_entries, "tuple[int, int, int, str]", "tuple[int, ...]")]:
-        tables = committed if entries is None else {**committed, gpu: entries}   # None: not swept, kept
+    for table_name, committed, (entries, swept), key_type, value_type in [
+            ("TUNED_GEMV", module.TUNED_GEMV, gemv, "tuple[int, int, str]", "tuple[int, int, int, int]"),
+            ("TUNED_SKINNY", module.TUNED_SKINNY, skinny, "tuple[int, int, int, str]", "tuple[int, ...]")]:
+        tables = dict(committed)
+        if entries is not None:
+            kept = {key: value for key, value in committed.get(gpu, {}).items() if key not in swept}
+            tables[gpu] = {**kept, **entries}
         lines.append(f"{table_name}: dict[str, dict[{key_type}, {value_type}]] = {{")
         for name, table in sorted(tables.items()):
-            lines += [f"    # {provenance}" if name == gpu else "    # (kept from the committed table)",
+            partial = entries is not None and any(key not in swept for key in committed.get(gpu, {}))
+            lines += [f"    # {provenance}" + ("; the keys it did not sweep as committed before" if partial else "")
+                      if name == gpu and entries is not None else "    # (kept from the committed table)",
                       f'    "{name}": {{']
             lines += [f"        {key_text(key)}: {value!r}," for key, value in sorted(table.items())]
             lines.append("    },")

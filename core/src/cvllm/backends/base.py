@@ -28,6 +28,9 @@ class Backend:
     #   silu_and_mul(x [..., 2I]) -> [..., I]: SiluAndMul (layers/activation.py)
     #   linear(x, weight, bias): ``F.linear`` of an unquantized linear layer and of the LM head
     #       (layers/quantization.dense), for a backend with its own matmul for some shapes (CUDA: Triton GEMVs)
+    #   argmax(x [B, V]) -> int64 [B]: ``x.argmax(dim=-1)`` (first index of the max; NaN ranks highest), for
+    #       the sampler (the engine hands it over; no forward pass is in progress when it samples)
+    argmax: Callable | None = None
     fused_add_rms_norm: Callable | None = None
     linear: Callable | None = None
     rotary: Callable | None = None

@@ -7,7 +7,7 @@ temperature, top-k, top-p and min-p before an exponential-race draw. Returned lo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -43,7 +43,15 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     return generator
 
 
+def torch_argmax(x: torch.Tensor) -> torch.Tensor:
+    return x.argmax(dim=-1)
+
+
 class Sampler:
+    # argmax over the vocabulary, for greedy rows and the exponential race; the engine swaps in its backend's
+    # kernel (Backend.argmax) where it has one
+    argmax: Callable[[torch.Tensor], torch.Tensor] = staticmethod(torch_argmax)
+
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplerRow],
                  history: PenaltyHistory | None = None) -> SamplerOutput:
         """``history``: the engine's device-side token history of penalised sequences (penalties.py); the
@@ -69,7 +77,7 @@ class Sampler:
             penalised_logits = apply_penalties(logits[index], [params[i] for i in penalised], counts, seen)
             logits = logits.index_put((index,), penalised_logits)
 
-        token_ids = _sample_or_argmax(logits, rows)
+        token_ids = _sample_or_argmax(logits, rows, self.argmax)
         if penalised and history is not None:
             history.record(history_rows, token_ids[index])
 
@@ -80,9 +88,10 @@ class Sampler:
         return SamplerOutput(token_ids, sampled_logprobs, top_ids, top_logprobs)
 
 
-def _sample_or_argmax(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> torch.Tensor:
+def _sample_or_argmax(logits: torch.Tensor, rows: Sequence[SamplerRow],
+                      argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax) -> torch.Tensor:
     params = [row.sampling_params for row in rows]
-    greedy_ids = logits.argmax(dim=-1)
+    greedy_ids = argmax(logits)
     if all(p.greedy for p in params):
         return greedy_ids
 
@@ -92,7 +101,7 @@ def _sample_or_argmax(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> torch
     logits = apply_top_k_top_p(logits, params)
     probs = logits.softmax(dim=-1)
     probs = apply_min_p(probs, params)
-    sampled_ids = _exponential_race(probs, [row.generator for row in rows])
+    sampled_ids = _exponential_race(probs, [row.generator for row in rows], argmax)
 
     if not any(p.greedy for p in params):
         return sampled_ids
@@ -181,7 +190,8 @@ def apply_min_p(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.
     return probs.masked_fill(probs < threshold, 0.0)
 
 
-def _exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+def _exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator | None],
+                      argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax) -> torch.Tensor:
     """argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i / sum(p), with no host sync.
 
     Unseeded rows share one draw from the default generator; a seeded row draws from its own
@@ -194,7 +204,7 @@ def _exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator 
         if generator is not None:
             noise[i].exponential_(generator=generator)
     # An exact zero draw would turn 0/0 into NaN for masked tokens.
-    return (probs / noise.clamp_min_(1e-10)).argmax(dim=-1)
+    return argmax(probs / noise.clamp_min_(1e-10))
 
 
 def _row_tensor(values: list[float] | list[int], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
