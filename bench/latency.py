@@ -161,8 +161,9 @@ def main() -> None:
     vocab = shape_config(shape, dtype)["vocab_size"]
 
     if args.no_tuned:
-        from cvllm_cuda.kernels.paged_attention import TUNED_CONFIGS
+        from cvllm_cuda.kernels.paged_attention import SPARSE_DECODE_CONFIGS, TUNED_CONFIGS
         TUNED_CONFIGS.clear()
+        SPARSE_DECODE_CONFIGS.clear()
     started = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=random_checkpoint(shape, dtype, device), backend=device, dtype=dtype,
                                     max_num_seqs=4, max_model_len=max(contexts) + args.decode_tokens + 16,

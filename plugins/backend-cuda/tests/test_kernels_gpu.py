@@ -94,6 +94,18 @@ def test_long_decodes_split_kv(make_attention_case, check_attention, dtype, head
     check_attention(case, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("context", [0, 1023, 4095, 20000])
+@pytest.mark.parametrize("sliding_window", [None, 512])
+def test_batch_one_decode_on_the_sparse_tile(make_attention_case, check_attention, context, sliding_window):
+    """One Llama-3-8B-shaped decode: 8 KV heads x 16 slices, no more programs than SMs, so the launch takes
+    the sparse-decode tile (tuned_configs.TUNED_SPARSE_DECODE) where this GPU has one."""
+    from cvllm_cuda.kernels import gpu
+
+    case = make_attention_case([1], [context], 32, 8, 128, 16, torch.bfloat16, "cuda")
+    assert 8 * default_num_splits(1, 8, 1, case.q.device) <= gpu.num_sms(case.q.device.index or 0)
+    check_attention(case, sliding_window)
+
+
 @pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (4096, 30.0)])
 def test_many_decodes(generator, make_attention_case, check_attention, sliding_window, soft_cap):
     contexts = torch.randint(0, 4096, (256,), generator=generator).tolist()

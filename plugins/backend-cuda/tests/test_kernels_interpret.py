@@ -120,8 +120,19 @@ def test_tuned_tiles_are_looked_up_by_gpu_name(monkeypatch):
             got = module.attention_config(head_dim, getattr(torch, dtype), decode, cuda)
             assert got == module.AttentionConfig(block_m, block_n, warps, stages)
             assert block_m >= 16 and block_m & (block_m - 1) == 0 and block_n & (block_n - 1) == 0
+    for name, entries in module.TUNED_SPARSE_DECODE.items():
+        monkeypatch.setattr(gpu, "device_name", lambda index, name=name: name)
+        for (head_dim, dtype), tile in entries.items():
+            assert module.attention_config(head_dim, getattr(torch, dtype), True, cuda, sparse=True) == \
+                module.AttentionConfig(*tile)
+            # only sparse decodes take it: a full decode grid and prefill keep their own entries
+            assert module.attention_config(head_dim, getattr(torch, dtype), True, cuda) == \
+                module.attention_config(head_dim, getattr(torch, dtype), True, cuda, sparse=False)
+            assert module.attention_config(head_dim, getattr(torch, dtype), False, cuda, sparse=True) == \
+                module.attention_config(head_dim, getattr(torch, dtype), False, cuda)
     monkeypatch.setattr(gpu, "device_name", lambda index: "a GPU nobody tuned")
     assert module.attention_config(128, torch.bfloat16, True, cuda) == default
+    assert module.attention_config(128, torch.bfloat16, True, cuda, sparse=True) == default
 
 
 def test_launch_size_arithmetic_matches_triton():

@@ -25,7 +25,7 @@ import triton.language as tl
 from cvllm_cuda.kernels import gpu, pdl
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
-from cvllm_cuda.kernels.tuned_configs import TUNED
+from cvllm_cuda.kernels.tuned_configs import TUNED, TUNED_SPARSE_DECODE
 
 MAX_SPLITS = 16
 
@@ -44,16 +44,26 @@ class AttentionConfig:
 # to the defaults below for anything missing.
 TUNED_CONFIGS: dict[str, dict[tuple[int, str, bool], AttentionConfig]] = {
     gpu: {key: AttentionConfig(*value) for key, value in entries.items()} for gpu, entries in TUNED.items()}
+# decodes with no more programs than SMs (tuned_configs.TUNED_SPARSE_DECODE): {gpu: {(head_dim, dtype): config}}
+SPARSE_DECODE_CONFIGS: dict[str, dict[tuple[int, str], AttentionConfig]] = {
+    gpu: {key: AttentionConfig(*value) for key, value in entries.items()}
+    for gpu, entries in TUNED_SPARSE_DECODE.items()}
 
 
-def attention_config(head_dim: int, dtype: torch.dtype, decode: bool, device: torch.device) -> AttentionConfig:
+def attention_config(head_dim: int, dtype: torch.dtype, decode: bool, device: torch.device,
+                     sparse: bool = False) -> AttentionConfig:
     """Tile sizes for this head dim and dtype: a tuned entry for this GPU if committed, else a default.
+    ``sparse``: a decode launch of at most one program per SM, which has its own tuned entries (where none is
+    committed it takes the decode one).
 
     Defaults, from a sweep on an H200 (bf16, 32 query / 8 KV heads): decodes are memory-bound and 64-key
     steps reach ~4 TB/s; 16-bit prefill tiles of 64 x 64 for D <= 128 and 128 x 64 with 8 warps for
     D = 256. fp32 tiles hold twice the bytes per element, so they get smaller tiles.
     """
-    tuned = gpu.tuned_entry(TUNED_CONFIGS, device, (head_dim, str(dtype).removeprefix("torch."), decode))
+    dtype_name = str(dtype).removeprefix("torch.")
+    tuned = gpu.tuned_entry(SPARSE_DECODE_CONFIGS, device, (head_dim, dtype_name)) if sparse and decode else None
+    if tuned is None:
+        tuned = gpu.tuned_entry(TUNED_CONFIGS, device, (head_dim, dtype_name, decode))
     if tuned is not None:
         return tuned
     fp32 = dtype == torch.float32
@@ -252,12 +262,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     group = num_heads // num_kv_heads
     decode = max_query_len == 1
-    config = config or attention_config(head_dim, q.dtype, decode, q.device)
+    splits = num_splits or default_num_splits(num_seqs, num_kv_heads, max_query_len, q.device)
+    splits = min(MAX_SPLITS, next_power_of_2(splits))
+    sparse = decode and q.is_cuda and num_seqs * num_kv_heads * splits <= gpu.num_sms(gpu.device_index(q.device))
+    config = config or attention_config(head_dim, q.dtype, decode, q.device, sparse)
     # query tokens per tile: a power of two, so short prefill chunks share a handful of compiled variants
     block_q = max(1, min(config.block_m // group, next_power_of_2(max_query_len)))
     block_m = max(16, next_power_of_2(block_q * group))
-    splits = num_splits or default_num_splits(num_seqs, num_kv_heads, max_query_len, q.device)
-    splits = min(MAX_SPLITS, next_power_of_2(splits))
     tiles = num_seqs if decode else cdiv(num_tokens, block_q) + num_seqs - 1
     block_d = next_power_of_2(head_dim)
 

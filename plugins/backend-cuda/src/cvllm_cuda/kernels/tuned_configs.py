@@ -13,3 +13,16 @@ TUNED: dict[str, dict[tuple[int, str, bool], tuple[int, int, int, int]]] = {
         (128, "bfloat16", True): (16, 64, 2, 3),
     },
 }
+
+# Decode launches whose grid (sequences x KV heads x splits) has no more programs than the GPU has SMs: batch 1
+# above all, 8 KV heads cut into 16 key slices. With one program an SM, a program's own bytes in flight set
+# the speed, so wider tiles and more warps win there: {gpu name: {(head_dim, dtype): (block_m, block_n, num_warps,
+# num_stages)}}, from bench/tune_split_decode.py (which also times the slice count).
+TUNED_SPARSE_DECODE: dict[str, dict[tuple[int, str], tuple[int, int, int, int]]] = {
+    # python bench/tune_split_decode.py at dcf7bfb, 2026-12-02 (results/2026-12-02-h200-tune_split_decode-dcf7bfb.json):
+    # per layer, combine included, 32 layers in a graph: 1 x 1k 10.58 -> 8.04 us, 1 x 4k 18.76 -> 14.75 us
+    # (16 splits both, the default count; 8 splits 8.39 / 16.96 us); batch 16 (512 programs) keeps (16, 64, 2, 3)
+    "NVIDIA H200": {
+        (128, "bfloat16"): (16, 128, 4, 3),
+    },
+}

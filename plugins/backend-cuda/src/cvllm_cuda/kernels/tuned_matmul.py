@@ -33,6 +33,10 @@ TUNED_SKINNY: dict[str, dict[tuple[int, int, int, str], tuple[int, ...]]] = {
         (32, 6144, 1024, "bfloat16"): (64, 128, 4, 5),
         (32, 6144, 4096, "bfloat16"): (64, 128, 4, 4),
         (32, 128256, 4096, "bfloat16"): (128, 128, 8, 4),
+        # split-K, from bench/tune_matmul.py --skip-gemv --row-tiles 64 --shapes "llama qkv,llama o,llama down" at
+        # dcf7bfb, 2026-12-02 (results/2026-12-02-h200-tune_matmul-skinny64-dcf7bfb.json): 33.5 us against cuBLAS
+        # 35.9 (qkv 0.96x and o 1.00x there: cuBLAS kept)
+        (64, 4096, 14336, "bfloat16"): (64, 128, 4, 4, 2),
         (64, 6144, 1024, "bfloat16"): (64, 128, 4, 5),
         (64, 28672, 4096, "bfloat16"): (128, 128, 8, 4),
         (64, 128256, 4096, "bfloat16"): (128, 128, 8, 4),
