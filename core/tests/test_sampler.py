@@ -311,6 +311,24 @@ def test_bfloat16_logits_are_accepted():
     assert out.logprobs.dtype == torch.float32
 
 
+def test_a_greedy_batch_takes_the_argmax_of_16_bit_logits_as_of_their_fp32_copy():
+    """Decode steps hand over logits in the model's dtype; the sampler converts them only for what computes
+    with them (temperature, bias, penalties, min_tokens, logprobs), and the greedy picks are the same."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(6, 500, generator=g) * 3).to(torch.bfloat16)
+    logits[1, 17] = logits[1, 400] = logits[1].max() + 1   # a tie: the first index wins in both
+    logits[2, 9] = float("nan")
+    seen = []
+    sampler = Sampler()
+    sampler.argmax = lambda t: seen.append(t.dtype) or t.argmax(dim=-1)
+    greedy = [make_row(SamplingParams(temperature=0.0)) for _ in range(6)]
+    assert torch.equal(sampler(logits, greedy).token_ids, logits.float().argmax(dim=-1)) and seen == [torch.bfloat16]
+    mixed = [*greedy[:5], make_row(SamplingParams(temperature=0.0, min_tokens=3), stop_ids=[int(logits[5].argmax())])]
+    out = sampler(logits, mixed).token_ids
+    assert seen[-1] == torch.float32 and out[5] != logits[5].argmax() and torch.equal(out[:5],
+                                                                                     logits[:5].float().argmax(-1))
+
+
 def test_logit_bias_is_added_per_row_before_greedy():
     from cvllm.engine.sampler import apply_logit_bias
 

@@ -140,9 +140,10 @@ class ModelRunner:
             self.decode_forward = wrapped
 
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """fp32 logits of every row: in a decode-only step every row is a sequence's last token and samples."""
+        """Logits of every row (in a decode-only step every row is a sequence's last token and samples), in the
+        model's dtype: the sampler makes the fp32 copy only where it needs one (a greedy argmax does not)."""
         with forward_context(ctx):  # the lm_head too may take the backend's matmul
-            return self.model.compute_logits(self.model(input_ids, positions)).float()
+            return self.model.compute_logits(self.model(input_ids, positions))
 
     def _to_device(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """The step's integer inputs on the device in one non-blocking host-to-device copy (upload.py):
@@ -219,7 +220,8 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch, all_logits: bool = False, extra_indices: torch.Tensor | None = None,
             previous_tokens: PreviousTokens | None = None) -> torch.Tensor:
         """Logits (fp32) of the last token of every sequence that samples, followed by those of the flat
-        batch rows in ``extra_indices`` (prompt logprobs); or, with ``all_logits``, of every token."""
+        batch rows in ``extra_indices`` (prompt logprobs); or, with ``all_logits``, of every token. A
+        decode-only step's come in the model's dtype (decode_logits)."""
         input_ids, positions, ctx, logits_indices = self.prepare(batch, previous_tokens)
         if ctx.is_decode_only and not all_logits and extra_indices is None \
                 and len(batch.sample_indices) == len(batch.seqs):

@@ -57,10 +57,13 @@ class Sampler:
         """``history``: the engine's device-side token history of penalised sequences (penalties.py); the
         sampled tokens of penalised rows are added to it. Without one, penalties read the rows' token lists."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
-        logits = logits.float()
         params = [row.sampling_params for row in rows]
-
         asked = [p.logprobs for p in params if p.logprobs is not None]
+        # A plain greedy batch needs only the argmax, the same on 16-bit logits as on their (exact) fp32 copy:
+        # the copy, a kernel over the vocabulary, is made only for what computes with the logits.
+        if asked or any(not p.greedy or p.logit_bias or p.needs_penalties or p.min_tokens for p in params):
+            logits = logits.float()
+
         raw_logprobs = logits.log_softmax(dim=-1) if asked else None
 
         logits = apply_logit_bias(logits, params)
