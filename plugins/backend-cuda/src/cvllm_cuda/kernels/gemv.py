@@ -13,7 +13,6 @@ like the fused RMSNorm's sum of squares.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -39,24 +38,6 @@ class MatmulTile:
 # a sweep on an H200 (bench/results/2026-12-01-h200-tune_gemv-5817599.json): four rows a program stream the
 # Llama-3-8B projections at 3.4-4.4 TB/s
 DEFAULT_CONFIG = MatmulTile(block_n=4, block_k=1024, num_warps=2, num_stages=3)
-# CVLLM_GEMV_PREFETCH=0: every program waits for the previous kernel before its first weight load (an A/B switch)
-PREFETCH = os.environ.get("CVLLM_GEMV_PREFETCH", "1") != "0"
-
-
-@triton.jit
-def _load_weights(w_ptrs, k, cols, row_ok, K, EVEN: tl.constexpr):
-    """Columns k..k + BLOCK_K of this program's weight rows, streamed once: evicted from L2 first."""
-    if EVEN:
-        return tl.load(w_ptrs + k, eviction_policy="evict_first")
-    return tl.load(w_ptrs + k, mask=row_ok[:, None] & (k + cols < K)[None, :], other=0.0,
-                   eviction_policy="evict_first")
-
-
-@triton.jit
-def _load_x(x_ptr, k, cols, K, EVEN: tl.constexpr):
-    if EVEN:
-        return tl.load(x_ptr + k + cols)
-    return tl.load(x_ptr + k + cols, mask=k + cols < K, other=0.0)
 
 
 @triton.jit
@@ -64,26 +45,24 @@ def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr,
     N, K, stride_wn,
     HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     row_ok = rows < N
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    first = 0
-    if PREFETCH:
-        # The weights are nobody's output: the first tile is requested before waiting for the previous kernel,
-        # so under PDL its memory latency overlaps that kernel's end. x is read only after the wait.
-        w = _load_weights(w_ptrs, 0, cols, row_ok, K, EVEN)
-        wait_for_previous_kernel(USE_PDL)
-        acc += w.to(tl.float32) * _load_x(x_ptr, 0, cols, K, EVEN).to(tl.float32)[None, :]
-        first = BLOCK_K
-    else:
-        wait_for_previous_kernel(USE_PDL)
-    for k in range(first, K, BLOCK_K):
-        w = _load_weights(w_ptrs, k, cols, row_ok, K, EVEN)
-        acc += w.to(tl.float32) * _load_x(x_ptr, k, cols, K, EVEN).to(tl.float32)[None, :]
+    for k in range(0, K, BLOCK_K):
+        if EVEN:
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+            x = tl.load(x_ptr + k + cols)
+        else:
+            k_ok = k + cols < K
+            w = tl.load(w_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptr + k + cols, mask=k_ok, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w_ptrs += BLOCK_K
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -119,7 +98,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     even = n % cfg.block_n == 0 and k % cfg.block_k == 0
     _gemv_kernel[(cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, EVEN=even, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH=PREFETCH,
+        HAS_BIAS=bias is not None, EVEN=even, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(x.device),
     )
     return out
