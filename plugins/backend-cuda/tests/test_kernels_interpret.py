@@ -135,6 +135,18 @@ def test_tuned_tiles_are_looked_up_by_gpu_name(monkeypatch):
     assert module.attention_config(128, torch.bfloat16, True, cuda, sparse=True) == default
 
 
+def test_sparse_decode_means_no_more_programs_than_sms(monkeypatch):
+    module = importlib.import_module("cvllm_cuda.kernels.paged_attention")
+    gpu = importlib.import_module("cvllm_cuda.kernels.gpu")
+    monkeypatch.setattr(gpu, "num_sms", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    splits = module.default_num_splits(1, 8, 1, cuda)
+    assert splits == 16 and module.is_sparse_decode(1, 8, splits, cuda)   # batch 1: 128 programs
+    assert not module.is_sparse_decode(2, 8, module.default_num_splits(2, 8, 1, cuda), cuda)
+    assert not module.is_sparse_decode(16, 8, module.default_num_splits(16, 8, 1, cuda), cuda)
+    assert not module.is_sparse_decode(1, 8, 16, torch.device("cpu"))
+
+
 def test_launch_size_arithmetic_matches_triton():
     import triton
 

@@ -92,6 +92,12 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, dev
     return min(MAX_SPLITS, next_power_of_2(cdiv(2 * sms, programs)))
 
 
+def is_sparse_decode(num_seqs: int, num_kv_heads: int, num_splits: int, device: torch.device) -> bool:
+    """A decode launch of no more programs than SMs (batch 1: 8 KV heads x 16 slices), which takes the
+    sparse-decode tile (tuned_configs.TUNED_SPARSE_DECODE)."""
+    return device.type == "cuda" and num_seqs * num_kv_heads * num_splits <= gpu.num_sms(gpu.device_index(device))
+
+
 @triton.jit
 def _tanh(x):
     # tl has no tanh; this form saturates cleanly to +-1 (no inf / inf)
@@ -264,8 +270,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     decode = max_query_len == 1
     splits = num_splits or default_num_splits(num_seqs, num_kv_heads, max_query_len, q.device)
     splits = min(MAX_SPLITS, next_power_of_2(splits))
-    sparse = decode and q.is_cuda and num_seqs * num_kv_heads * splits <= gpu.num_sms(gpu.device_index(q.device))
-    config = config or attention_config(head_dim, q.dtype, decode, q.device, sparse)
+    if config is None:
+        sparse = decode and is_sparse_decode(num_seqs, num_kv_heads, splits, q.device)
+        config = attention_config(head_dim, q.dtype, decode, q.device, sparse)
     # query tokens per tile: a power of two, so short prefill chunks share a handful of compiled variants
     block_q = max(1, min(config.block_m // group, next_power_of_2(max_query_len)))
     block_m = max(16, next_power_of_2(block_q * group))
