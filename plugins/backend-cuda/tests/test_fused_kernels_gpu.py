@@ -18,8 +18,9 @@ pytest.importorskip("triton")
 
 from cvllm.layers import RMSNorm, SiluAndMul, get_rope  # noqa: E402
 from cvllm_cuda.kernels.activation import silu_and_mul  # noqa: E402
+from cvllm_cuda.kernels.kv_cache import write_kv  # noqa: E402
 from cvllm_cuda.kernels.rms_norm import fused_add_rms_norm  # noqa: E402
-from cvllm_cuda.kernels.rotary import rotary  # noqa: E402
+from cvllm_cuda.kernels.rotary import rotary, rotary_write_kv  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,7 +29,8 @@ pytestmark = [
 ]
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-FUSED = {"fused_add_rms_norm": fused_add_rms_norm, "rotary": rotary, "silu_and_mul": silu_and_mul}
+FUSED = {"fused_add_rms_norm": fused_add_rms_norm, "rotary": rotary, "rotary_write_kv": rotary_write_kv,
+         "silu_and_mul": silu_and_mul}
 RMS_MAX_ULP = {torch.float32: 8, torch.float16: 2, torch.bfloat16: 2}
 SILU_MAX_ULP = {torch.float32: 2, torch.float16: 2, torch.bfloat16: 2}
 MAX_MISMATCH_FRACTION_16 = 1e-3  # 16-bit dtypes: a flipped rounding must stay rare
@@ -108,13 +110,38 @@ def test_rotary(generator, dtype, shape, tokens):
     positions = torch.randint(0, 8192, (tokens,), generator=generator).cuda()
     ref_q, ref_k = rope(positions, q, k)
     out_q, out_k = rotary(positions, q, k, rope.cos_sin, head_dim)
-    ref_qk = rope.rotate_heads(positions, qkv[:, :q_size + kv_size])
+    ref_qk = torch.cat([ref_q, ref_k], dim=-1)
     out_qk, _ = rotary(positions, qkv[:, :q_size + kv_size], None, rope.cos_sin, head_dim)
     for out, ref in ((out_q, ref_q), (out_k, ref_k), (out_qk, ref_qk)):
         if dtype == torch.float32:
             assert torch.equal(out, ref)
         else:
             assert_ulp_close(out, ref, 1)
+
+
+@pytest.mark.parametrize("shape", sorted(ROPE_SHAPES))
+@pytest.mark.parametrize("tokens", [1, 37, 2048])
+def test_rotary_write_kv(generator, shape, tokens):
+    """bf16: the rotated q, and the cache after the fused launch, bit-equal to rotary then write_kv; padding
+    slots (-1) store nothing."""
+    num_heads, num_kv_heads, head_dim, factor = ROPE_SHAPES[shape]
+    rope = get_rope(head_dim, 8192, {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": factor})
+    q_size, kv_size, block_size = num_heads * head_dim, num_kv_heads * head_dim, 16
+    qkv = randn(generator, tokens, q_size + 2 * kv_size, dtype=torch.bfloat16, scale=4.0)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    positions = torch.randint(0, 8192, (tokens,), generator=generator).cuda()
+    num_blocks = tokens // block_size + 8
+    slots = torch.randperm(num_blocks * block_size, generator=generator)[:tokens].cuda()
+    slots[::5] = -1
+    cache = randn(generator, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.bfloat16)
+    ref_k_cache, ref_v_cache = cache[0].clone(), cache[1].clone()
+    ref_q, ref_k = rotary(positions, q, k, rope.cos_sin_for(positions, q), head_dim)
+    write_kv(ref_k.view(tokens, num_kv_heads, head_dim), v.view(tokens, num_kv_heads, head_dim), ref_k_cache,
+             ref_v_cache, slots)
+    k_cache, v_cache = cache[0].clone(), cache[1].clone()
+    out_q = rotary_write_kv(positions, q, k, v, rope.cos_sin, head_dim, k_cache, v_cache, slots)
+    assert torch.equal(out_q, ref_q)
+    assert torch.equal(k_cache, ref_k_cache) and torch.equal(v_cache, ref_v_cache)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -212,7 +239,8 @@ def test_tiny_llama_fused_vs_torch_ops(tiny_llama, dtype):
     torch_logits, torch_tokens = engine.prompt_logits(PROMPTS), greedy(llm)
     calls = set_kernels(engine.backend, FUSED)
     fused_logits, fused_tokens = engine.prompt_logits(PROMPTS), greedy(llm)
-    assert all(calls.values()), calls
+    # the attention layer rotates q and k in rotary_write_kv: plain rotary is for models that rotate themselves
+    assert calls.pop("rotary") == 0 and all(calls.values()), calls
     for fused, ref in zip(fused_logits, torch_logits):
         if dtype == "float32":
             diff = (fused - ref).abs().max().item()

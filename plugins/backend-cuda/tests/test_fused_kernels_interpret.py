@@ -19,12 +19,14 @@ from cvllm.backends.cpu import CpuBackend  # noqa: E402
 from cvllm.forward_context import ForwardContext, forward_context  # noqa: E402
 from cvllm.layers import RMSNorm, SiluAndMul, get_rope  # noqa: E402
 from cvllm_cuda.kernels.activation import silu_and_mul  # noqa: E402
+from cvllm_cuda.kernels.kv_cache import write_kv  # noqa: E402
 from cvllm_cuda.kernels.rms_norm import fused_add_rms_norm  # noqa: E402
-from cvllm_cuda.kernels.rotary import rotary  # noqa: E402
+from cvllm_cuda.kernels.rotary import rotary, rotary_write_kv  # noqa: E402
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 DTYPES = [torch.float32, torch.float16]
-FUSED = {"fused_add_rms_norm": fused_add_rms_norm, "rotary": rotary, "silu_and_mul": silu_and_mul}
+FUSED = {"fused_add_rms_norm": fused_add_rms_norm, "rotary": rotary, "rotary_write_kv": rotary_write_kv,
+         "silu_and_mul": silu_and_mul}
 # Largest differences from torch's ops. fp32: the order of RMSNorm's sum of squares, and (interpreted)
 # numpy's exp against torch's; 3-4 ulp seen. fp16: a 1-ulp flip of an fp32 intermediate changes the
 # rounded value now and then (2 ulp after the product that follows), so mismatches must also be rare.
@@ -120,12 +122,38 @@ def test_rotary_of_strided_q_and_k_is_bit_exact(generator, dtype, rope_case):
     qkv = randn(generator, tokens, q_size + 2 * kv_size, dtype=dtype, scale=4.0)
     q, k = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size]  # views with the fused row stride
     positions = torch.randint(0, 512, (tokens,), generator=generator).to(DEVICE)
-    ref_q, ref_k = rope(positions, q, k)  # also moves the layer's cos/sin table to the dtype
+    ref_q, ref_k = rope(positions, q, k)  # side by side in one buffer: rotated as one [T, q + k] tensor
     out_q, out_k = rotary(positions, q, k, rope.cos_sin, head_dim)
     # same products and sums, rounded in the same places: the same bits
     assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
     out_qk, none = rotary(positions, qkv[:, :q_size + kv_size], None, rope.cos_sin, head_dim)
-    assert none is None and torch.equal(out_qk, rope.rotate_heads(positions, qkv[:, :q_size + kv_size]))
+    assert none is None and torch.equal(out_qk, torch.cat([ref_q, ref_k], dim=-1))
+    apart_q, apart_k = rope(positions, q.clone(), k.clone())  # separate tensors: rotated one by one
+    assert torch.equal(apart_q, ref_q) and torch.equal(apart_k, ref_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rope_case", sorted(ROPES))
+def test_rotary_write_kv_is_rotary_then_write_kv(generator, dtype, rope_case):
+    """One launch: q rotated, the rotated k and v stored at their slots (slot -1 stores nothing), the rest of the
+    cache untouched; the same bits as the two kernels."""
+    head_dim, params = ROPES[rope_case]
+    rope = get_rope(head_dim, 512, params)
+    tokens, num_heads, num_kv_heads, block_size, num_blocks = 6, 6, 2, 4, 5
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = randn(generator, tokens, q_size + 2 * kv_size, dtype=dtype, scale=4.0)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    positions = torch.randint(0, 512, (tokens,), generator=generator).to(DEVICE)
+    slots = torch.tensor([3, 17, -1, 0, 9, -1], device=DEVICE)
+    cache = randn(generator, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    ref_k_cache, ref_v_cache = cache[0].clone(), cache[1].clone()
+    ref_q, ref_k = rotary(positions, q, k, rope.cos_sin_for(positions, q), head_dim)
+    write_kv(ref_k.view(tokens, num_kv_heads, head_dim), v.view(tokens, num_kv_heads, head_dim), ref_k_cache,
+             ref_v_cache, slots)
+    k_cache, v_cache = cache[0].clone(), cache[1].clone()
+    out_q = rotary_write_kv(positions, q, k, v, rope.cos_sin, head_dim, k_cache, v_cache, slots)
+    assert torch.equal(out_q, ref_q)
+    assert torch.equal(k_cache, ref_k_cache) and torch.equal(v_cache, ref_v_cache)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # exp(100) = inf, as meant
@@ -163,13 +191,12 @@ def test_layers_use_the_backends_fused_kernels_inside_a_forward_pass(generator):
     q, k = x[:, :64], x[:, :32]
 
     with forward_context(_context(backend)):
-        fused = (norm(x), *norm(x, residual), *rope(positions, q, k), rope.rotate_heads(positions, q), act(x))
-    assert calls == ["fused_add_rms_norm", "fused_add_rms_norm", "rotary", "rotary", "silu_and_mul"]
-    torch_path = (norm(x), *norm(x, residual), *rope(positions, q, k), rope.rotate_heads(positions, q), act(x))
-    assert len(calls) == 5, "outside a forward pass the layers must run their torch code"
+        fused = (norm(x), *norm(x, residual), *rope(positions, q, k), act(x))
+    assert calls == ["fused_add_rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul"]
+    torch_path = (norm(x), *norm(x, residual), *rope(positions, q, k), act(x))
+    assert len(calls) == 4, "outside a forward pass the layers must run their torch code"
     expected = (fused_add_rms_norm(x, None, norm.weight, norm.eps), *fused_add_rms_norm(x, residual, norm.weight,
-                norm.eps), *rotary(positions, q, k, rope.cos_sin, 32), rotary(positions, q, None, rope.cos_sin, 32)[0],
-                silu_and_mul(x))
+                norm.eps), *rotary(positions, q, k, rope.cos_sin, 32), silu_and_mul(x))
     for got, want, ref in zip(fused, expected, torch_path):
         assert torch.equal(got, want)
         assert_ulp_close(got, ref, MAX_ULP[torch.float16], 0.05)  # 0.05: these tensors hold ~100 elements
@@ -224,8 +251,9 @@ def test_tiny_llama_with_fused_kernels_matches_the_torch_ops(tmp_path):
             return kernel(*args)
         setattr(engine.backend, name, counted)
     fused_logits, fused_tokens = run()
-    # per forward pass: 2 norms a layer and the final one, 1 rotary and 1 activation a layer
-    assert all(calls.values()) and calls["fused_add_rms_norm"] == 5 * calls["rotary"] // 2, calls
+    # per forward pass: 2 norms a layer and the final one, 1 rotary + KV write and 1 activation a layer
+    assert calls["rotary"] == 0, "the attention layer rotates the keys on their way into the cache"
+    assert calls["silu_and_mul"] and calls["fused_add_rms_norm"] == 5 * calls["rotary_write_kv"] // 2, calls
     assert fused_tokens == torch_tokens
     for fused, ref in zip(fused_logits, torch_logits):
         diff = (fused - ref).abs().max().item()

@@ -25,6 +25,9 @@ class Backend:
     #   rotary(positions, q, k, cos_sin, head_dim) -> (q, k): RotaryEmbedding's neox rotation of every
     #       head of q [T, ...] and k (or None) by the rows ``positions`` of the table cos_sin
     #       [max_position, rotary_dim] (cos ‖ sin, in the activations' dtype)
+    #   rotary_write_kv(positions, q, k, v, cos_sin, head_dim, k_cache, v_cache, slot_mapping) -> q: the
+    #       Attention layer's rotary(positions, q, k) then write_kv(k, v, ...) with the rotated k; returns the
+    #       rotated q (layers/attention.py)
     #   silu_and_mul(x [..., 2I]) -> [..., I]: SiluAndMul (layers/activation.py)
     #   linear(x, weight, bias): ``F.linear`` of an unquantized linear layer and of the LM head
     #       (layers/quantization.dense), for a backend with its own matmul for some shapes (CUDA: Triton GEMVs)
@@ -34,6 +37,7 @@ class Backend:
     fused_add_rms_norm: Callable | None = None
     linear: Callable | None = None
     rotary: Callable | None = None
+    rotary_write_kv: Callable | None = None
     silu_and_mul: Callable | None = None
 
     @classmethod

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from cvllm.forward_context import get_forward_context
+from cvllm.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -28,8 +29,20 @@ class Attention(nn.Module):
         """Per-token shape of one of this layer's K and V caches (MLA layers declare a latent instead)."""
         return (self.num_kv_heads, self.head_dim)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None,
+                rotary_emb: RotaryEmbedding | None = None) -> torch.Tensor:
+        """Attention of this step's tokens; with ``rotary_emb``, q and k are rotated by ``positions`` first
+        (here, so that a backend can rotate the keys on their way into the cache: one kernel, not two)."""
         ctx = get_forward_context()
+        if rotary_emb is not None:
+            fused = getattr(ctx.backend, "rotary_write_kv", None)
+            if fused is not None:
+                q = fused(positions, q, k, v, rotary_emb.cos_sin_for(positions, q), self.head_dim,
+                          self.k_cache, self.v_cache, ctx.slot_mapping)
+                out = ctx.backend.attention(q.view(-1, self.num_heads, self.head_dim), self.k_cache,
+                                            self.v_cache, ctx, self)
+                return out.reshape(-1, self.num_heads * self.head_dim)
+            q, k = rotary_emb(positions, q, k)
         q = q.view(-1, self.num_heads, self.head_dim)      # [T, H, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)

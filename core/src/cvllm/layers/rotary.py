@@ -132,27 +132,24 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin = self.table   # the copy in use: on the activations' device and dtype
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self._use_table_for(positions, q)
+        cos_sin = self.cos_sin_for(positions, q)
         fused = fused_kernel("rotary")
         if fused is not None:  # the backend gathers cos/sin by position inside its kernel
-            return fused(positions, q, k, self.cos_sin, self.head_dim)
+            return fused(positions, q, k, cos_sin, self.head_dim)
         cos, sin = self._lookup(positions)
+        qk = _side_by_side(q, k)
+        if qk is not None:  # the first columns of a fused qkv output: one rotation of both takes half the ops
+            return self._rotate(qk, cos, sin).split([q.shape[-1], k.shape[-1]], dim=-1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
-    def rotate_heads(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotates every head of ``x`` [T, n_heads * head_dim]: q and k side by side (the first columns of a
-        fused qkv output) take half the ops of two ``forward`` calls, which counts in a small model's decode."""
-        self._use_table_for(positions, x)
-        fused = fused_kernel("rotary")
-        if fused is not None:
-            return fused(positions, x, None, self.cos_sin, self.head_dim)[0]
-        return self._rotate(x, *self._lookup(positions))
-
-    def _use_table_for(self, positions: torch.Tensor, x: torch.Tensor) -> None:
+    def cos_sin_for(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The table ``[max_position, rotary_dim]`` (cos ‖ sin) on ``positions``' device in ``x``'s dtype, as
+        the backends' fused kernels take it."""
         if self.cos_sin.device != positions.device or self.cos_sin.dtype != x.dtype:
             # cast once, not per call: transformers also computes cos/sin in fp32 and casts them to
             # the activations' dtype, so a table cast up front gives the same numbers
             self.cos_sin = _shared_copy(self.table, positions.device, x.dtype)
+        return self.cos_sin
 
     def _lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos ‖ cos, -sin ‖ sin)`` of each position, ``[T, 1, rotary_dim]``: every layer of a forward
@@ -178,6 +175,16 @@ class RotaryEmbedding(nn.Module):
         if self.rotary_dim != self.head_dim:
             rotated = torch.cat([rotated, x[..., self.rotary_dim:]], dim=-1)
         return rotated.reshape(shape)
+
+
+def _side_by_side(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """``[T, q + k]``, one view of both, when ``k``'s columns follow ``q``'s in the same rows of one buffer."""
+    if q.dim() != 2 or k.dim() != 2 or q.stride() != k.stride() or q.stride(-1) != 1 or q.dtype != k.dtype:
+        return None
+    width = q.shape[1] + k.shape[1]
+    adjacent = k.data_ptr() == q.data_ptr() + q.shape[1] * q.element_size() and q.stride(0) >= width
+    same_buffer = q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
+    return q.as_strided((q.shape[0], width), q.stride()) if adjacent and same_buffer else None
 
 
 def get_rope(head_dim: int, max_position: int, params: dict[str, Any]) -> RotaryEmbedding:

@@ -1,8 +1,9 @@
 """The CUDA backend: the engine's device operations on an NVIDIA GPU.
 
-Attention, the KV-cache write, RMSNorm with its residual add, rotary and SiLU·up are Triton kernels
-(kernels/); the matmuls are cuBLAS's except for one token (a Triton GEMV) and a few where a tuned Triton
-skinny GEMM beats it (kernels/linear.py). Decode steps replay CUDA graphs captured per batch size (graphs.py).
+Attention, the KV-cache write (the keys rotated on the way in), RMSNorm with its residual add, rotary and
+SiLU·up are Triton kernels (kernels/); the matmuls are cuBLAS's except for one token (a Triton GEMV) and a few
+where a tuned Triton skinny GEMM beats it (kernels/linear.py). Decode steps replay CUDA graphs captured per batch
+size (graphs.py).
 """
 
 from __future__ import annotations
@@ -35,12 +36,15 @@ class CudaBackend(Backend):
         from cvllm_cuda.kernels.linear import linear
         from cvllm_cuda.kernels.paged_attention import paged_attention
         from cvllm_cuda.kernels.rms_norm import fused_add_rms_norm
-        from cvllm_cuda.kernels.rotary import rotary
+        from cvllm_cuda.kernels.rotary import rotary, rotary_write_kv
 
         self.device = torch.device("cuda", torch.cuda.current_device())
         self._write_kv, self._paged_attention = write_kv, paged_attention
         # fused kernels the layers call instead of their torch ops (Backend's attributes say how)
         self.fused_add_rms_norm, self.rotary, self.silu_and_mul = fused_add_rms_norm, rotary, silu_and_mul
+        # the keys rotated on their way into the cache, one launch a layer instead of two (CVLLM_FUSED_ROPE_KV=0:
+        # rotary, then write_kv, for A/B runs)
+        self.rotary_write_kv = rotary_write_kv if os.environ.get("CVLLM_FUSED_ROPE_KV", "1") != "0" else None
         # CVLLM_TRITON_MATMUL=0: every matmul through cuBLAS (an A/B switch for benchmarks, and a way out)
         self.linear = linear if os.environ.get("CVLLM_TRITON_MATMUL", "1") != "0" else None
         self.argmax = argmax   # the sampler's: torch's one-block-a-row reduction takes ~28 us at a 128k vocabulary

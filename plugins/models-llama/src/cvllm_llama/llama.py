@@ -43,9 +43,8 @@ class LlamaAttention(nn.Module):
                               sliding_window=sliding_window)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        qk, v = self.qkv_proj(hidden).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb.rotate_heads(positions, qk).split([self.q_size, self.kv_size], dim=-1)
-        return self.o_proj(self.attn(q, k, v))
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb))
 
 
 class LlamaMLP(nn.Module):

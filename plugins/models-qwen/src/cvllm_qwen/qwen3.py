@@ -22,8 +22,8 @@ class Qwen3Attention(Qwen2Attention):
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))     # [T, H, D]: normalise each head
         k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
-        q, k = self.rotary_emb(positions, q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size))
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v, positions,
+                                     self.rotary_emb))
 
 
 class Qwen3ForCausalLM(Qwen2ForCausalLM):

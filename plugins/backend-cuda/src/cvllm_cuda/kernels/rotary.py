@@ -1,4 +1,5 @@
-"""Neox-style rotary embedding of q and k in one Triton launch, cos/sin gathered by position in the kernel.
+"""Neox-style rotary embedding of q and k in one Triton launch, cos/sin gathered by position in the kernel;
+``rotary_write_kv`` also stores the rotated keys and the values in the paged KV cache in that launch.
 
 ``cos_sin`` is the table ``RotaryEmbedding`` keeps on the device in the activations' dtype:
 ``[max_position, rotary_dim]`` = cos ‖ sin halves. Each output element is computed with the roundings
@@ -21,16 +22,19 @@ _TILE_ELEMENTS = 2048  # (heads x half rotary dims) per program
 
 @triton.jit
 def _rotate_heads(
-    x_ptr, out_ptr, cos, sin, token, first_head, num_heads, stride_t, stride_h,
+    src_row, src_stride_h, dst_row, dst_stride_h, cos, sin, first_head, num_heads,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_TAIL: tl.constexpr,
 ):
+    """Rotates heads [first_head, first_head + BLOCK_H) of one token; ``src_row`` and ``dst_row`` point at
+    the token's head 0, heads ``*_stride_h`` elements apart."""
     heads = first_head + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_HALF)
     mask = (heads < num_heads)[:, None] & (dims < HALF)[None, :]
-    src = x_ptr + token.to(tl.int64) * stride_t + heads[:, None] * stride_h + dims[None, :]
-    dst = out_ptr + (token.to(tl.int64) * num_heads + heads[:, None]) * HEAD_DIM + dims[None, :]
-    dtype = out_ptr.dtype.element_ty
+    src = src_row + heads[:, None] * src_stride_h + dims[None, :]
+    dst = dst_row + heads[:, None] * dst_stride_h + dims[None, :]
+    dtype = src_row.dtype.element_ty        # torch's roundings happen in the activations' dtype,
+    out_dtype = dst_row.dtype.element_ty    # then the value is stored in the destination's (a KV cache's)
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
     # products of two dtype values are exact in fp32; rounding each to the dtype, then the sum,
@@ -39,39 +43,60 @@ def _rotate_heads(
     x2_sin = (x2 * sin).to(dtype).to(tl.float32)
     x2_cos = (x2 * cos).to(dtype).to(tl.float32)
     x1_sin = (x1 * sin).to(dtype).to(tl.float32)
-    tl.store(dst, (x1_cos - x2_sin).to(dtype), mask=mask)
-    tl.store(dst + HALF, (x2_cos + x1_sin).to(dtype), mask=mask)
+    tl.store(dst, (x1_cos - x2_sin).to(dtype).to(out_dtype), mask=mask)
+    tl.store(dst + HALF, (x2_cos + x1_sin).to(dtype).to(out_dtype), mask=mask)
     if BLOCK_TAIL > 0:  # partial rotary: the features past rotary_dim pass through
         tail = 2 * HALF + tl.arange(0, BLOCK_TAIL)
         tail_mask = (heads < num_heads)[:, None] & (tail < HEAD_DIM)[None, :]
-        src_tail = x_ptr + token.to(tl.int64) * stride_t + heads[:, None] * stride_h + tail[None, :]
-        dst_tail = out_ptr + (token.to(tl.int64) * num_heads + heads[:, None]) * HEAD_DIM + tail[None, :]
-        tl.store(dst_tail, tl.load(src_tail, mask=tail_mask), mask=tail_mask)
+        value = tl.load(src_row + heads[:, None] * src_stride_h + tail[None, :], mask=tail_mask)
+        tl.store(dst_row + heads[:, None] * dst_stride_h + tail[None, :], value.to(out_dtype), mask=tail_mask)
 
 
 @triton.jit
 def _rotary_kernel(
-    positions_ptr, cos_sin_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr,
-    num_q_heads, num_k_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_table,
+    positions_ptr, cos_sin_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, slot_ptr,
+    num_q_heads, num_k_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
+    block_size, stride_cb, stride_cs, stride_ch,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_TAIL: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr, TO_CACHE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
-    # grid: (token, head block); the head blocks of q come first, then those of k
+    # grid: (token, head block); the head blocks of q come first, then those of k, then (TO_CACHE) v's
     token = tl.program_id(0)
     head_block = tl.program_id(1)
+    q_blocks = tl.cdiv(num_q_heads, BLOCK_H)
+    k_blocks = tl.cdiv(num_k_heads, BLOCK_H)
     position = tl.load(positions_ptr + token).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)
     row = cos_sin_ptr + position * stride_table
     cos = tl.load(row + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(row + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
-    q_blocks = tl.cdiv(num_q_heads, BLOCK_H)
+    t = token.to(tl.int64)
     if head_block < q_blocks:
-        _rotate_heads(q_ptr, q_out_ptr, cos, sin, token, head_block * BLOCK_H, num_q_heads, stride_qt, stride_qh,
-                      HEAD_DIM, HALF, BLOCK_H, BLOCK_HALF, BLOCK_TAIL)
+        _rotate_heads(q_ptr + t * stride_qt, stride_qh, q_out_ptr + t * num_q_heads * HEAD_DIM, HEAD_DIM, cos, sin,
+                      head_block * BLOCK_H, num_q_heads, HEAD_DIM, HALF, BLOCK_H, BLOCK_HALF, BLOCK_TAIL)
     else:
-        _rotate_heads(k_ptr, k_out_ptr, cos, sin, token, (head_block - q_blocks) * BLOCK_H, num_k_heads,
-                      stride_kt, stride_kh, HEAD_DIM, HALF, BLOCK_H, BLOCK_HALF, BLOCK_TAIL)
+        if TO_CACHE:  # k and v go to the token's slot of the paged caches [blocks, block_size, Hkv, D]
+            slot = tl.load(slot_ptr + token).to(tl.int64)
+            stored_heads = tl.where(slot >= 0, num_k_heads, 0)   # slot -1 (padding): every lane masked off
+            slot = tl.maximum(slot, 0)
+            out_row = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs
+            out_stride_h = stride_ch
+        else:
+            stored_heads = num_k_heads
+            out_row = t * num_k_heads * HEAD_DIM
+            out_stride_h = HEAD_DIM
+        if head_block < q_blocks + k_blocks:
+            _rotate_heads(k_ptr + t * stride_kt, stride_kh, k_out_ptr + out_row, out_stride_h, cos, sin,
+                          (head_block - q_blocks) * BLOCK_H, stored_heads, HEAD_DIM, HALF, BLOCK_H, BLOCK_HALF,
+                          BLOCK_TAIL)
+        elif TO_CACHE:  # v is stored as it is
+            heads = (head_block - q_blocks - k_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+            d = tl.arange(0, BLOCK_D)
+            mask = (heads < stored_heads)[:, None] & (d < HEAD_DIM)[None, :]
+            v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + d[None, :], mask=mask)
+            tl.store(v_out_ptr + out_row + heads[:, None] * out_stride_h + d[None, :],
+                     v.to(v_out_ptr.dtype.element_ty), mask=mask)
 
 
 def _heads_view(x: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -89,6 +114,23 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, cos
     ``q`` and ``k`` may be strided views (columns of a fused qkv output); the results are new contiguous
     tensors shaped like the inputs, in their dtype (``cos_sin`` is expected in that dtype too).
     """
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device) if k is not None else None
+    return _launch(positions, q, k, None, cos_sin, head_dim, k_out, None, None), k_out
+
+
+def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    cos_sin: torch.Tensor, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> torch.Tensor:
+    """``rotary(positions, q, k)`` then ``write_kv(k, v, ...)`` of the rotated k, in one launch: the rotated
+    keys go straight to their cache slots (slot -1: nothing stored) and never to a tensor of their own.
+    Returns the rotated ``q`` (a new contiguous tensor). Caches: ``[num_blocks, block_size, Hkv, D]``."""
+    assert v.shape == k.shape and v.stride(-1) == 1 and slot_mapping.shape == (q.shape[0],), (v.shape, k.shape)
+    assert k_cache.shape[2] * k_cache.shape[3] == k.shape[-1] and k_cache.shape[3] == head_dim, k_cache.shape
+    assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride() and k_cache.stride(-1) == 1
+    return _launch(positions, q, k, v, cos_sin, head_dim, k_cache, v_cache, slot_mapping.contiguous())
+
+
+def _launch(positions, q, k, v, cos_sin, head_dim, k_out, v_cache, slot_mapping) -> torch.Tensor:
     rotary_dim = cos_sin.shape[1]
     assert rotary_dim % 2 == 0 and rotary_dim <= head_dim, (rotary_dim, head_dim)
     assert positions.shape == (q.shape[0],) and cos_sin.stride(-1) == 1, (positions.shape, q.shape)
@@ -97,22 +139,27 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, cos
     k3 = _heads_view(k, head_dim) if k is not None else q3[:, :0]
     assert k3.shape[0] == q3.shape[0] and k3.dtype == q3.dtype, (k3.shape, k3.dtype, q3.dtype)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device) if k is not None else None
     num_tokens, num_q_heads, num_k_heads = q3.shape[0], q3.shape[1], k3.shape[1]
     if num_tokens == 0:
-        return q_out, k_out
+        return q_out
+    to_cache = v_cache is not None
+    v3 = _heads_view(v, head_dim) if to_cache else k3
+    cache_strides = k_out.stride()[:3] if to_cache else (0, 0, 0)
     half = rotary_dim // 2
     block_half = next_power_of_2(half)
     block_h = min(next_power_of_2(max(num_q_heads, num_k_heads)), max(1, _TILE_ELEMENTS // block_half))
-    tail = head_dim - rotary_dim
-    grid = (num_tokens, cdiv(num_q_heads, block_h) + cdiv(num_k_heads, block_h))
+    k_blocks = cdiv(num_k_heads, block_h)
+    grid = (num_tokens, cdiv(num_q_heads, block_h) + k_blocks * (2 if to_cache else 1))
     _rotary_kernel[grid](
-        positions, cos_sin, q3, k3, q_out, k_out if k_out is not None else q_out,
-        num_q_heads, num_k_heads, q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), cos_sin.stride(0),
+        positions, cos_sin, q3, k3, v3, q_out, k_out if k_out is not None else q_out,
+        v_cache if to_cache else q_out, slot_mapping if to_cache else positions,
+        num_q_heads, num_k_heads, q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), v3.stride(0),
+        v3.stride(1), cos_sin.stride(0), k_out.shape[1] if to_cache else 1, *cache_strides,
         HEAD_DIM=head_dim, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
-        BLOCK_TAIL=next_power_of_2(tail),  # 0 when the whole head rotates
+        BLOCK_TAIL=next_power_of_2(head_dim - rotary_dim),  # 0 when the whole head rotates
+        BLOCK_D=next_power_of_2(head_dim), TO_CACHE=to_cache,
         num_warps=4,
         enable_fp_fusion=False,  # no FMA contraction: the products round as torch's do
         **pdl.options(q.device),
     )
-    return q_out, k_out
+    return q_out
