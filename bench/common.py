@@ -26,6 +26,31 @@ def git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
+def graph_replay_ms(engine, batch: int) -> float | None:
+    """GPU time of one decode step of ``batch`` sequences: the CUDA graph captured for that batch (padded up
+    the ladder) replayed alone, timed with CUDA events. None where no graph exists (eager, CPU)."""
+    import statistics
+
+    import torch
+
+    graphs = getattr(engine.runner.decode_forward, "graphs", None)
+    sizes = sorted(size for size in graphs or () if size >= batch)
+    if not sizes:
+        return None
+    graph, _ = graphs[sizes[0]]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(5):
+        graph.replay()
+    times = []
+    for _ in range(20):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import git_commit  # noqa: E402
+from common import git_commit, graph_replay_ms  # noqa: E402
 from random_checkpoint import hf_model, random_checkpoint, shape_config  # noqa: E402
 
 from cvllm.engine.config import EngineConfig  # noqa: E402
@@ -66,25 +66,6 @@ def decode(engine: LLMEngine, context: int, tokens: int, vocab: int, device: str
     sync(device)
     step_s = (time.perf_counter() - started) / tokens
     return {"tok_s": 1 / step_s, "step_ms": step_s * 1e3}
-
-
-def gpu_step_ms(engine: LLMEngine) -> float | None:
-    """GPU time of one batch-1 decode step: the captured graph replayed alone, timed with CUDA events."""
-    graphs = getattr(engine.runner.decode_forward, "graphs", None)
-    if not graphs or 1 not in graphs:
-        return None
-    graph, _ = graphs[1]
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(5):
-        graph.replay()
-    times = []
-    for _ in range(20):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def profile_host(engine: LLMEngine, context: int, vocab: int) -> None:
@@ -184,7 +165,7 @@ def main() -> None:
     if args.profile_host:
         profile_host(engine, contexts[0], vocab)
     if device == "cuda":
-        gpu_ms = gpu_step_ms(engine)    # the graph's buffers hold the last decode run's step: compare with it
+        gpu_ms = graph_replay_ms(engine, 1)    # the graph's buffers hold the last decode run's step: compare with it
         if gpu_ms is not None:
             measured["gpu_step_ms_bs1"] = gpu_ms
             measured["gpu_idle_share_bs1"] = 1 - gpu_ms / measured[f"decode_step_ms_{contexts[-1]}"]

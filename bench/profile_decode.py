@@ -17,6 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
+from common import graph_replay_ms  # noqa: E402
 from host_timers import HostTimers  # noqa: E402
 from random_checkpoint import random_checkpoint, shape_config  # noqa: E402
 
@@ -137,6 +138,10 @@ def main() -> None:
         report_syncs(engine, args.steps)
     print(f"{shape} on {device}: batch {batch}, context {context}: engine step {wall * 1e3:.2f} ms "
           f"({batch / wall:.0f} tok/s) over {args.steps} steps; profiled {args.steps} more above")
+    replay_ms = graph_replay_ms(engine, batch)   # its buffers hold the last step's inputs
+    if replay_ms is not None:
+        print(f"decode graph replayed alone: {replay_ms:.2f} ms; GPU idle share {1 - replay_ms / (wall * 1e3):.1%} "
+              f"(what the host's work between steps and the inputs' copies cost)")
 
 if __name__ == "__main__":
     main()

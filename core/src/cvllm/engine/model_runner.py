@@ -146,16 +146,21 @@ class ModelRunner:
             return self.model.compute_logits(self.model(input_ids, positions))
 
     def _to_device(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        """The step's integer inputs on the device in one non-blocking host-to-device copy (upload.py):
-        a decode step has eight of them, and each copy has a fixed cost."""
+        """The step's integer inputs on the device in one non-blocking host-to-device copy (upload.py): a
+        decode step has eight of them, and each copy has a fixed cost. They travel as bytes, each at an offset
+        that is a multiple of 8, and are viewed back in their own dtypes: no conversion kernel on the device."""
         if self.device.type == "cpu":
             return list(tensors)
-        packed = upload(torch.cat([t.reshape(-1).long() for t in tensors]), self.device)
-        out, offset = [], 0
+        parts, places, offset = [], [], 0
         for t in tensors:
-            out.append(packed[offset:offset + t.numel()].view(t.shape).to(t.dtype))
-            offset += t.numel()
-        return out
+            raw = t.contiguous().view(-1).view(torch.uint8)
+            places.append((offset, raw.numel()))
+            pad = -raw.numel() % 8
+            parts += [raw, torch.zeros(pad, dtype=torch.uint8)] if pad else [raw]
+            offset += raw.numel() + pad
+        packed = upload(torch.cat(parts), self.device)
+        return [packed[start:start + size].view(t.dtype).view(t.shape)
+                for t, (start, size) in zip(tensors, places)]
 
     def prepare(self, batch: ScheduledBatch, previous_tokens: PreviousTokens | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, torch.Tensor]:
