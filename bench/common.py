@@ -51,6 +51,26 @@ def graph_replay_ms(engine, batch: int) -> float | None:
     return statistics.median(times)
 
 
+def process_cpu_s(pid: int) -> tuple[float, float]:
+    """CPU seconds (user + system) so far of process ``pid`` itself and of all its descendants together, from
+    /proc (Linux; (0, 0) elsewhere): for a cvserve process, its API process and its engine core."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    parents, cpu = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:   # the process ended meanwhile
+            continue
+        child = int(stat.parent.name)
+        parents[child] = int(fields[1])
+        cpu[child] = (int(fields[11]) + int(fields[12])) / tick   # utime, stime
+    descendants, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - descendants
+        descendants |= frontier
+    return cpu.get(pid, 0.0), sum(cpu[child] for child in descendants)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

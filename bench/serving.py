@@ -213,7 +213,7 @@ def measure(args: argparse.Namespace, workdir: Path, timings: dict) -> tuple[lis
         timings["checkpoint_write"] = time.perf_counter() - started
         log(f"random {args.shape} checkpoint written to {model} in {timings['checkpoint_write']:.1f}s")
     vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
-    from common import free_port, stop_cvserve
+    from common import free_port, process_cpu_s, stop_cvserve
 
     port = free_port()
     server_log = Path(args.json).with_suffix(".server.log") if args.json else workdir / "cvserve.log"
@@ -234,10 +234,14 @@ def measure(args: argparse.Namespace, workdir: Path, timings: dict) -> tuple[lis
             log(f"TTFT of {args.input_len}-token prompts sent one after another: "
                 f"{', '.join(f'{t:.1f}' for t in ttft)} ms")
             for c in args.levels:
-                started = time.perf_counter()
+                started, cpu_before = time.perf_counter(), process_cpu_s(server.pid)
                 levels.append(run_level(pool, url, prompts_for(c, args.input_len, vocab_size, seed=c),
                                         args.output_len, args.streams_per_client))
                 timings[f"c{c}"] = time.perf_counter() - started
+                # the server's share of a core over the level: an API process near 100% is what limits it
+                api_s, engine_s = (after - before for after, before in zip(process_cpu_s(server.pid), cpu_before))
+                levels[-1] |= {"server_api_cpu_percent": 100 * api_s / timings[f"c{c}"],
+                               "server_engine_cpu_percent": 100 * engine_s / timings[f"c{c}"]}
                 log(f"{c} streams: {levels[-1]['output_tok_per_s']:.1f} output tok/s, "
                     f"{levels[-1]['errors']} errors, {timings[f'c{c}']:.1f}s")
         finally:
@@ -265,7 +269,9 @@ def report(args: argparse.Namespace, levels: list[dict], offline: dict | None, t
         c = r["concurrency"]
         measured |= {f"c{c}_output_tok_s": r["output_tok_per_s"], f"c{c}_ttft_ms_p50": r["ttft_ms"]["p50"],
                      f"c{c}_ttft_ms_p99": r["ttft_ms"]["p99"], f"c{c}_itl_ms_p50": r["itl_ms"]["p50"],
-                     f"c{c}_client_cpu_percent": r["client_cpu_percent"]}
+                     f"c{c}_client_cpu_percent": r["client_cpu_percent"],
+                     f"c{c}_server_api_cpu_percent": r.get("server_api_cpu_percent"),
+                     f"c{c}_server_engine_cpu_percent": r.get("server_engine_cpu_percent")}
     from common import git_commit
     from throughput import gpu_name
 
@@ -291,12 +297,13 @@ def print_table(result: dict) -> None:
     print(f"\n{result['shape']} on {result['gpu']} through cvserve: {w['input_len']} in / {w['output_len']} out, "
           f"one round of N streams per level")
     print(f"{'streams':>7} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'ITL p50 ms':>11} "
-          f"{'client CPU sum/max':>19} {'procs':>5} {'errors':>6}")
+          f"{'client CPU sum/max':>19} {'procs':>5} {'API/engine CPU':>15} {'errors':>6}")
     for r in result["levels"]:
         cpu = f"{r['client_cpu_percent']:.0f}%/{r['client_cpu_percent_max_proc']:.0f}%"
+        server_cpu = f"{r.get('server_api_cpu_percent', 0):.0f}%/{r.get('server_engine_cpu_percent', 0):.0f}%"
         print(f"{r['concurrency']:>7} {r['output_tok_per_s']:>10.1f} {r['ttft_ms']['p50']:>12.1f} "
               f"{r['ttft_ms']['p99']:>12.1f} {r['itl_ms']['p50']:>11.2f} {cpu:>19} {r['client_procs']:>5} "
-              f"{r['errors']:>6}")
+              f"{server_cpu:>15} {r['errors']:>6}")
     for key in [k for k in result["measured"] if k.startswith("ttft_ms_")]:
         print(f"{key}: {result['measured'][key]:.1f} ms")
     for key, value in result["reference"].items():
