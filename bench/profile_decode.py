@@ -44,6 +44,31 @@ def report_syncs(engine: LLMEngine, steps: int) -> None:
         print(f"  {count:4d}  {place}")
 
 
+def report_gpu_gaps(prof, steps: int, top: int = 8) -> None:
+    """Where the GPU sat idle in the profiled steps: the gaps between consecutive kernels and copies (CUPTI's
+    device events, graph replays included), summed, and the largest by the pair of names around them."""
+    import collections
+
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA)
+    if not spans:
+        return
+    by_pair, total, busy_until, last = collections.Counter(), 0.0, spans[0][1], spans[0][2]
+    for start, end, name in spans[1:]:
+        if start > busy_until:
+            gap = start - busy_until
+            total += gap
+            by_pair[f"{last[:40]} -> {name[:40]}"] += gap
+        if end >= busy_until:
+            busy_until, last = end, name
+    wall = busy_until - spans[0][0]
+    print(f"GPU idle between kernels: {total / steps:.1f} us a step ({total / wall:.1%} of {wall / steps:.0f} us)")
+    for pair, gap in by_pair.most_common(top):
+        print(f"  {gap / steps:8.1f} us a step  {pair}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true")
@@ -133,6 +158,8 @@ def main() -> None:
             engine.step()
         sync()
     print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
+    if device == "cuda":
+        report_gpu_gaps(prof, args.steps)
     print(timers.table(args.steps))
     if args.sync_debug and device == "cuda":
         report_syncs(engine, args.steps)
