@@ -183,3 +183,22 @@ def test_logit_bias_steers_greedy_decoding(llm):
     assert banned[0] != free[0]
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={3: 500.0})
+
+
+def test_a_device_backend_runs_its_host_work_on_its_own_threads(model_dir, monkeypatch):
+    """A backend's ``host_threads`` sets torch's CPU threads once the engine is built, unless OMP_NUM_THREADS is set."""
+    from cvllm.backends.cpu import CpuBackend
+
+    threads = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.setattr(CpuBackend, "host_threads", 1, raising=False)
+        torch.set_num_threads(2)
+        LLM(model=str(model_dir), dtype="float32", num_kv_blocks=4)
+        assert torch.get_num_threads() == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        torch.set_num_threads(2)
+        LLM(model=str(model_dir), dtype="float32", num_kv_blocks=4)
+        assert torch.get_num_threads() == 2, "OMP_NUM_THREADS, when set, is the user's choice"
+    finally:
+        torch.set_num_threads(threads)

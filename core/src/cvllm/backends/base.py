@@ -15,6 +15,10 @@ class Backend:
     device: torch.device = torch.device("cpu")
     dist_backend: str = "gloo"          # torch.distributed backend for tensor parallelism
     default_dtype: torch.dtype = torch.float32
+    # torch CPU threads for the engine's process once the model is loaded (None: leave torch's default). A device
+    # backend's host work is many small tensor ops each step: a pool of threads adds wake-ups to the larger ones
+    # and spins between steps on cores the server and its clients need (OMP_NUM_THREADS, when set, wins)
+    host_threads: int | None = None
 
     # Optional fused kernels. The layers call one when the backend of the forward pass in progress
     # has it (not None) and run their torch code otherwise, so model code never changes; a fused

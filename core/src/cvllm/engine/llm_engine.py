@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,6 +86,11 @@ class LLMEngine:
         self.max_model_len = max_model_len
         if not config.enforce_eager and config.fake_step_ms is None:
             self.runner.enable_decode_graphs(max_num_seqs, max_model_len)
+        if self.backend.host_threads and "OMP_NUM_THREADS" not in os.environ \
+                and torch.get_num_threads() != self.backend.host_threads:
+            logger.info("torch CPU threads %d -> %d for the %s backend's host work (OMP_NUM_THREADS overrides)",
+                        torch.get_num_threads(), self.backend.host_threads, self.backend.name)
+            torch.set_num_threads(self.backend.host_threads)
         budget = config.max_num_batched_tokens or getattr(self.backend, "default_max_num_batched_tokens", 2048)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,

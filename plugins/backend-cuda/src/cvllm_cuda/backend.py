@@ -24,6 +24,7 @@ class CudaBackend(Backend):
     default_dtype = torch.bfloat16
     default_max_num_seqs = 256
     default_max_num_batched_tokens = 8192
+    host_threads = 1
 
     @classmethod
     def is_available(cls) -> bool:
