@@ -8,6 +8,7 @@ GPU idles between steps, host work is what bounds the step."""
 from __future__ import annotations
 
 import collections
+import gc
 import time
 from contextlib import contextmanager
 
@@ -58,9 +59,20 @@ class HostTimers:
         self._undo.append((engine.backend, "start_readback", engine.backend.__dict__.get("start_readback")))
         engine.backend.start_readback = timed_readback
         self._wrap(engine, "step", "step (all)")
+        gc_started = [0.0]
+
+        def gc_timer(phase: str, info: dict) -> None:   # Python's collections pause whatever section they hit
+            if phase == "start":
+                gc_started[0] = time.perf_counter()
+            else:
+                totals["gc pauses (inside the above)"] += time.perf_counter() - gc_started[0]
+                totals[f"gc collections of generation {info['generation']}"] += 1
+
+        gc.callbacks.append(gc_timer)
         try:
             yield self
         finally:
+            gc.callbacks.remove(gc_timer)
             for owner, name, previous in reversed(self._undo):
                 if previous is None:
                     delattr(owner, name)
@@ -70,7 +82,7 @@ class HostTimers:
 
     def table(self, steps: int) -> str:
         total = self.totals["step (all)"]
-        parts = {k: v for k, v in self.totals.items() if k not in ("step (all)", "run")}
+        parts = {k: v for k, v in self.totals.items() if k not in ("step (all)", "run") and not k.startswith("gc ")}
         parts["forward"] = self.totals["run"] - self.totals["prepare"]
         other = total - sum(parts.values())
         lines = [f"host time per step over {steps} steps (ms):"]
@@ -78,4 +90,7 @@ class HostTimers:
             lines.append(f"  {label:14s} {seconds / steps * 1e3:8.3f}")
         lines.append(f"  {'other':14s} {other / steps * 1e3:8.3f}   (finish: tokens applied, stop checks)")
         lines.append(f"  {'step (all)':14s} {total / steps * 1e3:8.3f}")
+        lines.append(f"  {'gc pauses':14s} {self.totals['gc pauses (inside the above)'] / steps * 1e3:8.3f}   "
+                     f"(inside the sections above; collections by generation: "
+                     f"{[int(self.totals[f'gc collections of generation {g}']) for g in range(3)]})")
         return "\n".join(lines)

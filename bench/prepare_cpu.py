@@ -24,10 +24,18 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--packed", action="store_true",
+                    help="also pack the inputs for a device as a GPU backend's step does (the copy itself left out)")
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     runner = ModelRunner.__new__(ModelRunner)   # prepare() needs no model: only its batch-building state
     runner.block_size, runner.device, runner.backend = args.block_size, torch.device("cpu"), CpuBackend()
+    if args.packed:   # a device that is not the CPU, whose upload is the packed host tensor itself
+        import cvllm.engine.model_runner as model_runner
+
+        runner.device = torch.device("meta")
+        model_runner.upload = lambda t, device: t
     rng = random.Random(0)
     seqs = []
     for i in range(args.seqs):
@@ -44,7 +52,8 @@ def main() -> None:
     for _ in range(args.repeats):
         runner.prepare(batch)
     print(f"prepare: {(time.perf_counter() - started) / args.repeats * 1e3:.3f} ms a step "
-          f"({args.seqs} decodes of 1-2k tokens, CPU device, 1 thread)")
+          f"({args.seqs} decodes of 1-2k tokens, {'packed for a device' if args.packed else 'CPU device'}, "
+          f"{args.threads} thread(s))")
 
 
 if __name__ == "__main__":
