@@ -18,6 +18,7 @@ from typing import Protocol
 from cvllm.detokenizer import IncrementalDetokenizer
 from cvllm.engine.messages import SeqDelta, TokenLogprobs
 from cvllm.sampling_params import SamplingParams
+from cvllm.server.protocol import encode
 
 # JSON has no -inf; a token the model rules out gets vLLM's stand-in value instead.
 MIN_LOGPROB = -9999.0
@@ -59,11 +60,23 @@ class ChoiceState:
     def text(self) -> str:
         return self.detokenizer.text
 
-    def add(self, delta: SeqDelta) -> ChoiceUpdate | None:
-        """Take one delta from the core; None once this choice has finished (a stop string matched)."""
+    def add(self, *deltas: SeqDelta) -> ChoiceUpdate | None:
+        """Take this choice's deltas, in order, as one update; None once it has finished (a stop string
+        matched). Several deltas are queued when the stream fell behind the core: one update for all of
+        them is what lets the reply send one chunk for several tokens instead of one chunk (and one socket
+        write) per token, so a stream that lags catches up rather than falling further behind."""
         if self.finished:
             return None
         update = ChoiceUpdate()
+        for delta in deltas:
+            if self.finished:
+                break   # a stop string matched in an earlier delta: the rest is past the end
+            self._take(delta, update.tokens)
+        update.text = self._release()
+        update.finish_reason = self.finish_reason
+        return update
+
+    def _take(self, delta: SeqDelta, tokens: list[TokenEntry]) -> None:
         last = len(delta.token_ids) - 1
         for i, token_id in enumerate(delta.token_ids):
             self.num_tokens += 1
@@ -72,7 +85,7 @@ class ChoiceState:
             # part of the text unless include_stop_str_in_output.
             if i == last and delta.finish_reason == "stop" and not self.params.include_stop_str_in_output:
                 break
-            update.tokens.append(TokenEntry(token_id, logprobs))
+            tokens.append(TokenEntry(token_id, logprobs))
             matched = self.detokenizer.update(token_id)
             if matched is not None:
                 self.finish_reason, self.stop_reason = "stop", matched
@@ -80,9 +93,6 @@ class ChoiceState:
         self.ended_in_core = delta.finish_reason is not None
         if not self.finished and delta.finish_reason is not None:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
-        update.text = self._release()
-        update.finish_reason = self.finish_reason
-        return update
 
     def _release(self) -> str:
         text = self.detokenizer.text
@@ -128,16 +138,29 @@ class RequestTracker:
             self.close()
 
     def _apply(self, deltas: list[SeqDelta]) -> list[tuple[ChoiceState, ChoiceUpdate]]:
-        out = []
+        """All deltas that arrived since the last call: one update per choice (see ``ChoiceState.add``)."""
+        if len(deltas) == 1:   # the usual case, a stream that keeps up: one delta, one choice
+            delta = deltas[0]
+            if delta.prompt_logprobs is not None:
+                self.prompt_logprobs = delta.prompt_logprobs
+            update = None
+            if 0 <= delta.index < len(self.choices):
+                update = self.choices[delta.index].add(delta)
+            if self.timer is not None and delta.token_ids:
+                self.timer.on_tokens(len(delta.token_ids), time.monotonic())
+            return [] if update is None else [(self.choices[delta.index], update)]
+        by_choice: dict[int, list[SeqDelta]] = {}
         new_tokens = 0
         for delta in deltas:
             if delta.prompt_logprobs is not None:
                 self.prompt_logprobs = delta.prompt_logprobs
             new_tokens += len(delta.token_ids)
-            if not 0 <= delta.index < len(self.choices):
-                continue
-            choice = self.choices[delta.index]
-            update = choice.add(delta)
+            if 0 <= delta.index < len(self.choices):
+                by_choice.setdefault(delta.index, []).append(delta)
+        out = []
+        for index, group in by_choice.items():
+            choice = self.choices[index]
+            update = choice.add(*group)
             if update is not None:
                 out.append((choice, update))
         if self.timer is not None and new_tokens:
@@ -160,15 +183,14 @@ class RequestTracker:
             pass
 
 
-async def merged_updates(trackers: list[RequestTracker]) -> AsyncIterator[list[tuple[ChoiceState, ChoiceUpdate]]]:
+def merged_updates(trackers: list[RequestTracker]) -> AsyncIterator[list[tuple[ChoiceState, ChoiceUpdate]]]:
     """Updates of several core requests (a completions call with several prompts), as they come."""
     if len(trackers) == 1:
-        try:
-            async for batch in trackers[0].updates():
-                yield batch
-        finally:
-            trackers[0].close()
-        return
+        return trackers[0].updates()   # no extra generator to pass through per update (it closes itself)
+    return _merged(trackers)
+
+
+async def _merged(trackers: list[RequestTracker]) -> AsyncIterator[list[tuple[ChoiceState, ChoiceUpdate]]]:
     queue: asyncio.Queue = asyncio.Queue()
     end = object()
 
@@ -185,13 +207,22 @@ async def merged_updates(trackers: list[RequestTracker]) -> AsyncIterator[list[t
     try:
         remaining = len(tasks)
         while remaining:
-            item = await queue.get()
-            if item is end:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
+            # everything queued meanwhile goes out together: one write for several updates
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            batch, error = [], None
+            for item in items:
+                if item is end:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    error = error or item
+                elif error is None:   # what came before a failure still goes out, as it did one by one
+                    batch.extend(item)
+            if batch:
+                yield batch
+            if error is not None:
+                raise error
     finally:
         for task in tasks:
             task.cancel()
@@ -221,6 +252,29 @@ def token_text_and_bytes(tokenizer, token_id: int, skip_special_tokens: bool) ->
 
 def top_entries(logprobs: TokenLogprobs, k: int) -> list[tuple[int, float]]:
     return [(tid, clamp_logprob(lp)) for tid, lp in zip(logprobs.top_ids[:k], logprobs.top_logprobs[:k])]
+
+
+class TextChunks:
+    """A reply's SSE events for chunks that carry only text, as the bytes around the text, per choice: the
+    rest (id, created, model, index, the nulls) is the same in every such chunk of a choice, so it is encoded
+    once, from the real struct, and each chunk costs one string encode and a join instead of building and
+    encoding the whole chunk. ``make_chunk(index, text)`` builds the struct; it is used as it is where the
+    encoded struct cannot be split around the text."""
+
+    _MARK = "\x00cvllm-text\x00"
+
+    def __init__(self, make_chunk):
+        self._make = make_chunk
+        self._templates: dict[int, tuple[bytes, bytes] | None] = {}
+
+    def __call__(self, index: int, text: str) -> bytes:
+        if index not in self._templates:
+            event, mark = sse(encode(self._make(index, self._MARK))), encode(self._MARK)
+            self._templates[index] = tuple(event.split(mark)) if event.count(mark) == 1 else None
+        template = self._templates[index]
+        if template is None:
+            return sse(encode(self._make(index, text)))
+        return b"".join((template[0], encode(text), template[1]))
 
 
 def sse(payload: bytes) -> bytes:

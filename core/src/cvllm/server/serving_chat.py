@@ -21,6 +21,7 @@ from cvllm.server.output import (
     ChoiceState,
     ChoiceUpdate,
     RequestTracker,
+    TextChunks,
     clamp_logprob,
     sse,
     token_text_and_bytes,
@@ -233,6 +234,9 @@ class _Reply:
     def __init__(self, request_id: str, created: int, model: str, tracker: RequestTracker, texts: list[_ChoiceText]):
         self.id, self.created, self.model = request_id, created, model
         self.tracker, self.texts = tracker, texts
+        self._content_chunk = TextChunks(lambda index, text: ChatCompletionChunk(
+            id=request_id, created=created, model=model,
+            choices=[ChatStreamChoice(index=index, delta=ChatDelta(content=text))]))
 
     def usage(self) -> UsageInfo:
         completion = sum(choice.num_tokens for choice in self.tracker.choices)
@@ -263,22 +267,27 @@ class _Reply:
                 yield self._chunk([ChatStreamChoice(index=text.state.index,
                                                     delta=ChatDelta(role="assistant", content=""))])
             async for batch in self.tracker.updates():
+                out: list[bytes] = []   # one body write per batch (see serving_completions' stream)
                 for choice, update in batch:
                     text = self.texts[choice.index]
                     content, reasoning = text.take(update)
-                    if content or reasoning:
+                    if content and not reasoning and text.num_logprobs is None:   # the per-token chunk
+                        out.append(self._content_chunk(choice.index, content))
+                    elif content or reasoning:
                         delta = ChatDelta()
                         if content:
                             delta.content = content
                         if reasoning:
                             delta.reasoning_content = delta.reasoning = reasoning
-                        yield self._chunk([ChatStreamChoice(index=choice.index, delta=delta,
-                                                            logprobs=text.take_pending_logprobs())])
+                        out.append(self._chunk([ChatStreamChoice(index=choice.index, delta=delta,
+                                                                 logprobs=text.take_pending_logprobs())]))
                     if update.finish_reason is not None:
                         leftover = text.take_pending_logprobs()
-                        yield self._chunk([ChatStreamChoice(
+                        out.append(self._chunk([ChatStreamChoice(
                             index=choice.index, delta=ChatDelta(), finish_reason=update.finish_reason,
-                            logprobs=leftover if leftover is not None and leftover.content else None)])
+                            logprobs=leftover if leftover is not None and leftover.content else None)]))
+                if out:
+                    yield b"".join(out)
             if include_usage:
                 yield self._chunk([], usage=self.usage())
         except Exception as e:  # mid-stream: the status line is gone, so the error travels as an event

@@ -19,6 +19,7 @@ from cvllm.server.output import (
     ChoiceState,
     ChoiceUpdate,
     RequestTracker,
+    TextChunks,
     clamp_logprob,
     merged_updates,
     sse,
@@ -183,6 +184,7 @@ class _Reply:
         self.id, self.created, self.model = request_id, created, model
         self.trackers, self.texts, self.echoed = trackers, texts, echoed
         self.prompt_done = [False] * len(trackers)
+        self._text_chunk = TextChunks(lambda index, text: self._chunk_struct(index, text, None, None))
 
     def usage(self) -> UsageInfo:
         prompt = sum(t.num_prompt_tokens for t in self.trackers)
@@ -214,13 +216,22 @@ class _Reply:
         return Response(encode(body), media_type="application/json")
 
     def _chunk(self, index: int, text: str, logprobs: CompletionLogprobs | None, finish_reason: str | None) -> bytes:
+        if logprobs is None and finish_reason is None:   # the per-token chunk
+            return self._text_chunk(index, text)
+        return sse(encode(self._chunk_struct(index, text, logprobs, finish_reason)))
+
+    def _chunk_struct(self, index: int, text: str, logprobs: CompletionLogprobs | None,
+                      finish_reason: str | None) -> CompletionChunk:
         choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)
-        return sse(encode(CompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])))
+        return CompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
 
     async def stream(self, include_usage: bool):
         try:
             started: set[int] = set()
             async for batch in merged_updates(self.trackers):
+                # one body write for the whole batch: with the socket write and the ASGI server's work per
+                # write, writes are what a streamed token costs the API process most
+                out: list[bytes] = []
                 for choice, update in batch:
                     text = self.texts[choice.index]
                     if choice.index not in started:
@@ -230,11 +241,13 @@ class _Reply:
                     else:
                         piece = text.take(update)
                     if piece:
-                        yield self._chunk(choice.index, piece, text.unsent_logprobs(), None)
+                        out.append(self._chunk(choice.index, piece, text.unsent_logprobs(), None))
                     if update.finish_reason is not None:
                         leftover = text.unsent_logprobs()
-                        yield self._chunk(choice.index, "", leftover if leftover and leftover.tokens else None,
-                                          update.finish_reason)
+                        out.append(self._chunk(choice.index, "", leftover if leftover and leftover.tokens else None,
+                                               update.finish_reason))
+                if out:
+                    yield b"".join(out)
             if include_usage:
                 usage = CompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
                                         usage=self.usage())
