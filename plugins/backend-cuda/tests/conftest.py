@@ -132,3 +132,24 @@ def check_attention(assert_matches_reference) -> Callable[..., torch.Tensor]:
         return out
 
     return check
+
+
+@pytest.fixture
+def check_rotary_write_kv() -> Callable[..., None]:
+    """``check(positions, q, k, v, rope, head_dim, cache [2, blocks, block_size, Hkv, D], slots)``: the fused launch
+    against rotary then write_kv, bit for bit: the rotated q, and both caches (slot -1 stores nothing)."""
+    def check(positions, q, k, v, rope, head_dim: int, cache: torch.Tensor, slots: torch.Tensor) -> None:
+        from cvllm_cuda.kernels.kv_cache import write_kv
+        from cvllm_cuda.kernels.rotary import rotary, rotary_write_kv
+
+        tokens, num_kv_heads = q.shape[0], cache.shape[3]
+        ref_k_cache, ref_v_cache = cache[0].clone(), cache[1].clone()
+        ref_q, ref_k = rotary(positions, q, k, rope.cos_sin_for(positions, q), head_dim)
+        write_kv(ref_k.view(tokens, num_kv_heads, head_dim), v.view(tokens, num_kv_heads, head_dim), ref_k_cache,
+                 ref_v_cache, slots)
+        k_cache, v_cache = cache[0].clone(), cache[1].clone()
+        out_q = rotary_write_kv(positions, q, k, v, rope.cos_sin, head_dim, k_cache, v_cache, slots)
+        assert torch.equal(out_q, ref_q)
+        assert torch.equal(k_cache, ref_k_cache) and torch.equal(v_cache, ref_v_cache)
+
+    return check

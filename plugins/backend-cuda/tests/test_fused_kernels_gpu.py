@@ -18,7 +18,6 @@ pytest.importorskip("triton")
 
 from cvllm.layers import RMSNorm, SiluAndMul, get_rope  # noqa: E402
 from cvllm_cuda.kernels.activation import silu_and_mul  # noqa: E402
-from cvllm_cuda.kernels.kv_cache import write_kv  # noqa: E402
 from cvllm_cuda.kernels.rms_norm import fused_add_rms_norm  # noqa: E402
 from cvllm_cuda.kernels.rotary import rotary, rotary_write_kv  # noqa: E402
 
@@ -121,7 +120,7 @@ def test_rotary(generator, dtype, shape, tokens):
 
 @pytest.mark.parametrize("shape", sorted(ROPE_SHAPES))
 @pytest.mark.parametrize("tokens", [1, 37, 2048])
-def test_rotary_write_kv(generator, shape, tokens):
+def test_rotary_write_kv(generator, check_rotary_write_kv, shape, tokens):
     """bf16: the rotated q, and the cache after the fused launch, bit-equal to rotary then write_kv; padding
     slots (-1) store nothing."""
     num_heads, num_kv_heads, head_dim, factor = ROPE_SHAPES[shape]
@@ -134,14 +133,7 @@ def test_rotary_write_kv(generator, shape, tokens):
     slots = torch.randperm(num_blocks * block_size, generator=generator)[:tokens].cuda()
     slots[::5] = -1
     cache = randn(generator, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.bfloat16)
-    ref_k_cache, ref_v_cache = cache[0].clone(), cache[1].clone()
-    ref_q, ref_k = rotary(positions, q, k, rope.cos_sin_for(positions, q), head_dim)
-    write_kv(ref_k.view(tokens, num_kv_heads, head_dim), v.view(tokens, num_kv_heads, head_dim), ref_k_cache,
-             ref_v_cache, slots)
-    k_cache, v_cache = cache[0].clone(), cache[1].clone()
-    out_q = rotary_write_kv(positions, q, k, v, rope.cos_sin, head_dim, k_cache, v_cache, slots)
-    assert torch.equal(out_q, ref_q)
-    assert torch.equal(k_cache, ref_k_cache) and torch.equal(v_cache, ref_v_cache)
+    check_rotary_write_kv(positions, q, k, v, rope, head_dim, cache, slots)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -19,7 +19,6 @@ from cvllm.backends.cpu import CpuBackend  # noqa: E402
 from cvllm.forward_context import ForwardContext, forward_context  # noqa: E402
 from cvllm.layers import RMSNorm, SiluAndMul, get_rope  # noqa: E402
 from cvllm_cuda.kernels.activation import silu_and_mul  # noqa: E402
-from cvllm_cuda.kernels.kv_cache import write_kv  # noqa: E402
 from cvllm_cuda.kernels.rms_norm import fused_add_rms_norm  # noqa: E402
 from cvllm_cuda.kernels.rotary import rotary, rotary_write_kv  # noqa: E402
 
@@ -134,7 +133,7 @@ def test_rotary_of_strided_q_and_k_is_bit_exact(generator, dtype, rope_case):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rope_case", sorted(ROPES))
-def test_rotary_write_kv_is_rotary_then_write_kv(generator, dtype, rope_case):
+def test_rotary_write_kv_is_rotary_then_write_kv(generator, check_rotary_write_kv, dtype, rope_case):
     """One launch: q rotated, the rotated k and v stored at their slots (slot -1 stores nothing), the rest of the
     cache untouched; the same bits as the two kernels."""
     head_dim, params = ROPES[rope_case]
@@ -146,14 +145,7 @@ def test_rotary_write_kv_is_rotary_then_write_kv(generator, dtype, rope_case):
     positions = torch.randint(0, 512, (tokens,), generator=generator).to(DEVICE)
     slots = torch.tensor([3, 17, -1, 0, 9, -1], device=DEVICE)
     cache = randn(generator, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
-    ref_k_cache, ref_v_cache = cache[0].clone(), cache[1].clone()
-    ref_q, ref_k = rotary(positions, q, k, rope.cos_sin_for(positions, q), head_dim)
-    write_kv(ref_k.view(tokens, num_kv_heads, head_dim), v.view(tokens, num_kv_heads, head_dim), ref_k_cache,
-             ref_v_cache, slots)
-    k_cache, v_cache = cache[0].clone(), cache[1].clone()
-    out_q = rotary_write_kv(positions, q, k, v, rope.cos_sin, head_dim, k_cache, v_cache, slots)
-    assert torch.equal(out_q, ref_q)
-    assert torch.equal(k_cache, ref_k_cache) and torch.equal(v_cache, ref_v_cache)
+    check_rotary_write_kv(positions, q, k, v, rope, head_dim, cache, slots)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # exp(100) = inf, as meant
