@@ -111,3 +111,35 @@ def test_penalties_on_the_device_match_transformers_and_the_cpu(tmp_path) -> Non
                               repetition_penalty=1.5, eos_token_id=[], pad_token_id=0)[0, len(prompts[0]):].tolist()
     assert got[0] == want
     assert got == run(LLM(model=str(path), backend="cpu", dtype="float32", max_num_seqs=8))
+
+
+def test_mixed_steps_of_new_shapes_compile_nothing(tmp_path) -> None:
+    """Eager (prefill and mixed) steps take their integer inputs as views of one upload; their addresses must not
+    follow the step's token and sequence counts (Triton compiles a variant per pointer alignment, ~0.5 s each
+    mid-serving). After a first round, rounds of other prompt lengths and batch sizes compile no Triton kernel."""
+    import triton
+
+    from cvllm_cuda.kernels import paged_attention, rotary
+
+    def variants() -> int:
+        kernels = [paged_attention._attention_kernel, rotary._rotary_kernel]
+        if not all(isinstance(getattr(k, "device_caches", None), dict) for k in kernels):
+            pytest.skip(f"triton {triton.__version__} keeps its compiled kernels elsewhere")
+        return sum(len(entry[0]) for k in kernels for entry in k.device_caches.values())
+
+    path = tmp_path / "tiny"
+    make_checkpoint(path, "llama")
+    llm = cuda_llm(path, dtype="bfloat16", max_num_batched_tokens=64, enforce_eager=True)
+
+    def run(lengths: tuple[int, ...], seed: int, max_tokens: list[int] | None = None) -> None:
+        counts = max_tokens or [3] * len(lengths)
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in counts]
+        llm.generate([{"prompt_token_ids": p} for p in random_prompts(lengths, seed)], params)
+
+    # every kind of launch once: prefill and mixed steps, and decodes of 8 down to 1 sequences (sequences that
+    # end one step apart), whose split-KV and sparse-decode tiles are chosen by the batch size
+    run((40, 9, 70, 5, 6, 12, 33, 2), seed=1, max_tokens=list(range(2, 10)))
+    before = variants()
+    for seed, lengths in enumerate([(3,), (5, 6), (31, 2, 17), (1, 1, 1, 1, 1), (100, 7, 8, 9, 63), (64,)], start=2):
+        run(lengths, seed)
+    assert variants() == before

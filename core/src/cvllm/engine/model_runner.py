@@ -23,6 +23,9 @@ from cvllm.layers.quantization import attach_linear_methods
 
 logger = logging.getLogger(__name__)
 
+# bytes between the starts of the step inputs in their one upload (see ModelRunner._to_device)
+ALIGN = 16
+
 # the step still in flight: its sampled token ids on the device, and each sampling sequence's row in them
 PreviousTokens = tuple[torch.Tensor, dict[int, int]]
 
@@ -147,15 +150,17 @@ class ModelRunner:
 
     def _to_device(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """The step's integer inputs on the device in one non-blocking host-to-device copy (upload.py): a
-        decode step has eight of them, and each copy has a fixed cost. They travel as bytes, each at an offset
-        that is a multiple of 8, and are viewed back in their own dtypes: no conversion kernel on the device."""
+        decode step has eight of them, and each copy has a fixed cost. They travel as bytes and are viewed back
+        in their own dtypes: no conversion kernel on the device. Each starts at a multiple of 16 bytes: Triton
+        compiles a kernel variant per pointer alignment (16 or not), so views whose alignment followed the step's
+        token count would compile new variants mid-serving (~0.5 s each)."""
         if self.device.type == "cpu":
             return list(tensors)
         parts, places, offset = [], [], 0
         for t in tensors:
             raw = t.contiguous().view(-1).view(torch.uint8)
             places.append((offset, raw.numel()))
-            pad = -raw.numel() % 8
+            pad = -raw.numel() % ALIGN
             parts += [raw, torch.zeros(pad, dtype=torch.uint8)] if pad else [raw]
             offset += raw.numel() + pad
         packed = upload(torch.cat(parts), self.device)
