@@ -97,7 +97,7 @@ class LLMEngine:
                             max_model_len=max_model_len, prefill_chunk_size=config.prefill_chunk_size),
             BlockManager(num_blocks, config.block_size, config.enable_prefix_caching))
         self.sampler = plugins.samplers().get("default")()   # the built-in registers it like any plugin
-        if getattr(self.backend, "argmax", None) is not None and hasattr(self.sampler, "argmax"):
+        if self.backend.argmax is not None and hasattr(self.sampler, "argmax"):
             self.sampler.argmax = self.backend.argmax
         # token counts of penalised sequences, on the device: penalties need no host token list (penalties.py)
         self.penalties = PenaltyHistory(self.checkpoint.config.vocab_size, self.backend.device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from cvllm.backends.base import fused_kernel
 from cvllm.forward_context import get_forward_context
 from cvllm.layers.rotary import RotaryEmbedding
 
@@ -34,18 +35,15 @@ class Attention(nn.Module):
         """Attention of this step's tokens; with ``rotary_emb``, q and k are rotated by ``positions`` first
         (here, so that a backend can rotate the keys on their way into the cache: one kernel, not two)."""
         ctx = get_forward_context()
-        if rotary_emb is not None:
-            fused = getattr(ctx.backend, "rotary_write_kv", None)
-            if fused is not None:
-                q = fused(positions, q, k, v, rotary_emb.cos_sin_for(positions, q), self.head_dim,
-                          self.k_cache, self.v_cache, ctx.slot_mapping)
-                out = ctx.backend.attention(q.view(-1, self.num_heads, self.head_dim), self.k_cache,
-                                            self.v_cache, ctx, self)
-                return out.reshape(-1, self.num_heads * self.head_dim)
-            q, k = rotary_emb(positions, q, k)
-        q = q.view(-1, self.num_heads, self.head_dim)      # [T, H, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        ctx.backend.write_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
-        out = ctx.backend.attention(q, self.k_cache, self.v_cache, ctx, self)
+        fused = fused_kernel("rotary_write_kv") if rotary_emb is not None else None
+        if fused is not None:
+            q = fused(positions, q, k, v, rotary_emb.cos_sin_for(positions, q), self.head_dim,
+                      self.k_cache, self.v_cache, ctx.slot_mapping)
+        else:
+            if rotary_emb is not None:
+                q, k = rotary_emb(positions, q, k)
+            k = k.view(-1, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
+            v = v.view(-1, self.num_kv_heads, self.head_dim)
+            ctx.backend.write_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        out = ctx.backend.attention(q.view(-1, self.num_heads, self.head_dim), self.k_cache, self.v_cache, ctx, self)
         return out.reshape(-1, self.num_heads * self.head_dim)

@@ -131,6 +131,8 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 
 
 def _launch(positions, q, k, v, cos_sin, head_dim, k_out, v_cache, slot_mapping) -> torch.Tensor:
+    """The rotated q; the rotated k goes to ``k_out``: a tensor shaped like k, or (with ``v_cache`` and
+    ``slot_mapping``) the paged K cache, v then going to ``v_cache``."""
     rotary_dim = cos_sin.shape[1]
     assert rotary_dim % 2 == 0 and rotary_dim <= head_dim, (rotary_dim, head_dim)
     assert positions.shape == (q.shape[0],) and cos_sin.stride(-1) == 1, (positions.shape, q.shape)
