@@ -124,12 +124,21 @@ def offline_worker(spec: dict) -> dict:
     llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     prompts = prompts_for(spec["concurrency"], spec["input_len"], spec["vocab"], seed=spec["concurrency"])
     params = SamplingParams(temperature=0, max_tokens=spec["output_len"], ignore_eos=True)
+    trace = None
+    if spec["backend"] == "cuda":   # CUDA events around each step: where the run's GPU time went, by phase
+        from step_trace import StepTrace
+
+        trace = StepTrace(llm.llm_engine)
+        trace.install()
     started = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     wall = time.perf_counter() - started
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     result = {"output_tok_s": tokens / wall, "output_tokens": tokens, "wall_s": wall, "load_s": load_s,
               "preemptions": llm.llm_engine.stats.preemptions}
+    if trace is not None:
+        trace.uninstall()
+        result["by_phase"] = trace.phases()
     if spec["hf_batches"]:
         del llm, outputs
         result["hf"] = hf_reference(spec)
@@ -310,6 +319,10 @@ def print_table(result: dict) -> None:
         print(f"{key}: {value:.1f}")
     for key in [k for k in result if k.startswith("ratio_")]:
         print(f"{key}: {result[key]:.3f} (target >= {TARGETS['ratio_http_vs_offline']})")
+    if result.get("offline", {}).get("by_phase"):
+        from step_trace import phase_table
+
+        print(phase_table(result["offline"]["by_phase"]))
 
 
 def main() -> None:
