@@ -117,12 +117,16 @@ def test_mixed_steps_of_new_shapes_compile_nothing(tmp_path) -> None:
     """Eager (prefill and mixed) steps take their integer inputs as views of one upload; their addresses must not
     follow the step's token and sequence counts (Triton compiles a variant per pointer alignment, ~0.5 s each
     mid-serving). After a first round, rounds of other prompt lengths and batch sizes compile no Triton kernel."""
+    import importlib
+
     import triton
 
-    from cvllm_cuda.kernels import paged_attention, rotary
+    # the modules (the package's names paged_attention and rotary are the functions)
+    attention, rotary = (importlib.import_module(f"cvllm_cuda.kernels.{name}")
+                         for name in ("paged_attention", "rotary"))
 
     def variants() -> int:
-        kernels = [paged_attention._attention_kernel, rotary._rotary_kernel]
+        kernels = [attention._attention_kernel, rotary._rotary_kernel]
         if not all(isinstance(getattr(k, "device_caches", None), dict) for k in kernels):
             pytest.skip(f"triton {triton.__version__} keeps its compiled kernels elsewhere")
         return sum(len(entry[0]) for k in kernels for entry in k.device_caches.values())

@@ -98,6 +98,7 @@ def _stream_k_kernel(
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
         else:   # this program's range ends inside the tile: its partial goes to the tile's finisher
             tl.store(part_ptr + pid.to(tl.int64) * (BLOCK_M * BLOCK_N) + tile_offsets, acc, cache_modifier=".cg")
+            tl.debug_barrier()   # every thread's share of the partial is stored before the one flag goes up
             tl.atomic_xchg(flag_ptr + pid, 1)
         step = stop
 
