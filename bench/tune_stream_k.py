@@ -1,6 +1,6 @@
 """Sweep the stream-K GEMM's tiles (kernels/stream_k_gemm.py) against cuBLAS for decode batches of 65..256 rows.
 
-    python bench/tune_stream_k.py --json $OUT/tune_stream_k.json      # on the GPU machine
+    python bench/tune_stream_k.py --json $OUT/tune_stream_k.json --write $OUT/tuned_matmul.py   # on the GPU
     python bench/tune_stream_k.py --tiny                              # CPU rehearsal (Triton's interpreter)
 
 Per row bucket (rows rounded up to a multiple of 64: 128, 192, 256) and Llama-3-8B projection: every
@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--buckets", default="128,192,256")
+    ap.add_argument("--write", type=Path, help="write tuned_matmul.py here with this GPU's stream-K entries merged in")
     args = ap.parse_args()
     if args.tiny:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -90,6 +91,16 @@ def main() -> None:
             if gain > 1.02:
                 result["entries"][repr((top, n, k, result["dtype"]))] = astuple(best)
     print(f"\nentries (bucket, out, in, dtype): tile: {result['entries']}")
+    if args.write and not args.tiny:
+        from tune_matmul import module_text
+
+        entries = {(top, n, k, result["dtype"]): result["shapes"][f"{name} / {top}"]["best"]
+                   for name, (n, k) in shapes.items() for top in buckets
+                   if result["shapes"][f"{name} / {top}"]["gain_vs_cublas"] > 1.02}
+        swept = {(top, n, k, result["dtype"]) for n, k in shapes.values() for top in buckets}
+        provenance = (f"bench/tune_stream_k.py at {result['commit']}, {result['date']} "
+                      f"(results/{result['date']}-h200-tune_stream_k-{result['commit']}.json)")
+        args.write.write_text(module_text(result["gpu"], {"TUNED_STREAM_K": (entries, swept)}, provenance))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 

@@ -5,15 +5,16 @@ At 256 rows a Llama-3-8B projection is compute-bound, and a tile-per-program GEM
 qkv in 96x128 tiles is 144 tiles on 132 SMs (two waves, the second 12 tiles long), gate_up in 256x128 tiles
 224 (1.7 waves). cuBLAS runs them at 500-650 TFLOP/s on an H200 against ~790 for large GEMMs. Here the
 (tile, K step) iterations are numbered tile by tile and cut into as many equal contiguous ranges as there
-are programs, so every SM does the same work. A tile whose K steps span several programs is finished by the
-one that computes its last step: the others each store their fp32 partial tile in their own workspace slot
-and raise their flag; the finishing program waits for the flags, adds the partials in program order (the same
-sum every run) and writes the output. A program ends inside at most one tile, so it needs one slot.
+are programs, so every SM does the same work. A tile whose K steps span several programs is summed by the
+last of them to get there: each stores its fp32 partial tile in its own workspace slot and counts itself in
+with an atomic add; the one whose add completes the count sums the partials in program order (the same sum
+every run, whatever the arrival order), writes the output and resets the count. No program waits for
+another, so the grid need not be resident at once, and Triton's interpreter (one program after another)
+runs it too. A program shares at most two tiles (the first and the last of its range): two slots each.
 
-Every program must be resident at once (a finisher spins on programs before it): the grid is at most the SM
-count, one program an SM. The flags return to zero as they are consumed, so the kernel is graph-safe with
-no memset. fp32 accumulation, as cuBLAS's, in another order (a last-bit difference of the rounded output).
-Only used where bench/tune_matmul.py measured it faster than cuBLAS (tuned_matmul.TUNED_STREAM_K).
+The counts return to zero as they are consumed, so the kernel is graph-safe with no memset. fp32
+accumulation, as cuBLAS's, in another order (a last-bit difference of the rounded output).
+Only used where bench/tune_stream_k.py measured it faster than cuBLAS (tuned_matmul.TUNED_STREAM_K).
 """
 
 from __future__ import annotations
@@ -38,9 +39,16 @@ class StreamKTile:
     num_stages: int
 
 
+@triton.jit
+def _owner(step, share, extra):
+    """The program whose range holds ``step``: the first ``extra`` programs take share + 1 steps, the rest share."""
+    long_steps = extra * (share + 1)
+    return tl.where(step < long_steps, step // (share + 1), extra + (step - long_steps) // tl.maximum(share, 1))
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _stream_k_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, flag_ptr,
+    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     num_rows, N, K, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
@@ -55,6 +63,7 @@ def _stream_k_kernel(
     extra = total % programs          # the first `extra` programs take one step more
     start = pid * share + tl.minimum(pid, extra)
     end = start + share + (pid < extra).to(tl.int32)
+    first_tile = start // steps_per_tile
     tile_offsets = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     ks = tl.arange(0, BLOCK_K)
     step = start
@@ -82,40 +91,44 @@ def _stream_k_kernel(
             acc = tl.dot(x, wt, acc, input_precision=DOT_PRECISION)
             x_ptrs += BLOCK_K
             wt_ptrs += BLOCK_K
-        if stop == tile_start + steps_per_tile:   # this program computed the tile's last step: it finishes it
-            contributor = pid - 1
-            contributor_end = start                # where the program before this one ends
-            while contributor_end > tile_start:     # ...inside this tile: it holds a partial of it
-                while tl.atomic_cas(flag_ptr + contributor, 1, 0) != 1:
-                    pass
-                acc += tl.load(part_ptr + contributor.to(tl.int64) * (BLOCK_M * BLOCK_N) + tile_offsets,
-                               cache_modifier=".cg")
-                contributor_end = contributor * share + tl.minimum(contributor, extra)
-                contributor -= 1
+        first = _owner(tile_start, share, extra)
+        last = _owner(tile_start + steps_per_tile - 1, share, extra)
+        finish = first == last
+        if not finish:
+            # Shared with other programs: store this partial, count it in; the last to arrive sums them all in
+            # program order (the same sum whatever the arrival order) and resets the count. No program waits.
+            slot = 2 * pid + (tile != first_tile).to(tl.int32)
+            tl.store(part_ptr + slot.to(tl.int64) * (BLOCK_M * BLOCK_N) + tile_offsets, acc, cache_modifier=".cg")
+            tl.debug_barrier()   # every thread's share of the partial is stored before the count goes up
+            finish = tl.atomic_add(count_ptr + tile, 1) == last - first
+            if finish:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for q in range(first, last + 1):
+                    q_slot = 2 * q + (tile != (q * share + tl.minimum(q, extra)) // steps_per_tile).to(tl.int32)
+                    acc += tl.load(part_ptr + q_slot.to(tl.int64) * (BLOCK_M * BLOCK_N) + tile_offsets,
+                                   cache_modifier=".cg")
+                tl.atomic_xchg(count_ptr + tile, 0)
+        if finish:
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-        else:   # this program's range ends inside the tile: its partial goes to the tile's finisher
-            tl.store(part_ptr + pid.to(tl.int64) * (BLOCK_M * BLOCK_N) + tile_offsets, acc, cache_modifier=".cg")
-            tl.debug_barrier()   # every thread's share of the partial is stored before the one flag goes up
-            tl.atomic_xchg(flag_ptr + pid, 1)
         step = stop
 
 
-_flags: dict[torch.device, torch.Tensor] = {}
+_counts: dict[torch.device, torch.Tensor] = {}
 
 
-def _flag_buffer(device: torch.device, programs: int) -> torch.Tensor:
-    """One int32 flag a program, zero between launches (each finisher resets the flags it consumes). Made on
-    the first launch outside a CUDA-graph capture, and kept; inside a first capture, a zeroed one per launch."""
-    flags = _flags.get(device)
-    if flags is None or flags.numel() < programs:
-        flags = torch.zeros(max(programs, 1024), dtype=torch.int32, device=device)
+def _count_buffer(device: torch.device, tiles: int) -> torch.Tensor:
+    """One int32 arrival count a tile, zero between launches (each tile's last arrival resets its count). Made
+    on the first launch outside a CUDA-graph capture, and kept; inside a first capture, a zeroed one per launch."""
+    counts = _counts.get(device)
+    if counts is None or counts.numel() < tiles:
+        counts = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return flags
-        _flags[device] = flags
-    return flags
+            return counts
+        _counts[device] = counts
+    return counts
 
 
 def num_programs(device: torch.device) -> int:
@@ -124,8 +137,7 @@ def num_programs(device: torch.device) -> int:
 
 def stream_k_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: StreamKTile,
                   programs: int | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for ``x [..., K]`` as a new tensor; ``programs`` defaults to the SM count
-    (more than can be resident at once would deadlock)."""
+    """``F.linear(x, weight, bias)`` for ``x [..., K]`` as a new tensor; ``programs`` defaults to the SM count."""
     n, k = weight.shape
     assert x.shape[-1] == k and weight.stride(1) == 1 and x.dtype == weight.dtype, (x.shape, weight.shape, x.dtype)
     rows = x.reshape(-1, k)
@@ -135,11 +147,12 @@ def stream_k_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
-    steps = cdiv(num_rows, config.block_m) * cdiv(n, config.block_n) * cdiv(k, config.block_k)
-    programs = min(programs or num_programs(x.device), steps)
-    part = torch.empty((programs, config.block_m * config.block_n), dtype=torch.float32, device=x.device)
+    tiles = cdiv(num_rows, config.block_m) * cdiv(n, config.block_n)
+    programs = min(programs or num_programs(x.device), tiles * cdiv(k, config.block_k))
+    # a program shares at most two tiles with others, the first and the last of its range: two slots
+    part = torch.empty((2 * programs, config.block_m * config.block_n), dtype=torch.float32, device=x.device)
     _stream_k_kernel[(programs,)](
-        rows, weight, bias if bias is not None else weight, out, part, _flag_buffer(x.device, programs),
+        rows, weight, bias if bias is not None else weight, out, part, _count_buffer(x.device, tiles),
         num_rows, n, k, rows.stride(0), weight.stride(0), n,
         HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k,
