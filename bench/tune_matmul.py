@@ -248,28 +248,20 @@ def main() -> None:
     if args.write and not args.tiny:
         provenance = (f"bench/tune_matmul.py at {result['commit']}, {result['date']} "
                       f"(results/{result['date']}-h200-tune_matmul-{result['commit']}.json)")
-        args.write.write_text(module_text(gpu, {"TUNED_GEMV": gemv, "TUNED_SKINNY": skinny}, provenance))
+        args.write.write_text(module_text(gpu, gemv, skinny, provenance))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 
 
-TABLE_TYPES = {  # tuned_matmul.py's tables: (key type, value type) as written
-    "TUNED_GEMV": ("tuple[int, int, str]", "tuple[int, int, int, int]"),
-    "TUNED_SKINNY": ("tuple[int, int, int, str]", "tuple[int, ...]"),
-    "TUNED_STREAM_K": ("tuple[int, int, int, str]", "tuple[int, int, int, int, int]"),
-}
-
-
-def module_text(gpu: str, swept_tables: dict[str, tuple], provenance: str) -> str:
-    """tuned_matmul.py with this GPU's swept keys replaced by the entries that won: ``swept_tables`` maps a
-    table's name to (entries that won, keys swept); other keys, other GPUs' and a table swept as (None, None) or
-    not named are kept as committed."""
+def module_text(gpu: str, gemv: tuple, skinny: tuple, provenance: str) -> str:
+    """tuned_matmul.py with this GPU's swept keys replaced by the entries that won (other keys and other GPUs'
+    kept; a table not swept, (None, None), kept whole)."""
     import cvllm_cuda.kernels.tuned_matmul as module
 
     lines = [f'"""{module.__doc__.strip()}"""', ""]
-    for table_name, (key_type, value_type) in TABLE_TYPES.items():
-        committed = getattr(module, table_name)
-        entries, swept = swept_tables.get(table_name, (None, None))
+    for table_name, committed, (entries, swept), key_type, value_type in [
+            ("TUNED_GEMV", module.TUNED_GEMV, gemv, "tuple[int, int, str]", "tuple[int, int, int, int]"),
+            ("TUNED_SKINNY", module.TUNED_SKINNY, skinny, "tuple[int, int, int, str]", "tuple[int, ...]")]:
         tables = dict(committed)
         if entries is not None:
             kept = {key: value for key, value in committed.get(gpu, {}).items() if key not in swept}

@@ -2,15 +2,11 @@
 
 One token: the Triton GEMV (gemv.py), faster than cuBLAS on every projection measured (tune_matmul.py).
 2..64 tokens: the Triton skinny GEMM (skinny_gemm.py) where a sweep on this GPU found it faster than cuBLAS
-for that row tile and weight shape (tuned_matmul.TUNED_SKINNY), cuBLAS otherwise. 65..256 tokens: the stream-K
-GEMM (stream_k_gemm.py) where a sweep found it faster (tuned_matmul.TUNED_STREAM_K; CVLLM_STREAM_K=0 turns it
-off, an A/B switch). Everything else, fp32, and layers too small to fill the GPU: cuBLAS.
+for that row tile and weight shape (tuned_matmul.TUNED_SKINNY), cuBLAS otherwise. Everything else, fp32,
+and layers too small to fill the GPU: cuBLAS.
 """
 
 from __future__ import annotations
-
-import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -18,15 +14,12 @@ import torch.nn.functional as F
 from cvllm_cuda.kernels import gpu
 from cvllm_cuda.kernels.gemv import MatmulTile, gemv, tiles
 from cvllm_cuda.kernels.skinny_gemm import block_m, skinny_gemm
-from cvllm_cuda.kernels.stream_k_gemm import StreamKTile, stream_k_gemm
-from cvllm_cuda.kernels.tuned_matmul import TUNED_SKINNY, TUNED_STREAM_K
+from cvllm_cuda.kernels.tuned_matmul import TUNED_SKINNY
 
 # Smaller layers stay with cuBLAS: their time is launch latency, and with fewer output features the GEMV's
 # programs would not reach every SM.
 MIN_OUT_FEATURES = 1024
 MAX_SKINNY_ROWS = 64
-MAX_STREAM_K_ROWS = 256
-STREAM_K_BUCKET = 64   # TUNED_STREAM_K's rows are bucketed by this
 
 
 SKINNY_TILES = tiles(TUNED_SKINNY)
@@ -37,24 +30,6 @@ def skinny_config(num_rows: int, weight: torch.Tensor) -> MatmulTile | None:
     n, k = weight.shape
     key = (block_m(num_rows), n, k, str(weight.dtype).removeprefix("torch."))
     return gpu.tuned_entry(SKINNY_TILES, weight.device, key)
-
-
-STREAM_K_TILES = {gpu_name: {key: StreamKTile(*value) for key, value in table.items()}
-                  for gpu_name, table in TUNED_STREAM_K.items()}
-
-
-@functools.cache
-def _stream_k_enabled() -> bool:
-    return os.environ.get("CVLLM_STREAM_K", "1") != "0"
-
-
-def stream_k_config(num_rows: int, weight: torch.Tensor) -> StreamKTile | None:
-    """The tuned stream-K tile for this many rows (65..256) of this weight on this GPU, or None (use cuBLAS)."""
-    if not _stream_k_enabled():
-        return None
-    n, k = weight.shape
-    bucket = -(-num_rows // STREAM_K_BUCKET) * STREAM_K_BUCKET
-    return gpu.tuned_entry(STREAM_K_TILES, weight.device, (bucket, n, k, str(weight.dtype).removeprefix("torch.")))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -68,8 +43,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
             config = skinny_config(num_rows, weight)
             if config is not None:
                 return skinny_gemm(x, weight, bias, config)
-        elif num_rows <= MAX_STREAM_K_ROWS:
-            tile = stream_k_config(num_rows, weight)
-            if tile is not None:
-                return stream_k_gemm(x, weight, bias, tile)
     return F.linear(x, weight, bias)

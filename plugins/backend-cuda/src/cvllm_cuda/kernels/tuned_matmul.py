@@ -5,11 +5,7 @@ TUNED_GEMV, one-token GEMV tiles (kernels/gemv.py): {gpu name: {(out_features, i
 (block_n, block_k, num_warps, num_stages)}}; gemv.gemv_config reads them, missing keys take its default.
 TUNED_SKINNY, few-row matmul tiles (kernels/skinny_gemm.py): {gpu name: {(block_m, out_features, in_features,
 dtype): (block_n, block_k, num_warps, num_stages[, split_k])}}, only where the sweep measured the kernel faster
-than cuBLAS; linear.linear() runs cuBLAS for every shape without an entry.
-TUNED_STREAM_K, stream-K tiles for 65..256 rows (kernels/stream_k_gemm.py), written by bench/tune_stream_k.py:
-{gpu name: {(row bucket, out_features, in_features, dtype): (block_m, block_n, block_k, num_warps, num_stages)}},
-the bucket being the row count rounded up to a multiple of 64; only where the sweep measured it faster than
-cuBLAS."""
+than cuBLAS; linear.linear() runs cuBLAS for every shape without an entry."""
 
 TUNED_GEMV: dict[str, dict[tuple[int, int, str], tuple[int, int, int, int]]] = {
     # bench/tune_matmul.py at b223536, 2026-12-01 (results/2026-12-01-h200-tune_matmul-b223536.json)
@@ -45,7 +41,4 @@ TUNED_SKINNY: dict[str, dict[tuple[int, int, int, str], tuple[int, ...]]] = {
         (64, 28672, 4096, "bfloat16"): (128, 128, 8, 4),
         (64, 128256, 4096, "bfloat16"): (128, 128, 8, 4),
     },
-}
-
-TUNED_STREAM_K: dict[str, dict[tuple[int, int, int, str], tuple[int, int, int, int, int]]] = {
 }
