@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -69,6 +71,45 @@ def process_cpu_s(pid: int) -> tuple[float, float]:
         frontier = {child for child, parent in parents.items() if parent in frontier} - descendants
         descendants |= frontier
     return cpu.get(pid, 0.0), sum(cpu[child] for child in descendants)
+
+
+class GpuSampler:
+    """The GPU's SM clock, power and throttle reasons every 200 ms (nvidia-smi, in the background) while the
+    ``with`` block runs; ``summary`` then holds their medians and the share of samples at the power cap. Under a
+    sustained load an H200 sits at its board power limit and lowers its clocks, so compute-bound kernels run
+    slower there than alone (2026-12-02: ~695 W, SM 1,485-1,905 MHz against 1,980 idle). Empty where
+    nvidia-smi is missing (CPU rehearsals)."""
+
+    POWER_CAP = 0x4   # nvidia-smi's clocks_throttle_reasons bit: software power cap
+
+    def __init__(self) -> None:
+        self.summary: dict[str, float] = {}
+        self._proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> GpuSampler:
+        if shutil.which("nvidia-smi"):
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", "-i", "0", "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active",
+                 "--format=csv,noheader,nounits", "-lms", "200"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        out, _ = self._proc.communicate()
+        samples = []
+        for line in out.splitlines():
+            try:
+                clock, power, reasons = (field.strip() for field in line.split(","))
+                samples.append((float(clock), float(power), int(reasons, 16)))
+            except ValueError:   # a header, a cut last line, "[N/A]"
+                continue
+        if samples:
+            self.summary = {"gpu_sm_clock_mhz_p50": statistics.median(s[0] for s in samples),
+                            "gpu_power_w_p50": statistics.median(s[1] for s in samples),
+                            "gpu_power_capped_share": sum(bool(s[2] & self.POWER_CAP) for s in samples) / len(samples)}
 
 
 def free_port() -> int:

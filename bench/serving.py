@@ -222,7 +222,7 @@ def measure(args: argparse.Namespace, workdir: Path, timings: dict) -> tuple[lis
         timings["checkpoint_write"] = time.perf_counter() - started
         log(f"random {args.shape} checkpoint written to {model} in {timings['checkpoint_write']:.1f}s")
     vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
-    from common import free_port, process_cpu_s, stop_cvserve
+    from common import GpuSampler, free_port, process_cpu_s, stop_cvserve
 
     port = free_port()
     server_log = Path(args.json).with_suffix(".server.log") if args.json else workdir / "cvserve.log"
@@ -244,9 +244,11 @@ def measure(args: argparse.Namespace, workdir: Path, timings: dict) -> tuple[lis
                 f"{', '.join(f'{t:.1f}' for t in ttft)} ms")
             for c in args.levels:
                 started, cpu_before = time.perf_counter(), process_cpu_s(server.pid)
-                levels.append(run_level(pool, url, prompts_for(c, args.input_len, vocab_size, seed=c),
-                                        args.output_len, args.streams_per_client))
+                with GpuSampler() as gpu:
+                    levels.append(run_level(pool, url, prompts_for(c, args.input_len, vocab_size, seed=c),
+                                            args.output_len, args.streams_per_client))
                 timings[f"c{c}"] = time.perf_counter() - started
+                levels[-1] |= gpu.summary
                 # the server's share of a core over the level: an API process near 100% is what limits it
                 api_s, engine_s = (after - before for after, before in zip(process_cpu_s(server.pid), cpu_before))
                 levels[-1] |= {"server_api_cpu_percent": 100 * api_s / timings[f"c{c}"],
@@ -281,6 +283,7 @@ def report(args: argparse.Namespace, levels: list[dict], offline: dict | None, t
                      f"c{c}_client_cpu_percent": r["client_cpu_percent"],
                      f"c{c}_server_api_cpu_percent": r.get("server_api_cpu_percent"),
                      f"c{c}_server_engine_cpu_percent": r.get("server_engine_cpu_percent")}
+        measured |= {f"c{c}_{key}": r[key] for key in ("gpu_sm_clock_mhz_p50", "gpu_power_w_p50") if key in r}
     from common import git_commit
     from throughput import gpu_name
 
@@ -301,18 +304,26 @@ def report(args: argparse.Namespace, levels: list[dict], offline: dict | None, t
     return result
 
 
+def gpu_cell(level: dict) -> str:
+    """The level's median SM clock, median power and share of samples at the power cap (GpuSampler)."""
+    if "gpu_sm_clock_mhz_p50" not in level:
+        return "-"
+    return (f"{level['gpu_sm_clock_mhz_p50']:.0f}/{level['gpu_power_w_p50']:.0f}/"
+            f"{level['gpu_power_capped_share']:.0%}")
+
+
 def print_table(result: dict) -> None:
     w = result["workload"]
     print(f"\n{result['shape']} on {result['gpu']} through cvserve: {w['input_len']} in / {w['output_len']} out, "
           f"one round of N streams per level")
     print(f"{'streams':>7} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'ITL p50 ms':>11} "
-          f"{'client CPU sum/max':>19} {'procs':>5} {'API/engine CPU':>15} {'errors':>6}")
+          f"{'client CPU sum/max':>19} {'procs':>5} {'API/engine CPU':>15} {'errors':>6} {'GPU MHz/W/capped':>17}")
     for r in result["levels"]:
         cpu = f"{r['client_cpu_percent']:.0f}%/{r['client_cpu_percent_max_proc']:.0f}%"
         server_cpu = f"{r.get('server_api_cpu_percent', 0):.0f}%/{r.get('server_engine_cpu_percent', 0):.0f}%"
         print(f"{r['concurrency']:>7} {r['output_tok_per_s']:>10.1f} {r['ttft_ms']['p50']:>12.1f} "
               f"{r['ttft_ms']['p99']:>12.1f} {r['itl_ms']['p50']:>11.2f} {cpu:>19} {r['client_procs']:>5} "
-              f"{server_cpu:>15} {r['errors']:>6}")
+              f"{server_cpu:>15} {r['errors']:>6} {gpu_cell(r):>17}")
     for key in [k for k in result["measured"] if k.startswith("ttft_ms_")]:
         print(f"{key}: {result['measured'][key]:.1f} ms")
     for key, value in result["reference"].items():
