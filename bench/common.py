@@ -74,7 +74,7 @@ def process_cpu_s(pid: int) -> tuple[float, float]:
 
 
 class GpuSampler:
-    """The GPU's SM clock, power and throttle reasons every 200 ms (nvidia-smi, in the background) while the
+    """GPU 0's SM clock, power and throttle reasons every 200 ms (nvidia-smi, in the background) while the
     ``with`` block runs; ``summary`` then holds their medians and the share of samples at the power cap. Under a
     sustained load an H200 sits at its board power limit and lowers its clocks, so compute-bound kernels run
     slower there than alone (2026-12-02: ~695 W, SM clock median 1,695 MHz against 1,980 idle). Empty where

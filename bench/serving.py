@@ -23,6 +23,7 @@ merges a lagging stream's deltas).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -124,20 +125,18 @@ def offline_worker(spec: dict) -> dict:
     llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     prompts = prompts_for(spec["concurrency"], spec["input_len"], spec["vocab"], seed=spec["concurrency"])
     params = SamplingParams(temperature=0, max_tokens=spec["output_len"], ignore_eos=True)
-    trace = None
-    if spec["backend"] == "cuda":   # CUDA events around each step: where the run's GPU time went, by phase
-        from step_trace import StepTrace
+    from step_trace import StepTrace
 
-        trace = StepTrace(llm.llm_engine)
-        trace.install()
-    started = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    wall = time.perf_counter() - started
+    # on CUDA, events around each step: where the run's GPU time went, by phase
+    trace = StepTrace(llm.llm_engine) if spec["backend"] == "cuda" else None
+    with trace.installed() if trace is not None else contextlib.nullcontext():
+        started = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        wall = time.perf_counter() - started
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     result = {"output_tok_s": tokens / wall, "output_tokens": tokens, "wall_s": wall, "load_s": load_s,
               "preemptions": llm.llm_engine.stats.preemptions}
     if trace is not None:
-        trace.uninstall()
         result["by_phase"] = trace.phases()
     if spec["hf_batches"]:
         del llm, outputs

@@ -7,6 +7,7 @@ Used by ``bench/serving.py``'s offline run (CUDA only; benchmarks only: it wraps
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -14,41 +15,49 @@ import torch
 class StepTrace:
     def __init__(self, engine):
         self.engine = engine
-        self.steps: list[tuple[int, int, torch.cuda.Event, torch.cuda.Event]] = []   # prompt tokens, rows, marks
-        self._start: torch.cuda.Event | None = None
+        # per sampled step: prompt tokens, decode rows, CUDA events at its launch and after its sampling. A step
+        # that samples nothing (only prompt chunks) has no readback: it is counted into the next one that does.
+        self.steps: list[tuple[int, int, torch.cuda.Event, torch.cuda.Event]] = []
+        self._pending: list | None = None   # [prompt tokens, decode rows, start event] since the last readback
         self.wall_s = 0.0
 
-    def install(self) -> None:
+    @contextmanager
+    def installed(self):
         engine, runner = self.engine, self.engine.runner
         run, readback = runner.run, engine.backend.start_readback
 
         def marked_run(batch, *args, **kwargs):
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
-            self._batch = (batch.num_prefill_tokens, batch.num_decodes)
+            if self._pending is None:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+                self._pending = [0, 0, start]
+            self._pending[0] += batch.num_prefill_tokens
+            self._pending[1] += batch.num_decodes
             return run(batch, *args, **kwargs)
 
         def marked_readback(tensors):
             wait = readback(tensors)
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self.steps.append((*self._batch, self._start, end))
+            prompt, rows, start = self._pending
+            self.steps.append((prompt, rows, start, end))
+            self._pending = None
             return wait
 
         runner.run, engine.backend.start_readback = marked_run, marked_readback
-        self._began = time.perf_counter()
-
-    def uninstall(self) -> None:
-        torch.cuda.synchronize()
-        self.wall_s = time.perf_counter() - self._began
-        del self.engine.runner.run, self.engine.backend.start_readback   # the methods show again
+        began = time.perf_counter()
+        try:
+            yield self
+        finally:
+            torch.cuda.synchronize()
+            self.wall_s = time.perf_counter() - began
+            del runner.run, engine.backend.start_readback   # the instance attributes go: the methods show again
 
     def phases(self) -> dict:
         """{phase: {steps, gpu_s, idle_s, prompt_tokens, decode_rows}} and the run's totals."""
         if not self.steps:
             return {}
-        full = max(rows for prompt, rows, _, _ in self.steps if not prompt) if any(
-            not prompt for prompt, _, _, _ in self.steps) else 0
+        full = max((rows for prompt, rows, _, _ in self.steps if not prompt), default=0)
         phases: dict[str, dict] = {}
         previous_end = None
         for prompt, rows, start, end in self.steps:
