@@ -89,6 +89,56 @@ def test_matches_naive_per_token_loop(renormalize: bool) -> None:
     torch.testing.assert_close(got, naive_moe(x, logits, w, renormalize), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tokens", [1, 3, T])
+def test_padded_form_matches_the_naive_loop(tokens: int) -> None:
+    """The sync-free form (decode steps on CUDA, captured in graphs) computes what the grouped one does."""
+    w = expert_weights()
+    model, _ = loaded_model(per_expert_tensors(w), renormalize=True)
+    layer = model.mlp.experts
+    x, logits = randn(tokens, H, seed=20), randn(tokens, E, seed=21) * 2
+    weights, ids = select_experts(logits, TOP_K, renormalize=True)
+    with torch.inference_mode():
+        padded = fused_moe_module.experts_padded(layer, x, weights, ids)
+        grouped = fused_moe_module.experts_grouped(layer, x, weights, ids)
+    torch.testing.assert_close(padded, naive_moe(x, logits, w, True), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(padded, grouped, rtol=1e-5, atol=1e-5)
+
+
+def test_padded_form_reads_nothing_back_to_the_host() -> None:
+    """On the meta device every value is unknown: a form that reads counts back (``.tolist()``, bincount's
+    output size, a boolean mask) cannot run there. The padded form must; the grouped one cannot."""
+    layer = FusedMoE(E, TOP_K, H, I).to("meta")
+    x = torch.empty(5, H, device="meta")
+    weights, ids = torch.empty(5, TOP_K, device="meta"), torch.empty(5, TOP_K, dtype=torch.long, device="meta")
+    assert fused_moe_module.experts_padded(layer, x, weights, ids).shape == (5, H)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        fused_moe_module.experts_grouped(layer, x, weights, ids)
+
+
+def test_decode_steps_on_a_sync_free_backend_take_the_padded_form(monkeypatch) -> None:
+    from cvllm.backends.cpu import CpuBackend
+    from cvllm.forward_context import ForwardContext, forward_context
+
+    model, _ = loaded_model(per_expert_tensors(expert_weights()))
+    taken = []
+    for form in ("experts_padded", "experts_grouped"):
+        real = getattr(fused_moe_module, form)
+        monkeypatch.setattr(fused_moe_module, form, lambda *a, _real=real, _form=form: taken.append(_form) or _real(*a))
+
+    def run(backend, decode_only: bool) -> None:
+        ctx = ForwardContext(backend, *([None] * 4), [], [], [], 1, 1, decode_only)
+        with forward_context(ctx), torch.inference_mode():
+            model.mlp.experts(randn(4, H, seed=1), randn(4, E, seed=2))
+
+    class SyncFree(CpuBackend):
+        sync_free_decode = True
+
+    run(CpuBackend(), decode_only=True)
+    run(SyncFree(), decode_only=False)
+    run(SyncFree(), decode_only=True)
+    assert taken == ["experts_grouped", "experts_grouped", "experts_padded"]
+
+
 def test_renormalisation_changes_the_output() -> None:
     # guards the parametrised test above: it compares two different computations
     w, x, logits = expert_weights(), randn(T, H, seed=10), randn(T, E, seed=11)

@@ -39,6 +39,19 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    # -- giving the memory back ----------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Free the weights, the KV cache and the CUDA graphs now (``del llm`` and a garbage collection do the
+        same later). The LLM cannot generate afterwards."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
     def default_sampling_params(self) -> SamplingParams:
         """The checkpoint's generation_config.json defaults (temperature, top_p, top_k ...)."""
         gen = self.llm_engine.checkpoint.generation_config

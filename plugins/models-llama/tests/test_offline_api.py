@@ -159,9 +159,14 @@ def test_prompt_logprobs_through_chunks_and_prefix_cache(model_dir):
     ids = list(range(30, 70))  # 40 tokens: three chunks of 16
     # cache the prompt's blocks first: a prompt-logprobs request must not skip them
     llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1))
-    hits_before = llm.llm_engine.stats.prefix_hit_tokens
+    stats = llm.llm_engine.stats
+    hits_before, chunks_before = stats.prefix_hit_tokens, stats.prefill_chunks
     out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))[0]
-    assert llm.llm_engine.stats.prefix_hit_tokens == hits_before
+    assert stats.prefix_hit_tokens == hits_before           # it recomputed the cached blocks ...
+    assert stats.prefill_chunks - chunks_before == 2        # ... in chunks of 16 (two before the last)
+    # the blocks were cached all along: a plain request of the same prompt hits them
+    llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1))
+    assert stats.prefix_hit_tokens - hits_before >= 32
     expected = torch.log_softmax(llm.llm_engine.prompt_logits([ids])[0], dim=-1)
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
     for pos in range(1, len(ids)):
@@ -202,3 +207,32 @@ def test_a_device_backend_runs_its_host_work_on_its_own_threads(model_dir, monke
         assert torch.get_num_threads() == 2, "OMP_NUM_THREADS, when set, is the user's choice"
     finally:
         torch.set_num_threads(threads)
+
+
+def test_shutdown_context_manager_and_del_free_the_model(model_dir):
+    """No reference outlives the LLM: the model (its weights), KV cache and graphs go when it is shut down, when
+    its ``with`` block ends, and when it is deleted and garbage-collected (the GPU test measures the memory)."""
+    import gc
+    import weakref
+
+    def model_ref(llm: LLM) -> weakref.ref:
+        llm.generate("warm", SamplingParams(max_tokens=2, ignore_eos=True))
+        return weakref.ref(llm.llm_engine.runner.model)
+
+    llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=8)
+    ref = model_ref(llm)
+    llm.shutdown()
+    assert ref() is None
+    llm.shutdown()   # twice is fine
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate("again", SamplingParams(max_tokens=2))
+
+    with LLM(model=str(model_dir), dtype="float32", num_kv_blocks=8) as llm:
+        ref = model_ref(llm)
+    assert ref() is None
+
+    llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=8)
+    ref = model_ref(llm)
+    del llm
+    gc.collect()
+    assert ref() is None

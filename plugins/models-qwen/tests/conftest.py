@@ -14,72 +14,18 @@ import pytest
 import torch
 from tokenizers import AddedToken
 
-from cvllm.testing.checkpoints import (
-    BASE_CONFIG,
-    TOKENIZER_VOCAB_SIZE,
-    published_spelling,
-    randomize_norms_and_biases,
-    save_sharded,
-)
+from cvllm.testing.checkpoints import TOKENIZER_VOCAB_SIZE, make_checkpoint
 from cvllm.testing.threads import one_torch_thread as _one_torch_thread
-from cvllm.testing.tokenizer import build_tiny_tokenizer, tokenizer_config, write_tiny_tokenizer
+from cvllm.testing.tokenizer import build_tiny_tokenizer, tokenizer_config
 
 # Everything the tests load is on disk; nothing may reach for the hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-# arch -> (transformers config class, model class)
-ARCHITECTURES = {
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-}
-# 8 experts, top-2, as small as the dense layers
-MOE_CONFIG = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
-ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
-    "qwen2": {},
-    "qwen3": {"head_dim": 16},
-    "qwen2_moe": {**MOE_CONFIG, "shared_expert_intermediate_size": 48},
-    "qwen3_moe": {**MOE_CONFIG, "head_dim": 16},
-}
 
 
 @dataclass(slots=True)
 class TinyCheckpoint:
     path: Path
     model: Any  # the transformers model whose weights the files hold (fp32, eval mode)
-
-
-def make_qwen_checkpoint(dir: Path, arch: str, *, spelling: str = "published", shards: int = 1,
-                         fused_experts: bool = False, seed: int = 0, **overrides: Any) -> Any:
-    """A random tiny Qwen model saved as an HF checkpoint directory, with the shared tiny tokenizer.
-
-    ``spelling="published"`` writes config.json as hub checkpoints spell it: rope_theta/torch_dtype, no
-    ``layer_types``, and ``num_experts`` (transformers 5 writes Qwen3-MoE's as ``num_local_experts``).
-    ``fused_experts`` saves transformers' in-memory expert tensors (``experts.gate_up_proj``) instead of
-    the per-expert ones ``save_pretrained`` writes by default.
-    """
-    import transformers
-
-    config_name, model_name = ARCHITECTURES[arch]
-    values = {**BASE_CONFIG, **ARCH_DEFAULTS[arch], **overrides}
-    config = getattr(transformers, config_name)(attn_implementation="eager", **values)
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(config).to(torch.float32).eval()
-    randomize_norms_and_biases(model, seed)
-    if fused_experts:
-        model.save_pretrained(dir, safe_serialization=True, save_original_format=False)
-    else:
-        save_sharded(model, dir, shards)
-    if spelling == "published":
-        path = dir / "config.json"
-        raw = published_spelling(json.loads(path.read_text()))
-        raw.pop("layer_types", None)
-        if "num_local_experts" in raw:
-            raw["num_experts"] = raw.pop("num_local_experts")
-        path.write_text(json.dumps(raw, indent=2))
-    write_tiny_tokenizer(dir, vocab_size=TOKENIZER_VOCAB_SIZE)
-    return model
 
 
 CheckpointFactory = Callable[..., TinyCheckpoint]
@@ -94,7 +40,7 @@ def qwen_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFacto
         key = json.dumps([arch, kwargs], sort_keys=True)
         if key not in built:
             path = tmp_path_factory.mktemp(f"{arch}-{len(built)}")
-            built[key] = TinyCheckpoint(path, make_qwen_checkpoint(path, arch, **kwargs))
+            built[key] = TinyCheckpoint(path, make_checkpoint(path, arch, **kwargs))
         return built[key]
 
     return build

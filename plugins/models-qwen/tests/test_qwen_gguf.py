@@ -305,6 +305,20 @@ def test_greedy_tokens_equal_transformers(case: GGUFCase, fp32_llm: LLM) -> None
     assert [list(out.outputs[0].token_ids) for out in outputs] == want
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_greedy_tokens_equal_transformers_on_cuda_with_graphs(case: GGUFCase) -> None:
+    """The GGUF files (dense and MoE, F32 and Q8_0) on the CUDA backend with its defaults (graphs, async
+    scheduling) but fp32, greedy against transformers on the weights the file holds."""
+    prompts = random_prompts((5, 14, 27), seed=GREEDY_SEED)
+    want = hf_greedy(case.oracle, prompts, NEW_TOKENS)
+    llm = LLM(model=str(case.path), backend="cuda", dtype="float32", max_num_seqs=8)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [list(out.outputs[0].token_ids) for out in outputs] == want
+    assert llm.llm_engine.runner.decode_forward.replays > 0, "no decode step replayed a CUDA graph"
+
+
 def test_bf16_engine_dequantizes_experts_to_bf16(tmp_path, caplog) -> None:
     model = tiny_model("qwen3moe")
     path = tmp_path / "tiny-qwen3moe-Q8_0.gguf"

@@ -19,6 +19,10 @@ class Backend:
     # backend's host work is many small tensor ops each step: a pool of threads adds wake-ups to the larger ones
     # and spins between steps on cores the server and its clients need (OMP_NUM_THREADS, when set, wins)
     host_threads: int | None = None
+    # Decode-only forward passes read nothing back to the host: the backend captures them in graphs (CUDA) or
+    # queues the next step behind them. Layers whose plain form syncs (MoE's per-expert counts) take a sync-free
+    # form on such a backend.
+    sync_free_decode: bool = False
 
     # Optional fused kernels. The layers call one when the backend of the forward pass in progress
     # has it (not None) and run their torch code otherwise, so model code never changes; a fused
@@ -77,6 +81,9 @@ class Backend:
 
     def synchronize(self) -> None:
         pass
+
+    def empty_cache(self) -> None:
+        """Return memory that freed tensors left in the framework's cache to the device (after a shutdown)."""
 
 
 def fused_kernel(name: str) -> Callable | None:

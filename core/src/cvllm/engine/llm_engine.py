@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import os
@@ -143,6 +144,8 @@ class LLMEngine:
     # -- requests ----------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[Sequence]:
+        if self.runner is None:
+            raise RuntimeError("this engine was shut down: its model and KV cache are freed")
         if request_id in self.requests:
             raise ValueError(f"request id '{request_id}' is already in use")
         if not prompt_token_ids:
@@ -192,6 +195,21 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
+
+    def shutdown(self) -> None:
+        """Drop the model, its KV cache and graphs, and hand the device memory back to the device. Idempotent;
+        the engine refuses new requests afterwards."""
+        if self.runner is None:
+            return
+        if self._inflight is not None:
+            self.backend.synchronize()  # a launched step still writes into the cache it is about to lose
+        for request_id in list(self.requests):
+            self.abort_request(request_id)
+        self._inflight = self.last_batch = None
+        self.runner = self.penalties = None
+        # the runner and its graphs reference each other (the graphs replay the runner's bound forward)
+        gc.collect()
+        self.backend.empty_cache()
 
     @property
     def has_step_in_flight(self) -> bool:

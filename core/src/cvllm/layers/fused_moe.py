@@ -37,6 +37,7 @@ from torch import nn
 
 from cvllm.checkpoint.base import CheckpointError
 from cvllm.distributed import all_reduce, divide, tp_rank, tp_size
+from cvllm.forward_context import current_forward_context
 from cvllm.layers.activation import SiluAndMul
 from cvllm.weight_loading import load_weights_by_name
 
@@ -64,7 +65,17 @@ class FusedMoEMethod:
 
 
 class UnquantizedFusedMoEMethod(FusedMoEMethod):
-    """The torch reference: tokens grouped by expert, one gate_up and one down matmul per busy expert."""
+    """The torch reference. Two forms, the same numbers up to matmul rounding:
+
+    - grouped: the (token, expert) pairs sorted by expert, one gate_up and one down matmul per busy expert.
+      Least arithmetic, but it reads the per-expert counts back to the host to slice the groups.
+    - padded: every expert gets a slot for each of the T tokens (a token picks an expert at most once, so T
+      slots always suffice), the pairs are scattered into ``[E, T, H]`` and two batched matmuls run over all
+      of it. No value is read back to the host, so a CUDA graph can capture it, at the price of E / k times
+      the arithmetic of the grouped form: cheap for decode batches, where reading the weights is the cost.
+
+    A decode-only forward on a backend with ``sync_free_decode`` (CUDA: graphs, async scheduling) takes the
+    padded form; everything else the grouped one. A fused grouped-GEMM kernel replaces both (issue 19)."""
 
     def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int, intermediate_local: int,
                        dtype: torch.dtype) -> None:
@@ -75,24 +86,58 @@ class UnquantizedFusedMoEMethod(FusedMoEMethod):
 
     def apply(self, layer: FusedMoE, hidden: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-        top_k = topk_ids.shape[1]
-        flat_ids = topk_ids.reshape(-1)                       # [T * k], token-major
-        order = torch.argsort(flat_ids, stable=True)          # pairs sorted by expert id
-        token_of_pair = order // top_k                        # [T * k] source token of each sorted pair
-        # one host sync per layer, to size the per-expert slices (a GPU kernel reads the offsets on device)
-        counts = torch.bincount(flat_ids, minlength=layer.num_experts).tolist()
-        grouped = hidden[token_of_pair]                       # [T * k, H]
-        out = torch.empty_like(grouped)
-        start = 0
-        for expert, count in enumerate(counts):               # experts, never tokens
-            if count:
-                rows = slice(start, start + count)
-                gate_up = F.linear(grouped[rows], layer.w13_weight[expert])   # [n, 2 * I_local]
-                out[rows] = F.linear(layer.act_fn(gate_up), layer.w2_weight[expert])
-                start += count
-        # the routing weights are cast to the activations' dtype before the product, as transformers does
-        out *= topk_weights.reshape(-1)[order].to(hidden.dtype).unsqueeze(-1)
-        return torch.zeros_like(hidden).index_add_(0, token_of_pair, out)
+        ctx = current_forward_context()
+        if ctx is not None and ctx.is_decode_only and getattr(ctx.backend, "sync_free_decode", False):
+            return experts_padded(layer, hidden, topk_weights, topk_ids)
+        return experts_grouped(layer, hidden, topk_weights, topk_ids)
+
+
+def _pairs_by_expert(topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, expert id, source token) of the T * k (token, expert) pairs sorted by expert, stably."""
+    flat_ids = topk_ids.reshape(-1)                           # [T * k], token-major
+    order = torch.argsort(flat_ids, stable=True)
+    return order, flat_ids[order], order // topk_ids.shape[1]
+
+
+def _combine(hidden: torch.Tensor, out: torch.Tensor, topk_weights: torch.Tensor, order: torch.Tensor,
+             token_of_pair: torch.Tensor) -> torch.Tensor:
+    """Each sorted pair's expert output times its routing weight, summed into its token's row."""
+    # the routing weights are cast to the activations' dtype before the product, as transformers does
+    out = out * topk_weights.reshape(-1)[order].to(hidden.dtype).unsqueeze(-1)
+    return torch.zeros_like(hidden).index_add_(0, token_of_pair, out)
+
+
+def experts_grouped(layer: FusedMoE, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor) -> torch.Tensor:
+    order, _, token_of_pair = _pairs_by_expert(topk_ids)
+    # one host sync per layer, to size the per-expert slices
+    counts = torch.bincount(topk_ids.reshape(-1), minlength=layer.num_experts).tolist()
+    grouped = hidden[token_of_pair]                           # [T * k, H]
+    out = torch.empty_like(grouped)
+    start = 0
+    for expert, count in enumerate(counts):                   # experts, never tokens
+        if count:
+            rows = slice(start, start + count)
+            gate_up = F.linear(grouped[rows], layer.w13_weight[expert])   # [n, 2 * I_local]
+            out[rows] = F.linear(layer.act_fn(gate_up), layer.w2_weight[expert])
+            start += count
+    return _combine(hidden, out, topk_weights, order, token_of_pair)
+
+
+def experts_padded(layer: FusedMoE, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor) -> torch.Tensor:
+    tokens, num_experts = hidden.shape[0], layer.num_experts
+    order, expert_of_pair, token_of_pair = _pairs_by_expert(topk_ids)
+    # each pair's rank inside its expert's group: its sorted position minus where the group starts
+    counts = torch.zeros(num_experts, dtype=torch.long, device=hidden.device)
+    counts.scatter_add_(0, expert_of_pair, torch.ones_like(expert_of_pair))
+    group_start = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(expert_of_pair.shape[0], device=hidden.device) - group_start[expert_of_pair]
+    slot = expert_of_pair * tokens + rank                     # row of [E * T, H]; rank < T always
+    grouped = hidden.new_zeros(num_experts * tokens, hidden.shape[1]).index_copy_(0, slot, hidden[token_of_pair])
+    gate_up = torch.bmm(grouped.view(num_experts, tokens, -1), layer.w13_weight.transpose(1, 2))
+    down = torch.bmm(layer.act_fn(gate_up), layer.w2_weight.transpose(1, 2))    # [E, T, H]
+    return _combine(hidden, down.reshape(num_experts * tokens, -1)[slot], topk_weights, order, token_of_pair)
 
 
 _ACTIVATIONS = {"silu": SiluAndMul}
@@ -133,7 +178,9 @@ class FusedMoE(nn.Module):
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
         if self.expert_counts is not None:
-            self.expert_counts += torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
+            # scatter_add, not bincount: bincount sizes its output from the largest id, a host sync on CUDA
+            flat_ids = topk_ids.reshape(-1)
+            self.expert_counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
         out = self.quant_method.apply(self, hidden, topk_weights, topk_ids)
         return all_reduce(out) if self.reduce_results and self.tp_size > 1 else out
 

@@ -66,18 +66,29 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "sliding": {"sliding_window": 16},
 }
 
-ARCHITECTURES = ("llama", "mistral")
+# arch -> (transformers config class, model class, config defaults of the tiny model)
+MOE_CONFIG = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}  # as small as the MLPs
+ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {**MOE_CONFIG, "shared_expert_intermediate_size": 48}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {**MOE_CONFIG, "head_dim": 16}),
+}
 
 
 def tiny_config(arch: str = "llama", **overrides: Any):
     """The transformers config of a tiny model of `arch`, eager attention, fp32."""
-    from transformers import LlamaConfig, MistralConfig
+    import transformers
 
-    config_class = {"llama": LlamaConfig, "mistral": MistralConfig}[arch]
-    values = {**BASE_CONFIG, **overrides}
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {arch!r} (known: {', '.join(ARCHITECTURES)})")
+    config_name, _, defaults = ARCHITECTURES[arch]
+    values = {**BASE_CONFIG, **defaults, **overrides}
     if arch == "llama" and "sliding_window" in values:
         raise ValueError("Llama has no sliding window; use arch='mistral'")
-    return config_class(attn_implementation="eager", **values)
+    return getattr(transformers, config_name)(attn_implementation="eager", **values)
 
 
 def make_checkpoint(
@@ -87,30 +98,42 @@ def make_checkpoint(
     seed: int = 0,
     spelling: Spelling = "published",
     shards: int = 1,
+    fused_experts: bool = False,
     **config_overrides: Any,
 ) -> PreTrainedModel:
     """Build a random tiny model, save it as an HF checkpoint directory, return it (fp32, eval mode).
 
     `spelling="published"` rewrites config.json the way checkpoints on the hub spell it
-    (`rope_theta`/`rope_scaling` top-level, `torch_dtype`); "v5" keeps what transformers 5 writes.
+    (`rope_theta`/`rope_scaling` top-level, `torch_dtype`, no `layer_types`, MoE's `num_experts`: transformers 5
+    writes Qwen3-MoE's as `num_local_experts`); "v5" keeps what transformers 5 writes. `fused_experts` saves
+    transformers' in-memory expert tensors (`experts.gate_up_proj`) instead of the per-expert ones
+    `save_pretrained` writes by default.
     """
-    from transformers import LlamaForCausalLM, MistralForCausalLM
+    import transformers
 
     if spelling not in ("published", "v5"):
         raise ValueError(f"spelling must be 'published' or 'v5', not {spelling!r}")
     dir = Path(dir)
     dir.mkdir(parents=True, exist_ok=True)
     config = tiny_config(arch, **config_overrides)
-    model_class = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM}[arch]
+    model_class = getattr(transformers, ARCHITECTURES[arch][1])
 
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float32).eval()
     randomize_norms_and_biases(model, seed)
 
-    save_sharded(model, dir, shards)
+    if fused_experts:
+        model.save_pretrained(dir, safe_serialization=True, save_original_format=False)
+    else:
+        save_sharded(model, dir, shards)
     if spelling == "published":
         config_path = dir / "config.json"
-        config_path.write_text(json.dumps(published_spelling(json.loads(config_path.read_text())), indent=2))
+        raw = published_spelling(json.loads(config_path.read_text()))
+        if arch not in ("llama", "mistral"):  # published Qwen configs list no layer_types
+            raw.pop("layer_types", None)
+        if "num_local_experts" in raw:
+            raw["num_experts"] = raw.pop("num_local_experts")
+        config_path.write_text(json.dumps(raw, indent=2))
     write_tiny_tokenizer(dir, vocab_size=TOKENIZER_VOCAB_SIZE)
     return model
 

@@ -25,6 +25,7 @@ class CudaBackend(Backend):
     default_max_num_seqs = 256
     default_max_num_batched_tokens = 8192
     host_threads = 1
+    sync_free_decode = True    # decode steps are captured in CUDA graphs
 
     @classmethod
     def is_available(cls) -> bool:
@@ -83,3 +84,6 @@ class CudaBackend(Backend):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
