@@ -224,3 +224,21 @@ def test_shutdown_gives_the_gpu_memory_back(tmp_path) -> None:
     llm = loaded()
     del llm
     check("del llm")
+
+
+def test_a_kv_cache_full_of_nan_changes_nothing(tmp_path) -> None:
+    """The cache is allocated without a fill: slots no sequence wrote, the graphs' padding rows' block 0 among
+    them, must never reach an output row."""
+    make_checkpoint(tmp_path / "llama", "llama")
+    prompts = random_prompts((3, 9, 30, 14, 21, 6), seed=5)     # 6 rows: the graph of 8 pads two
+
+    def run(fill: float) -> list[list[int]]:
+        llm = cuda_llm(tmp_path / "llama", dtype="bfloat16", block_size=16, max_num_batched_tokens=32)
+        for layer in llm.llm_engine.runner.attention_layers:
+            layer.k_cache.fill_(fill)
+            layer.v_cache.fill_(fill)
+        tokens = generate(llm, prompts)
+        assert llm.llm_engine.runner.decode_forward.replays > 0
+        return tokens
+
+    assert run(float("nan")) == run(0.0)

@@ -55,6 +55,10 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         return torch.empty(rows.shape, dtype=torch.float32, device=rows.device).copy_(rows)
 
     k, v = gather(k_cache), gather(v_cache)
+    # Keys past a sequence's length (the rest of its last block, padded table entries) are masked out of the
+    # scores, but their values still meet a zero weight in the matmul, and 0 * NaN is NaN: the cache is never
+    # zero-filled, so what lies there is whatever the memory held
+    v.masked_fill_((torch.arange(S, device=v.device) >= kv_lens[:, None])[:, None, :, None], 0.0)
     # the G query heads of a KV head and the Lq queries form the rows of one matmul per (sequence, KV head)
     qg = q.float().view(B, Lq, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Lq, D)
     scores = torch.matmul(qg, k.transpose(2, 3)).view(B, Hkv, G, Lq, S) * scale
