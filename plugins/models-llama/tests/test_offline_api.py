@@ -236,3 +236,21 @@ def test_shutdown_context_manager_and_del_free_the_model(model_dir):
     del llm
     gc.collect()
     assert ref() is None
+
+
+def test_a_kv_cache_full_of_nan_changes_nothing(model_dir):
+    """The KV cache is allocated without a fill: slots no sequence wrote (the rest of a last block, padded
+    block-table entries pointing at block 0) must never reach an output, whatever they hold."""
+    prompts = [{"prompt_token_ids": list(range(5 + n, 5 + n + length))} for n, length in enumerate((3, 11, 27, 6))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+
+    def run(fill: float) -> list:
+        llm = LLM(model=str(model_dir), dtype="float32", block_size=8, max_num_batched_tokens=16, num_kv_blocks=32)
+        for layer in llm.llm_engine.runner.attention_layers:
+            layer.k_cache.fill_(fill)
+            layer.v_cache.fill_(fill)
+        return [(out.outputs[0].token_ids, out.outputs[0].cumulative_logprob) for out in llm.generate(prompts, params)]
+
+    with_nan, with_zeros = run(float("nan")), run(0.0)
+    assert with_nan == with_zeros
+    assert all(logprob == logprob for _, logprob in with_nan)   # no NaN
