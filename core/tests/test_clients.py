@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 import math
+import socket
 
 import httpx
 import pytest
@@ -184,6 +185,23 @@ def test_chat_command_line(monkeypatch):
     assert "cvllm chat with tiny-model at http://x:2000/v1" in out.getvalue()
     assert server.requests[0]["chat_template_kwargs"] == {"enable_thinking": False}
     assert server.requests[0]["top_p"] == 0.8
+
+
+@pytest.mark.parametrize("model", [None, "named-model"])   # naming the model must not skip the check
+def test_chat_fails_at_start_when_the_server_cannot_be_reached(model, capsys):
+    with socket.socket() as closed:   # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    argv = ["chat", "--url", f"http://127.0.0.1:{port}"] + (["--model", model] if model else [])
+    out = io.StringIO()
+
+    def no_prompt(prompt: str) -> str:
+        pytest.fail("started the prompt loop with no server to talk to")
+
+    code = chat_mod.main(cli.build_parser().parse_args(argv), console=Console(file=out), read_line=no_prompt)
+    assert code == 1 and out.getvalue() == ""
+    url = f"http://127.0.0.1:{port}/v1"
+    assert capsys.readouterr().err == f"cvllm chat: error: cannot reach {url}: connection refused\n"
 
 
 # -- bench -----------------------------------------------------------------------------------------

@@ -4,7 +4,11 @@ opens ``<think>``, graceful SIGTERM with a request in flight, and a model that c
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
+import subprocess
+import sys
 
 import httpx
 import openai
@@ -114,6 +118,39 @@ def test_sigterm_lets_the_request_in_flight_finish(model_dir):
         assert "server stopped" in live.log()
     finally:
         live.close()
+
+
+@pytest.fixture
+def taken_port():
+    """A port another program listens on."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        yield other.getsockname()[1]
+
+
+def test_cvserve_on_a_port_in_use_says_so_in_one_line(model_dir, taken_port):
+    command = [sys.executable, "-m", "cvllm.server.cli", "--w", str(model_dir), "--backend", "cpu",
+               "--p", str(taken_port)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2   # as cvserve's other start errors
+    # checked before the model is opened: the line is all there is, no model loading and no traceback
+    assert result.stderr == f"cvserve: error: cannot serve on 127.0.0.1:{taken_port}: address already in use\n"
+
+
+def test_a_server_that_cannot_bind_its_port_exits_with_2_and_no_traceback(model_dir, taken_port):
+    # the server's own bind, as when another program takes the port after cvserve checked it
+    engine = {"model": str(model_dir), "dtype": "float32", "backend": "cpu"}
+    live = LiveServer(engine, port=taken_port)
+    try:
+        with pytest.raises(RuntimeError, match="exited with 2"):
+            live.start(timeout=60)
+        lines = live.log().splitlines()
+    finally:
+        live.close()
+    assert len(lines) == 1 and lines[0].endswith(
+        f"ERROR cvllm.server: cannot serve on 127.0.0.1:{taken_port}: address already in use"), lines
 
 
 def test_a_model_that_cannot_be_opened_exits_with_1(tmp_path):

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,6 +16,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
+from safetensors import safe_open
 
 from cvllm import LLM
 from cvllm.checkpoint.base import Checkpoint, CheckpointError
@@ -171,10 +175,45 @@ def test_rows_without_super_blocks_fall_back_like_llama_cpp(tmp_path, caplog):
     fallbacks = [r.getMessage() for r in caplog.records if "instead of Q4_K" in r.getMessage()]
     assert fallbacks == [f"isq: layer 'model.layers.{i}.mlp.down_proj' has 320 inputs, not a multiple of 256: "
                          f"Q5_0 instead of Q4_K" for i in range(len(layers))]
-    summary = [r.getMessage() for r in caplog.records if r.getMessage().startswith("in-situ quantization to Q4_K")]
-    assert len(summary) == 1 and "8 linear layers" in summary[0] and "(2 fell back)" in summary[0]
+    summary = [r.getMessage() for r in caplog.records if r.getMessage().startswith("quantized ")]
+    assert len(summary) == 1 and summary[0].startswith("quantized 8 linear layers to Q4_K, ")
+    assert "(2 fell back)" in summary[0]
     reference = own_reference(model, lambda in_features: GGMLType.Q5_0 if in_features == 320 else GGMLType.Q4_K)
     assert greedy(llm) == hf_greedy(reference, PROMPTS, NEW_TOKENS)
+
+
+# The load as cvserve's engine core runs it: INFO logs on a stderr that is a pipe, not a terminal.
+LOAD_WITH_LOGS = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+from cvllm import LLM
+LLM(model=sys.argv[1], dtype="float32", isq="q8_0", num_kv_blocks=16, backend="cpu")
+"""
+
+
+def test_a_logged_load_has_one_line_per_phase_and_no_bars(checkpoint):
+    directory, _ = checkpoint
+    with safe_open(directory / "model.safetensors", "pt") as weights:
+        tensors = len(list(weights.keys()))
+    # bytes, not text=True: universal newlines would turn the carriage returns looked for into newlines
+    result = subprocess.run([sys.executable, "-c", LOAD_WITH_LOGS, str(directory)], capture_output=True,
+                            timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    stderr = result.stderr.decode()
+    assert result.returncode == 0, stderr
+    assert "\r" not in stderr   # a progress bar's redraws would garble a log file
+    lines = stderr.split("\n")
+
+    def phase(prefix: str) -> str:
+        [line] = [line for line in lines if line.startswith(prefix)]
+        return line
+
+    # 2 layers x (qkv, o, gate_up, down); the weights counted are the checkpoint's tensors, q/k/v each
+    assert phase("INFO cvllm.engine.model_runner: loaded ").startswith(
+        f"INFO cvllm.engine.model_runner: loaded {tensors} weights (")
+    assert phase("INFO cvllm_gguf.isq: quantized ").startswith(
+        "INFO cvllm_gguf.isq: quantized 8 linear layers to Q8_0, ")
+    assert phase("INFO cvllm.engine.model_runner: prepared ").startswith(
+        "INFO cvllm.engine.model_runner: prepared 8 quantized layers in ")
 
 
 @pytest.mark.parametrize(("requested", "in_features", "chosen"), [

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -173,12 +174,30 @@ def run_repl(session: ChatSession, console: Console, read_line: Callable[[str], 
 
 
 def _first_model(client: httpx.Client, options: ChatOptions) -> str | None:
-    """The server's first model, to show in the banner; None if /models does not say."""
+    """The server's first model, to show in the banner; None if /models does not say. ChatError if the
+    server cannot be reached: better said at start than after the first question has been typed."""
     try:
-        response = client.get(f"{api_url(options.url)}/models", headers=auth_headers(options.api_key))
-        return response.json()["data"][0]["id"] if response.status_code == 200 else None
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        # a timeout of its own: the client's reads wait forever, for replies that take long to start
+        response = client.get(f"{api_url(options.url)}/models", headers=auth_headers(options.api_key), timeout=10.0)
+    except httpx.TransportError as exc:
+        raise ChatError(f"cannot reach {api_url(options.url)}: {_reason(exc)}") from None
+    except httpx.HTTPError:
         return None
+    try:
+        return response.json()["data"][0]["id"] if response.status_code == 200 else None
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+def _reason(exc: BaseException) -> str:
+    """Why a connection failed in the system's words ("connection refused"), found in the causes of
+    httpx's error, whose own message is "[Errno 111] Connection refused"."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.strerror:
+            return cause.strerror[:1].lower() + cause.strerror[1:]
+        cause = cause.__cause__ or cause.__context__
+    return str(exc) or type(exc).__name__
 
 
 def main(args: argparse.Namespace, client: httpx.Client | None = None, console: Console | None = None,
@@ -194,7 +213,12 @@ def main(args: argparse.Namespace, client: httpx.Client | None = None, console: 
             pass
         read_line = console.input
     with client or httpx.Client(timeout=httpx.Timeout(10.0, read=None)) as http:
-        model = options.model or _first_model(http, options)
+        try:
+            served = _first_model(http, options)   # also when --model is given: it checks the server is there
+        except ChatError as exc:
+            print(f"cvllm chat: error: {exc}", file=sys.stderr)
+            return 1
+        model = options.model or served
         console.print(f"[bold]cvllm chat[/bold] with {model or 'the default model'} at {api_url(options.url)}"
                       f"\n[dim]{HELP}[/dim]")
         return run_repl(ChatSession(options, http), console, read_line)

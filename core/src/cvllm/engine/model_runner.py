@@ -11,7 +11,6 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from cvllm import plugins
 from cvllm.checkpoint.base import Checkpoint, CheckpointError
@@ -20,6 +19,7 @@ from cvllm.engine.upload import upload
 from cvllm.forward_context import ForwardContext, forward_context
 from cvllm.layers.attention import Attention
 from cvllm.layers.quantization import attach_linear_methods
+from cvllm.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -91,21 +91,29 @@ def build_model(checkpoint: Checkpoint, backend, dtype: torch.dtype, isq: str | 
     materialize(model, backend.device)
     expected = {name for name, _ in model.named_parameters()}
     started = time.perf_counter()
-    weights = tqdm(checkpoint.weights(), desc="Loading weights", unit=" tensors", leave=False,
-                   disable=not logger.isEnabledFor(logging.INFO))
-    with torch.no_grad():
-        loaded = model.load_weights((name, tensor) for name, tensor in weights)
+    # Counted as the checkpoint's tensors, not the model's parameters the loader returns: q/k/v and
+    # gate/up load into one fused parameter each, and the count logged must be the one the bar showed.
+    with torch.no_grad(), Progress(logger, "Loading weights", "loaded", "weights") as progress:
+        loaded = model.load_weights(progress.track(checkpoint.weights(), nbytes=lambda weight: weight[1].nbytes))
     missing = expected - set(loaded)
     if missing:
         raise CheckpointError(f"{checkpoint.path}: weights missing from the checkpoint: "
                               f"{', '.join(sorted(missing)[:8])}{' ...' if len(missing) > 8 else ''}")
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if method is not None:
-            method.process_weights_after_loading(module)
-    logger.info("loaded %s (%d tensors) on %s in %.1fs, dtype %s", checkpoint.architecture, len(loaded),
-                backend.name, time.perf_counter() - started, dtype)
+    _process_after_loading(model)
+    logger.info("%s ready on %s in %.1f s, dtype %s", checkpoint.architecture, backend.name,
+                time.perf_counter() - started, dtype)
     return model.eval()
+
+
+def _process_after_loading(model: nn.Module) -> None:
+    """Give each quantized layer its compute form (repacking, dequantizing): seconds on a big model."""
+    quantized = [module for module in model.modules() if getattr(module, "quant_method", None) is not None]
+    if not quantized:
+        return
+    with Progress(logger, "Preparing quantized layers", "prepared", "quantized layers", len(quantized)) as progress:
+        for module in quantized:
+            module.quant_method.process_weights_after_loading(module)
+            progress.update()
 
 
 class ModelRunner:

@@ -16,6 +16,7 @@ from hypercorn.config import Config
 from cvllm.engine.core_client import EngineCoreClient, EngineStartupError
 from cvllm.server.app import build_app
 from cvllm.server.args import ServerArgs
+from cvllm.server.listen import BACKLOG, AddressError, bind_address, listen_socket
 from cvllm.server.reasoning import reasoning_parser
 from cvllm.server.state import ServerState
 
@@ -26,26 +27,20 @@ class StartupError(RuntimeError):
     """The server cannot start (the model cannot be opened, a setting is wrong); the message says why."""
 
 
-def _bind(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _hypercorn_config(args: ServerArgs) -> Config:
+def _hypercorn_config(args: ServerArgs, listener_fd: int) -> Config:
+    """hypercorn serves on the socket we bound (its ``fd://`` binding), which it then owns and closes."""
     config = Config()
-    config.bind = [_bind(args.host, args.port)]
+    config.bind = [f"fd://{listener_fd}"]
     config.graceful_timeout = args.shutdown_timeout
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
     config.keep_alive_timeout = 30
-    # hypercorn's default listen backlog is 100, less than a burst of clients opening streams at once (the
-    # H200 serving bench: 30 of 256 streams ended in a bare ReadError with it, none with 2048; not seen on a 2-core
-    # VM, so the cause is likely rather than proven); uvicorn and vLLM listen with 2048
-    config.backlog = 2048
+    config.backlog = BACKLOG
     return config
 
 
 async def run_server(args: ServerArgs) -> None:
-    """Serve until SIGTERM/SIGINT; raises StartupError or EngineStartupError if it cannot start."""
+    """Serve until SIGTERM/SIGINT; raises StartupError, AddressError or EngineStartupError if it cannot start."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.reasoning_parser is not None:
@@ -53,11 +48,18 @@ async def run_server(args: ServerArgs) -> None:
             reasoning_parser(args.reasoning_parser)
         except ValueError as e:
             raise StartupError(str(e)) from None
+    # Bound before the model is opened, and by us rather than inside hypercorn: a port in use fails at once,
+    # as one AddressError (hypercorn would fail after its lifespan started, in a cascade of tracebacks).
+    listener = listen_socket(args.host, args.port)
     try:
         state = ServerState.open(args)
+        app = build_app(state)
     except (OSError, ValueError) as e:   # no such model, a malformed checkpoint, no tokenizer
+        listener.close()
         raise StartupError(f"cannot open {args.engine.model}: {e}") from e
-    app = build_app(state)
+    except BaseException:
+        listener.close()
+        raise
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = 0
@@ -73,13 +75,14 @@ async def run_server(args: ServerArgs) -> None:
             logger.info("second signal: stopping now")
             serving.cancel()
 
-    serving = asyncio.ensure_future(hypercorn_serve(app, _hypercorn_config(args), shutdown_trigger=stop.wait))
+    config = _hypercorn_config(args, listener.detach())
+    serving = asyncio.ensure_future(hypercorn_serve(app, config, shutdown_trigger=stop.wait))
     starting = asyncio.ensure_future(EngineCoreClient.start(args.engine, startup_timeout=args.startup_timeout))
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
     try:
         await asyncio.wait([serving, starting], return_when=asyncio.FIRST_COMPLETED)
-        if not starting.done():       # the server stopped (signal, or the port was taken) during loading
+        if not starting.done():       # the server stopped (a signal) during loading
             starting.cancel()
             await asyncio.gather(starting, return_exceptions=True)
             await _finish(serving)
@@ -112,7 +115,7 @@ def _log_ready(state: ServerState, args: ServerArgs) -> None:
     info = state.client.info
     names = ", ".join(state.model_names)
     logger.info("serving %s (%s) on http://%s — backend %s, dtype %s, KV cache %d blocks × %d = %d tokens, "
-                "max_model_len %d, max_num_seqs %d%s", names, state.model_path, _bind(args.host, args.port),
+                "max_model_len %d, max_num_seqs %d%s", names, state.model_path, bind_address(args.host, args.port),
                 info.backend, info.dtype, info.num_kv_blocks, info.block_size, info.num_kv_blocks * info.block_size,
                 info.max_model_len, info.max_num_seqs,
                 f", reasoning parser {state.reasoning_parser}" if state.reasoning_parser else "")
@@ -128,9 +131,9 @@ def serve(args: ServerArgs) -> int:
     except EngineStartupError as e:
         logger.error("the engine failed to start: %s", e)
         return 1
-    except OSError as e:   # the address is in use, or not ours to bind
-        logger.error("cannot serve on %s: %s", _bind(args.host, args.port), e)
-        return 1
+    except AddressError as e:   # 2, as cvserve's own check of the address before the server starts
+        logger.error("%s", e)
+        return 2
     except KeyboardInterrupt:
         return 130
     return 0

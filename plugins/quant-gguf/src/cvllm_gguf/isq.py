@@ -24,10 +24,10 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm import tqdm
 
 from cvllm.checkpoint.base import Checkpoint
 from cvllm.layers.quantization import LinearMethod, LinearMethodFactory
+from cvllm.progress import Progress
 from cvllm_gguf.linear_method import GGUFLinearMethod, Mode
 from cvllm_gguf.quant_types import FORMATS, GGMLType, UnsupportedQuantType, resolve_qtype, row_bytes
 from cvllm_gguf.quantize import quantize
@@ -71,23 +71,23 @@ class ISQProgress:
     """Counts layers as their last shard is quantized; logs the summary after the last layer."""
     requested: GGMLType
     layers: int = 0
-    done: int = 0
     bytes_before: int = 0  # the quantized layers' weights at the engine dtype
     bytes_after: int = 0
     fallbacks: dict[str, GGMLType] = field(default_factory=dict)
-    bar: tqdm | None = None
+    phase: Progress | None = None
+
+    def shard_started(self) -> None:
+        # the phase starts with the first shard, not when the layers were built: its time is the quantizing
+        if self.phase is None:
+            self.phase = Progress(logger, f"Quantizing to {self.requested.name}", "quantized", "linear layers",
+                                  self.layers)
 
     def layer_done(self) -> None:
-        if self.bar is None:
-            self.bar = tqdm(total=self.layers, desc=f"Quantizing to {self.requested.name}", unit=" layers",
-                            leave=False, disable=not logger.isEnabledFor(logging.INFO))
-        self.done += 1
-        self.bar.update()
-        if self.done == self.layers:
-            self.bar.close()
-            logger.info("in-situ quantization to %s: %d linear layers, %.1f MiB -> %.1f MiB%s",
-                        self.requested.name, self.layers, self.bytes_before / 2**20, self.bytes_after / 2**20,
-                        f" ({len(self.fallbacks)} fell back)" if self.fallbacks else "")
+        self.phase.update()
+        if self.phase.count == self.layers:
+            fell_back = f" ({len(self.fallbacks)} fell back)" if self.fallbacks else ""
+            self.phase.finish(f" to {self.requested.name}, {self.bytes_before / 2**20:.1f} MiB -> "
+                              f"{self.bytes_after / 2**20:.1f} MiB{fell_back}")
 
 
 class ISQLinearMethod(GGUFLinearMethod):
@@ -126,6 +126,7 @@ class ISQLinearMethod(GGUFLinearMethod):
     def weight_loader(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: int | str | None = None) -> None:
         if loaded.is_floating_point():
+            self.progress.shard_started()
             # quantized where the layer lives (a GPU quantizes much faster), one shard at a time
             loaded = quantize(loaded.to(param.device), self.qtype)
             self.shards_loaded += 1
