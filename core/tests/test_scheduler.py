@@ -181,6 +181,21 @@ def test_prefix_hit_tokens_counted_on_admission():
     assert sched.stats.prompt_tokens_computed == 9 + 2
 
 
+def test_num_cached_tokens_is_the_first_admissions_hit():
+    sched = make_scheduler()
+    s0 = make_seq(0, range(1, 10))
+    sched.add(s0)
+    step(sched)
+    s1 = make_seq(1, [*range(1, 9), *range(50, 58)])   # shares s0's first two blocks
+    sched.add(s1)
+    step(sched)
+    assert (s0.num_cached_tokens, s1.num_cached_tokens) == (0, 8)
+    sched._preempt(s1)
+    step(sched)   # readmitted: it hits its own 4 blocks now, a recomputation saved, not a client's prefix hit
+    assert sched.stats.prefix_hit_tokens == 8 + 16
+    assert s1.num_cached_tokens == 8
+
+
 def test_preemption_newest_first_to_the_front_of_waiting_then_resumed():
     sched = make_scheduler(num_blocks=6)
     bm = sched.block_manager

@@ -2,15 +2,36 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # Below this temperature a request is treated as greedy (argmax), as vLLM does.
 GREEDY_TEMPERATURE = 1e-5
+MAX_N = 128  # completions per request: more is a mistake, or an attempt to exhaust a server
+# The bound of token ids, token counts and top_k: far past any vocabulary or context, and an int32 on the device.
+MAX_INT32 = 2**31 - 1
+# What torch.Generator.manual_seed takes (a negative seed wraps to its uint64), and what msgpack carries to the core.
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 def _is_int(value: object) -> bool:
     # bool is an int subclass, but `seed=True` or `n=True` is a caller's mistake.
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_in(value: object, low: int, high: int) -> bool:
+    return _is_int(value) and low <= value <= high
+
+
+def _finite(value: object) -> bool:
+    """A number that is neither NaN nor infinite, and that a float can hold (1e999 in JSON is inf)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past float's range
+        return False
 
 
 @dataclass(slots=True)
@@ -39,45 +60,53 @@ class SamplingParams:
         self.stop = _normalise_stop(self.stop)
         self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
         self._validate()
+        # an int is a fine number, but the engine core's transport carries 10**30 only as a float
+        for name in FLOAT_FIELDS:
+            setattr(self, name, float(getattr(self, name)))
+        if self.logit_bias is not None:
+            self.logit_bias = {token_id: float(bias) for token_id, bias in self.logit_bias.items()}
 
     def _validate(self) -> None:
-        if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
+        # Each message starts with the field's name: the server reports that name as the error's `param`.
+        if not _int_in(self.n, 1, MAX_N):
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if not (_finite(self.temperature) and self.temperature >= 0.0):
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature!r}")
+        if not (_finite(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
-        if not 0.0 <= self.min_p <= 1.0:
+        if not _int_in(self.top_k, -1, MAX_INT32):
+            raise ValueError(f"top_k must be an integer in [-1, 2**31 - 1] (0 or -1 disables it), got {self.top_k!r}")
+        if not (_finite(self.min_p) and 0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
+        if self.max_tokens is not None and not _int_in(self.max_tokens, 1, MAX_INT32):
+            raise ValueError(f"max_tokens must be an integer in [1, 2**31 - 1] or None, got {self.max_tokens!r}")
+        if not (_finite(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0):
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
+        if not (_finite(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0):
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
-        if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if not (_finite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise ValueError(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty!r}")
         if self.logit_bias is not None:
             for token_id, bias in self.logit_bias.items():
-                if not _is_int(token_id) or token_id < 0:
-                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {token_id!r}")
-                if not -100.0 <= bias <= 100.0:
+                if not _int_in(token_id, 0, MAX_INT32):
+                    raise ValueError(f"logit_bias keys must be token ids in [0, 2**31 - 1], got {token_id!r}")
+                if not (_finite(bias) and -100.0 <= bias <= 100.0):
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token_id}")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if not _int_in(self.min_tokens, 0, MAX_INT32):
+            raise ValueError(f"min_tokens must be an integer in [0, 2**31 - 1], got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
                 f"and max_tokens={self.max_tokens}"
             )
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
-        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
-            raise ValueError(f"prompt_logprobs must be an integer >= 0 or None, got {self.prompt_logprobs!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.logprobs is not None and not _int_in(self.logprobs, 0, MAX_INT32):
+            raise ValueError(f"logprobs must be an integer in [0, 2**31 - 1] or None, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and not _int_in(self.prompt_logprobs, 0, MAX_INT32):
+            raise ValueError(
+                f"prompt_logprobs must be an integer in [0, 2**31 - 1] or None, got {self.prompt_logprobs!r}"
+            )
+        if self.seed is not None and not _int_in(self.seed, MIN_SEED, MAX_SEED):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1] or None, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
@@ -110,6 +139,6 @@ def _normalise_stop_token_ids(ids: list[int] | None) -> list[int]:
         return []
     ids = list(ids)
     for token_id in ids:
-        if not _is_int(token_id) or token_id < 0:
-            raise ValueError(f"stop_token_ids must hold integers >= 0, got an item {token_id!r}")
+        if not _int_in(token_id, 0, MAX_INT32):
+            raise ValueError(f"stop_token_ids must hold token ids in [0, 2**31 - 1], got an item {token_id!r}")
     return ids

@@ -168,6 +168,18 @@ def test_concurrent_greedy_requests_match_the_in_process_engine(client, loop, re
         assert got.top_logprobs == pytest.approx([entry[tid].logprob for _, tid in top], abs=1e-4)
 
 
+def test_a_repeated_prompt_reports_its_prefix_cache_hits_once(client, loop):
+    ids, params = prompt(37, 61), SamplingParams(max_tokens=4, **GREEDY)
+
+    async def run(request_id: str) -> list[int]:
+        _, _, deltas = await collect(client.add_request(request_id, ids, params))
+        return [delta.num_cached_tokens for delta in deltas]
+
+    assert loop.run(run("cold")) == [0, 0, 0, 0]
+    # whole blocks of 16 within the first 36 tokens (the last prompt token is always computed), on the first delta
+    assert loop.run(run("warm")) == [32, 0, 0, 0]
+
+
 def test_abort_mid_generation_frees_the_requests_blocks(client, loop):
     async def scenario():
         generated_before = client.stats.generated_tokens

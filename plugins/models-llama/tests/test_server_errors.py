@@ -25,7 +25,9 @@ def server(tmp_path_factory):
     make_checkpoint(path, "llama", seed=5)
     engine = {"model": str(path), "dtype": "float32", "backend": "cpu", "max_num_seqs": MAX_NUM_SEQS,
               "max_model_len": 128}
-    with LiveServer(engine, served_model_names=[MODEL], max_body_bytes=BODY_LIMIT, max_queue=MAX_QUEUE) as live:
+    # strict: an unknown model is one of the errors checked (by default any name means the served model)
+    with LiveServer(engine, served_model_names=[MODEL], max_body_bytes=BODY_LIMIT, max_queue=MAX_QUEUE,
+                    strict_model_name=True) as live:
         yield live
 
 
@@ -76,6 +78,22 @@ CASES = [
     ("logit-bias-key", chat(logit_bias={"five": 10}), 400, "logit_bias"),
     ("logit-bias-range", chat(logit_bias={"5": 101}), 400, "logit_bias"),
     ("logit-bias-vocab", chat(logit_bias={"100000": 1}), 400, "logit_bias"),
+    # numbers past what SamplingParams, the sampler's generator or the transport to the engine core can take
+    ("seed-past-64-bits", completion(seed=1180591620717411303424), 400, "seed"),
+    ("seed-below-int64", chat(seed=-2**63 - 1), 400, "seed"),
+    ("temperature-infinite", ("POST", "/v1/completions", b'{"prompt": "hi", "temperature": 1e999}'), 400,
+     "temperature"),
+    ("top-k-past-int32", chat(top_k=2**64), 400, "top_k"),
+    ("min-tokens-past-int32", chat(min_tokens=2**31, max_tokens=None), 400, "min_tokens"),
+    ("max-tokens-past-64-bits", completion(max_tokens=2**70), 400, "max_tokens"),
+    ("max-completion-tokens-past-64-bits", chat(max_completion_tokens=2**70), 400, "max_completion_tokens"),
+    ("stop-token-past-64-bits", chat(stop_token_ids=[2**70]), 400, "stop_token_ids"),
+    ("logit-bias-key-past-64-bits", chat(logit_bias={str(2**70): 1}), 400, "logit_bias"),
+    ("logit-bias-key-superscript", chat(logit_bias={"²": 1}), 400, "logit_bias"),
+    ("top-logprobs-past-64-bits", chat(logprobs=True, top_logprobs=2**70), 400, "top_logprobs"),
+    ("best-of-past-64-bits", completion(best_of=2**70), 400, "best_of"),
+    ("prompt-token-past-64-bits", completion(prompt=[1, 2**70]), 400, "prompt"),
+    ("prompts-times-n", completion(prompt=["hi"] * 9, n=128), 400, "n"),
     ("image-part", chat(messages=[{"role": "user", "content": [
         {"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]),
      400, "messages[0].content[1].type"),

@@ -129,7 +129,9 @@ class EngineCoreClient:
         self._reader.start()
 
     @classmethod
-    async def start(cls, config: EngineConfig, startup_timeout: float | None = None) -> EngineCoreClient:
+    def launch(cls, config: EngineConfig) -> CoreLaunch:
+        """Spawn the engine core now and return at once: it imports and loads the model while the caller does
+        its own start-up work; ``await launch.ready()`` then gives the client."""
         context = multiprocessing.get_context("spawn")
         commands_reader, commands_writer = context.Pipe(duplex=False)
         outputs_reader, outputs_writer = context.Pipe(duplex=False)
@@ -140,23 +142,11 @@ class EngineCoreClient:
         # The child holds these ends now; closing ours is what makes EOF mean "the core is gone".
         commands_reader.close()
         outputs_writer.close()
-        loop = asyncio.get_running_loop()
-        try:
-            first = await loop.run_in_executor(None, _first_message, outputs_reader, process, startup_timeout)
-        except BaseException:   # start-up failed, timed out or was cancelled: leave no process behind
-            process.kill()
-            process.join(5)   # SIGKILL: quick; reaps it so no zombie is left
-            raise
-        if isinstance(first, Ready):
-            logger.info("engine core ready (pid %d): %s", process.pid, first)
-            return cls(process, commands_writer, outputs_reader, first, loop)
-        process.kill()
-        await loop.run_in_executor(None, process.join, 10)
-        commands_writer.close()
-        outputs_reader.close()
-        if isinstance(first, CoreDead):
-            raise EngineStartupError(first.message)
-        raise EngineStartupError(f"the engine core sent {type(first).__name__} before Ready")
+        return CoreLaunch(process, commands_writer, outputs_reader)
+
+    @classmethod
+    async def start(cls, config: EngineConfig, startup_timeout: float | None = None) -> EngineCoreClient:
+        return await cls.launch(config).ready(startup_timeout)
 
     @property
     def pid(self) -> int | None:
@@ -291,3 +281,33 @@ def _first_message(outputs: Connection, process: multiprocessing.process.BasePro
     except EOFError:
         process.join(10)
         raise EngineStartupError(f"the engine core exited during start-up (exit code {process.exitcode})") from None
+
+
+class CoreLaunch:
+    """An engine core process that is starting: wait for its Ready message, or kill it."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess, commands: Connection, outputs: Connection):
+        self.process, self._commands, self._outputs = process, commands, outputs
+
+    async def ready(self, startup_timeout: float | None = None) -> EngineCoreClient:
+        process, loop = self.process, asyncio.get_running_loop()
+        try:
+            first = await loop.run_in_executor(None, _first_message, self._outputs, process, startup_timeout)
+        except BaseException:   # start-up failed, timed out or was cancelled: leave no process behind
+            self.kill()
+            raise
+        if isinstance(first, Ready):
+            logger.info("engine core ready (pid %d): %s", process.pid, first)
+            return EngineCoreClient(process, self._commands, self._outputs, first, loop)
+        process.kill()
+        await loop.run_in_executor(None, process.join, 10)
+        self._commands.close()
+        self._outputs.close()
+        if isinstance(first, CoreDead):
+            raise EngineStartupError(first.message)
+        raise EngineStartupError(f"the engine core sent {type(first).__name__} before Ready")
+
+    def kill(self) -> None:
+        """Stop a core that is no longer wanted (the API side failed to start); reaps it, so no zombie is left."""
+        self.process.kill()
+        self.process.join(5)   # SIGKILL: quick

@@ -215,8 +215,9 @@ class EngineCore:
             prompt_logprobs = [None if entry is None else token_logprobs(entry, token)
                                for entry, token in zip(raw_prompt_logprobs, prompt_ids)]
         stop_reason = seq.stop_reason if isinstance(seq.stop_reason, int) else None
+        num_cached_tokens = (seq.num_cached_tokens or 0) if sent == 0 else 0
         return SeqDelta(seq.request_id, seq.index, new_tokens, logprobs, seq.finish_reason, stop_reason,
-                        seq.num_prompt_tokens, prompt_logprobs)
+                        seq.num_prompt_tokens, prompt_logprobs, num_cached_tokens)
 
     def _stats(self) -> CoreStats:
         scheduler = self.engine.scheduler

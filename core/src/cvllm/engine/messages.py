@@ -42,6 +42,7 @@ class SeqDelta(msgspec.Struct, array_like=True):
     stop_reason: int | None = None        # the stop token id that matched
     num_prompt_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # once, with the first delta, when asked
+    num_cached_tokens: int = 0            # prompt tokens that were prefix-cache hits; once, with the first delta
 
 
 class CoreStats(msgspec.Struct):

@@ -120,6 +120,8 @@ class Scheduler:
                 seq.num_computed_tokens = 0
                 break
             self.stats.prefix_hit_tokens += hit
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = hit
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -17,7 +17,7 @@ class Sequence:
     __slots__ = ("seq_id", "request_id", "index", "token_ids", "num_prompt_tokens", "sampling_params",
                  "status", "num_computed_tokens", "num_hashed_blocks", "block_table", "generator",
                  "min_tokens_stop_ids", "finish_reason", "stop_reason", "logprobs", "prompt_logprobs", "arrival",
-                 "num_inflight")
+                 "num_inflight", "num_cached_tokens")
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
                  index: int = 0, arrival: float = 0.0):
@@ -33,6 +33,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0             # tokens whose K/V are in the cache
         self.num_hashed_blocks = 0               # leading full blocks registered for prefix caching
+        # prompt tokens found in the prefix cache when first scheduled (usage's cached_tokens); a preempted
+        # sequence's later hits are its own recomputation, not the client's saving
+        self.num_cached_tokens: int | None = None
         # int32 block ids, as the block-table tensor wants them: the runner copies whole rows (a memcpy
         # each, where a list's Python ints would be converted one by one every step)
         self.block_table = array.array("i")

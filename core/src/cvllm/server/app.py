@@ -116,7 +116,8 @@ def build_app(state: ServerState) -> Starlette:
 
     async def get_model(request: Request) -> Response:
         state.engine()
-        return json_response(card(state.check_model(request.path_params["model_id"])))
+        # a lookup of one model card by its id: only the served names have one
+        return json_response(card(state.check_model(request.path_params["model_id"], strict=True)))
 
     async def health(request: Request) -> Response:
         if state.ready:

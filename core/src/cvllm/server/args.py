@@ -14,6 +14,7 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 2000
     served_model_names: list[str] = field(default_factory=list)   # empty: the model path's last component
+    strict_model_name: bool = False           # unknown 'model' names are a 404 (vLLM), not the served model
     api_key: str | None = None
     chat_template: str | None = None          # a file path or the template text; overrides the checkpoint's
     max_queue: int = 1024                     # waiting requests beyond the running ones before 429
@@ -24,6 +25,7 @@ class ServerArgs:
     cors_allow_headers: list[str] = field(default_factory=lambda: ["*"])
     shutdown_timeout: float = 30.0            # seconds to finish in-flight requests after SIGTERM/Ctrl-C
     default_sampling: dict[str, Any] = field(default_factory=dict)  # --temperature, --top-p ... (request wins)
+    generation_config: str = "auto"           # "vllm": ignore the model's sampling defaults (--generation-config)
     reasoning_parser: str | None = None       # None: the model's own declaration, if any
     log_level: str = "info"
     startup_timeout: float | None = None      # seconds to wait for the engine core to load

@@ -16,6 +16,7 @@ from cvllm.engine.config import EngineConfig
 from cvllm.sampling_params import SamplingParams
 from cvllm.server.args import ServerArgs
 from cvllm.server.cli_flags import MIB, CliError, build_parser, parse_name_list
+from cvllm.server.listen import AddressError, check_address
 
 logger = logging.getLogger("cvllm.cvserve")
 
@@ -27,8 +28,10 @@ def _resolve_model(ns: argparse.Namespace) -> tuple[str, list[str]]:
     if not ns.w and ns.m and ns.model and ns.m != ns.model:
         raise CliError(f"--m {ns.m} and --model {ns.model} name different models; give one of them")
     source = ns.w or ns.model or ns.m
+    if source is None and ns.f:
+        return _weight_file(ns.f), []
     if source is None:
-        return _demo_model(ns)
+        return _demo_model()
     # With --w, candle-vllm's --m is the model's name rather than where it comes from.
     implied_names = [ns.m] if ns.w and ns.m else []
     path = Path(source).expanduser()
@@ -54,10 +57,19 @@ def _resolve_model(ns: argparse.Namespace) -> tuple[str, list[str]]:
     return str(path), implied_names or [source]
 
 
-def _demo_model(ns: argparse.Namespace) -> tuple[str, list[str]]:
+def _weight_file(name: str) -> str:
+    """candle-vllm's README form ``--f /path/model.gguf``: with no --w/--m to be inside of, --f is the
+    file's own path (served under its file name, as candle-vllm names it)."""
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise CliError(f"--f {name}: no such file (with no --w or --m, --f is the path of a weight file)")
+    if path.suffix.lower() == ".gguf":
+        _check_gguf_reader(str(path))
+    return str(path)
+
+
+def _demo_model() -> tuple[str, list[str]]:
     """No model named: the demo model (SmolLM2-135M-Instruct Q4_1 GGUF), fetched into the cache the first time."""
-    if ns.f:
-        raise CliError(f"--f {ns.f} names a file inside a model, but no model was given (--w PATH or --m ORG/NAME)")
     _check_gguf_reader("the demo model")
     from cvllm import demo
 
@@ -186,12 +198,13 @@ def server_args_from(ns: argparse.Namespace) -> ServerArgs:
     api_key = ns.api_key if ns.api_key is not None else os.environ.get("CVLLM_API_KEY")
     return ServerArgs(
         engine=engine, host=ns.host, port=ns.port,
-        served_model_names=ns.served_model_name or implied_names,
+        served_model_names=ns.served_model_name or implied_names, strict_model_name=ns.strict_model_name,
         api_key=api_key or None, chat_template=ns.chat_template, max_queue=ns.max_queue,
         max_body_bytes=ns.max_body_size, cors_allow_origins=parse_name_list(ns.allowed_origins, []),
         cors_allow_credentials=ns.allow_credentials, cors_allow_methods=parse_name_list(ns.allowed_methods, ["*"]),
         cors_allow_headers=parse_name_list(ns.allowed_headers, ["*"]), shutdown_timeout=ns.shutdown_timeout,
-        default_sampling=default_sampling, reasoning_parser=ns.reasoning_parser, log_level=ns.log_level,
+        default_sampling=default_sampling, generation_config=ns.generation_config,
+        reasoning_parser=ns.reasoning_parser, log_level=ns.log_level,
         startup_timeout=ns.startup_timeout,
     )
 
@@ -208,8 +221,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        # the address first: a port in use should not wait for the model to be resolved, fetched or loaded
+        check_address(ns.host, ns.port)
         args = server_args_from(ns)
-    except CliError as exc:
+    except (AddressError, CliError) as exc:
         print(f"cvserve: error: {exc}", file=sys.stderr)
         return 2
     # Imported here, not at the top: parsing and --help stay fast and testable without the server stack.

@@ -25,6 +25,7 @@ _EPILOG = """\
 examples:
   cvserve --w ./my-model                              a Hugging Face model directory
   cvserve --w ./models --f smollm2.Q4_1.gguf          one GGUF file in a directory (cvllm-gguf plugin)
+  cvserve --f ./models/smollm2.Q4_1.gguf              the same file by its path (candle-vllm's form)
   cvserve --m Qwen/Qwen3-0.6B --download              fetch from the Hugging Face hub (cached afterwards)
   cvserve --model Qwen/Qwen3-0.6B --port 8000 --api-key secret --served-model-name qwen
   curl http://127.0.0.1:2000/v1/chat/completions -H 'Content-Type: application/json' \\
@@ -114,7 +115,8 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--m", metavar="ORG/NAME",
                    help="Hugging Face repo id (a local path works too); with --w, the name the model is served as")
     g.add_argument("--model", metavar="PATH_OR_ID", help="vLLM's spelling: a local path or a repo id")
-    g.add_argument("--f", metavar="FILE", help="one weight file inside the directory or repo, e.g. model.Q4_K_M.gguf")
+    g.add_argument("--f", metavar="FILE", help="one weight file inside the directory or repo, e.g. model.Q4_K_M.gguf; "
+                                               "without --w/--m/--model, the path of a weight file")
     g.add_argument("--download", action="store_true",
                    help="allow downloading --m/--model from the Hugging Face hub (default: the local cache only)")
     g.add_argument("--revision", metavar="REV", help="hub branch, tag or commit (default: main)")
@@ -124,6 +126,9 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                    help="quantize the weights while loading, e.g. q4k, q8_0 (needs the cvllm-gguf plugin)")
     g.add_argument("--served-model-name", nargs="+", metavar="NAME",
                    help="name(s) clients use in 'model' (default: the repo id, or the path's last component)")
+    g.add_argument("--strict-model-name", action="store_true",
+                   help="answer 404 to a 'model' that is not a served name (vLLM's rule; default: any name "
+                        "means the served model, as candle-vllm and llama.cpp do)")
     g.add_argument("--chat-template", metavar="FILE_OR_TEXT", help="a Jinja chat template replacing the model's")
     g.add_argument("--reasoning-parser", metavar="NAME",
                    help="how to split <think> text into reasoning_content (default: the model's own)")
@@ -187,7 +192,11 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("sampling defaults", "used when a request leaves the field out")
+    g = parser.add_argument_group("sampling defaults", "used when a request leaves the field out; they win over "
+                                                       "the model's defaults")
+    g.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
+                   help="auto: the model's sampling defaults (generation_config.json; a GGUF's general.sampling.*, "
+                        "else llama.cpp's); vllm: ignore them, use vLLM's plain defaults below (default: auto)")
     g.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (default: 1.0)")
     g.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling mass (default: 1.0)")
     g.add_argument("--top-k", type=int, metavar="K", help="keep the K most likely tokens (default: 0 = off)")

@@ -18,7 +18,7 @@ from typing import Protocol
 from cvllm.detokenizer import IncrementalDetokenizer
 from cvllm.engine.messages import SeqDelta, TokenLogprobs
 from cvllm.sampling_params import SamplingParams
-from cvllm.server.protocol import encode
+from cvllm.server.protocol import CompletionTokensDetails, PromptTokensDetails, UsageInfo, encode
 
 # JSON has no -inf; a token the model rules out gets vLLM's stand-in value instead.
 MIN_LOGPROB = -9999.0
@@ -110,12 +110,18 @@ class RequestTracker:
     """One core request (n choices): feeds its deltas to the choices, and aborts the request in the core
     when every choice has finished early (stop strings) or when the caller closes it before the end."""
 
-    def __init__(self, stream, choices: list[ChoiceState], num_prompt_tokens: int, timer: Timer | None = None):
+    def __init__(self, stream, choices: list[ChoiceState], num_prompt_tokens: int, timer: Timer | None = None,
+                 arrival: float | None = None):
         self.stream = stream
         self.choices = choices
         self.num_prompt_tokens = num_prompt_tokens
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None
         self.timer = timer
+        self.num_cached_tokens = 0         # prefix-cache hits of the prompt, as the core reported them
+        # time.monotonic() when the request was sent, got its first tokens, and its latest ones (usage timings)
+        self.arrival = time.monotonic() if arrival is None else arrival
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
         self._done = False                 # the core has nothing more for this request
         self._closed = False
 
@@ -143,17 +149,21 @@ class RequestTracker:
             delta = deltas[0]
             if delta.prompt_logprobs is not None:
                 self.prompt_logprobs = delta.prompt_logprobs
+            if delta.num_cached_tokens and delta.index == 0:
+                self.num_cached_tokens = delta.num_cached_tokens
             update = None
             if 0 <= delta.index < len(self.choices):
                 update = self.choices[delta.index].add(delta)
-            if self.timer is not None and delta.token_ids:
-                self.timer.on_tokens(len(delta.token_ids), time.monotonic())
+            if delta.token_ids:
+                self._on_tokens(len(delta.token_ids))
             return [] if update is None else [(self.choices[delta.index], update)]
         by_choice: dict[int, list[SeqDelta]] = {}
         new_tokens = 0
         for delta in deltas:
             if delta.prompt_logprobs is not None:
                 self.prompt_logprobs = delta.prompt_logprobs
+            if delta.num_cached_tokens and delta.index == 0:   # choice 0 speaks for the prompt, counted once
+                self.num_cached_tokens = delta.num_cached_tokens
             new_tokens += len(delta.token_ids)
             if 0 <= delta.index < len(self.choices):
                 by_choice.setdefault(delta.index, []).append(delta)
@@ -163,9 +173,24 @@ class RequestTracker:
             update = choice.add(*group)
             if update is not None:
                 out.append((choice, update))
-        if self.timer is not None and new_tokens:
-            self.timer.on_tokens(new_tokens, time.monotonic())
+        if new_tokens:
+            self._on_tokens(new_tokens)
         return out
+
+    def _on_tokens(self, count: int) -> None:
+        now = self.last_token_at = time.monotonic()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        if self.timer is not None:
+            self.timer.on_tokens(count, now)
+
+    def time_costs_ms(self) -> tuple[int, int]:
+        """candle-vllm's (prompt_time_costs, completion_time_costs): arrival → first token and first → last
+        token, in whole ms. A prefill is never reported as 0 ms, which its benchmark reads as "not reported"."""
+        if self.first_token_at is None or self.last_token_at is None:
+            return 0, 0
+        return (max(1, round((self.first_token_at - self.arrival) * 1000)),
+                round((self.last_token_at - self.first_token_at) * 1000))
 
     def close(self) -> None:
         """Abort the core request unless it ended by itself (idempotent)."""
@@ -228,6 +253,19 @@ async def _merged(trackers: list[RequestTracker]) -> AsyncIterator[list[tuple[Ch
             task.cancel()
         for tracker in trackers:
             tracker.close()
+
+
+def usage_info(trackers: list[RequestTracker], reasoning_tokens: int = 0) -> UsageInfo:
+    """A response's usage over its core requests (a completions call with several prompts has several).
+    Their prompts run side by side, so the timings are the slowest request's, not a sum."""
+    prompt = sum(t.num_prompt_tokens for t in trackers)
+    completion = sum(choice.num_tokens for t in trackers for choice in t.choices)
+    prompt_ms, completion_ms = (max(times) for times in zip(*(t.time_costs_ms() for t in trackers)))
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(t.num_cached_tokens
+                                                                                 for t in trackers)),
+                     completion_tokens_details=CompletionTokensDetails(reasoning_tokens=reasoning_tokens),
+                     prompt_time_costs=prompt_ms, completion_time_costs=completion_ms)
 
 
 # -- logprob helpers shared by both endpoints ------------------------------------------------------

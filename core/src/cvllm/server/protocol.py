@@ -120,10 +120,24 @@ class CompletionRequest(SamplingFields, kw_only=True):
 # -- shared response pieces -----------------------------------------------------------------------
 
 
+class PromptTokensDetails(Struct, kw_only=True):
+    cached_tokens: int = 0                # prompt tokens whose KV came from the prefix cache
+
+
+class CompletionTokensDetails(Struct, kw_only=True):
+    reasoning_tokens: int = 0             # tokens of the reasoning (<think>) text; 0 without a reasoning parser
+
+
 class UsageInfo(Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = msgspec.field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails = msgspec.field(default_factory=CompletionTokensDetails)
+    # candle-vllm's timings, whole milliseconds: arrival → first token (prefill, queueing included), and
+    # first → last token (decode); its examples/benchmark.py derives prefill and decode throughput from them
+    prompt_time_costs: int = 0
+    completion_time_costs: int = 0
 
 
 class TopLogprob(Struct, kw_only=True):

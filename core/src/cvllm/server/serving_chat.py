@@ -14,6 +14,7 @@ from starlette.responses import Response
 
 from cvllm.chat_template import ChatTemplateError
 from cvllm.engine.core_client import RequestError
+from cvllm.sampling_params import MAX_INT32
 from cvllm.server.errors import bad_request
 from cvllm.server.lifecycle import SSEResponse, mid_stream_error, run_until_disconnect, start_request
 from cvllm.server.output import (
@@ -26,6 +27,7 @@ from cvllm.server.output import (
     sse,
     token_text_and_bytes,
     top_entries,
+    usage_info,
 )
 from cvllm.server.protocol import (
     ChatChoice,
@@ -184,6 +186,12 @@ class _ChoiceText:
         entries, self.pending_logprobs = self.pending_logprobs, []
         return ChatLogprobs(content=entries)
 
+    def reasoning_tokens(self) -> int:
+        """The reasoning text's length in tokens, re-encoded as candle-vllm counts it: the parser splits
+        text, which does not map back onto the generated tokens one to one."""
+        reasoning = "".join(self.reasoning)
+        return len(self.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+
     def message(self) -> ChatMessage:
         content, reasoning = "".join(self.content), "".join(self.reasoning)
         message = ChatMessage(content=content)
@@ -200,8 +208,9 @@ class ChatService:
     async def __call__(self, http_request: Request, body: bytes) -> Response:
         state = self.state
         request, model = state.parse_request(body, ChatCompletionRequest)
-        if request.max_completion_tokens is not None and request.max_completion_tokens < 1:
-            raise bad_request(f"max_completion_tokens must be >= 1, got {request.max_completion_tokens}",
+        # max_tokens' range (SamplingParams checks that one), for the field only the chat API has
+        if request.max_completion_tokens is not None and not 1 <= request.max_completion_tokens <= MAX_INT32:
+            raise bad_request(f"max_completion_tokens must be in [1, 2**31 - 1], got {request.max_completion_tokens}",
                               param="max_completion_tokens")
         check_logprobs("top_logprobs", request.top_logprobs)
         _check_unsupported(request)
@@ -239,9 +248,7 @@ class _Reply:
             choices=[ChatStreamChoice(index=index, delta=ChatDelta(content=text))]))
 
     def usage(self) -> UsageInfo:
-        completion = sum(choice.num_tokens for choice in self.tracker.choices)
-        prompt = self.tracker.num_prompt_tokens
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return usage_info([self.tracker], sum(text.reasoning_tokens() for text in self.texts))
 
     async def complete(self) -> Response:
         try:

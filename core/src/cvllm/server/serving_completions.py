@@ -25,6 +25,7 @@ from cvllm.server.output import (
     sse,
     token_text_and_bytes,
     top_entries,
+    usage_info,
 )
 from cvllm.server.protocol import (
     CompletionChoice,
@@ -38,6 +39,8 @@ from cvllm.server.protocol import (
 from cvllm.server.state import ServerState, check_logprobs, engine_error
 
 MAX_PROMPTS = 1024
+# prompts × n: the sequences one request may queue (the queue limit counts requests, whatever their size)
+MAX_CHOICES = 1024
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
 
 
@@ -154,10 +157,13 @@ class CompletionService:
             params.append(state.sampling_params(request, max_tokens=max_tokens, logprobs=request.logprobs,
                                                 prompt_logprobs=prompt_logprobs))
         state.check_token_ids(params[0].stop_token_ids, "stop_token_ids")
+        n = params[0].n
+        if len(prompts) * n > MAX_CHOICES:
+            raise bad_request(f"at most {MAX_CHOICES} choices per request (prompts × n), got {len(prompts)} × {n}",
+                              param="n")
         state.check_capacity(len(prompts))
 
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        n = params[0].n
         trackers: list[RequestTracker] = []
         try:
             for i, ((_, ids), p) in enumerate(zip(prompts, params)):
@@ -187,9 +193,7 @@ class _Reply:
         self._text_chunk = TextChunks(lambda index, text: self._chunk_struct(index, text, None, None))
 
     def usage(self) -> UsageInfo:
-        prompt = sum(t.num_prompt_tokens for t in self.trackers)
-        completion = sum(c.num_tokens for t in self.trackers for c in t.choices)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return usage_info(self.trackers)   # the completions API splits off no reasoning: 0 reasoning tokens
 
     def _echo_prompt(self, choice: ChoiceState) -> None:
         """With echo + logprobs, the prompt's tokens lead the logprobs (they arrive with the first delta)."""

@@ -4,7 +4,6 @@ that turn request fields into ``SamplingParams`` (validation, defaults, context 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -22,7 +21,6 @@ from cvllm.server.reasoning import ParserFactory, detect, reasoning_parser
 
 R = TypeVar("R", bound=SamplingFields)
 
-MAX_N = 128                  # choices per request: more is a mistake, or an attempt to exhaust the server
 MAX_LOGPROBS = 20
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 # request fields copied onto SamplingParams when the request sets them
@@ -68,7 +66,10 @@ class ServerState:
         self.reasoning: ParserFactory | None = None
         if self.reasoning_parser is not None:
             self.reasoning = reasoning_parser(self.reasoning_parser)
-        self.sampling_defaults = {**generation_defaults(self.generation_config),
+        # weakest first: the model's defaults (none with --generation-config vllm), then cvserve's flags; a
+        # request's own fields win over both
+        model_defaults = generation_defaults(self.generation_config) if self.args.generation_config == "auto" else {}
+        self.sampling_defaults = {**model_defaults,
                                   **{k: v for k, v in self.args.default_sampling.items() if v is not None}}
 
     @classmethod
@@ -127,9 +128,14 @@ class ServerState:
         validate_sampling_fields(request)
         return request, model
 
-    def check_model(self, name: str | None) -> str:
-        if name is None or name in self.model_names:
-            return self.model_names[0] if name is None else name
+    def check_model(self, name: str | None, strict: bool | None = None) -> str:
+        """The served name a request's ``model`` stands for. One model is served, so by default any name
+        means it (candle-vllm and llama.cpp's rule: their clients send "" or "any"); the reply then names the
+        model as served. Strict (``--strict-model-name``, vLLM's rule): an unknown name is a 404."""
+        if name in self.model_names:
+            return name
+        if name is None or not (self.args.strict_model_name if strict is None else strict):
+            return self.model_names[0]
         raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
     def check_capacity(self, new_requests: int) -> None:
@@ -165,22 +171,14 @@ class ServerState:
     def sampling_params(self, request: SamplingFields, *, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
         values = {k: v for k, v in self.sampling_defaults.items() if k in SAMPLING_FIELDS}
-        for key in REQUEST_SAMPLING_KEYS:
-            value = getattr(request, key)
-            if value is not None:
-                values[key] = value
+        values.update(request_sampling_values(request))
         if request.logit_bias:
-            values["logit_bias"] = {int(k): float(v) for k, v in request.logit_bias.items()}
             self.check_token_ids(list(values["logit_bias"]), "logit_bias")
         values["max_tokens"] = max_tokens
         values["logprobs"] = logprobs
         if prompt_logprobs is not None:
             values["prompt_logprobs"] = prompt_logprobs
-        try:
-            return SamplingParams(**values)
-        except (TypeError, ValueError) as e:
-            message = str(e)
-            raise bad_request(message, param=message.split(" ", 1)[0]) from None
+        return build_sampling_params(values)
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.vocab_size
@@ -190,39 +188,34 @@ class ServerState:
 
 
 def validate_sampling_fields(request: SamplingFields) -> None:
-    """Range checks of the fields both endpoints share, each naming its parameter."""
-    def check(name: str, value: float | None, ok: bool, rule: str) -> None:
-        if value is not None and not ok:
-            raise bad_request(f"{name} must be {rule}, got {value!r}", param=name)
+    """The request's own sampling fields, checked before any prompt work by SamplingParams (the rules' one
+    home, shared with the offline API); ``sampling_params`` checks them again joined with the server's defaults."""
+    build_sampling_params({**request_sampling_values(request), "max_tokens": request.max_tokens})
 
-    def finite(value: float | None) -> bool:
-        return value is not None and math.isfinite(value)
 
-    r = request
-    check("temperature", r.temperature, finite(r.temperature) and r.temperature >= 0, ">= 0")
-    check("top_p", r.top_p, finite(r.top_p) and 0 < r.top_p <= 1, "in (0, 1]")
-    check("n", r.n, r.n is not None and 1 <= r.n <= MAX_N, f"between 1 and {MAX_N}")
-    check("max_tokens", r.max_tokens, r.max_tokens is not None and r.max_tokens >= 1, ">= 1")
-    check("presence_penalty", r.presence_penalty, finite(r.presence_penalty) and -2 <= r.presence_penalty <= 2,
-          "in [-2, 2]")
-    check("frequency_penalty", r.frequency_penalty,
-          finite(r.frequency_penalty) and -2 <= r.frequency_penalty <= 2, "in [-2, 2]")
-    check("top_k", r.top_k, r.top_k is not None and r.top_k >= -1, ">= -1 (0 or -1 disables it)")
-    check("min_p", r.min_p, finite(r.min_p) and 0 <= r.min_p <= 1, "in [0, 1]")
-    check("repetition_penalty", r.repetition_penalty,
-          finite(r.repetition_penalty) and r.repetition_penalty > 0, "> 0")
-    check("min_tokens", r.min_tokens, r.min_tokens is not None and r.min_tokens >= 0, ">= 0")
-    if r.stop is not None:
-        stops = [r.stop] if isinstance(r.stop, str) else r.stop
-        if any(s == "" for s in stops):
-            raise bad_request("stop must not contain an empty string", param="stop")
-    if r.stop_token_ids is not None and any(t < 0 for t in r.stop_token_ids):
-        raise bad_request("stop_token_ids must be >= 0", param="stop_token_ids")
-    if r.logit_bias:
-        for key, value in r.logit_bias.items():
-            if not key.lstrip("-").isdigit():
-                raise bad_request(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
-            check("logit_bias", value, finite(value) and -100 <= value <= 100, "within [-100, 100]")
+def request_sampling_values(request: SamplingFields) -> dict[str, Any]:
+    """The SamplingParams fields a request sets, its logit_bias keys read as token ids."""
+    values = {key: getattr(request, key) for key in REQUEST_SAMPLING_KEYS if getattr(request, key) is not None}
+    if request.logit_bias:
+        values["logit_bias"] = {_token_id_key(key): bias for key, bias in request.logit_bias.items()}
+    return values
+
+
+def _token_id_key(key: str) -> int:
+    try:
+        return int(key)
+    except ValueError:   # not a number, or one of more digits than int() reads (4300)
+        raise bad_request(f"logit_bias keys must be token ids, got {key!r:.40}", param="logit_bias") from None
+
+
+def build_sampling_params(values: dict[str, Any]) -> SamplingParams:
+    """SamplingParams(**values), its ValueError a 400 naming the field (its messages start with the name)."""
+    try:
+        return SamplingParams(**values)
+    except (TypeError, ValueError) as e:
+        message = str(e)
+        field_name = message.split(" ", 1)[0]
+        raise bad_request(message, param=field_name if field_name in SAMPLING_FIELDS else None) from None
 
 
 def check_logprobs(name: str, value: int | None) -> None:
