@@ -89,17 +89,19 @@ def random_checkpoint(shape: str, dtype: torch.dtype, device: str | torch.device
     return Checkpoint(path=Path(f"random-{shape}"), config=config, weight_iterator=tensors, format="random")
 
 
-def write_random_llama(path: Path, shape: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Path:
+def write_random_llama(path: Path, shape: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                       device: str = "cpu") -> Path:
+    """``device``: where the random numbers are drawn (an 8B model's take minutes on a CPU, seconds on a GPU)."""
     cfg = shape_config(shape, dtype)
     if cfg["architectures"] != ["LlamaForCausalLM"]:
         raise ValueError(f"write_random_llama writes Llama shapes only; use random_checkpoint for '{shape}'")
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     d = h // cfg["num_attention_heads"]
     kv = cfg["num_key_value_heads"] * d
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
 
     def rand(*shape: int, std: float = 0.02) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g) * std).to(dtype)
+        return (torch.randn(*shape, generator=g, device=device) * std).to(dtype).cpu()
 
     tensors = {"model.embed_tokens.weight": rand(v, h), "model.norm.weight": torch.ones(h, dtype=dtype)}
     if not cfg["tie_word_embeddings"]:

@@ -41,6 +41,7 @@ from cvllm.engine.messages import (
 from cvllm.engine.sequence import Sequence
 from cvllm.outputs import Logprob
 from cvllm.sampling_params import SamplingParams
+from cvllm.startup import process_age
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def run_core(config: EngineConfig, commands: Connection, outputs: Connection, lo
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine core] %(name)s: %(message)s")
     channel = CoreChannel(commands, outputs)
     try:
-        engine = LLMEngine(config)
+        engine = LLMEngine(config, imports_seconds=process_age())
     except Exception as e:
         logger.exception("the engine could not start")
         channel.send_quietly(CoreDead(describe(e)))

@@ -26,6 +26,7 @@ from cvllm.engine.scheduler import EngineStats, ScheduledBatch, Scheduler, Sched
 from cvllm.engine.sequence import Sequence
 from cvllm.outputs import Logprob
 from cvllm.sampling_params import SamplingParams
+from cvllm.startup import StartupPhases
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +57,15 @@ class InFlightStep:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, imports_seconds: float | None = None):
+        """``imports_seconds``: what the process spent before creating the engine (the engine core's imports),
+        reported as the first phase of the start-up line."""
         self.config = config
+        phases = StartupPhases(imports_seconds)
         # a path (opened by whichever plugin claims it), or a Checkpoint built in memory (benchmarks' random weights)
         model = config.model
         self.checkpoint = model if isinstance(model, Checkpoint) else plugins.open_checkpoint(model)
+        phases.mark("checkpoint")
         self.tokenizer = self.checkpoint.tokenizer
         self.backend = select_backend(config.backend)
         self.dtype = resolve_dtype(config.dtype, self.checkpoint.config)
@@ -70,6 +75,7 @@ class LLMEngine:
         else:
             model = build_model(self.checkpoint, self.backend, self.dtype, isq=config.isq)
             self.runner = ModelRunner(model, self.backend, config.block_size, self.dtype)
+        phases.mark("weights")
 
         model_config = self.checkpoint.config
         context_len = model_config.get("max_position_embeddings") or 2048
@@ -80,6 +86,7 @@ class LLMEngine:
         max_num_seqs = config.max_num_seqs or getattr(self.backend, "default_max_num_seqs", 16)
         num_blocks = self._kv_blocks(max_model_len, max_num_seqs)
         self.runner.allocate_kv_cache(num_blocks)
+        phases.mark("KV cache")
         if num_blocks * config.block_size < max_model_len:
             logger.warning("max_model_len %d capped to %d: the KV pool holds only %d blocks",
                            max_model_len, num_blocks * config.block_size, num_blocks)
@@ -87,6 +94,7 @@ class LLMEngine:
         self.max_model_len = max_model_len
         if not config.enforce_eager and config.fake_step_ms is None:
             self.runner.enable_decode_graphs(max_num_seqs, max_model_len)
+        phases.mark("graphs")
         if self.backend.host_threads and "OMP_NUM_THREADS" not in os.environ \
                 and torch.get_num_threads() != self.backend.host_threads:
             logger.info("torch CPU threads %d -> %d for the %s backend's host work (OMP_NUM_THREADS overrides)",
@@ -114,6 +122,7 @@ class LLMEngine:
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), max_model_len %d, backend %s, dtype %s",
                     num_blocks, config.block_size, num_blocks * config.block_size, max_model_len,
                     self.backend.name, self.dtype)
+        logger.info("engine started in %s", phases.summary())
 
     def _kv_blocks(self, max_model_len: int, max_num_seqs: int) -> int:
         cfg = self.config

@@ -51,14 +51,19 @@ async def run_server(args: ServerArgs) -> None:
     # Bound before the model is opened, and by us rather than inside hypercorn: a port in use fails at once,
     # as one AddressError (hypercorn would fail after its lifespan started, in a cascade of tracebacks).
     listener = listen_socket(args.host, args.port)
+    # The engine core starts first: its imports and the model load (the long part) run while this process opens
+    # the tokenizer and starts serving /health
+    launch = EngineCoreClient.launch(args.engine)
     try:
         state = ServerState.open(args)
         app = build_app(state)
     except (OSError, ValueError) as e:   # no such model, a malformed checkpoint, no tokenizer
         listener.close()
+        launch.kill()
         raise StartupError(f"cannot open {args.engine.model}: {e}") from e
     except BaseException:
         listener.close()
+        launch.kill()
         raise
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -77,7 +82,7 @@ async def run_server(args: ServerArgs) -> None:
 
     config = _hypercorn_config(args, listener.detach())
     serving = asyncio.ensure_future(hypercorn_serve(app, config, shutdown_trigger=stop.wait))
-    starting = asyncio.ensure_future(EngineCoreClient.start(args.engine, startup_timeout=args.startup_timeout))
+    starting = asyncio.ensure_future(launch.ready(args.startup_timeout))
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
     try:
