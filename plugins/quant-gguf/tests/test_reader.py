@@ -1,4 +1,4 @@
-"""GGUF files are read through the gguf package only after a bounds-checked scan of the header.
+"""GGUF files are read by a bounds-checked scan of the header that decodes the metadata itself.
 
 Small files are written with gguf's GGUFWriter, then corrupted byte by byte; byte positions come from
 gguf's own GGUFReader (field offsets), not from the code under test. Every malformed file must give a
@@ -62,6 +62,14 @@ def positions(path) -> dict[str, int]:
         pos[f"{tensor.name}.offset"] = info + 8 * n_dims + 4
         pos[f"{tensor.name}.data"] = tensor.data_offset
     return pos
+
+
+def test_metadata_equals_what_gguf_reads(small_gguf, demo_gguf):
+    """Every value, of every type the demo model and the small file hold, as gguf's own reader decodes it."""
+    for path in (small_gguf[0], demo_gguf):
+        theirs = {name: field.contents() for name, field in gguf.GGUFReader(path).fields.items()
+                  if not name.startswith("GGUF.")}   # its pseudo-fields for the header counts
+        assert GGUFFile(path).metadata == theirs
 
 
 def corrupt(path, at: int, value: bytes, out=None):

@@ -14,7 +14,6 @@ from enum import IntEnum
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
@@ -293,26 +292,6 @@ def _bos_eos_processor(vocab: Vocab, add_bos: bool, add_eos: bool) -> processors
                                          special_tokens=specials)
 
 
-def read_gguf_fields(reader: GGUFReader, prefix: str = "tokenizer.") -> dict[str, Any]:
-    """The metadata of a ``gguf.GGUFReader`` whose key starts with ``prefix``, as plain Python values: str, int,
-    float, bool, or lists of them. One pass over each array (the vocabulary has tens of thousands of strings)."""
-    out: dict[str, Any] = {}
-    for name, field in reader.fields.items():
-        if not name.startswith(prefix) or not field.types:
-            continue
-        kind = field.types[0]
-        if kind == GGUFValueType.STRING:
-            out[name] = bytes(field.parts[-1]).decode("utf-8", errors="replace")
-        elif kind != GGUFValueType.ARRAY:
-            out[name] = field.parts[-1].tolist()[0]
-        elif len(field.types) != 2:
-            continue  # arrays of arrays: nothing in tokenizer.* uses them
-        elif field.types[1] == GGUFValueType.STRING:
-            parts = field.parts
-            out[name] = [bytes(parts[i]).decode("utf-8", errors="replace") for i in field.data]
-        elif not field.data:
-            out[name] = []
-        else:
-            parts = field.parts
-            out[name] = np.concatenate([parts[i] for i in field.data]).tolist()
-    return out
+def read_gguf_fields(metadata: dict[str, Any], prefix: str = "tokenizer.") -> dict[str, Any]:
+    """The entries of a GGUF file's metadata (``GGUFFile.metadata``) whose key starts with ``prefix``."""
+    return {name: value for name, value in metadata.items() if name.startswith(prefix)}
