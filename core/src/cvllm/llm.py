@@ -17,6 +17,9 @@ from cvllm.outputs import CompletionOutput, RequestOutput
 from cvllm.sampling_params import SamplingParams
 
 Prompt = str | dict[str, Any]
+# vLLM's generation_config values: "auto" samples with the model's defaults where a request gives none,
+# "vllm" with SamplingParams' own
+GENERATION_CONFIG_MODES = ("auto", "vllm")
 
 
 class LLM:
@@ -25,9 +28,14 @@ class LLM:
                  max_model_len: int | None = None,
                  num_kv_blocks: int | None = None, enable_prefix_caching: bool = True, seed: int = 0,
                  backend: str | None = None, kv_cache_memory: int | None = None, prefill_chunk_size: int = 0,
-                 **engine_options):
+                 generation_config: str = "auto", **engine_options):
         """``model``: a path or repo id (a Path too), or an opened Checkpoint (e.g. random weights built in
-        memory). ``engine_options``: any other ``EngineConfig`` field (kv_fraction, fake_step_ms ...)."""
+        memory). ``generation_config``: "auto" (the model's sampling defaults) or "vllm" (SamplingParams').
+        ``engine_options``: any other ``EngineConfig`` field (kv_fraction, fake_step_ms ...)."""
+        if generation_config not in GENERATION_CONFIG_MODES:
+            raise ValueError(f"generation_config must be one of {', '.join(GENERATION_CONFIG_MODES)}, "
+                             f"got {generation_config!r}")
+        self.generation_config = generation_config
         self.llm_engine = LLMEngine(EngineConfig(
             model=model if isinstance(model, Checkpoint) else str(model), dtype=dtype, backend=backend,
             block_size=block_size, max_num_seqs=max_num_seqs,
@@ -53,7 +61,10 @@ class LLM:
         self.shutdown()
 
     def default_sampling_params(self) -> SamplingParams:
-        """The checkpoint's generation_config.json defaults (temperature, top_p, top_k ...)."""
+        """The model's sampling defaults (temperature, top_p, top_k ...): its generation_config.json, or a GGUF's
+        general.sampling.* over llama.cpp's defaults; SamplingParams' own with ``generation_config="vllm"``."""
+        if self.generation_config == "vllm":
+            return SamplingParams()
         gen = self.llm_engine.checkpoint.generation_config
         keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
         defaults = {k: gen[k] for k in keys if gen.get(k) is not None}

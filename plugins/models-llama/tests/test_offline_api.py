@@ -140,6 +140,12 @@ def test_generation_config_supplies_default_sampling(model_dir, tmp_path):
     defaults = llm.default_sampling_params()
     assert (defaults.temperature, defaults.top_p, defaults.top_k) == (0.6, 0.9, 20)
     assert llm.llm_engine.eos_token_ids == {EOS_TOKEN_ID, 7}
+    # vLLM's generation_config="vllm": SamplingParams' own defaults; the file's stop ids still apply
+    plain = LLM(model=str(path), dtype="float32", generation_config="vllm")
+    assert plain.default_sampling_params() == SamplingParams()
+    assert plain.llm_engine.eos_token_ids == {EOS_TOKEN_ID, 7}
+    with pytest.raises(ValueError, match="generation_config must be one of auto, vllm, got 'model'"):
+        LLM(model=str(path), generation_config="model")
 
 
 def test_bad_prompts_raise_clear_errors(llm):

@@ -1,11 +1,15 @@
-"""Random GGML blocks for the oracle tests (the gguf package's numpy code is the reference)."""
+"""Random GGML blocks for the oracle tests (the gguf package's numpy code is the reference), and the demo
+model for the end-to-end ones."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from cvllm.testing.requirements import demo_model
 from cvllm.testing.threads import one_torch_thread as single_torch_thread
 from cvllm_gguf.quant_types import FLOAT_DTYPES, FORMATS, GGMLType
 
@@ -41,6 +45,12 @@ def random_raw(qtype: GGMLType, shape: tuple[int, ...], rng: np.random.Generator
     for offset in F16_FIELDS.get(qtype, ()):
         blocks[:, offset:offset + 2] = finite_half_bits(rng, n_blocks).view(np.uint8).reshape(n_blocks, 2)
     return blocks.reshape(*shape[:-1], shape[-1] // fmt.block_size * fmt.type_size)
+
+
+@pytest.fixture(scope="session")
+def demo_gguf() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 from the cache `cvllm fetch-demo` filled: skipped without it, an error in CI."""
+    return demo_model()
 
 
 @pytest.fixture

@@ -266,3 +266,48 @@ def test_unknown_architecture(tmp_path):
     with pytest.raises(CheckpointError, match=re.escape(f"GGUF architecture 'gpt2' is not declared by any installed "
                                                         f"model plugin (declared: {declared})")):
         plugins.open_checkpoint(path)
+
+
+LLAMA_CPP_DEFAULTS = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+
+
+def test_sampling_defaults_without_metadata_are_llama_cpp_s(tmp_path, make_rows):
+    """A GGUF has no generation_config.json: llama.cpp's server defaults stand in, not temperature 1."""
+    path, _, _ = write_tiny_llama(tmp_path, make_rows)
+    assert LLM(model=str(path), dtype="float32").default_sampling_params() == LLAMA_CPP_DEFAULTS
+    assert LLM(model=str(path), dtype="float32", generation_config="vllm").default_sampling_params() == \
+        SamplingParams()
+
+
+def test_sampling_metadata_overrides_llama_cpp_s_defaults(tmp_path, make_rows, caplog):
+    # written with gguf-py's own writers, so the key names are llama.cpp's
+    path, _, _ = write_tiny_llama(tmp_path, make_rows, extra={
+        "temp": lambda w: w.add_sampling_temp(0.5), "top_k": lambda w: w.add_sampling_top_k(20),
+        "penalty": lambda w: w.add_sampling_penalty_repeat(1.25),
+        "top_p": lambda w: w.add_sampling_top_p(0.0)})  # SamplingParams refuses it: llama.cpp's stays
+    with caplog.at_level(logging.WARNING, logger="cvllm_gguf.checkpoint"):
+        generation_config = plugins.open_checkpoint(path).generation_config
+    assert generation_config == {"temperature": 0.5, "top_k": 20, "top_p": 0.95, "min_p": 0.05,
+                                 "repetition_penalty": 1.25}
+    assert "ignoring general.sampling.top_p = 0.0: top_p must be in (0, 1]" in caplog.text
+
+
+def test_cvserve_generation_config_flag(tmp_path, make_rows):
+    """Weakest first: the model's defaults (unless --generation-config vllm), cvserve's flags, the request."""
+    from cvllm.server.cli import build_server_args
+    from cvllm.server.state import ServerState
+
+    path, _, _ = write_tiny_llama(tmp_path, make_rows)
+    generation_config = plugins.open_checkpoint(path).generation_config
+
+    def sampling_defaults(*flags: str) -> dict:
+        args = build_server_args(["--w", str(path), *flags])
+        return ServerState(args, None, str(path), ["tiny"], None, generation_config).sampling_defaults
+
+    assert build_server_args(["--w", str(path)]).generation_config == "auto"
+    assert sampling_defaults() == {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+    assert sampling_defaults("--top-k", "5") == {"temperature": 0.8, "top_k": 5, "top_p": 0.95, "min_p": 0.05}
+    assert sampling_defaults("--generation-config", "vllm") == {}
+    assert sampling_defaults("--generation-config", "vllm", "--top-k", "5") == {"top_k": 5}
+    with pytest.raises(SystemExit):
+        build_server_args(["--w", str(path), "--generation-config", "model"])

