@@ -21,7 +21,9 @@ tests)
     # a file at a time, the end-to-end checks first, each under its own limit: a slow file cannot starve the rest
     # (all together they have taken 6-9 minutes; the compiles of each new shape are most of it)
     t=plugins/backend-cuda/tests
-    run gpu-tests-engine 150 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_cuda_engine_gpu.py --durations=3
+    run gpu-tests-engine 240 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_cuda_engine_gpu.py \
+        plugins/models-qwen/tests/test_qwen_gguf.py --durations=3
+    run gpu-tests-argmax 60 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_argmax.py --durations=3
     run gpu-tests-matmul 100 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_matmul.py --durations=3
     run gpu-tests-fused 60 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_fused_kernels_gpu.py --durations=3
     run gpu-tests-kernels 240 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_kernels_gpu.py --durations=3 ;;
