@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:   # not imported at run time: cvserve's API process starts the engine core before torch loads
+    import torch
 
 
 @dataclass

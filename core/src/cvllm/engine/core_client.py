@@ -17,7 +17,7 @@ from multiprocessing.connection import Connection, wait
 import msgspec
 
 from cvllm.engine.config import EngineConfig
-from cvllm.engine.core_process import run_core
+from cvllm.engine.core_entry import run_core
 from cvllm.engine.messages import (
     AbortRequests,
     AddRequest,
