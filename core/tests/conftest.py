@@ -7,12 +7,22 @@ import pytest
 
 from cvllm.plugins import get_plugin_manager, reset_plugins
 from cvllm.testing.threads import one_torch_thread as _one_torch_thread
+from cvllm.testing.tokenizer import write_tiny_tokenizer
+from cvllm.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
 def one_torch_thread():
     with _one_torch_thread():
         yield
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Tokenizer:
+    """The tests' tiny byte-level BPE tokenizer, written and loaded as a checkpoint's would be."""
+    path = tmp_path_factory.mktemp("tokenizer")
+    write_tiny_tokenizer(path)
+    return Tokenizer.from_dir(path)
 
 
 # --- plugins: a manager with only the built-in plugin, inline plugins, fake installed distributions ------

@@ -15,17 +15,8 @@ from cvllm.server.protocol import (
     encode,
 )
 from cvllm.server.testing_fakes import HI, FakeClient, call, make_state, sse_chunks
-from cvllm.testing import write_tiny_tokenizer
-from cvllm.tokenizer import Tokenizer
 
 TEXT = "Hello world, hello again! Café 日本語 🙂 ok"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory) -> Tokenizer:
-    path = tmp_path_factory.mktemp("tokenizer")
-    write_tiny_tokenizer(path)
-    return Tokenizer.from_dir(path)
 
 
 class LaggingClient(FakeClient):

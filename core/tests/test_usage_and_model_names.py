@@ -9,18 +9,9 @@ import asyncio
 import pytest
 
 from cvllm.server.testing_fakes import HI, FakeClient, FakeStream, call, make_state, sse_chunks
-from cvllm.testing import write_tiny_tokenizer
-from cvllm.tokenizer import Tokenizer
 
 STEP_S = 0.005   # each scripted engine step takes this long, so the timings have something to measure
 CACHED = 32
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory) -> Tokenizer:
-    path = tmp_path_factory.mktemp("tokenizer")
-    write_tiny_tokenizer(path)
-    return Tokenizer.from_dir(path)
 
 
 class SlowStream(FakeStream):
