@@ -103,6 +103,8 @@ NAN, INF = float("nan"), float("inf")
         ({"presence_penalty": NAN}, "presence_penalty"),
         ({"frequency_penalty": -INF}, "frequency_penalty"),
         ({"repetition_penalty": INF}, "repetition_penalty"),
+        ({"repetition_penalty": 1e300}, "repetition_penalty"),   # inf as the device's float32
+        ({"temperature": 1e39}, "temperature"),
         ({"repetition_penalty": NAN}, "repetition_penalty"),
         ({"logit_bias": {5: NAN}}, "logit_bias"),
         ({"logit_bias": {5: INF}}, "logit_bias"),

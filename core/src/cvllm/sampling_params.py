@@ -12,6 +12,7 @@ MAX_N = 128  # completions per request: more is a mistake, or an attempt to exha
 MAX_INT32 = 2**31 - 1
 # What torch.Generator.manual_seed takes (a negative seed wraps to its uint64), and what msgpack carries to the core.
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+FLOAT32_MAX = 3.4028234663852886e38
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -25,11 +26,12 @@ def _int_in(value: object, low: int, high: int) -> bool:
 
 
 def _finite(value: object) -> bool:
-    """A number that is neither NaN nor infinite, and that a float can hold (1e999 in JSON is inf)."""
+    """A number that is neither NaN nor infinite, and stays finite as the float32 the device computes with
+    (1e999 in JSON is inf; a temperature or penalty of 1e300 would turn into inf there, and 0 * inf into NaN)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
     try:
-        return math.isfinite(value)
+        return math.isfinite(value) and abs(value) <= FLOAT32_MAX
     except OverflowError:  # an int past float's range
         return False
 
