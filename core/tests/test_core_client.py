@@ -12,15 +12,15 @@ import msgspec
 import pytest
 
 from cvllm.engine.config import EngineConfig
-from cvllm.engine.core_client import (
+from cvllm.engine.scheduler import EngineStats
+from cvllm.engine_process.client import (
     EngineCoreClient,
     EngineStartupError,
     RequestError,
     RequestStream,
 )
-from cvllm.engine.core_process import EngineCore, describe, is_device_error, token_logprobs
-from cvllm.engine.messages import AddRequest, CoreDead, RequestFailed, SeqDelta, StepOutputs, ToCore
-from cvllm.engine.scheduler import EngineStats
+from cvllm.engine_process.messages import AddRequest, CoreDead, RequestFailed, SeqDelta, StepOutputs, ToCore
+from cvllm.engine_process.process import EngineCore, describe, is_device_error, token_logprobs
 from cvllm.outputs import Logprob
 from cvllm.sampling_params import SamplingParams
 

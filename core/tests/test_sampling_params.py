@@ -4,7 +4,7 @@ import msgspec
 import pytest
 import torch
 
-from cvllm.engine.messages import AddRequest
+from cvllm.engine_process.messages import AddRequest
 from cvllm.sampling_params import SamplingParams
 
 

@@ -14,7 +14,7 @@ from cvllm.server.protocol import (
     CompletionChunk,
     encode,
 )
-from cvllm.server.testing_fakes import HI, FakeClient, call, make_state, sse_chunks
+from cvllm.testing.fakes import HI, FakeClient, call, make_state, sse_chunks
 
 TEXT = "Hello world, hello again! Café 日本語 🙂 ok"
 

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from cvllm.server.testing_fakes import HI, FakeClient, FakeStream, call, make_state, sse_chunks
+from cvllm.testing.fakes import HI, FakeClient, FakeStream, call, make_state, sse_chunks
 
 STEP_S = 0.005   # each scripted engine step takes this long, so the timings have something to measure
 CACHED = 32

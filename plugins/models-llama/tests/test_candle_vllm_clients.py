@@ -12,8 +12,8 @@ import openai
 import pytest
 
 from cvllm.server.cli import build_server_args
-from cvllm.server.testing import LiveServer, free_port
 from cvllm.testing import make_checkpoint
+from cvllm.testing.server import LiveServer, free_port
 
 SEEDS = ["Explain ownership, borrowing and lifetimes with a practical debugging story.",
          "Discuss KV cache scheduling, batching, prefill, decode and throughput tradeoffs.",

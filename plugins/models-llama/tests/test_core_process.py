@@ -18,8 +18,8 @@ import pytest
 
 from cvllm import LLM, SamplingParams
 from cvllm.engine.config import EngineConfig
-from cvllm.engine.core_client import EngineCoreClient, EngineDeadError, RequestError, RequestStream
-from cvllm.engine.core_process import FAIL_STEP_ENV
+from cvllm.engine_process.client import EngineCoreClient, EngineDeadError, RequestError, RequestStream
+from cvllm.engine_process.process import FAIL_STEP_ENV
 from cvllm.testing import make_checkpoint
 
 FAIL_TOKEN = 500          # prompts holding this token make the core's step raise (the core's test hook)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from cvllm import LLM, SamplingParams
-from cvllm.server.testing import LiveServer
 from cvllm.testing import make_checkpoint
+from cvllm.testing.server import LiveServer
 
 MODEL = "tiny"
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Tell me about the dragon."}]

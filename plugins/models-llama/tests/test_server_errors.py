@@ -10,8 +10,8 @@ import re
 import httpx
 import pytest
 
-from cvllm.server.testing import LiveServer
 from cvllm.testing import make_checkpoint
+from cvllm.testing.server import LiveServer
 
 MODEL = "tiny"
 BODY_LIMIT = 64 << 10

@@ -15,7 +15,7 @@ import httpx
 import msgspec
 
 from cvllm.engine.config import EngineConfig
-from cvllm.engine.core_client import EngineCoreClient
+from cvllm.engine_process.client import EngineCoreClient
 from cvllm.server.app import build_app
 from cvllm.server.args import ServerArgs
 from cvllm.server.protocol import ChatCompletionRequest, CompletionRequest

@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from cvllm import LLM, SamplingParams
-from cvllm.server.testing import LiveServer
 from cvllm.testing import CHATML_TEMPLATE, make_checkpoint
+from cvllm.testing.server import LiveServer
 
 KEY = "sekret-key"
 ORIGIN = "http://app.example"

@@ -8,13 +8,13 @@ import random
 
 import pytest
 
-from cvllm.engine.core_client import EngineDeadError, RequestError
-from cvllm.engine.messages import SeqDelta
+from cvllm.engine_process.client import EngineDeadError, RequestError
+from cvllm.engine_process.messages import SeqDelta
 from cvllm.sampling_params import SamplingParams
 from cvllm.server.output import ChoiceState
 from cvllm.server.reasoning import ThinkParser
-from cvllm.server.testing_fakes import HI, FakeClient, call, make_state, sse_chunks
 from cvllm.testing import CHATML_TEMPLATE, EOS_TOKEN_ID, write_tiny_tokenizer
+from cvllm.testing.fakes import HI, FakeClient, call, make_state, sse_chunks
 from cvllm.tokenizer import Tokenizer
 
 THINK_TEMPLATE = CHATML_TEMPLATE.replace("'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n<think>\\n'")

@@ -4,7 +4,7 @@ is given (thinking on, off, or opened by the template), and how the answer is sp
 
 No model: the server state is opened from a checkpoint folder that holds the template's tokenizer files (the
 way ``cvserve`` opens one, so the reasoning parser is the one it would detect), and a scripted engine-core
-client (cvllm.server.testing_fakes) plays back known token ids.
+client (cvllm.testing.fakes) plays back known token ids.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from safetensors.numpy import save_file
 from cvllm.engine.config import EngineConfig
 from cvllm.server.args import ServerArgs
 from cvllm.server.state import ServerState
-from cvllm.server.testing_fakes import HI, FakeClient, call, sse_chunks
 from cvllm.testing.checkpoints import BASE_CONFIG
+from cvllm.testing.fakes import HI, FakeClient, call, sse_chunks
 
 QWEN3, QWQ = "qwen3-0.6b", "qwq-32b"
 R1, R1_FIRST_RELEASE = "deepseek-r1-distill-qwen-32b", "deepseek-r1-distill-qwen-32b-first-release"

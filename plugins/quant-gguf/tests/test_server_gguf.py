@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from cvllm.server.cli import build_server_args
-from cvllm.server.testing import LiveServer, free_port
+from cvllm.testing.server import LiveServer, free_port
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PARIS = "The capital of France is Paris."

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from cvllm.engine.core_client import RequestError
+from cvllm.engine_process.client import RequestError
 from cvllm.sampling_params import SamplingParams
 from cvllm.server.errors import APIError
 from cvllm.server.output import SSE_HEADERS, ChoiceState, RequestTracker

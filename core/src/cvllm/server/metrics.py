@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from cvllm.engine.messages import CoreStats
+from cvllm.engine_process.messages import CoreStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

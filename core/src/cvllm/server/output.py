@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from cvllm.detokenizer import IncrementalDetokenizer
-from cvllm.engine.messages import SeqDelta, TokenLogprobs
+from cvllm.engine_process.messages import SeqDelta, TokenLogprobs
 from cvllm.sampling_params import SamplingParams
 from cvllm.server.protocol import CompletionTokensDetails, PromptTokensDetails, UsageInfo, encode
 

@@ -13,7 +13,7 @@ import signal
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config
 
-from cvllm.engine.core_client import EngineCoreClient, EngineStartupError
+from cvllm.engine_process.client import EngineCoreClient, EngineStartupError
 from cvllm.server.app import build_app
 from cvllm.server.args import ServerArgs
 from cvllm.server.listen import BACKLOG, AddressError, bind_address, listen_socket

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from cvllm.chat_template import ChatTemplateError
-from cvllm.engine.core_client import RequestError
+from cvllm.engine_process.client import RequestError
 from cvllm.sampling_params import MAX_INT32
 from cvllm.server.errors import bad_request
 from cvllm.server.lifecycle import SSEResponse, mid_stream_error, run_until_disconnect, start_request

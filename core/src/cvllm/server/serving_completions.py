@@ -10,8 +10,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from cvllm.engine.core_client import RequestError
-from cvllm.engine.messages import TokenLogprobs
+from cvllm.engine_process.client import RequestError
+from cvllm.engine_process.messages import TokenLogprobs
 from cvllm.server.errors import bad_request
 from cvllm.server.lifecycle import SSEResponse, mid_stream_error, run_until_disconnect, start_request
 from cvllm.server.output import (

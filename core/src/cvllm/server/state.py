@@ -225,7 +225,7 @@ def check_logprobs(name: str, value: int | None) -> None:
 
 def engine_error(error: Exception) -> APIError:
     """A failure reported by the engine core, as the HTTP error it means for this request."""
-    from cvllm.engine.core_client import EngineDeadError
+    from cvllm.engine_process.client import EngineDeadError
 
     if isinstance(error, EngineDeadError):
         return APIError(503, f"The engine is not running: {error}")

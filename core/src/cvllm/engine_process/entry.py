@@ -16,6 +16,6 @@ if TYPE_CHECKING:
 
 
 def run_core(config: EngineConfig, commands: Connection, outputs: Connection, log_level: int = logging.INFO) -> None:
-    from cvllm.engine.core_process import run_core as run
+    from cvllm.engine_process.process import run_core as run
 
     run(config, commands, outputs, log_level)

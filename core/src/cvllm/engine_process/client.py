@@ -17,8 +17,8 @@ from multiprocessing.connection import Connection, wait
 import msgspec
 
 from cvllm.engine.config import EngineConfig
-from cvllm.engine.core_entry import run_core
-from cvllm.engine.messages import (
+from cvllm.engine_process.entry import run_core
+from cvllm.engine_process.messages import (
     AbortRequests,
     AddRequest,
     CoreDead,

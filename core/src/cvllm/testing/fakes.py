@@ -14,7 +14,7 @@ from collections import deque
 import httpx
 
 from cvllm.engine.config import EngineConfig
-from cvllm.engine.messages import CoreStats, Ready, SeqDelta, TokenLogprobs
+from cvllm.engine_process.messages import CoreStats, Ready, SeqDelta, TokenLogprobs
 from cvllm.sampling_params import SamplingParams
 from cvllm.server.app import build_app
 from cvllm.server.args import ServerArgs

@@ -24,7 +24,8 @@ import torch
 
 from cvllm.engine.config import EngineConfig
 from cvllm.engine.llm_engine import LLMEngine
-from cvllm.engine.messages import (
+from cvllm.engine.sequence import Sequence
+from cvllm.engine_process.messages import (
     AbortRequests,
     AddRequest,
     CoreDead,
@@ -38,7 +39,6 @@ from cvllm.engine.messages import (
     ToCore,
     TokenLogprobs,
 )
-from cvllm.engine.sequence import Sequence
 from cvllm.outputs import Logprob
 from cvllm.sampling_params import SamplingParams
 from cvllm.startup import process_age
