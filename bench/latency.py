@@ -1,6 +1,6 @@
 """Batch-1 latency on a Llama-3-8B shape (random bf16 weights on the device): TTFT and decode tok/s at
-1k and 4k context, the share of each decode step the GPU sits idle, and the references of PERF.md
-(the copy-bandwidth ceiling, HF transformers ``generate`` on the same config) measured in the same run.
+1k and 4k context, the share of each decode step the GPU sits idle, and the references docs/benchmarks.md
+quotes (the copy-bandwidth ceiling, HF transformers ``generate`` on the same config) measured in the same run.
 
     python bench/latency.py --json $OUT/latency.json          # on the H200 (one device call)
     python bench/latency.py --tiny                            # a CPU rehearsal on a tiny shape

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from cvllm.checkpoint.base import Checkpoint
 
 SHAPES = {
-    # SmolLM2-135M's shape (the demo model of DESIGN.md §10)
+    # SmolLM2-135M's shape (the demo model, core/src/cvllm/demo.py)
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
                          max_position_embeddings=8192, rms_norm_eps=1e-5),

@@ -6,14 +6,14 @@
 1. Writes a random bf16 checkpoint (drawn on the device, saved as safetensors shards) plus a tokenizer
    covering its vocabulary; ``--checkpoint DIR`` keeps it there and reuses it on the next run.
 2. Starts ``cvserve`` on it on 127.0.0.1, times the first token of six single requests sent one after
-   another (PERF.md's TTFT on an idle server), then, per concurrency level, opens that many streamed
+   another (the TTFT on an idle server that docs/benchmarks.md quotes), then, per concurrency level, opens that many streamed
    completions at once (random token-id prompts of ``--input-len``, ``--output-len`` tokens each,
    ignore_eos). The load generator is httpx in several processes (``--streams-per-client`` each) so
    that it never becomes the bottleneck; it reports its own CPU use (summed, and the busiest process).
 3. Stops the server, then runs the offline engine (``LLM.generate``) in a fresh process on the same
    prompts of the largest level: the HTTP/offline ratio is what the server costs on top of the engine. The
    same process then measures transformers' ``generate`` on the config (batches of 16 and 64, 64 new
-   tokens) and the copy-bandwidth ceiling (PERF.md's references).
+   tokens) and the copy-bandwidth ceiling (the references docs/benchmarks.md quotes).
 
 Output tok/s = completion tokens over the wall time from the moment all streams are opened to the last
 token. TTFT and inter-token gaps are per stream (a chunk may carry several tokens when the server
@@ -145,7 +145,7 @@ def offline_worker(spec: dict) -> dict:
 
 
 def hf_reference(spec: dict) -> dict:
-    """PERF.md's references for this shape, in the offline worker once its engine is gone: transformers'
+    """The references for this shape (docs/benchmarks.md), in the offline worker once its engine is gone: transformers'
     ``generate`` at the given batch sizes (prompts of the benchmark's input length, 64 new tokens) and the
     device-to-device copy rate."""
     import gc

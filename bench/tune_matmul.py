@@ -13,7 +13,7 @@ with and without split-K), per row tile (16, 32, 64 rows: batches of 2-16, 17-32
 its best tile beats cuBLAS by more than 2% at every batch size of that tile measured (2, 4, 8, 16; 32; 64),
 since the engine falls back to cuBLAS for every (tile, shape) without an entry. The chain is every projection
 of the 32 layers plus the lm_head, each layer its own weights (15 GB), in one graph: the matmul-only ceiling of
-batch-1 decode (PERF.md quotes cuBLAS's: 241 tok/s), with programmatic dependent launch (kernels/pdl.py) on and
+batch-1 decode (cuBLAS's: 241 tok/s, docs/benchmarks.md), with programmatic dependent launch (kernels/pdl.py) on and
 off. ``--skip-skinny`` / ``--skip-gemv`` keep that committed table; ``--shapes`` and ``--row-tiles`` sweep a part of
 the shapes or row tiles, and ``--write`` then replaces only the entries of what was swept:
 

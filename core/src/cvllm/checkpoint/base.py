@@ -38,7 +38,8 @@ class Checkpoint:
         return self.config.architectures[0]
 
     def eos_token_ids(self) -> set[int]:
-        """The stop set of DESIGN.md §3: eos ids from config.json and generation_config.json."""
+        """The stop set (docs/architecture.md, "When generation stops"): eos ids from config.json and
+        generation_config.json."""
         ids: set[int] = set()
         for source in (self.config.get("eos_token_id"), self.generation_config.get("eos_token_id")):
             if isinstance(source, int):

@@ -3,7 +3,8 @@
 The layer keeps the blocks exactly as the file stores them (``layer.qweight``: uint8
 [out_features, bytes_per_row], ``layer.qtype``), so a CUDA kernel that reads the blocks directly
 can take over later through this same interface, with no change to model code. On CPU,
-``process_weights_after_loading`` prepares a compute form once (DESIGN.md §6):
+``process_weights_after_loading`` prepares a compute form once (measured
+on 2 cores with SmolLM2 shapes: dequantizing Q4_1 on every call ~208 ms a token, the int4-packed op ~7 ms):
 
 - mode "fast": Q4_0/Q4_1 repacked into torch's int4-packed CPU layout for
   ``aten._weight_int4pack_mm_for_cpu`` (group 32, bf16 activations); every other type (and a
