@@ -1,6 +1,7 @@
 """Where the host's time goes inside engine steps: wall time per section (schedule, input preparation,
 forward launch, sampling launch, waiting for the GPU, applying tokens), summed over the steps run while
-installed. Wraps the engine's methods in place (benchmarks only: the engine itself carries no timers).
+installed. Reads the engine's step records (cvllm/engine/observers.py): the engine itself carries no timers,
+and builds no record when nobody observes.
 
 If the GPU is the bottleneck the host spends its spare time in "wait"; if "wait" is near zero while the
 GPU idles between steps, host work is what bounds the step."""
@@ -12,53 +13,29 @@ import gc
 import time
 from contextlib import contextmanager
 
+# StepRecord.host phases -> the table's labels; the record's "finish" is shown as "other" with the glue between
+LABELS = {"schedule": "schedule", "prepare": "prepare", "forward": "forward", "sample": "sample",
+          "advance": "advance", "wait": "wait for GPU"}
+
 
 class HostTimers:
+    device_timing = False   # a step observer that needs host clocks only
+
     def __init__(self, engine):
         self.engine = engine
         self.totals: collections.Counter[str] = collections.Counter()
         self.steps = 0
-        self._undo: list[tuple[object, str, object]] = []
 
-    def _wrap(self, owner, name: str, label: str) -> None:
-        original = getattr(owner, name)
-        totals = self.totals
-
-        def timed(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                totals[label] += time.perf_counter() - started
-
-        self._undo.append((owner, name, owner.__dict__.get(name)))
-        setattr(owner, name, timed)
+    def on_step(self, record) -> None:
+        for phase, seconds in record.host.items():
+            if phase in LABELS:
+                self.totals[LABELS[phase]] += seconds
+        self.totals["step (all)"] += record.step_s
+        self.steps += 1
 
     @contextmanager
     def installed(self):
-        engine = self.engine
-        self._wrap(engine.scheduler, "schedule", "schedule")
-        self._wrap(engine.runner, "prepare", "prepare")
-        self._wrap(engine.runner, "run", "run")   # prepare + the forward pass's launches (shown less prepare)
-        self._wrap(engine, "sampler", "sample")
-        self._wrap(engine.scheduler, "advance", "advance")
-        start_readback = engine.backend.start_readback
         totals = self.totals
-
-        def timed_readback(tensors):
-            wait = start_readback(tensors)
-
-            def timed_wait():
-                started = time.perf_counter()
-                try:
-                    return wait()
-                finally:
-                    totals["wait for GPU"] += time.perf_counter() - started
-            return timed_wait
-
-        self._undo.append((engine.backend, "start_readback", engine.backend.__dict__.get("start_readback")))
-        engine.backend.start_readback = timed_readback
-        self._wrap(engine, "step", "step (all)")
         gc_started = [0.0]
 
         def gc_timer(phase: str, info: dict) -> None:   # Python's collections pause whatever section they hit
@@ -70,20 +47,14 @@ class HostTimers:
 
         gc.callbacks.append(gc_timer)
         try:
-            yield self
+            with self.engine.observers.observing(self):
+                yield self
         finally:
             gc.callbacks.remove(gc_timer)
-            for owner, name, previous in reversed(self._undo):
-                if previous is None:
-                    delattr(owner, name)
-                else:
-                    setattr(owner, name, previous)
-            self._undo.clear()
 
     def table(self, steps: int) -> str:
         total = self.totals["step (all)"]
-        parts = {k: v for k, v in self.totals.items() if k not in ("step (all)", "run") and not k.startswith("gc ")}
-        parts["forward"] = self.totals["run"] - self.totals["prepare"]
+        parts = {label: self.totals[label] for label in LABELS.values()}
         other = total - sum(parts.values())
         lines = [f"host time per step over {steps} steps (ms):"]
         for label, seconds in sorted(parts.items(), key=lambda kv: -kv[1]):

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import git_commit, graph_replay_ms  # noqa: E402
 from random_checkpoint import hf_model, random_checkpoint, shape_config  # noqa: E402
 
+from cvllm.engine.build import build_engine  # noqa: E402
 from cvllm.engine.config import EngineConfig  # noqa: E402
 from cvllm.engine.llm_engine import LLMEngine  # noqa: E402
 from cvllm.sampling_params import SamplingParams  # noqa: E402
@@ -146,10 +147,10 @@ def main() -> None:
         TUNED_CONFIGS.clear()
         SPARSE_DECODE_CONFIGS.clear()
     started = time.perf_counter()
-    engine = LLMEngine(EngineConfig(model=random_checkpoint(shape, dtype, device), backend=device, dtype=dtype,
-                                    max_num_seqs=4, max_model_len=max(contexts) + args.decode_tokens + 16,
-                                    kv_cache_memory=8 << 30 if device == "cuda" else 64 << 20,
-                                    enforce_eager=args.enforce_eager))
+    engine = build_engine(EngineConfig(model=random_checkpoint(shape, dtype, device), backend=device, dtype=dtype,
+                                       max_num_seqs=4, max_model_len=max(contexts) + args.decode_tokens + 16,
+                                       kv_cache_memory=8 << 30 if device == "cuda" else 64 << 20,
+                                       enforce_eager=args.enforce_eager))
     load_s = time.perf_counter() - started
     result: dict = {"bench": "latency", "shape": shape, "device": torch.cuda.get_device_name() if device == "cuda"
                     else "cpu", "dtype": "bfloat16", "enforce_eager": args.enforce_eager,

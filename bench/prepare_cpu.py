@@ -11,12 +11,19 @@ import random
 import time
 
 import torch
+from torch import nn
 
 from cvllm.backends.cpu import CpuBackend
 from cvllm.engine.model_runner import ModelRunner
 from cvllm.engine.scheduler import ScheduledBatch
 from cvllm.engine.sequence import Sequence
 from cvllm.sampling_params import SamplingParams
+
+
+class PackingBackend(CpuBackend):
+    """A device that is not the CPU, so the runner packs the step's inputs for one upload; on the meta device the
+    upload copies nothing (engine/upload.py), so what is timed is the packing."""
+    device = torch.device("meta")
 
 
 def main() -> None:
@@ -29,13 +36,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    runner = ModelRunner.__new__(ModelRunner)   # prepare() needs no model: only its batch-building state
-    runner.block_size, runner.device, runner.backend = args.block_size, torch.device("cpu"), CpuBackend()
-    if args.packed:   # a device that is not the CPU, whose upload is the packed host tensor itself
-        import cvllm.engine.model_runner as model_runner
-
-        runner.device = torch.device("meta")
-        model_runner.upload = lambda t, device: t
+    # prepare() needs no model: an empty module has no layers, so no weights and no KV cache
+    runner = ModelRunner(nn.Module(), PackingBackend() if args.packed else CpuBackend(), args.block_size,
+                         torch.float32)
     rng = random.Random(0)
     seqs = []
     for i in range(args.seqs):

@@ -21,6 +21,7 @@ from common import graph_replay_ms  # noqa: E402
 from host_timers import HostTimers  # noqa: E402
 from random_checkpoint import random_checkpoint, shape_config  # noqa: E402
 
+from cvllm.engine.build import build_engine  # noqa: E402
 from cvllm.engine.config import EngineConfig  # noqa: E402
 from cvllm.engine.llm_engine import LLMEngine  # noqa: E402
 from cvllm.sampling_params import SamplingParams  # noqa: E402
@@ -92,9 +93,9 @@ def main() -> None:
     batch, context = (8, 64) if args.tiny else (args.batch, args.context)
     dtype = torch.bfloat16
     vocab = shape_config(shape, dtype)["vocab_size"]
-    engine = LLMEngine(EngineConfig(model=random_checkpoint(shape, dtype, device), backend=device, dtype=dtype,
-                                    max_num_seqs=batch, max_model_len=context + 64 + 3 * args.steps,
-                                    max_num_batched_tokens=8192))
+    engine = build_engine(EngineConfig(model=random_checkpoint(shape, dtype, device), backend=device, dtype=dtype,
+                                       max_num_seqs=batch, max_model_len=context + 64 + 3 * args.steps,
+                                       max_num_batched_tokens=8192))
     g = torch.Generator().manual_seed(0)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])

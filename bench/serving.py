@@ -6,8 +6,8 @@
 1. Writes a random bf16 checkpoint (drawn on the device, saved as safetensors shards) plus a tokenizer
    covering its vocabulary; ``--checkpoint DIR`` keeps it there and reuses it on the next run.
 2. Starts ``cvserve`` on it on 127.0.0.1, times the first token of six single requests sent one after
-   another (the TTFT on an idle server that docs/benchmarks.md quotes), then, per concurrency level, opens that many streamed
-   completions at once (random token-id prompts of ``--input-len``, ``--output-len`` tokens each,
+   another (the TTFT on an idle server that docs/benchmarks.md quotes), then, per concurrency level, opens that
+   many streamed completions at once (random token-id prompts of ``--input-len``, ``--output-len`` tokens each,
    ignore_eos). The load generator is httpx in several processes (``--streams-per-client`` each) so
    that it never becomes the bottleneck; it reports its own CPU use (summed, and the busiest process).
 3. Stops the server, then runs the offline engine (``LLM.generate``) in a fresh process on the same

@@ -2,7 +2,8 @@
 sampling, with the step's make-up (prompt tokens, decode rows), summed by phase: the steps that prefill
 (mixed with the decodes of the sequences already running), the decode steps at the full batch, and the tail
 of decode steps with fewer rows as sequences finish. Also the GPU's idle time before each step's work.
-Used by ``bench/serving.py``'s offline run (CUDA only; benchmarks only: it wraps the engine's objects)."""
+Used by ``bench/serving.py``'s offline run (CUDA only). A step observer (cvllm/engine/observers.py): the
+engine's records carry the events it asks for."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import torch
 
 
 class StepTrace:
+    device_timing = True   # records carry backend events at the step's marks
+
     def __init__(self, engine):
         self.engine = engine
         # per sampled step: prompt tokens, decode rows, CUDA events at its launch and after its sampling. A step
@@ -21,37 +24,28 @@ class StepTrace:
         self._pending: list | None = None   # [prompt tokens, decode rows, start event] since the last readback
         self.wall_s = 0.0
 
+    def on_step(self, record) -> None:
+        events = {label: event for label, _, event in record.device}
+        if not record.num_seqs or "launch" not in events:   # nothing launched, or a backend without events
+            return
+        if self._pending is None:
+            self._pending = [0, 0, events["launch"]]
+        self._pending[0] += record.num_prefill_tokens
+        self._pending[1] += record.num_decodes
+        if record.num_sampled:
+            prompt, rows, start = self._pending
+            self.steps.append((prompt, rows, start, events["sampled"]))
+            self._pending = None
+
     @contextmanager
     def installed(self):
-        engine, runner = self.engine, self.engine.runner
-        run, readback = runner.run, engine.backend.start_readback
-
-        def marked_run(batch, *args, **kwargs):
-            if self._pending is None:
-                start = torch.cuda.Event(enable_timing=True)
-                start.record()
-                self._pending = [0, 0, start]
-            self._pending[0] += batch.num_prefill_tokens
-            self._pending[1] += batch.num_decodes
-            return run(batch, *args, **kwargs)
-
-        def marked_readback(tensors):
-            wait = readback(tensors)
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            prompt, rows, start = self._pending
-            self.steps.append((prompt, rows, start, end))
-            self._pending = None
-            return wait
-
-        runner.run, engine.backend.start_readback = marked_run, marked_readback
         began = time.perf_counter()
         try:
-            yield self
+            with self.engine.observers.observing(self):
+                yield self
         finally:
             torch.cuda.synchronize()
             self.wall_s = time.perf_counter() - began
-            del runner.run, engine.backend.start_readback   # the instance attributes go: the methods show again
 
     def phases(self) -> dict:
         """{phase: {steps, gpu_s, idle_s, prompt_tokens, decode_rows}} and the run's totals."""

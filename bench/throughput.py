@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import git_commit  # noqa: E402
 from random_checkpoint import hf_model, random_checkpoint, shape_config  # noqa: E402
 
+from cvllm.engine.build import build_engine  # noqa: E402
 from cvllm.engine.config import EngineConfig  # noqa: E402
 from cvllm.engine.llm_engine import LLMEngine  # noqa: E402
 from cvllm.sampling_params import SamplingParams  # noqa: E402
@@ -144,7 +145,7 @@ def main() -> None:
     vocab = shape_config(shape, dtype)["vocab_size"]
 
     started = time.perf_counter()
-    engine = LLMEngine(EngineConfig(
+    engine = build_engine(EngineConfig(
         model=random_checkpoint(shape, dtype, device, seed=args.seed), backend=device, dtype=dtype,
         max_num_seqs=max_seqs, max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=2 * high,
         kv_cache_memory=None if device == "cuda" else 64 << 20, enforce_eager=args.enforce_eager,

@@ -23,8 +23,6 @@ def test_cli_plugins_lists_each_plugin_and_what_it_registered(add_plugin, capsys
           open_checkpoint
           register_backends
             cpu = cvllm.backends.cpu:CpuBackend
-          register_samplers
-            default = cvllm.engine.sampler:Sampler
         mine (registered at run time)
           register_architectures
             MyForCausalLM = my_pkg.model:MyForCausalLM
@@ -39,10 +37,8 @@ def test_cli_plugins_json(add_plugin, capsys):
     assert main(["plugins", "--json"]) == 0
     report = {entry["name"]: entry for entry in json.loads(capsys.readouterr().out)}
     assert set(report) == {"builtin", "fp8plug"}
-    assert report["builtin"]["hooks"] == ["open_checkpoint", "register_backends", "register_samplers"]
-    assert report["builtin"]["registered"] == {
-        "register_backends": {"cpu": "cvllm.backends.cpu:CpuBackend"},
-        "register_samplers": {"default": "cvllm.engine.sampler:Sampler"}}
+    assert report["builtin"]["hooks"] == ["open_checkpoint", "register_backends"]
+    assert report["builtin"]["registered"] == {"register_backends": {"cpu": "cvllm.backends.cpu:CpuBackend"}}
     fp8_target = f"{__name__}:test_cli_plugins_json.<locals>.Fp8"
     assert report["fp8plug"]["registered"] == {"register_quantizers": {"fp8": fp8_target}}
     assert report["fp8plug"]["distribution"] is None and report["fp8plug"]["error"] is None

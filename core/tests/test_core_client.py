@@ -4,7 +4,7 @@ model plugin, are in plugins/models-llama/tests/test_core_process.py)."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import multiprocessing
 import os
 from types import SimpleNamespace
 
@@ -20,9 +20,10 @@ from cvllm.engine_process.client import (
     RequestStream,
 )
 from cvllm.engine_process.messages import AddRequest, CoreDead, RequestFailed, SeqDelta, StepOutputs, ToCore
-from cvllm.engine_process.process import EngineCore, describe, is_device_error, token_logprobs
+from cvllm.engine_process.process import CoreChannel, EngineCore, describe, is_device_error, token_logprobs
 from cvllm.outputs import Logprob
 from cvllm.sampling_params import SamplingParams
+from cvllm.testing.plugins import registers
 
 
 def test_startup_failure_raises_with_the_cores_message(tmp_path):
@@ -50,13 +51,42 @@ def test_a_core_that_exits_silently_during_startup_reports_its_exit_code():
         asyncio.run(start())
 
 
-def test_sampling_params_survive_the_trip_to_the_core():
+def test_sampling_params_survive_the_trip_to_the_core(only_builtin_plugins, add_plugin):
+    add_plugin(registers("register_samplers", ("upper", "x:Upper")), "procs")
     params = SamplingParams(n=3, temperature=0.7, top_p=0.9, top_k=5, max_tokens=None, stop=["</s>", "\n\n"],
-                            stop_token_ids=[7, 9], seed=11, logprobs=2, repetition_penalty=1.1, min_tokens=2)
-    wire = msgspec.msgpack.encode(AddRequest("r", [1, 2, 3], dataclasses.asdict(params)))
+                            stop_token_ids=[7, 9], seed=2**64 - 1, logprobs=2, prompt_logprobs=0,
+                            repetition_penalty=1.1, presence_penalty=-0.5, frequency_penalty=0.25, min_p=0.05,
+                            min_tokens=2, ignore_eos=True, skip_special_tokens=False, include_stop_str_in_output=True,
+                            logit_bias={5: -100.0, 2**31 - 1: 2.5}, logits_processors=["upper", "upper"])
+    wire = msgspec.msgpack.encode(AddRequest("r", [1, 2, 3], params))
     command = msgspec.msgpack.decode(wire, type=ToCore)
     assert isinstance(command, AddRequest) and command.prompt_token_ids == [1, 2, 3]
-    assert SamplingParams(**command.params) == params
+    assert type(command.params) is SamplingParams and command.params == params   # a Struct both ways, no dict
+    assert msgspec.msgpack.decode(wire)["params"]["logits_processors"] == ["upper", "upper"]
+    defaults = msgspec.msgpack.encode(AddRequest("r", [1], SamplingParams()))
+    assert msgspec.msgpack.decode(defaults, type=ToCore).params == SamplingParams()
+    assert len(defaults) < len(wire) // 3   # the defaults are left out
+
+
+def test_parameters_the_core_rejects_fail_only_their_request():
+    """The API process validated them with the same rules; should the core still reject them (a plugin loaded in
+    one process only), the request fails as a client error and the core reads on."""
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    channel = CoreChannel(reader, None)
+    bad = {"type": "AddRequest", "request_id": "bad", "prompt_token_ids": [1], "params": {"top_p": 7.0}}
+    writer.send_bytes(msgspec.msgpack.encode(bad))
+    writer.send_bytes(msgspec.msgpack.encode(AddRequest("good", [1], SamplingParams(top_p=0.5))))
+    failed = channel.recv()
+    assert isinstance(failed, RequestFailed) and failed.request_ids == ["bad"] and failed.invalid_request
+    assert "top_p must be in (0, 1]" in failed.message
+    assert channel.recv() == AddRequest("good", [1], SamplingParams(top_p=0.5))
+    writer.send_bytes(msgspec.msgpack.encode({"type": "AbortRequests", "request_ids": "not a list"}))
+    with pytest.raises(msgspec.ValidationError):   # not a request: the protocol itself is broken
+        channel.recv()
+    core = EngineCore(EngineWhoseStepRaises(ValueError("unused")), ScriptedChannel([failed]))
+    with pytest.raises(EOFError):
+        core.run()
+    assert core.channel.sent[0] is failed   # sent on to the API process as it is
 
 
 def test_token_logprobs_are_sent_in_rank_order_with_the_chosen_token():
@@ -170,7 +200,7 @@ class EngineWhoseStepRaises:
 
 
 def add(request_id: str) -> AddRequest:
-    return AddRequest(request_id, [1, 2], dataclasses.asdict(SamplingParams()))
+    return AddRequest(request_id, [1, 2], SamplingParams())
 
 
 def test_a_step_error_fails_the_steps_requests_and_the_loop_goes_on():

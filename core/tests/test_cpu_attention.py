@@ -130,12 +130,14 @@ def make_context(backend: CpuBackend, context_lens: list[int], query_lens: list[
     for b, (c, n) in enumerate(zip(context_lens, query_lens)):
         for pos in range(c, c + n):
             slots.append(int(block_tables[b, pos // block_size]) * block_size + pos % block_size)
-    return ForwardContext(
+    ctx = ForwardContext(
         backend=backend, query_start_loc=torch.tensor(starts, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32), slot_mapping=torch.tensor(slots, dtype=torch.int64),
         block_tables=block_tables, query_start_loc_cpu=starts, query_lens_cpu=list(query_lens),
         seq_lens_cpu=seq_lens, max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-        is_decode_only=all(n == 1 for n in query_lens))
+        is_decode_only=all(n == 1 for n in query_lens), block_size=block_size)
+    backend.prepare(ctx)   # what the model runner does at the start of each forward pass
+    return ctx
 
 
 # (context tokens already cached, new tokens this step) per sequence

@@ -31,7 +31,7 @@ def test_fresh_process_discovers_every_installed_plugin_without_importing_target
         import json, sys
         from cvllm import plugins
         registries = [plugins.architectures(), plugins.backends(), plugins.quantizers(),
-                      plugins.samplers(), plugins.gguf_architectures()]
+                      plugins.logits_processors(), plugins.gguf_architectures()]
         plugins.plugin_report()
         targets = [r.spec(name) for r in registries for name in r.names()]
         modules = {t.partition(":")[0] for t in targets if isinstance(t, str)}

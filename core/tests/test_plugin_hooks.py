@@ -82,10 +82,10 @@ def test_hook_register_quantizers(add_plugin):
 
 
 def test_hook_register_samplers(add_plugin):
-    assert plugins.samplers().spec("default") == "cvllm.engine.sampler:Sampler"
+    assert plugins.logits_processors().names() == []   # the sampler is core's own; plugins add logits processors
     add_plugin(registers("register_samplers", ("json_mode", "json:JSONDecoder")), "jsonplug")
-    assert plugins.samplers().get("json_mode") is json.JSONDecoder
-    assert plugins.samplers().owner("json_mode") == "jsonplug"
+    assert plugins.logits_processors().get("json_mode") is json.JSONDecoder
+    assert plugins.logits_processors().owner("json_mode") == "jsonplug"
 
 
 def test_hook_register_gguf_architectures(add_plugin):

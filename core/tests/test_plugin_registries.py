@@ -14,7 +14,7 @@ REGISTRIES = {
     "register_architectures": plugins.architectures,
     "register_backends": plugins.backends,
     "register_quantizers": plugins.quantizers,
-    "register_samplers": plugins.samplers,
+    "register_samplers": plugins.logits_processors,
     "register_gguf_architectures": plugins.gguf_architectures,
 }
 
@@ -41,8 +41,9 @@ def test_same_name_twice_from_one_plugin_is_an_error(add_plugin):
         plugins.backends()
     get_plugin_manager().unregister(name="solo")
     add_plugin(registers("register_samplers", ("greedy", "x:Greedy"), ("greedy", "x:Greedy2")), "twice")
-    with pytest.raises(RegistryError, match="by plugin 'twice' and by plugin 'twice'"):
-        plugins.samplers()
+    with pytest.raises(RegistryError, match="logits processor 'greedy' is registered twice: by plugin 'twice' and "
+                                            "by plugin 'twice'"):
+        plugins.logits_processors()
 
 
 def test_registries_follow_plugins_registered_and_unregistered_later(add_plugin):

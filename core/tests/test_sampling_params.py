@@ -1,11 +1,9 @@
-import dataclasses
-
 import msgspec
 import pytest
 import torch
 
-from cvllm.engine_process.messages import AddRequest
-from cvllm.sampling_params import SamplingParams
+from cvllm.engine_process.messages import AddRequest, ToCore
+from cvllm.sampling_params import SamplingParamError, SamplingParams
 
 
 def test_defaults_match_vllm():
@@ -108,12 +106,19 @@ NAN, INF = float("nan"), float("inf")
         ({"repetition_penalty": NAN}, "repetition_penalty"),
         ({"logit_bias": {5: NAN}}, "logit_bias"),
         ({"logit_bias": {5: INF}}, "logit_bias"),
+        ({"ignore_eos": 1}, "ignore_eos"),   # the core's transport carries booleans only as such
+        ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+        ({"include_stop_str_in_output": None}, "include_stop_str_in_output"),
+        ({"logits_processors": "upper"}, "logits_processors"),   # a list of names, not one
+        ({"logits_processors": [3]}, "logits_processors"),
+        ({"logits_processors": ["not_registered"]}, "logits_processors"),
     ],
 )
-def test_out_of_range_values_are_errors_that_start_with_the_field(kwargs, field):
-    # the server reports a message's first word as the 400's `param`
-    with pytest.raises(ValueError, match=rf"^{field} "):
+def test_out_of_range_values_are_errors_that_name_the_field(kwargs, field):
+    # the server reports `param` as the 400's; the message starts with it too
+    with pytest.raises(SamplingParamError, match=rf"^{field} ") as excinfo:
         SamplingParams(**kwargs)
+    assert excinfo.value.param == field and isinstance(excinfo.value, ValueError)
 
 
 def test_upper_bounds_are_accepted():
@@ -135,11 +140,12 @@ def test_seed_range_is_what_manual_seed_and_the_core_transport_take(seed):
     assert in_range == accepted(lambda: torch.Generator().manual_seed(seed))
     assert in_range == accepted(lambda: msgspec.msgpack.encode(seed))
     if in_range:
-        msgspec.msgpack.encode(AddRequest("r", [1], dataclasses.asdict(SamplingParams(seed=seed))))
+        wire = msgspec.msgpack.encode(AddRequest("r", [1], SamplingParams(seed=seed)))
+        assert msgspec.msgpack.decode(wire, type=ToCore).params.seed == seed
 
 
 def test_numbers_become_floats_the_transport_can_carry():
     p = SamplingParams(temperature=10**30, repetition_penalty=10**25, top_p=1, logit_bias={3: 100})
     assert (p.temperature, p.repetition_penalty, p.top_p, p.logit_bias) == (1e30, 1e25, 1.0, {3: 100.0})
     assert all(type(v) is float for v in (p.temperature, p.repetition_penalty, p.top_p, *p.logit_bias.values()))
-    msgspec.msgpack.encode(AddRequest("r", [1], dataclasses.asdict(p)))
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(AddRequest("r", [1], p)), type=ToCore).params == p

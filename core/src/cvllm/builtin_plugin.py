@@ -1,7 +1,7 @@
 """What core itself provides, registered through the same hooks as any plugin (always loaded).
 
 Hook implementations only: everything is a lazy "module:Class" string, so loading this module
-imports no backend, sampler or checkpoint code.
+imports no backend or checkpoint code. (The sampler is the engine's own; plugins add logits processors.)
 """
 
 import os
@@ -12,11 +12,6 @@ from cvllm.hookspecs import hookimpl
 @hookimpl
 def register_backends(register):
     register("cpu", "cvllm.backends.cpu:CpuBackend")
-
-
-@hookimpl
-def register_samplers(register):
-    register("default", "cvllm.engine.sampler:Sampler")
 
 
 @hookimpl(trylast=True)

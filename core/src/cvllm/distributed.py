@@ -1,13 +1,15 @@
 """Tensor-parallel state. World size 1 for now; the layers are already split as if it weren't.
 
-Collectives go through the active backend (``torch.distributed`` with NCCL or gloo) once
-tensor parallelism lands; at world size 1 they are identity functions, so the layers stay honest
+Collectives go through the backend of the forward pass (``Backend.all_reduce``/``all_gather``/``broadcast``:
+``torch.distributed`` with NCCL or gloo); at world size 1 they are identity functions, so the layers stay honest
 about where communication happens without paying for it.
 """
 
 from __future__ import annotations
 
 import torch
+
+from cvllm.forward_context import get_forward_context
 
 _tp_rank = 0
 _tp_size = 1
@@ -24,16 +26,13 @@ def tp_size() -> int:
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _tp_size == 1:
         return x
-    torch.distributed.all_reduce(x)
-    return x
+    return get_forward_context().backend.all_reduce(x)
 
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     if _tp_size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(_tp_size)]
-    torch.distributed.all_gather(parts, x)
-    return torch.cat(parts, dim=-1)
+    return get_forward_context().backend.all_gather(x, dim=-1)
 
 
 def divide(numerator: int, denominator: int) -> int:

@@ -28,7 +28,8 @@ class ForwardContext:
     max_query_len: int
     max_seq_len: int
     is_decode_only: bool
-    backend_data: Any = None          # whatever the backend derives from the above once per forward pass
+    block_size: int = 0               # tokens per KV block (0: not said, for a context that no attention reads)
+    backend_data: Any = None          # what Backend.prepare derives from the above, once per forward pass
     rope_cache: dict = field(default_factory=dict)  # rotary cos/sin looked up once per forward (layers/rotary.py)
 
 

@@ -58,10 +58,13 @@ def register_quantizers(register):
 def register_samplers(register):
     """register_samplers(register)
 
-    Register named samplers, called once a step as ``sampler(logits[B, V], rows, history=...)`` and
-    returning a ``SamplerOutput`` (docs/plugins.md)::
+    Register named logits processors, which a request applies by naming them in
+    ``SamplingParams.logits_processors`` (the HTTP API's ``logits_processors`` field): subclasses of
+    ``cvllm.engine.logits_processors.LogitsProcessor``, made once per name as ``Class(vocab_size=..., device=...)``
+    and called once a step as ``apply(logits[b, V], rows) -> logits`` on the rows of the requests that named
+    them (docs/plugins.md)::
 
-        register("default", "cvllm.engine.sampler:Sampler")
+        register("no_digits", "my_plugin.processors:NoDigits")
     """
 
 

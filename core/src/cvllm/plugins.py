@@ -23,8 +23,8 @@ from cvllm.registry import Registration, Registry, RegistryError, load_target, t
 
 __all__ = [
     "BUILTIN_PLUGIN_NAME", "ENTRY_POINT_GROUP", "REGISTRY_HOOKS", "Registration", "Registry", "RegistryError",
-    "architectures", "backends", "get_plugin_manager", "gguf_architectures", "load_target", "open_checkpoint",
-    "plugin_report", "quantizers", "registry_problems", "reset_plugins", "samplers", "target_name",
+    "architectures", "backends", "get_plugin_manager", "gguf_architectures", "load_target", "logits_processors",
+    "open_checkpoint", "plugin_report", "quantizers", "registry_problems", "reset_plugins", "target_name",
 ]
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ REGISTRY_HOOKS: dict[str, str] = {
     "architecture": "register_architectures",
     "backend": "register_backends",
     "quantizer": "register_quantizers",
-    "sampler": "register_samplers",
+    "logits_processor": "register_samplers",
     "gguf_architecture": "register_gguf_architectures",
 }
 
@@ -217,8 +217,9 @@ def quantizers() -> Registry:
     return _registry("quantizer")
 
 
-def samplers() -> Registry:
-    return _registry("sampler")
+def logits_processors() -> Registry:
+    """Named logits processors (``cvllm.engine.logits_processors.LogitsProcessor`` classes) that requests ask for."""
+    return _registry("logits_processor")
 
 
 def gguf_architectures() -> Registry:

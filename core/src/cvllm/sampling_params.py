@@ -1,9 +1,15 @@
-"""Per-request sampling settings, with vLLM's names, defaults and validation."""
+"""Per-request sampling settings, with vLLM's names, defaults and validation.
+
+A msgspec Struct, as vLLM's is: the engine-core transport sends it as it is (engine_process/messages.py), and
+decoding it in the core runs ``__post_init__``, so the rules below are the only ones, wherever it is built.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NoReturn
+
+import msgspec
 
 # Below this temperature a request is treated as greedy (argmax), as vLLM does.
 GREEDY_TEMPERATURE = 1e-5
@@ -14,6 +20,7 @@ MAX_INT32 = 2**31 - 1
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
 
 
 def _is_int(value: object) -> bool:
@@ -36,8 +43,15 @@ def _finite(value: object) -> bool:
         return False
 
 
-@dataclass(slots=True)
-class SamplingParams:
+class SamplingParamError(ValueError):
+    """A sampling parameter out of its range; ``param`` names it (the server's 400 reports it as ``param``)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True):
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -57,10 +71,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id → added to its logit (OpenAI: within [-100, 100])
+    logits_processors: list[str] | None = None  # registered logits processors (register_samplers), in order
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)
         self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
+        self.logits_processors = _normalise_logits_processors(self.logits_processors)
         self._validate()
         # an int is a fine number, but the engine core's transport carries 10**30 only as a float
         for name in FLOAT_FIELDS:
@@ -69,46 +85,43 @@ class SamplingParams:
             self.logit_bias = {token_id: float(bias) for token_id, bias in self.logit_bias.items()}
 
     def _validate(self) -> None:
-        # Each message starts with the field's name: the server reports that name as the error's `param`.
         if not _int_in(self.n, 1, MAX_N):
-            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+            _reject("n", f"must be an integer in [1, {MAX_N}]", self.n)
         if not (_finite(self.temperature) and self.temperature >= 0.0):
-            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature!r}")
+            _reject("temperature", "must be >= 0 and finite", self.temperature)
         if not (_finite(self.top_p) and 0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            _reject("top_p", "must be in (0, 1]", self.top_p)
         if not _int_in(self.top_k, -1, MAX_INT32):
-            raise ValueError(f"top_k must be an integer in [-1, 2**31 - 1] (0 or -1 disables it), got {self.top_k!r}")
+            _reject("top_k", "must be an integer in [-1, 2**31 - 1] (0 or -1 disables it)", self.top_k)
         if not (_finite(self.min_p) and 0.0 <= self.min_p <= 1.0):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            _reject("min_p", "must be in [0, 1]", self.min_p)
         if self.max_tokens is not None and not _int_in(self.max_tokens, 1, MAX_INT32):
-            raise ValueError(f"max_tokens must be an integer in [1, 2**31 - 1] or None, got {self.max_tokens!r}")
-        if not (_finite(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0):
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
-        if not (_finite(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0):
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
+            _reject("max_tokens", "must be an integer in [1, 2**31 - 1] or None", self.max_tokens)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (_finite(getattr(self, name)) and -2.0 <= getattr(self, name) <= 2.0):
+                _reject(name, "must be in [-2, 2]", getattr(self, name))
         if not (_finite(self.repetition_penalty) and self.repetition_penalty > 0.0):
-            raise ValueError(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty!r}")
+            _reject("repetition_penalty", "must be > 0 and finite", self.repetition_penalty)
         if self.logit_bias is not None:
             for token_id, bias in self.logit_bias.items():
                 if not _int_in(token_id, 0, MAX_INT32):
-                    raise ValueError(f"logit_bias keys must be token ids in [0, 2**31 - 1], got {token_id!r}")
+                    _reject("logit_bias", "keys must be token ids in [0, 2**31 - 1]", token_id)
                 if not (_finite(bias) and -100.0 <= bias <= 100.0):
-                    raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token_id}")
+                    raise SamplingParamError("logit_bias", f"logit_bias values must be in [-100, 100], got {bias!r} "
+                                                           f"for token {token_id}")
         if not _int_in(self.min_tokens, 0, MAX_INT32):
-            raise ValueError(f"min_tokens must be an integer in [0, 2**31 - 1], got {self.min_tokens!r}")
+            _reject("min_tokens", "must be an integer in [0, 2**31 - 1]", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
-                f"and max_tokens={self.max_tokens}"
-            )
-        if self.logprobs is not None and not _int_in(self.logprobs, 0, MAX_INT32):
-            raise ValueError(f"logprobs must be an integer in [0, 2**31 - 1] or None, got {self.logprobs!r}")
-        if self.prompt_logprobs is not None and not _int_in(self.prompt_logprobs, 0, MAX_INT32):
-            raise ValueError(
-                f"prompt_logprobs must be an integer in [0, 2**31 - 1] or None, got {self.prompt_logprobs!r}"
-            )
+            raise SamplingParamError("min_tokens", f"min_tokens must be <= max_tokens, got "
+                                                   f"min_tokens={self.min_tokens} and max_tokens={self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not _int_in(getattr(self, name), 0, MAX_INT32):
+                _reject(name, "must be an integer in [0, 2**31 - 1] or None", getattr(self, name))
         if self.seed is not None and not _int_in(self.seed, MIN_SEED, MAX_SEED):
-            raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1] or None, got {self.seed!r}")
+            _reject("seed", "must be an integer in [-2**63, 2**64 - 1] or None", self.seed)
+        for name in BOOL_FIELDS:   # the core's transport carries them as booleans, and only as such
+            if not isinstance(getattr(self, name), bool):
+                _reject(name, "must be true or false", getattr(self, name))
 
     @property
     def greedy(self) -> bool:
@@ -129,10 +142,10 @@ def _normalise_stop(stop: str | list[str] | None) -> list[str]:
     stop = [stop] if isinstance(stop, str) else list(stop)
     for s in stop:
         if not isinstance(s, str):
-            raise ValueError(f"stop must be a string or a list of strings, got an item {s!r}")
+            _reject("stop", "must be a string or a list of strings", s, "an item ")
     # An empty stop string would match everywhere and end every request at once.
     if any(s == "" for s in stop):
-        raise ValueError("stop must not contain an empty string")
+        raise SamplingParamError("stop", "stop must not contain an empty string")
     return stop
 
 
@@ -142,5 +155,29 @@ def _normalise_stop_token_ids(ids: list[int] | None) -> list[int]:
     ids = list(ids)
     for token_id in ids:
         if not _int_in(token_id, 0, MAX_INT32):
-            raise ValueError(f"stop_token_ids must hold token ids in [0, 2**31 - 1], got an item {token_id!r}")
+            _reject("stop_token_ids", "must hold token ids in [0, 2**31 - 1]", token_id, "an item ")
     return ids
+
+
+def _normalise_logits_processors(names: list[str] | None) -> list[str] | None:
+    if names is None:
+        return None
+    if isinstance(names, str) or not isinstance(names, (list, tuple)):
+        _reject("logits_processors", "must be a list of names", names)
+    names = list(names)
+    for name in names:
+        if not isinstance(name, str):
+            _reject("logits_processors", "must be a list of names", name, "an item ")
+    if names:   # the registry is built (plugins discovered) only when a request names a processor
+        from cvllm import plugins
+
+        registry = plugins.logits_processors()
+        for name in names:
+            if name not in registry:
+                raise SamplingParamError("logits_processors", f"logits_processors names {name!r}, which no plugin "
+                                         f"registered; registered: {', '.join(registry.names()) or 'none'}")
+    return names
+
+
+def _reject(param: str, rule: str, got: object, what: str = "") -> NoReturn:
+    raise SamplingParamError(param, f"{param} {rule}, got {what}{got!r}")

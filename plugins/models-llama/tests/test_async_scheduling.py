@@ -188,11 +188,11 @@ def test_every_way_a_sequence_ends_frees_its_penalty_row(small_vocab) -> None:
     engine.add_request("abort", ps[3], SamplingParams(max_tokens=40, **penalised))
     for _ in range(4):
         engine.step()
-    assert len(engine.penalties) == 2                       # "length" and "stop-token" are done
+    assert len(engine.executor.penalties) == 2                       # "length" and "stop-token" are done
     engine.finish_sequence(engine.requests["stop-string"][0], "stop", "x")
     engine.abort_request("abort")
     while engine.has_unfinished():
         engine.step()
-    assert len(engine.penalties) == 0
+    assert len(engine.executor.penalties) == 0
     assert [seq.finish_reason for seq in engine.requests["length"] + engine.requests["stop-token"]] == \
         ["length", "stop"]

@@ -19,10 +19,10 @@ import pytest
 from cvllm import LLM, SamplingParams
 from cvllm.engine.config import EngineConfig
 from cvllm.engine_process.client import EngineCoreClient, EngineDeadError, RequestError, RequestStream
-from cvllm.engine_process.process import FAIL_STEP_ENV
 from cvllm.testing import make_checkpoint
+from cvllm.testing.faults import FailStepOnPromptToken
 
-FAIL_TOKEN = 500          # prompts holding this token make the core's step raise (the core's test hook)
+FAIL_TOKEN = 500          # prompts holding this token make the core's step raise (EngineConfig.fault_injector)
 NUM_KV_BLOCKS = 24
 MAX_MODEL_LEN = 256       # the tiny model's max_position_embeddings; 24 blocks of 16 hold more
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -52,9 +52,9 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def engine_config(model_dir: Path) -> EngineConfig:
+def engine_config(model_dir: Path, fault_injector=None) -> EngineConfig:
     return EngineConfig(model=str(model_dir), dtype="float32", block_size=16, num_kv_blocks=NUM_KV_BLOCKS,
-                        max_num_seqs=8)
+                        max_num_seqs=8, fault_injector=fault_injector)
 
 
 @pytest.fixture(scope="module")
@@ -65,13 +65,9 @@ def loop():
 
 
 async def start_client(model_dir: Path, fail_token: int | None = None) -> EngineCoreClient:
-    # the spawned child copies the environment at start: set the hook only around the spawn
-    if fail_token is not None:
-        os.environ[FAIL_STEP_ENV] = str(fail_token)
-    try:
-        return await EngineCoreClient.start(engine_config(model_dir), startup_timeout=120)
-    finally:
-        os.environ.pop(FAIL_STEP_ENV, None)
+    # the injector travels to the spawned core inside its config
+    injector = None if fail_token is None else FailStepOnPromptToken(fail_token)
+    return await EngineCoreClient.start(engine_config(model_dir, injector), startup_timeout=120)
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ tools/make_smollm2_greedy.py, since that load takes ~20 s), so this test runs on
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from cvllm import LLM
@@ -91,6 +91,6 @@ def test_default_sampling_answers_paris_more_often_than_not(llm_bf16):
     defaults = llm_bf16.default_sampling_params()
     assert (defaults.temperature, defaults.top_k, defaults.top_p, defaults.min_p) == (0.8, 40, 0.95, 0.05)
     question = [{"role": "user", "content": "What is the capital of France?"}]
-    params = [dataclasses.replace(defaults, max_tokens=32, seed=seed) for seed in range(40)]
+    params = [msgspec.structs.replace(defaults, max_tokens=32, seed=seed) for seed in range(40)]
     answers = [output.outputs[0].text for output in llm_bf16.chat([question] * len(params), params)]
     assert sum("Paris" in answer for answer in answers) >= 20, answers

@@ -1,1 +1,1 @@
-"""Hardware backends. The CPU backend is built in; others (cuda, metal) are plugins."""
+"""Hardware backends. The CPU backend is built in; others (cuda, ...) are plugins."""

@@ -1,20 +1,46 @@
-"""The Backend interface: what the engine needs from a device, and nothing more."""
+"""The Backend interface: what the engine needs from a device, and nothing more.
+
+Everything the engine or a layer reads from a backend is declared here with its type and default; a backend plugin
+subclasses ``Backend`` and overrides what differs (docs/plugins.md).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from cvllm.forward_context import current_forward_context
+from cvllm.distributed import tp_size
+from cvllm.forward_context import ForwardContext, current_forward_context
+
+Tensor = torch.Tensor
+# (positions, q, k, v, cos_sin, head_dim, k_cache, v_cache, slot_mapping) -> rotated q
+RotaryWriteKv = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int, Tensor, Tensor, Tensor], Tensor]
+
+
+class GraphedDecode(Protocol):
+    """What ``Backend.wrap_decode`` returns: the decode-only forward pass, replayed from captured graphs."""
+
+    def __call__(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor: ...
+
+    def capture_all(self) -> None:
+        """Capture the graphs; called once, after the KV cache exists."""
 
 
 class Backend:
     name: str = "base"
+    # When no backend is named (--backend), the available one of highest priority runs (ties: by name): the CPU
+    # backend has 0, the CUDA backend 100
+    priority: int = 0
     device: torch.device = torch.device("cpu")
     dist_backend: str = "gloo"          # torch.distributed backend for tensor parallelism
     default_dtype: torch.dtype = torch.float32
+    # engine settings the user left unset (--max-num-seqs, --max-num-batched-tokens, --async-scheduling)
+    default_max_num_seqs: int = 16
+    default_max_num_batched_tokens: int = 2048
+    # launch a step before the last one's tokens are read back: pays where the device runs beside the host
+    default_async_scheduling: bool = False
     # torch CPU threads for the engine's process once the model is loaded (None: leave torch's default). A device
     # backend's host work is many small tensor ops each step: a pool of threads adds wake-ups to the larger ones
     # and spins between steps on cores the server and its clients need (OMP_NUM_THREADS, when set, wins)
@@ -41,12 +67,12 @@ class Backend:
     #       (layers/quantization.dense), for a backend with its own matmul for some shapes (CUDA: Triton GEMVs)
     #   argmax(x [B, V]) -> int64 [B]: ``x.argmax(dim=-1)`` (first index of the max; NaN ranks highest), for
     #       the sampler (the engine hands it over; no forward pass is in progress when it samples)
-    argmax: Callable | None = None
-    fused_add_rms_norm: Callable | None = None
-    linear: Callable | None = None
-    rotary: Callable | None = None
-    rotary_write_kv: Callable | None = None
-    silu_and_mul: Callable | None = None
+    argmax: Callable[[Tensor], Tensor] | None = None
+    fused_add_rms_norm: Callable[[Tensor, Tensor | None, Tensor, float], Tensor | tuple[Tensor, Tensor]] | None = None
+    linear: Callable[[Tensor, Tensor, Tensor | None], Tensor] | None = None
+    rotary: Callable[[Tensor, Tensor, Tensor | None, Tensor, int], tuple[Tensor, Tensor | None]] | None = None
+    rotary_write_kv: RotaryWriteKv | None = None
+    silu_and_mul: Callable[[Tensor], Tensor] | None = None
 
     @classmethod
     def is_available(cls) -> bool:
@@ -56,6 +82,11 @@ class Backend:
     def memory(self) -> tuple[int, int]:
         """(free, total) bytes of the memory the KV cache would come from."""
         raise NotImplementedError
+
+    def default_kv_cache_bytes(self, free: int) -> int:
+        """The KV pool when no size is asked for (--mem, --kv-fraction, --gpu-memory-utilization), given the free
+        memory after loading the model: 90% of it."""
+        return int(free * 0.9)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -67,11 +98,18 @@ class Backend:
         """Varlen queries ``[T, H, D]`` over the paged cache; prefill chunks and decodes in one call."""
         raise NotImplementedError
 
-    def wrap_decode(self, forward: Callable, max_num_seqs: int, max_blocks_per_seq: int) -> Callable:
-        """Optionally wrap the decode-only forward ``forward(input_ids, positions, ctx) -> hidden`` (CUDA
-        graphs of up to ``max_num_seqs`` rows); the identity by default. A wrapper with a ``capture_all()``
-        method gets it called once, after the KV cache exists."""
-        return forward
+    def prepare(self, ctx: ForwardContext) -> None:
+        """Once per forward pass, before the first layer: derive from ``ctx`` what every layer's attention shares,
+        into ``ctx.backend_data`` (the CPU backend's plan of decode and prefill rows). The model runner calls it
+        inside the forward pass, so a decode step replayed from a graph (``wrap_decode``) ran it when the graph was
+        captured: there it may only launch device work on the context's tensors, which the graph replays. Nothing
+        by default."""
+
+    def wrap_decode(self, forward: Callable[[Tensor, Tensor, ForwardContext], Tensor], max_num_seqs: int,
+                    max_blocks_per_seq: int) -> GraphedDecode | None:
+        """Graphs of the decode-only forward pass ``forward(input_ids, positions, ctx) -> logits`` for up to
+        ``max_num_seqs`` rows (CUDA graphs), or None (the default): decode steps run ``forward`` as it is."""
+        return None
 
     def start_readback(self, tensors: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
         """Start copying a step's results (sampled ids, logprobs) to the host; the returned function waits
@@ -82,12 +120,41 @@ class Backend:
     def synchronize(self) -> None:
         pass
 
+    def record_event(self) -> Any:
+        """An event in the device's queue of work, now: ``a.elapsed_time(b)`` is the device's milliseconds from
+        ``a`` to ``b`` once both ran. None (the default) where the device has none (the CPU's work is the host's).
+        Only step observers that ask for device timing call it (engine/observers.py)."""
+        return None
+
     def empty_cache(self) -> None:
         """Return memory that freed tensors left in the framework's cache to the device (after a shutdown)."""
 
+    # Collectives of tensor parallelism, over the ranks' process group (torch.distributed with ``dist_backend``);
+    # identities at world size 1. The layers reach them through cvllm.distributed.
 
-def fused_kernel(name: str) -> Callable | None:
-    """The fused kernel ``name`` of the backend running the current forward pass, or None (no such
-    kernel, or no forward pass in progress: a layer called on its own runs its torch code)."""
+    def all_reduce(self, x: Tensor) -> Tensor:
+        """The sum of every rank's ``x``, in place; returns ``x``."""
+        if tp_size() > 1:
+            torch.distributed.all_reduce(x)
+        return x
+
+    def all_gather(self, x: Tensor, dim: int = -1) -> Tensor:
+        """Every rank's ``x`` concatenated along ``dim``, in rank order."""
+        if tp_size() == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(tp_size())]
+        torch.distributed.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, x: Tensor, src: int = 0) -> Tensor:
+        """Rank ``src``'s ``x`` on every rank, in place (rank 0's step inputs); returns ``x``."""
+        if tp_size() > 1:
+            torch.distributed.broadcast(x, src)
+        return x
+
+
+def forward_backend() -> Backend | None:
+    """The backend running the current forward pass, or None outside one (a layer called on its own runs its torch
+    code): the layers read its fused kernels here."""
     ctx = current_forward_context()
-    return None if ctx is None else getattr(ctx.backend, name, None)
+    return None if ctx is None else ctx.backend

@@ -9,6 +9,9 @@ from typing import Any
 import torch
 
 from cvllm.backends.base import Backend
+from cvllm.forward_context import ForwardContext
+
+KV_CACHE_BYTES = 4 << 30   # the KV pool by default, at most (vLLM's CPU default is 4 GiB too)
 
 
 def _available_memory() -> tuple[int, int]:
@@ -75,6 +78,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 class CpuBackend(Backend):
     name = "cpu"
+    priority = 0   # always available: chosen when nothing better is
     device = torch.device("cpu")
     dist_backend = "gloo"
     default_dtype = torch.float32
@@ -85,6 +89,9 @@ class CpuBackend(Backend):
 
     def memory(self) -> tuple[int, int]:
         return _available_memory()
+
+    def default_kv_cache_bytes(self, free: int) -> int:
+        return min(KV_CACHE_BYTES, free // 2)   # host memory: the server and everything else need theirs
 
     def __init__(self) -> None:
         # every layer of a forward pass writes through the same slot mapping: look for padding once
@@ -102,11 +109,14 @@ class CpuBackend(Backend):
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
+    def prepare(self, ctx: ForwardContext) -> None:
+        ctx.backend_data = _AttentionPlan.build(ctx)   # the same for every layer: worked out once per forward pass
+
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Any,
                   layer: Any) -> torch.Tensor:
-        if ctx.backend_data is None:  # the same for every layer: work it out once per forward pass
-            ctx.backend_data = _AttentionPlan.build(ctx, k_cache.shape[1])
-        plan: _AttentionPlan = ctx.backend_data
+        plan = ctx.backend_data
+        assert isinstance(plan, _AttentionPlan), "the forward pass's ctx was not prepared (Backend.prepare)"
+        assert plan.block_size == k_cache.shape[1], (plan.block_size, k_cache.shape)
         args = (layer.scale, layer.sliding_window, layer.logits_soft_cap)
         if plan.decode_only:  # every row decodes one token, in order: no gather or scatter of rows
             return paged_attention_reference(q[:, None], k_cache, v_cache, plan.decode_tables, plan.decode_positions,
@@ -138,8 +148,9 @@ class _AttentionPlan:
     masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, ctx: Any, block_size: int) -> _AttentionPlan:
+    def build(cls, ctx: ForwardContext) -> _AttentionPlan:
         starts, qlens, seq_lens = ctx.query_start_loc_cpu, ctx.query_lens_cpu, ctx.seq_lens_cpu
+        block_size = ctx.block_size
         rows = [i for i, n in enumerate(qlens) if n == 1]
         plan = cls(None, None, None, None, [], block_size)
         if rows:

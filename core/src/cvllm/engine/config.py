@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:   # not imported at run time: cvserve's API process starts the engine core before torch loads
     import torch
 
+    from cvllm.engine.scheduler import ScheduledBatch
+
 
 @dataclass
 class EngineConfig:
     model: Any                                  # a path or repo id, or an opened cvllm Checkpoint
     dtype: str | torch.dtype = "auto"
-    backend: str | None = None                  # None: the first available of cuda, metal, cpu
+    backend: str | None = None                  # None: the available backend of highest priority (Backend.priority)
     block_size: int = 16
     max_num_seqs: int | None = None             # None: the backend's default
     max_num_batched_tokens: int | None = None   # token budget per step; None: the backend's default
@@ -29,6 +32,9 @@ class EngineConfig:
     isq: str | None = None                      # in-situ quantization of an unquantized checkpoint ("q4k", "q8_0" ...)
     enforce_eager: bool = False                 # no CUDA graphs: every step launches its kernels one by one
     async_scheduling: bool | None = None        # launch step N+1 before reading N's tokens; None: on except on CPU
+    # Tests only: called with each scheduled batch before it runs; what it raises fails that step as a failing model
+    # would (cvllm.testing.faults). Picklable, so it reaches a spawned engine core.
+    fault_injector: Callable[[ScheduledBatch], None] | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -36,6 +36,13 @@ class FakeModelRunner:
     def run(self, batch: ScheduledBatch, all_logits: bool = False, extra_indices=None,
             previous_tokens=None) -> torch.Tensor:
         """ModelRunner.run's signature; the fixed logits depend on no input (previous_tokens included)."""
+        return self.forward(batch, self.prepare(batch, previous_tokens), all_logits, extra_indices)
+
+    def prepare(self, batch: ScheduledBatch, previous_tokens=None) -> None:
+        """No inputs to build: the logits depend on none."""
+
+    def forward(self, batch: ScheduledBatch, inputs: None, all_logits: bool = False,
+                extra_indices=None) -> torch.Tensor:
         started = time.perf_counter()
         rows = sum(batch.num_tokens) if all_logits else len(batch.sample_indices)
         rows += 0 if extra_indices is None else len(extra_indices)

@@ -142,19 +142,18 @@ class ModelRunner:
         self.num_blocks = num_blocks
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Let the backend wrap decode-only steps, LM head included (CUDA graphs), once the KV cache exists."""
-        wrapped = self.backend.wrap_decode(self.decode_logits, max_num_seqs, -(-max_model_len // self.block_size))
-        if wrapped is not self.decode_logits:
-            capture = getattr(wrapped, "capture_all", None)
-            if capture is not None:
-                with torch.inference_mode():
-                    capture()
-            self.decode_forward = wrapped
+        """Let the backend capture decode-only steps, LM head included (CUDA graphs), once the KV cache exists."""
+        graphs = self.backend.wrap_decode(self.decode_logits, max_num_seqs, -(-max_model_len // self.block_size))
+        if graphs is not None:
+            with torch.inference_mode():
+                graphs.capture_all()
+            self.decode_forward = graphs
 
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Logits of every row (in a decode-only step every row is a sequence's last token and samples), in the
         model's dtype: the sampler makes the fp32 copy only where it needs one (a greedy argmax does not)."""
         with forward_context(ctx):  # the lm_head too may take the backend's matmul
+            self.backend.prepare(ctx)   # here, inside what a graph captures (Backend.prepare)
             return self.model.compute_logits(self.model(input_ids, positions))
 
     def _to_device(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -232,6 +231,7 @@ class ModelRunner:
             max_query_len=max(qlens),
             max_seq_len=max(seq_lens),
             is_decode_only=batch.num_prefill_tokens == 0,
+            block_size=bs,
         )
         return ids_d, positions_d, ctx, logits_indices_d
 
@@ -241,11 +241,18 @@ class ModelRunner:
         """Logits (fp32) of the last token of every sequence that samples, followed by those of the flat
         batch rows in ``extra_indices`` (prompt logprobs); or, with ``all_logits``, of every token. A
         decode-only step's come in the model's dtype (decode_logits)."""
-        input_ids, positions, ctx, logits_indices = self.prepare(batch, previous_tokens)
+        return self.forward(batch, self.prepare(batch, previous_tokens), all_logits, extra_indices)
+
+    def forward(self, batch: ScheduledBatch, inputs: tuple[torch.Tensor, torch.Tensor, ForwardContext, torch.Tensor],
+                all_logits: bool = False, extra_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """``run`` after ``prepare``: the forward pass on prepared inputs, under inference mode (the executor
+        calls the two halves itself to time them apart)."""
+        input_ids, positions, ctx, logits_indices = inputs
         if ctx.is_decode_only and not all_logits and extra_indices is None \
                 and len(batch.sample_indices) == len(batch.seqs):
             return self.decode_forward(input_ids, positions, ctx)
         with forward_context(ctx):
+            self.backend.prepare(ctx)
             hidden = self.model(input_ids, positions)
             if not all_logits:
                 if extra_indices is not None:

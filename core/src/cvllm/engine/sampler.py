@@ -1,8 +1,9 @@
 """One batched sampling step: logits [B, V] for B sequences in, one token id per sequence out.
 
-Semantics follow vLLM: min_tokens suppression, repetition penalty (prompt + output), presence and
-frequency penalties (output only; token counts kept on the device, penalties.py), greedy argmax, then
-temperature, top-k, top-p and min-p before an exponential-race draw. Returned logprobs are the raw model log-softmax.
+Semantics follow vLLM: the logits processors requests named (logits_processors.py), logit_bias, min_tokens
+suppression, repetition penalty (prompt + output), presence and frequency penalties (output only; token counts kept
+on the device, penalties.py), greedy argmax, then temperature, top-k, top-p and min-p before an exponential-race
+draw. Returned logprobs are the raw model log-softmax.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from cvllm.engine.logits_processors import LogitsProcessors
 from cvllm.engine.penalties import PenaltyHistory, histories_from_token_lists
 from cvllm.engine.upload import upload
 from cvllm.sampling_params import SamplingParams
@@ -48,9 +50,11 @@ def torch_argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    # argmax over the vocabulary, for greedy rows and the exponential race; the engine swaps in its backend's
-    # kernel (Backend.argmax) where it has one
-    argmax: Callable[[torch.Tensor], torch.Tensor] = staticmethod(torch_argmax)
+    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """``argmax`` over the vocabulary, for greedy rows and the exponential race: the backend's kernel
+        (Backend.argmax) where it has one."""
+        self.argmax = argmax or torch_argmax
+        self.logits_processors = LogitsProcessors()
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplerRow],
                  history: PenaltyHistory | None = None) -> SamplerOutput:
@@ -59,13 +63,17 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
         params = [row.sampling_params for row in rows]
         asked = [p.logprobs for p in params if p.logprobs is not None]
+        processed = any(p.logits_processors for p in params)
         # A plain greedy batch needs only the argmax, the same on 16-bit logits as on their (exact) fp32 copy:
         # the copy, a kernel over the vocabulary, is made only for what computes with the logits.
-        if asked or any(not p.greedy or p.logit_bias or p.needs_penalties or p.min_tokens for p in params):
+        if asked or processed or any(not p.greedy or p.logit_bias or p.needs_penalties or p.min_tokens
+                                     for p in params):
             logits = logits.float()
 
         raw_logprobs = logits.log_softmax(dim=-1) if asked else None
 
+        if processed:
+            logits = self.logits_processors.apply(logits, rows)
         logits = apply_logit_bias(logits, params)
         logits = apply_min_tokens(logits, rows)
         penalised = [i for i, p in enumerate(params) if p.needs_penalties]

@@ -10,5 +10,8 @@ import torch
 
 
 def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` (a CPU tensor) on ``device``; itself on the CPU."""
-    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+    """``t`` (a CPU tensor) on ``device``; itself on the CPU. On the meta device only its shape: nothing is copied
+    (bench/prepare_cpu.py times building a device step's inputs without a device)."""
+    if device.type in ("cpu", "meta"):
+        return t if device.type == "cpu" else t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

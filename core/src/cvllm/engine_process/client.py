@@ -8,7 +8,6 @@ are small); one reader thread receives the core's messages and hands them to the
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import multiprocessing
 import threading
@@ -169,7 +168,7 @@ class EngineCoreClient:
         if request_id in self._streams:
             raise ValueError(f"request id '{request_id}' is already in flight")
         stream = RequestStream(self, request_id, params.n)
-        self._send(AddRequest(request_id, list(prompt_token_ids), dataclasses.asdict(params)))
+        self._send(AddRequest(request_id, list(prompt_token_ids), params))
         self._streams[request_id] = stream
         return stream
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import msgspec
 
+from cvllm.sampling_params import SamplingParams
+
 
 class AddRequest(msgspec.Struct, tag=True):
     request_id: str
     prompt_token_ids: list[int]
-    params: dict        # SamplingParams fields (msgspec.structs.asdict-able); rebuilt in the core
+    params: SamplingParams   # a Struct: decoding it in the core runs its validation again (see reject_command)
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -84,3 +86,14 @@ class CoreDead(msgspec.Struct, tag=True):
 
 ToCore = AddRequest | AbortRequests | Shutdown
 FromCore = Ready | StepOutputs | RequestFailed | CoreDead
+
+
+def reject_command(data: bytes, error: msgspec.ValidationError) -> RequestFailed:
+    """The answer to a command the core could not decode because its sampling parameters fail validation there
+    (the API process checked them with the same rules, so only a difference between the two processes, such as a
+    logits processor whose plugin loaded in one only, gets here): that request fails, and the core goes on."""
+    command = msgspec.msgpack.decode(data)
+    if not (isinstance(command, dict) and command.get("type") == "AddRequest"
+            and isinstance(command.get("request_id"), str)):
+        raise error   # not a request: the two sides disagree on the protocol
+    return RequestFailed([command["request_id"]], str(error), invalid_request=True)

@@ -6,15 +6,13 @@ process sends ``messages.ToCore`` commands on one pipe; this loop answers on the
 ``StepOutputs`` per step. When there is no work the loop blocks on the command pipe, so an idle
 server uses no CPU.
 
-Test hook: with ``CVLLM_CORE_FAIL_STEP_ON_PROMPT_TOKEN=<id>`` in the core's environment, a step
-that schedules a sequence whose prompt holds token ``<id>`` raises, so the tests can exercise the
-failed-step path with a healthy model. Nothing else reads it.
+Tests exercise the failed-step path with a healthy model through ``EngineConfig.fault_injector``
+(cvllm.testing.faults), which travels to this process inside the config.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 from multiprocessing.connection import Connection
@@ -22,9 +20,11 @@ from multiprocessing.connection import Connection
 import msgspec
 import torch
 
+from cvllm.engine.build import build_engine
 from cvllm.engine.config import EngineConfig
 from cvllm.engine.llm_engine import LLMEngine
-from cvllm.engine.sequence import Sequence
+from cvllm.engine_process.deltas import DeltaBuilder, core_stats
+from cvllm.engine_process.deltas import token_logprobs as token_logprobs  # where the tests have always found it
 from cvllm.engine_process.messages import (
     AbortRequests,
     AddRequest,
@@ -33,20 +33,14 @@ from cvllm.engine_process.messages import (
     FromCore,
     Ready,
     RequestFailed,
-    SeqDelta,
     Shutdown,
     StepOutputs,
     ToCore,
-    TokenLogprobs,
+    reject_command,
 )
-from cvllm.outputs import Logprob
-from cvllm.sampling_params import SamplingParams
 from cvllm.startup import process_age
 
 logger = logging.getLogger(__name__)
-
-FAIL_STEP_ENV = "CVLLM_CORE_FAIL_STEP_ON_PROMPT_TOKEN"
-
 
 def run_core(config: EngineConfig, commands: Connection, outputs: Connection, log_level: int = logging.INFO) -> None:
     """The child process's entry point: build the engine, say Ready (or CoreDead), then serve."""
@@ -55,7 +49,7 @@ def run_core(config: EngineConfig, commands: Connection, outputs: Connection, lo
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine core] %(name)s: %(message)s")
     channel = CoreChannel(commands, outputs)
     try:
-        engine = LLMEngine(config, imports_seconds=process_age())
+        engine = build_engine(config, imports_seconds=process_age())
     except Exception as e:
         logger.exception("the engine could not start")
         channel.send_quietly(CoreDead(describe(e)))
@@ -82,9 +76,14 @@ class CoreChannel:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(ToCore)
 
-    def recv(self) -> ToCore:
-        """Blocks until a command arrives; EOFError once the API process is gone."""
-        return self._decoder.decode(self.commands.recv_bytes())
+    def recv(self) -> ToCore | RequestFailed:
+        """Blocks until a command arrives; EOFError once the API process is gone. A request whose parameters fail
+        validation here comes back as its RequestFailed, to be sent."""
+        data = self.commands.recv_bytes()
+        try:
+            return self._decoder.decode(data)
+        except msgspec.ValidationError as e:
+            return reject_command(data, e)
 
     def pending(self) -> bool:
         return self.commands.poll(0)   # also true at EOF, so the next recv raises EOFError
@@ -109,9 +108,8 @@ class EngineCore:
     def __init__(self, engine: LLMEngine, channel: CoreChannel):
         self.engine = engine
         self.channel = channel
-        self._sent: dict[int, int] = {}   # seq_id -> output tokens already sent (the next delta starts there)
+        self.deltas = DeltaBuilder(engine)   # the same conversion the in-process client uses
         self._stats_sent = True
-        self._install_fault_hook()
 
     def ready(self) -> Ready:
         engine = self.engine
@@ -137,10 +135,12 @@ class EngineCore:
 
     # -- commands --------------------------------------------------------------------------------
 
-    def _handle(self, command: ToCore) -> None:
+    def _handle(self, command: ToCore | RequestFailed) -> None:
         self._stats_sent = False
         if isinstance(command, AddRequest):
             self._add(command)
+        elif isinstance(command, RequestFailed):
+            self.channel.send(command)
         elif isinstance(command, AbortRequests):
             for request_id in command.request_ids:
                 self._untrack(request_id)
@@ -151,8 +151,7 @@ class EngineCore:
 
     def _add(self, command: AddRequest) -> None:
         try:
-            params = SamplingParams(**command.params)
-            self.engine.add_request(command.request_id, command.prompt_token_ids, params)
+            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
         except Exception as e:
             invalid = isinstance(e, (ValueError, TypeError))
             if invalid:
@@ -162,8 +161,7 @@ class EngineCore:
             self.channel.send(RequestFailed([command.request_id], describe(e), invalid_request=invalid))
 
     def _untrack(self, request_id: str) -> None:
-        for seq in self.engine.requests.get(request_id, ()):
-            self._sent.pop(seq.seq_id, None)
+        self.deltas.forget(request_id)
 
     # -- steps -----------------------------------------------------------------------------------
 
@@ -172,14 +170,11 @@ class EngineCore:
         self.engine.last_batch = None
         try:
             seqs = self.engine.step()
-            deltas = [self._delta(seq) for seq in seqs]
+            deltas = self.deltas.deltas(seqs)
         except Exception as e:
             self._fail_step(e)
             return True
-        for request_id in {seq.request_id for seq in seqs if seq.is_finished}:
-            if all(seq.is_finished for seq in self.engine.requests.get(request_id, ())):
-                self._untrack(request_id)
-                self.engine.release_request(request_id)
+        self.deltas.release_finished(deltas)
         if deltas:   # a step that only ran a prefill chunk has nothing to say
             self.channel.send(StepOutputs(deltas, self._stats()))
         self._stats_sent = bool(deltas)
@@ -202,61 +197,13 @@ class EngineCore:
             self.engine.abort_request(request_id)   # frees their KV blocks
         self.channel.send(RequestFailed(request_ids, describe(error)))
 
-    def _delta(self, seq: Sequence) -> SeqDelta:
-        sent = self._sent.get(seq.seq_id, 0)
-        new_tokens = seq.token_ids[seq.num_prompt_tokens + sent:]
-        self._sent[seq.seq_id] = sent + len(new_tokens)
-        logprobs = None
-        if seq.logprobs is not None:
-            logprobs = [token_logprobs(entry, token) for entry, token in zip(seq.logprobs[sent:], new_tokens)]
-        prompt_logprobs = None
-        raw_prompt_logprobs = getattr(seq, "prompt_logprobs", None)
-        if sent == 0 and raw_prompt_logprobs is not None:
-            prompt_ids = seq.token_ids[:seq.num_prompt_tokens]
-            prompt_logprobs = [None if entry is None else token_logprobs(entry, token)
-                               for entry, token in zip(raw_prompt_logprobs, prompt_ids)]
-        stop_reason = seq.stop_reason if isinstance(seq.stop_reason, int) else None
-        num_cached_tokens = (seq.num_cached_tokens or 0) if sent == 0 else 0
-        return SeqDelta(seq.request_id, seq.index, new_tokens, logprobs, seq.finish_reason, stop_reason,
-                        seq.num_prompt_tokens, prompt_logprobs, num_cached_tokens)
-
     def _stats(self) -> CoreStats:
-        scheduler = self.engine.scheduler
-        blocks = scheduler.block_manager
-        counters = scheduler.stats
-        return CoreStats(running=len(scheduler.running), waiting=len(scheduler.waiting),
-                         kv_blocks_total=blocks.num_blocks, kv_blocks_free=blocks.num_free_blocks,
-                         steps=counters.steps, preemptions=counters.preemptions,
-                         prefix_hit_tokens=counters.prefix_hit_tokens,
-                         prompt_tokens_computed=counters.prompt_tokens_computed,
-                         generated_tokens=counters.generated_tokens)
+        return core_stats(self.engine)
 
     def _send_stats_if_stale(self) -> None:
         if not self._stats_sent:
             self.channel.send(StepOutputs([], self._stats()))
             self._stats_sent = True
-
-    def _install_fault_hook(self) -> None:
-        """The test hook: a step scheduling a prompt that holds the configured token raises."""
-        if not os.environ.get(FAIL_STEP_ENV):
-            return
-        fail_token = int(os.environ[FAIL_STEP_ENV])
-        scheduler = self.engine.scheduler
-        schedule = scheduler.schedule
-
-        def schedule_or_fail():
-            batch = self.engine.last_batch = schedule()
-            if any(fail_token in seq.token_ids[:seq.num_prompt_tokens] for seq in batch.seqs):
-                raise RuntimeError(f"injected step failure ({FAIL_STEP_ENV}={fail_token})")
-            return batch
-
-        scheduler.schedule = schedule_or_fail
-
-
-def token_logprobs(entry: dict[int, Logprob], token_id: int) -> TokenLogprobs:
-    """One position's logprobs as sent: the chosen token's, then the top-k in rank order."""
-    ranked = sorted((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank is not None)
-    return TokenLogprobs(entry[token_id].logprob, [tid for _, tid, _ in ranked], [lp for _, _, lp in ranked])
 
 
 def is_device_error(error: BaseException) -> bool:

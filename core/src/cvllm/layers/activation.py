@@ -6,14 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cvllm.backends.base import fused_kernel
+from cvllm.backends.base import forward_backend
 
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = fused_kernel("silu_and_mul")
-        if fused is not None:
-            return fused(x)
+        backend = forward_backend()
+        if backend is not None and backend.silu_and_mul is not None:
+            return backend.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

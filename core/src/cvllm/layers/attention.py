@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cvllm.backends.base import fused_kernel
 from cvllm.forward_context import get_forward_context
 from cvllm.layers.rotary import RotaryEmbedding
 
@@ -35,7 +34,7 @@ class Attention(nn.Module):
         """Attention of this step's tokens; with ``rotary_emb``, q and k are rotated by ``positions`` first
         (here, so that a backend can rotate the keys on their way into the cache: one kernel, not two)."""
         ctx = get_forward_context()
-        fused = fused_kernel("rotary_write_kv") if rotary_emb is not None else None
+        fused = ctx.backend.rotary_write_kv if rotary_emb is not None else None
         if fused is not None:
             q = fused(positions, q, k, v, rotary_emb.cos_sin_for(positions, q), self.head_dim,
                       self.k_cache, self.v_cache, ctx.slot_mapping)

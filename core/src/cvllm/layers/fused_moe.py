@@ -87,7 +87,7 @@ class UnquantizedFusedMoEMethod(FusedMoEMethod):
     def apply(self, layer: FusedMoE, hidden: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
         ctx = current_forward_context()
-        if ctx is not None and ctx.is_decode_only and getattr(ctx.backend, "sync_free_decode", False):
+        if ctx is not None and ctx.is_decode_only and ctx.backend.sync_free_decode:
             return experts_padded(layer, hidden, topk_weights, topk_ids)
         return experts_grouped(layer, hidden, topk_weights, topk_ids)
 

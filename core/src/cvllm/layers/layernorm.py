@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cvllm.backends.base import fused_kernel
+from cvllm.backends.base import forward_backend
 
 
 class RMSNorm(nn.Module):
@@ -30,7 +30,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``."""
-        fused = fused_kernel("fused_add_rms_norm") if self._fusable else None
+        backend = forward_backend() if self._fusable else None
+        fused = None if backend is None else backend.fused_add_rms_norm
         if fused is not None:
             return fused(x, residual, self.weight, self.eps)
         if residual is None:

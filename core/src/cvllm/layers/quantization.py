@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cvllm.backends.base import fused_kernel
+from cvllm.backends.base import forward_backend
 
 
 class LinearMethod:
@@ -41,9 +41,9 @@ class UnquantizedLinearMethod(LinearMethod):
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear``, or the running backend's own matmul for it (Backend.linear: the CUDA backend's GEMV)."""
-    backend_linear = fused_kernel("linear")
-    if backend_linear is not None:
-        return backend_linear(x, weight, bias)
+    backend = forward_backend()
+    if backend is not None and backend.linear is not None:
+        return backend.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

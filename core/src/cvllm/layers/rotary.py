@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cvllm.backends.base import fused_kernel
+from cvllm.backends.base import forward_backend
 from cvllm.forward_context import current_forward_context
 
 
@@ -133,9 +133,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos_sin = self.cos_sin_for(positions, q)
-        fused = fused_kernel("rotary")
-        if fused is not None:  # the backend gathers cos/sin by position inside its kernel
-            return fused(positions, q, k, cos_sin, self.head_dim)
+        backend = forward_backend()
+        if backend is not None and backend.rotary is not None:  # the backend gathers cos/sin by position itself
+            return backend.rotary(positions, q, k, cos_sin, self.head_dim)
         cos, sin = self._lookup(positions)
         qk = _side_by_side(q, k)
         if qk is not None:  # the first columns of a fused qkv output: one rotation of both takes half the ops

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from cvllm.sampling_defaults import GENERATION_CONFIG_MODES
+
 MIB = 1 << 20
 
 
@@ -156,8 +158,8 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine", "KV cache size precedence: --num-kv-blocks > --mem > --kv-fraction "
                                             "> --gpu-memory-utilization")
-    g.add_argument("--backend", metavar="NAME", help="cpu, cuda, ... (default: the first available of cuda, metal, "
-                                                     "cpu)")
+    g.add_argument("--backend", metavar="NAME", help="cpu, cuda, ... (default: the available backend of highest "
+                                                     "priority: cuda, then cpu)")
     g.add_argument("--d", type=_device_ids, metavar="IDS", help="device ids, e.g. 0 or 0,1 (one per tensor-parallel "
                                                                 "rank; TP is not implemented yet)")
     g.add_argument("--tensor-parallel-size", type=_positive_int, metavar="N", help="vLLM's spelling of the device "
@@ -194,7 +196,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling defaults", "used when a request leaves the field out; they win over "
                                                        "the model's defaults")
-    g.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
+    g.add_argument("--generation-config", choices=GENERATION_CONFIG_MODES, default="auto",
                    help="auto: the model's sampling defaults (generation_config.json; a GGUF's general.sampling.*, "
                         "else llama.cpp's); vllm: ignore them, use vLLM's plain defaults below (default: auto)")
     g.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (default: 1.0)")

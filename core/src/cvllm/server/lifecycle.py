@@ -31,7 +31,7 @@ def start_request(state: ServerState, request_id: str, prompt_ids: list[int], pa
         raise engine_error(e) from None
     timer = state.metrics.timer(arrival, len(prompt_ids))
     choices = [ChoiceState(first_index + i, state.tokenizer, params) for i in range(params.n)]
-    return RequestTracker(stream, choices, len(prompt_ids), timer, arrival)
+    return RequestTracker(stream, choices, prompt_ids, timer, arrival)
 
 
 async def run_until_disconnect(http_request: Request, work: Awaitable[Response],

@@ -1,10 +1,11 @@
-"""From the core's token deltas to text: one ``ChoiceState`` per completion, one ``RequestTracker`` per
-core request.
+"""The server's end of the output path: one ``RequestTracker`` per core request, around the shared
+``RequestState`` (cvllm/output_processor), plus what both endpoints need to render its updates (logprob text
+and bytes, pre-encoded SSE chunks).
 
-Text is detokenized incrementally; stop strings are found across token boundaries; while a request is
-running, the last ``len(longest stop) - 1`` characters are held back, because they could be the start of
-a stop string that the next token completes. Streaming and non-streaming responses are built from the
-same updates, so they give the same text.
+Detokenization, stop strings and finish reasons are the output processor's, the same as the offline API's.
+The tracker adds what only the server has: the stream of deltas from the engine-core client, the timings, and
+aborting the core request when every choice finished early (stop strings) or the client went away. Streaming and
+non-streaming responses are built from the same updates, so they give the same text.
 """
 
 from __future__ import annotations
@@ -12,93 +13,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Protocol
 
-from cvllm.detokenizer import IncrementalDetokenizer
-from cvllm.engine_process.messages import SeqDelta, TokenLogprobs
-from cvllm.sampling_params import SamplingParams
+from cvllm.engine_process.messages import TokenLogprobs
+from cvllm.output_processor import CompletionState, CompletionUpdate, RequestState
 from cvllm.server.protocol import CompletionTokensDetails, PromptTokensDetails, UsageInfo, encode
+
+# OpenAI calls a request's completions "choices"
+ChoiceState = CompletionState
+ChoiceUpdate = CompletionUpdate
 
 # JSON has no -inf; a token the model rules out gets vLLM's stand-in value instead.
 MIN_LOGPROB = -9999.0
-
-
-@dataclass(slots=True)
-class TokenEntry:
-    """One generated token that belongs to the output, with its logprobs when they were asked for."""
-    token_id: int
-    logprobs: TokenLogprobs | None
-
-
-@dataclass(slots=True)
-class ChoiceUpdate:
-    text: str = ""
-    tokens: list[TokenEntry] = field(default_factory=list)
-    finish_reason: str | None = None       # set on the update that finishes the choice
-
-
-class ChoiceState:
-    def __init__(self, index: int, tokenizer, params: SamplingParams):
-        self.index = index                 # the choice's index in the response
-        self.tokenizer = tokenizer
-        self.params = params
-        self.detokenizer = IncrementalDetokenizer(tokenizer, list(params.stop), params.skip_special_tokens,
-                                                  params.include_stop_str_in_output)
-        self.hold_back = max(0, self.detokenizer.longest_stop - 1)
-        self.emitted = 0                   # characters of detokenizer.text already handed out
-        self.num_tokens = 0                # generated tokens consumed (usage's completion_tokens)
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-        self.ended_in_core = False         # the core sent this completion's last token
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def text(self) -> str:
-        return self.detokenizer.text
-
-    def add(self, *deltas: SeqDelta) -> ChoiceUpdate | None:
-        """Take this choice's deltas, in order, as one update; None once it has finished (a stop string
-        matched). Several deltas are queued when the stream fell behind the core: one update for all of
-        them is what lets the reply send one chunk for several tokens instead of one chunk (and one socket
-        write) per token, so a stream that lags catches up rather than falling further behind."""
-        if self.finished:
-            return None
-        update = ChoiceUpdate()
-        for delta in deltas:
-            if self.finished:
-                break   # a stop string matched in an earlier delta: the rest is past the end
-            self._take(delta, update.tokens)
-        update.text = self._release()
-        update.finish_reason = self.finish_reason
-        return update
-
-    def _take(self, delta: SeqDelta, tokens: list[TokenEntry]) -> None:
-        last = len(delta.token_ids) - 1
-        for i, token_id in enumerate(delta.token_ids):
-            self.num_tokens += 1
-            logprobs = delta.logprobs[i] if delta.logprobs is not None and i < len(delta.logprobs) else None
-            # The core ends with "stop" only on an EOS or stop_token_ids token: like vLLM, that token is not
-            # part of the text unless include_stop_str_in_output.
-            if i == last and delta.finish_reason == "stop" and not self.params.include_stop_str_in_output:
-                break
-            tokens.append(TokenEntry(token_id, logprobs))
-            matched = self.detokenizer.update(token_id)
-            if matched is not None:
-                self.finish_reason, self.stop_reason = "stop", matched
-                break
-        self.ended_in_core = delta.finish_reason is not None
-        if not self.finished and delta.finish_reason is not None:
-            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
-
-    def _release(self) -> str:
-        text = self.detokenizer.text
-        end = len(text) if self.finished else max(self.emitted, len(text) - self.hold_back)
-        piece, self.emitted = text[self.emitted:end], end
-        return piece
 
 
 class Timer(Protocol):
@@ -106,28 +32,21 @@ class Timer(Protocol):
     def finished(self, reasons: list[str | None], now: float) -> None: ...
 
 
-class RequestTracker:
+class RequestTracker(RequestState):
     """One core request (n choices): feeds its deltas to the choices, and aborts the request in the core
     when every choice has finished early (stop strings) or when the caller closes it before the end."""
 
-    def __init__(self, stream, choices: list[ChoiceState], num_prompt_tokens: int, timer: Timer | None = None,
+    def __init__(self, stream, choices: list[ChoiceState], prompt_token_ids: list[int], timer: Timer | None = None,
                  arrival: float | None = None):
+        super().__init__(choices, prompt_token_ids)
         self.stream = stream
-        self.choices = choices
-        self.num_prompt_tokens = num_prompt_tokens
-        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
         self.timer = timer
-        self.num_cached_tokens = 0         # prefix-cache hits of the prompt, as the core reported them
         # time.monotonic() when the request was sent, got its first tokens, and its latest ones (usage timings)
         self.arrival = time.monotonic() if arrival is None else arrival
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self._done = False                 # the core has nothing more for this request
         self._closed = False
-
-    @property
-    def finished(self) -> bool:
-        return all(choice.finished for choice in self.choices)
 
     async def updates(self) -> AsyncIterator[list[tuple[ChoiceState, ChoiceUpdate]]]:
         try:
@@ -137,47 +56,13 @@ class RequestTracker:
                 except StopAsyncIteration:
                     self._done = True
                     break
-                yield self._apply(deltas)
+                yield self.apply(deltas)
             if all(choice.ended_in_core for choice in self.choices):
                 self._done = True
         finally:
             self.close()
 
-    def _apply(self, deltas: list[SeqDelta]) -> list[tuple[ChoiceState, ChoiceUpdate]]:
-        """All deltas that arrived since the last call: one update per choice (see ``ChoiceState.add``)."""
-        if len(deltas) == 1:   # the usual case, a stream that keeps up: one delta, one choice
-            delta = deltas[0]
-            if delta.prompt_logprobs is not None:
-                self.prompt_logprobs = delta.prompt_logprobs
-            if delta.num_cached_tokens and delta.index == 0:
-                self.num_cached_tokens = delta.num_cached_tokens
-            update = None
-            if 0 <= delta.index < len(self.choices):
-                update = self.choices[delta.index].add(delta)
-            if delta.token_ids:
-                self._on_tokens(len(delta.token_ids))
-            return [] if update is None else [(self.choices[delta.index], update)]
-        by_choice: dict[int, list[SeqDelta]] = {}
-        new_tokens = 0
-        for delta in deltas:
-            if delta.prompt_logprobs is not None:
-                self.prompt_logprobs = delta.prompt_logprobs
-            if delta.num_cached_tokens and delta.index == 0:   # choice 0 speaks for the prompt, counted once
-                self.num_cached_tokens = delta.num_cached_tokens
-            new_tokens += len(delta.token_ids)
-            if 0 <= delta.index < len(self.choices):
-                by_choice.setdefault(delta.index, []).append(delta)
-        out = []
-        for index, group in by_choice.items():
-            choice = self.choices[index]
-            update = choice.add(*group)
-            if update is not None:
-                out.append((choice, update))
-        if new_tokens:
-            self._on_tokens(new_tokens)
-        return out
-
-    def _on_tokens(self, count: int) -> None:
+    def on_tokens(self, count: int) -> None:
         now = self.last_token_at = time.monotonic()
         if self.first_token_at is None:
             self.first_token_at = now

@@ -89,6 +89,7 @@ class SamplingFields(Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    logits_processors: list[str] | None = None   # names the server's plugins registered (register_samplers)
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):

@@ -165,7 +165,7 @@ class _ChoiceText:
         self.content.append(content)
         self.reasoning.append(reasoning)
         if self.num_logprobs is not None:
-            entries = [self._logprob(t.token_id, t.logprobs) for t in update.tokens if t.logprobs is not None]
+            entries = [self._logprob(token_id, logprobs) for token_id, logprobs in update.logprobs]
             self.logprobs.extend(entries)
             self.pending_logprobs.extend(entries)
         return content, reasoning

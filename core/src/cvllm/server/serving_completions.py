@@ -120,10 +120,8 @@ class _ChoiceText:
         self.pieces.append(update.text)
         if self.num_logprobs is not None:
             skip = self.state.params.skip_special_tokens
-            for token in update.tokens:
-                if token.logprobs is not None:
-                    self.add_token(token.token_id, clamp_logprob(token.logprobs.logprob),
-                                   self._top(token.token_id, token.logprobs), skip)
+            for token_id, logprobs in update.logprobs:
+                self.add_token(token_id, clamp_logprob(logprobs.logprob), self._top(token_id, logprobs), skip)
         return update.text
 
     def unsent_logprobs(self) -> CompletionLogprobs | None:

@@ -3,7 +3,6 @@ that turn request fields into ``SamplingParams`` (validation, defaults, context 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -12,7 +11,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from cvllm.sampling_params import SamplingParams
+from cvllm.sampling_defaults import sampling_defaults
+from cvllm.sampling_params import SamplingParamError, SamplingParams
 from cvllm.server.args import ServerArgs
 from cvllm.server.errors import APIError, bad_request, from_msgspec
 from cvllm.server.metrics import Metrics
@@ -22,20 +22,11 @@ from cvllm.server.reasoning import ParserFactory, detect, reasoning_parser
 R = TypeVar("R", bound=SamplingFields)
 
 MAX_LOGPROBS = 20
-SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
 # request fields copied onto SamplingParams when the request sets them
 REQUEST_SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                          "repetition_penalty", "seed", "stop", "stop_token_ids", "min_tokens", "ignore_eos",
-                         "skip_special_tokens", "include_stop_str_in_output")
-GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-def generation_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
-    """The checkpoint's generation_config.json sampling defaults, as ``LLM.default_sampling_params``."""
-    defaults = {k: generation_config[k] for k in GENERATION_CONFIG_KEYS if generation_config.get(k) is not None}
-    if generation_config.get("do_sample") is False:
-        defaults["temperature"] = 0.0
-    return defaults
+                         "skip_special_tokens", "include_stop_str_in_output", "logits_processors")
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -66,11 +57,9 @@ class ServerState:
         self.reasoning: ParserFactory | None = None
         if self.reasoning_parser is not None:
             self.reasoning = reasoning_parser(self.reasoning_parser)
-        # weakest first: the model's defaults (none with --generation-config vllm), then cvserve's flags; a
-        # request's own fields win over both
-        model_defaults = generation_defaults(self.generation_config) if self.args.generation_config == "auto" else {}
-        self.sampling_defaults = {**model_defaults,
-                                  **{k: v for k, v in self.args.default_sampling.items() if v is not None}}
+        # the model's defaults (none with --generation-config vllm), then cvserve's flags; a request's fields win
+        self.sampling_defaults = sampling_defaults(self.generation_config, self.args.generation_config,
+                                                   self.args.default_sampling)
 
     @classmethod
     def open(cls, args: ServerArgs) -> ServerState:
@@ -209,13 +198,13 @@ def _token_id_key(key: str) -> int:
 
 
 def build_sampling_params(values: dict[str, Any]) -> SamplingParams:
-    """SamplingParams(**values), its ValueError a 400 naming the field (its messages start with the name)."""
+    """SamplingParams(**values), its SamplingParamError a 400 naming the field."""
     try:
         return SamplingParams(**values)
+    except SamplingParamError as e:
+        raise bad_request(str(e), param=e.param) from None
     except (TypeError, ValueError) as e:
-        message = str(e)
-        field_name = message.split(" ", 1)[0]
-        raise bad_request(message, param=field_name if field_name in SAMPLING_FIELDS else None) from None
+        raise bad_request(str(e)) from None
 
 
 def check_logprobs(name: str, value: int | None) -> None:

@@ -15,15 +15,17 @@ from typing import Any
 
 import torch
 
-from cvllm.backends.base import Backend
+from cvllm.backends.base import Backend, GraphedDecode
 
 
 class CudaBackend(Backend):
     name = "cuda"
+    priority = 100    # over the CPU backend wherever a GPU is there
     dist_backend = "nccl"
     default_dtype = torch.bfloat16
     default_max_num_seqs = 256
     default_max_num_batched_tokens = 8192
+    default_async_scheduling = True   # the host schedules step N+1 while the GPU runs step N
     host_threads = 1
     sync_free_decode = True    # decode steps are captured in CUDA graphs
 
@@ -62,7 +64,7 @@ class CudaBackend(Backend):
         return self._paged_attention(q, k_cache, v_cache, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables,
                                      ctx.max_query_len, layer.scale, layer.sliding_window, layer.logits_soft_cap)
 
-    def wrap_decode(self, forward: Callable, max_num_seqs: int, max_blocks_per_seq: int) -> Callable:
+    def wrap_decode(self, forward: Callable, max_num_seqs: int, max_blocks_per_seq: int) -> GraphedDecode:
         from cvllm_cuda.graphs import DecodeGraphs
 
         return DecodeGraphs(forward, self, max_num_seqs, max_blocks_per_seq)
@@ -84,6 +86,11 @@ class CudaBackend(Backend):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def record_event(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()

@@ -1,0 +1,100 @@
+"""Assembling an engine from its settings: checkpoint, backend, model runner and sampler (the executor), KV pool,
+graphs, scheduler. ``LLMEngine`` itself only takes the assembled parts."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from cvllm import plugins
+from cvllm.backends.selection import select_backend
+from cvllm.checkpoint.base import Checkpoint
+from cvllm.config import resolve_dtype
+from cvllm.engine.block_manager import BlockManager
+from cvllm.engine.config import EngineConfig
+from cvllm.engine.executor import InProcessExecutor
+from cvllm.engine.fake_runner import FakeModelRunner
+from cvllm.engine.llm_engine import LLMEngine
+from cvllm.engine.model_runner import ModelRunner, build_model
+from cvllm.engine.sampler import Sampler
+from cvllm.engine.scheduler import Scheduler, SchedulerConfig
+from cvllm.startup import StartupPhases
+
+logger = logging.getLogger(__name__)
+
+def build_engine(config: EngineConfig, imports_seconds: float | None = None) -> LLMEngine:
+    """``imports_seconds``: what the process spent before creating the engine (the engine core's imports),
+    reported as the first phase of the start-up line."""
+    phases = StartupPhases(imports_seconds)
+    # a path (opened by whichever plugin claims it), or a Checkpoint built in memory (benchmarks' random weights)
+    model = config.model
+    checkpoint = model if isinstance(model, Checkpoint) else plugins.open_checkpoint(model)
+    phases.mark("checkpoint")
+    backend = select_backend(config.backend)
+    dtype = resolve_dtype(config.dtype, checkpoint.config)
+    if config.fake_step_ms is not None:
+        runner = FakeModelRunner(checkpoint.config.vocab_size, config.block_size, config.fake_step_ms / 1000,
+                                 checkpoint.eos_token_ids())
+    else:
+        runner = ModelRunner(build_model(checkpoint, backend, dtype, isq=config.isq), backend, config.block_size,
+                             dtype)
+    sampler = Sampler(backend.argmax)   # the backend's argmax kernel where it has one (None: torch's)
+    executor = InProcessExecutor(runner, sampler, backend, checkpoint.config.vocab_size)
+    phases.mark("weights")
+
+    context_len = checkpoint.config.get("max_position_embeddings") or 2048
+    max_model_len = config.max_model_len or context_len
+    if max_model_len > context_len:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context "
+                         f"(max_position_embeddings = {context_len})")
+    max_num_seqs = config.max_num_seqs or backend.default_max_num_seqs
+    num_blocks = kv_blocks(config, backend, executor.kv_bytes_per_block(), max_model_len, max_num_seqs)
+    executor.allocate_kv_cache(num_blocks)
+    phases.mark("KV cache")
+    if num_blocks * config.block_size < max_model_len:
+        logger.warning("max_model_len %d capped to %d: the KV pool holds only %d blocks",
+                       max_model_len, num_blocks * config.block_size, num_blocks)
+        max_model_len = num_blocks * config.block_size
+    if not config.enforce_eager and config.fake_step_ms is None:
+        executor.capture_graphs(max_num_seqs, max_model_len)
+    phases.mark("graphs")
+    if backend.host_threads and "OMP_NUM_THREADS" not in os.environ \
+            and torch.get_num_threads() != backend.host_threads:
+        logger.info("torch CPU threads %d -> %d for the %s backend's host work (OMP_NUM_THREADS overrides)",
+                    torch.get_num_threads(), backend.host_threads, backend.name)
+        torch.set_num_threads(backend.host_threads)
+    budget = config.max_num_batched_tokens or backend.default_max_num_batched_tokens
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                        max_model_len=max_model_len, prefill_chunk_size=config.prefill_chunk_size),
+        BlockManager(num_blocks, config.block_size, config.enable_prefix_caching))
+    engine = LLMEngine(config, checkpoint, backend, dtype, executor, scheduler)
+    torch.manual_seed(config.seed)
+    logger.info("KV cache: %d blocks of %d tokens (%d tokens), max_model_len %d, backend %s, dtype %s",
+                num_blocks, config.block_size, num_blocks * config.block_size, max_model_len, backend.name, dtype)
+    logger.info("engine started in %s", phases.summary())
+    return engine
+
+
+def kv_blocks(config: EngineConfig, backend, per_block: int, max_model_len: int, max_num_seqs: int) -> int:
+    """KV blocks of ``per_block`` bytes: the number asked for, else what the memory settings leave room for."""
+    if config.num_kv_blocks:
+        return config.num_kv_blocks
+    free, total = backend.memory()
+    if config.kv_cache_memory:
+        budget = config.kv_cache_memory
+    elif config.kv_fraction:
+        budget = int(free * config.kv_fraction)
+    elif config.gpu_memory_utilization:
+        # measured after loading, so what is in use already includes the weights
+        budget = int(config.gpu_memory_utilization * total) - (total - free)
+    else:
+        budget = backend.default_kv_cache_bytes(free)
+    # More blocks than every sequence at full length could use is memory nobody touches.
+    useful = max_num_seqs * -(-max_model_len // config.block_size)
+    blocks = min(budget // per_block, useful)
+    if blocks < 1:
+        raise RuntimeError(f"no room for a KV cache: {budget} bytes available, {per_block} needed per block")
+    return blocks

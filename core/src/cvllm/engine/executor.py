@@ -1,0 +1,146 @@
+"""The engine's model workers, behind one interface: what a step needs from whatever runs the model.
+
+The engine keeps the scheduling and the async overlap of steps (llm_engine.py); an executor runs the batches it
+is given — the forward pass and sampling on the device — and keeps the per-sequence device state (penalty
+histories). One worker in the engine's own process now (InProcessExecutor); the tensor parallel executor, one
+worker process per device, implements the same methods.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from cvllm.engine.observers import StepRecord
+from cvllm.engine.penalties import PenaltyHistory
+from cvllm.engine.prompt_logprobs import prompt_logprob_rows, record_prompt_logprobs
+from cvllm.engine.scheduler import ScheduledBatch
+from cvllm.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from cvllm.engine.model_runner import PreviousTokens
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A launched step whose sampled tokens may still be on the device."""
+    sampling: list[Sequence]        # the sequences that sampled, in the order of the readback's rows
+    out: object | None              # the executor's handle on the sampled ids (the next step's decode rows read them)
+    # waits for the sampled ids' copy to the host: [token ids] or [token ids, logprobs, top ids, top logprobs]
+    readback: Callable[[], list[torch.Tensor]] | None
+    scoring: bool                   # it recorded prompt logprobs (such steps finish at once)
+
+
+class Executor:
+    """What the engine asks of its model workers."""
+
+    def kv_bytes_per_block(self) -> int:
+        """Device bytes of one KV block (block_size tokens of every attention layer a worker holds)."""
+        raise NotImplementedError
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        raise NotImplementedError
+
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Let the backend capture decode-only steps (CUDA graphs); called once, after the KV cache exists."""
+
+    def execute(self, batch: ScheduledBatch, previous: LaunchedStep | None,
+                record: StepRecord | None = None) -> LaunchedStep:
+        """Forward ``batch`` and sample its sampling sequences, reading nothing back to the host (prompt
+        logprobs excepted: they are recorded on the sequences). ``previous``: the step still in flight, whose
+        sampled ids are the input of this batch's decode rows whose last token the host does not know yet.
+        ``record``: the observed step's record, to mark phases in; None (nobody observes) must cost nothing."""
+        raise NotImplementedError
+
+    def prompt_logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """fp32 logits of every token of ``batch`` (scoring: LLMEngine.prompt_logits)."""
+        raise NotImplementedError
+
+    def release(self, seq_id: int) -> None:
+        """Sequence ``seq_id`` ended: free what the workers keep for it."""
+
+    def synchronize(self) -> None:
+        """Wait until every launched step has run."""
+
+    def shutdown(self) -> None:
+        """Free the model, its KV cache and graphs; nothing runs afterwards."""
+
+
+class InProcessExecutor(Executor):
+    """One worker in the engine's process: a model runner (ModelRunner, or FakeModelRunner without a model) and
+    the sampler, on the backend's device."""
+
+    def __init__(self, runner, sampler, backend, vocab_size: int):
+        self.runner = runner
+        self.sampler = sampler
+        self.backend = backend
+        # token counts of penalised sequences, on the device: penalties need no host token list (penalties.py)
+        self.penalties = PenaltyHistory(vocab_size, backend.device)
+
+    def kv_bytes_per_block(self) -> int:
+        return self.runner.kv_bytes_per_block()
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks)
+
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        self.runner.enable_decode_graphs(max_num_seqs, max_model_len)
+
+    def execute(self, batch: ScheduledBatch, previous: LaunchedStep | None,
+                record: StepRecord | None = None) -> LaunchedStep:
+        sampling = [batch.seqs[i] for i in batch.sample_indices]
+        scoring, extra = prompt_logprob_rows(batch)
+        previous_tokens = None
+        if previous is not None and previous.out is not None:
+            previous_tokens = (previous.out.token_ids, {seq.seq_id: i for i, seq in enumerate(previous.sampling)})
+        if record is None:
+            logits = self.runner.run(batch, extra_indices=extra, previous_tokens=previous_tokens)
+        else:
+            logits = self._observed_forward(batch, extra, previous_tokens, record)
+        if scoring:
+            record_prompt_logprobs(batch, scoring, logits[len(sampling):])
+            logits = logits[:len(sampling)]
+        out = self.sampler(logits, sampling, history=self.penalties) if sampling else None
+        readback = None
+        if out is not None:   # queued now, so reading it back later does not wait for the next step
+            wanted = [out.token_ids] if out.logprobs is None else [out.token_ids, out.logprobs, out.top_ids,
+                                                                    out.top_logprobs]
+            readback = self.backend.start_readback(wanted)
+        if record is not None:
+            record.mark("sample")
+            record.device_mark(self.backend, "sampled")
+        return LaunchedStep(sampling, out, readback, bool(scoring))
+
+    @torch.inference_mode()
+    def _observed_forward(self, batch: ScheduledBatch, extra: torch.Tensor | None,
+                          previous_tokens: PreviousTokens | None, record: StepRecord) -> torch.Tensor:
+        """``ModelRunner.run`` in its two halves, with the marks between them."""
+        record.device_mark(self.backend, "launch")
+        inputs = self.runner.prepare(batch, previous_tokens)
+        record.mark("prepare")
+        record.device_mark(self.backend, "forward")
+        logits = self.runner.forward(batch, inputs, extra_indices=extra)
+        record.mark("forward")
+        record.device_mark(self.backend, "forwarded")
+        return logits
+
+    def prompt_logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        return self.runner.run(batch, all_logits=True)
+
+    def release(self, seq_id: int) -> None:
+        self.penalties.release(seq_id)
+
+    def synchronize(self) -> None:
+        self.backend.synchronize()
+
+    def shutdown(self) -> None:
+        if self.runner is None:
+            return
+        self.runner = self.penalties = None
+        # the runner and its graphs reference each other (the graphs replay the runner's bound forward)
+        gc.collect()
+        self.backend.empty_cache()
