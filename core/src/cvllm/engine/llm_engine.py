@@ -99,7 +99,7 @@ class LLMEngine:
                 self._retire(seq, "abort")
 
     def finish_sequence(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
-        """End one completion early (a stop string matched in the detokenizer)."""
+        """End one completion early: the output processor matched a stop string, or its request asked to stop it."""
         if not seq.is_finished:
             self._retire(seq, reason)
             seq.stop_reason = stop_reason

@@ -1,8 +1,8 @@
 """The engine core's own process: runs ``LLMEngine`` steps and talks to the API process over two pipes.
 
 At thousands of tokens/s, per-token HTTP work in the engine's process would hold the GIL longer
-than a decode step takes (DESIGN.md §3), so under the server the engine lives here. The API
-process sends ``messages.ToCore`` commands on one pipe; this loop answers on the other with one
+than a decode step takes (vLLM V1 keeps its engine core apart for the same reason), so under the server the
+engine lives here. The API process sends ``messages.ToCore`` commands on one pipe; this loop answers on the other with one
 ``StepOutputs`` per step. When there is no work the loop blocks on the command pipe, so an idle
 server uses no CPU.
 
