@@ -2,9 +2,9 @@
 
 At thousands of tokens/s, per-token HTTP work in the engine's process would hold the GIL longer
 than a decode step takes (vLLM V1 keeps its engine core apart for the same reason), so under the server the
-engine lives here. The API process sends ``messages.ToCore`` commands on one pipe; this loop answers on the other with one
-``StepOutputs`` per step. When there is no work the loop blocks on the command pipe, so an idle
-server uses no CPU.
+engine lives here. The API process sends ``messages.ToCore`` commands on one pipe; this loop answers on
+the other with one ``StepOutputs`` per step. When there is no work the loop blocks on the command pipe, so
+an idle server uses no CPU.
 
 Tests exercise the failed-step path with a healthy model through ``EngineConfig.fault_injector``
 (cvllm.testing.faults), which travels to this process inside the config.
