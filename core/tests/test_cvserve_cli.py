@@ -151,14 +151,16 @@ def test_fake_step_ms_passes_through(model_dir):
 def test_devices_and_tensor_parallelism(model_dir):
     w = ["--w", str(model_dir)]
     assert build_server_args([*w, "--d", "0"]).engine.model == str(model_dir)
-    with pytest.raises(CliError, match=r"tensor parallelism \(2 devices\) is not implemented yet"):
-        build_server_args([*w, "--d", "0,1"])
-    with pytest.raises(CliError, match="tensor parallelism"):
-        build_server_args([*w, "--tensor-parallel-size", "4"])
+    assert build_server_args([*w, "--d", "0"]).engine.tensor_parallel_size == 1
+    assert build_server_args([*w, "--d", "0,1"]).engine.tensor_parallel_size == 2   # candle-vllm's spelling
+    assert build_server_args([*w, "--tensor-parallel-size", "4"]).engine.tensor_parallel_size == 4
+    assert build_server_args([*w, "--d", "0,1", "--tensor-parallel-size", "2"]).engine.tensor_parallel_size == 2
     with pytest.raises(CliError, match="is 2 device\\(s\\), but --tensor-parallel-size is 1"):
         build_server_args([*w, "--d", "0,1", "--tensor-parallel-size", "1"])
     with pytest.raises(CliError, match="CUDA_VISIBLE_DEVICES=3"):
         build_server_args([*w, "--d", "3"])
+    with pytest.raises(CliError, match="CUDA_VISIBLE_DEVICES=1,2"):
+        build_server_args([*w, "--d", "1,2"])
 
 
 class _Quantizers:

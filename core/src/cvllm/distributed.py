@@ -1,4 +1,5 @@
-"""Tensor-parallel state. World size 1 for now; the layers are already split as if it weren't.
+"""Tensor-parallel state: this process's rank and the world size, read by the layers when they are built (their
+shard) and by the collectives (engine/tensor_parallel/ sets them before building the model).
 
 Collectives go through the backend of the forward pass (``Backend.all_reduce``/``all_gather``/``broadcast``:
 ``torch.distributed`` with NCCL or gloo); at world size 1 they are identity functions, so the layers stay honest
@@ -21,6 +22,14 @@ def tp_rank() -> int:
 
 def tp_size() -> int:
     return _tp_size
+
+
+def set_tensor_parallel(rank: int, size: int) -> None:
+    """Set before a model is built: each parallel layer reads its shard from these once, in its constructor."""
+    global _tp_rank, _tp_size
+    if not 0 <= rank < size:
+        raise ValueError(f"tensor-parallel rank {rank} out of range for size {size}")
+    _tp_rank, _tp_size = rank, size
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from cvllm.startup import StartupPhases
 
 logger = logging.getLogger(__name__)
 
+
 def build_engine(config: EngineConfig, imports_seconds: float | None = None) -> LLMEngine:
     """``imports_seconds``: what the process spent before creating the engine (the engine core's imports),
     reported as the first phase of the start-up line."""
@@ -37,45 +38,61 @@ def build_engine(config: EngineConfig, imports_seconds: float | None = None) -> 
     if config.fake_step_ms is not None:
         runner = FakeModelRunner(checkpoint.config.vocab_size, config.block_size, config.fake_step_ms / 1000,
                                  checkpoint.eos_token_ids())
+    elif config.tensor_parallel_size > 1:
+        # imported here: world size 1 never loads torch.distributed's process-group code
+        from cvllm.engine.tensor_parallel.executor import build_tensor_parallel
+
+        runner = build_tensor_parallel(checkpoint, backend, dtype, config)
     else:
         runner = ModelRunner(build_model(checkpoint, backend, dtype, isq=config.isq), backend, config.block_size,
                              dtype)
     sampler = Sampler(backend.argmax)   # the backend's argmax kernel where it has one (None: torch's)
-    executor = InProcessExecutor(runner, sampler, backend, checkpoint.config.vocab_size)
+    executor = _executor(config, runner, sampler, backend, checkpoint.config.vocab_size)
     phases.mark("weights")
+    try:
+        context_len = checkpoint.config.get("max_position_embeddings") or 2048
+        max_model_len = config.max_model_len or context_len
+        if max_model_len > context_len:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's context "
+                             f"(max_position_embeddings = {context_len})")
+        max_num_seqs = config.max_num_seqs or backend.default_max_num_seqs
+        num_blocks = kv_blocks(config, backend, executor.kv_bytes_per_block(), max_model_len, max_num_seqs)
+        executor.allocate_kv_cache(num_blocks)
+        phases.mark("KV cache")
+        if num_blocks * config.block_size < max_model_len:
+            logger.warning("max_model_len %d capped to %d: the KV pool holds only %d blocks",
+                           max_model_len, num_blocks * config.block_size, num_blocks)
+            max_model_len = num_blocks * config.block_size
+        if not config.enforce_eager and config.fake_step_ms is None:
+            executor.capture_graphs(max_num_seqs, max_model_len)
+        phases.mark("graphs")
+        if backend.host_threads and "OMP_NUM_THREADS" not in os.environ \
+                and torch.get_num_threads() != backend.host_threads:
+            logger.info("torch CPU threads %d -> %d for the %s backend's host work (OMP_NUM_THREADS overrides)",
+                        torch.get_num_threads(), backend.host_threads, backend.name)
+            torch.set_num_threads(backend.host_threads)
+        budget = config.max_num_batched_tokens or backend.default_max_num_batched_tokens
+        scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                            max_model_len=max_model_len, prefill_chunk_size=config.prefill_chunk_size),
+            BlockManager(num_blocks, config.block_size, config.enable_prefix_caching))
+        engine = LLMEngine(config, checkpoint, backend, dtype, executor, scheduler)
+        torch.manual_seed(config.seed)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens), max_model_len %d, backend %s, dtype %s",
+                    num_blocks, config.block_size, num_blocks * config.block_size, max_model_len, backend.name, dtype)
+        logger.info("engine started in %s", phases.summary())
+        return engine
+    except BaseException:
+        executor.shutdown()   # tensor-parallel workers must not outlive a failed start
+        raise
 
-    context_len = checkpoint.config.get("max_position_embeddings") or 2048
-    max_model_len = config.max_model_len or context_len
-    if max_model_len > context_len:
-        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context "
-                         f"(max_position_embeddings = {context_len})")
-    max_num_seqs = config.max_num_seqs or backend.default_max_num_seqs
-    num_blocks = kv_blocks(config, backend, executor.kv_bytes_per_block(), max_model_len, max_num_seqs)
-    executor.allocate_kv_cache(num_blocks)
-    phases.mark("KV cache")
-    if num_blocks * config.block_size < max_model_len:
-        logger.warning("max_model_len %d capped to %d: the KV pool holds only %d blocks",
-                       max_model_len, num_blocks * config.block_size, num_blocks)
-        max_model_len = num_blocks * config.block_size
-    if not config.enforce_eager and config.fake_step_ms is None:
-        executor.capture_graphs(max_num_seqs, max_model_len)
-    phases.mark("graphs")
-    if backend.host_threads and "OMP_NUM_THREADS" not in os.environ \
-            and torch.get_num_threads() != backend.host_threads:
-        logger.info("torch CPU threads %d -> %d for the %s backend's host work (OMP_NUM_THREADS overrides)",
-                    torch.get_num_threads(), backend.host_threads, backend.name)
-        torch.set_num_threads(backend.host_threads)
-    budget = config.max_num_batched_tokens or backend.default_max_num_batched_tokens
-    scheduler = Scheduler(
-        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                        max_model_len=max_model_len, prefill_chunk_size=config.prefill_chunk_size),
-        BlockManager(num_blocks, config.block_size, config.enable_prefix_caching))
-    engine = LLMEngine(config, checkpoint, backend, dtype, executor, scheduler)
-    torch.manual_seed(config.seed)
-    logger.info("KV cache: %d blocks of %d tokens (%d tokens), max_model_len %d, backend %s, dtype %s",
-                num_blocks, config.block_size, num_blocks * config.block_size, max_model_len, backend.name, dtype)
-    logger.info("engine started in %s", phases.summary())
-    return engine
+
+def _executor(config: EngineConfig, runner, sampler, backend, vocab_size: int) -> InProcessExecutor:
+    if config.tensor_parallel_size > 1 and config.fake_step_ms is None:
+        from cvllm.engine.tensor_parallel.executor import TensorParallelExecutor
+
+        return TensorParallelExecutor(runner, sampler, backend, vocab_size)
+    return InProcessExecutor(runner, sampler, backend, vocab_size)
 
 
 def kv_blocks(config: EngineConfig, backend, per_block: int, max_model_len: int, max_num_seqs: int) -> int:

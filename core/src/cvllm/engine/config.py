@@ -31,6 +31,7 @@ class EngineConfig:
     fake_step_ms: float | None = None           # no model: each step takes this long (measures the stack around it)
     isq: str | None = None                      # in-situ quantization of an unquantized checkpoint ("q4k", "q8_0" ...)
     enforce_eager: bool = False                 # no CUDA graphs: every step launches its kernels one by one
+    tensor_parallel_size: int = 1               # ranks the model is split over (engine/tensor_parallel/)
     async_scheduling: bool | None = None        # launch step N+1 before reading N's tokens; None: on except on CPU
     # Tests only: called with each scheduled batch before it runs; what it raises fails that step as a failing model
     # would (cvllm.testing.faults). Picklable, so it reaches a spawned engine core.
@@ -39,6 +40,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks", "kv_cache_memory"):
             value = getattr(self, name)
             if value is not None and value <= 0:

@@ -60,7 +60,8 @@ def materialize(model: nn.Module, device: torch.device) -> None:
             setattr(module, name, param)
 
 
-def attach_quantization(model: nn.Module, checkpoint: Checkpoint, dtype: torch.dtype, isq: str | None = None) -> None:
+def attach_quantization(model: nn.Module, checkpoint: Checkpoint, dtype: torch.dtype, isq: str | None = None,
+                        make_factory=None) -> None:
     """A quantized checkpoint's linear layers get the methods of the quantizer registered under its
     ``quant_method``: ``factory = quantizer(checkpoint, dtype)``, then ``factory(layer, sources)`` per layer.
 
@@ -70,24 +71,26 @@ def attach_quantization(model: nn.Module, checkpoint: Checkpoint, dtype: torch.d
         if checkpoint.quant_method is not None:
             raise CheckpointError(f"isq {isq}: {checkpoint.path} is already quantized ({checkpoint.quant_method}); "
                                   f"in-situ quantization needs an unquantized checkpoint")
-        if "isq" not in plugins.quantizers():
+        if make_factory is None and "isq" not in plugins.quantizers():
             raise CheckpointError(f"isq {isq}: in-situ quantization needs the cvllm-gguf plugin (no 'isq' "
                                   f"quantizer is installed)")
         checkpoint = dataclasses.replace(checkpoint, quant_method="isq", quant_config=isq)
     if checkpoint.quant_method is None:
         return
-    make_factory = plugins.quantizers().get(checkpoint.quant_method)
+    make_factory = make_factory or plugins.quantizers().get(checkpoint.quant_method)
     changed = attach_linear_methods(model, make_factory(checkpoint, dtype))
     logger.info("%s quantization: %d linear layers", checkpoint.quant_method, changed)
 
 
-def build_model(checkpoint: Checkpoint, backend, dtype: torch.dtype, isq: str | None = None) -> nn.Module:
+def build_model(checkpoint: Checkpoint, backend, dtype: torch.dtype, isq: str | None = None,
+                model_class=None, make_factory=None) -> nn.Module:
     """gpt-fast's order: build on the meta device, attach quantization methods (``isq``: quantize an
-    unquantized checkpoint while loading), materialise on the backend, load by name."""
-    model_class = plugins.architectures().get(checkpoint.architecture)
+    unquantized checkpoint while loading), materialise on the backend, load by name. ``model_class`` and
+    ``make_factory``: the architecture and quantizer already resolved (tensor-parallel workers)."""
+    model_class = model_class or plugins.architectures().get(checkpoint.architecture)
     with torch.device("meta"), _default_dtype(dtype):
         model = model_class(checkpoint.config)
-        attach_quantization(model, checkpoint, dtype, isq)
+        attach_quantization(model, checkpoint, dtype, isq, make_factory)
     materialize(model, backend.device)
     expected = {name for name, _ in model.named_parameters()}
     started = time.perf_counter()
@@ -248,14 +251,27 @@ class ModelRunner:
         """``run`` after ``prepare``: the forward pass on prepared inputs, under inference mode (the executor
         calls the two halves itself to time them apart)."""
         input_ids, positions, ctx, logits_indices = inputs
-        if ctx.is_decode_only and not all_logits and extra_indices is None \
-                and len(batch.sample_indices) == len(batch.seqs):
+        decode_path = is_decode_path(batch, ctx, all_logits, extra_indices)
+        if extra_indices is not None:
+            logits_indices = torch.cat([logits_indices, extra_indices.to(logits_indices.device)])
+        return self.forward_prepared(input_ids, positions, ctx, logits_indices, decode_path, all_logits)
+
+    def forward_prepared(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+                         logits_indices: torch.Tensor, decode_path: bool, all_logits: bool) -> torch.Tensor:
+        """The forward pass once the batch is tensors: what every tensor-parallel rank runs (the workers get these
+        from rank 0, tensor_parallel/messages.py). ``logits_indices`` includes any prompt-logprob rows."""
+        if decode_path:
             return self.decode_forward(input_ids, positions, ctx)
         with forward_context(ctx):
             self.backend.prepare(ctx)
             hidden = self.model(input_ids, positions)
             if not all_logits:
-                if extra_indices is not None:
-                    logits_indices = torch.cat([logits_indices, extra_indices.to(logits_indices.device)])
                 hidden = hidden[logits_indices]
             return self.model.compute_logits(hidden).float()
+
+
+def is_decode_path(batch: ScheduledBatch, ctx: ForwardContext, all_logits: bool,
+                   extra_indices: torch.Tensor | None) -> bool:
+    """Every row is a sequence's last token and samples: the decode-only forward (graphs on devices that have them)."""
+    return (ctx.is_decode_only and not all_logits and extra_indices is None
+            and len(batch.sample_indices) == len(batch.seqs))

@@ -8,6 +8,7 @@ are small); one reader thread receives the core's messages and hands them to the
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import multiprocessing
 import threading
@@ -135,9 +136,13 @@ class EngineCoreClient:
         commands_reader, commands_writer = context.Pipe(duplex=False)
         outputs_reader, outputs_writer = context.Pipe(duplex=False)
         log_level = logging.getLogger("cvllm").getEffectiveLevel()
-        process = context.Process(target=run_core, name="cvllm-engine-core", daemon=True,
+        # Not a daemon: a daemonic process cannot have children, and with tensor parallelism the core starts its
+        # workers. What a daemon got for free, ending with this process, comes from atexit here (a normal exit;
+        # multiprocessing would otherwise wait for the core) and from EOF on the commands pipe (any exit).
+        process = context.Process(target=run_core, name="cvllm-engine-core", daemon=False,
                                   args=(config, commands_reader, outputs_writer, log_level))
         process.start()
+        atexit.register(_end_core, process)
         # The child holds these ends now; closing ours is what makes EOF mean "the core is gone".
         commands_reader.close()
         outputs_writer.close()
@@ -268,6 +273,15 @@ class EngineCoreClient:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream._fail(EngineDeadError(self.dead))
+
+
+def _end_core(process: multiprocessing.process.BaseProcess) -> None:
+    """At the API process's exit: the core if it still runs (its tensor-parallel workers follow it)."""
+    if process.is_alive():
+        process.terminate()
+        process.join(timeout=2)
+        if process.is_alive():
+            process.kill()
 
 
 def _first_message(outputs: Connection, process: multiprocessing.process.BaseProcess,

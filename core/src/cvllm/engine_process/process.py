@@ -65,7 +65,17 @@ def run_core(config: EngineConfig, commands: Connection, outputs: Connection, lo
         logger.exception("the engine core failed")
         channel.send_quietly(CoreDead(describe(e)))
         code = 1
+    _shutdown_quietly(engine)
     sys.exit(code)
+
+
+def _shutdown_quietly(engine) -> None:
+    """Before exiting: multiprocessing joins a process's non-daemon children (tensor-parallel workers) before any
+    atexit handler could end them, so the engine ends them here."""
+    try:
+        engine.shutdown()
+    except Exception:
+        logger.exception("the engine's shutdown failed")
 
 
 class CoreChannel:

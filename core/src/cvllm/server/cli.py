@@ -102,11 +102,11 @@ def _tensor_parallel_size(ns: argparse.Namespace) -> int:
         raise CliError(f"--d {','.join(map(str, devices))} is {len(devices)} device(s), "
                        f"but --tensor-parallel-size is {size}")
     size = size or len(devices) or 1
-    if size > 1:
-        raise CliError(f"tensor parallelism ({size} devices) is not implemented yet; serve on one device")
-    if devices and devices[0] != 0:
-        raise CliError(f"--d {devices[0]}: choosing a device is not implemented yet; make it the first visible "
-                       f"device instead (e.g. CUDA_VISIBLE_DEVICES={devices[0]})")
+    # One rank per device; which devices is not chosen yet: ranks take the first ``size`` (on the CPU, N processes).
+    if devices and devices != list(range(len(devices))):
+        ids = ",".join(map(str, devices))
+        raise CliError(f"--d {ids}: choosing devices is not implemented yet; make them the first visible "
+                       f"devices instead (e.g. CUDA_VISIBLE_DEVICES={ids})")
     return size
 
 
@@ -172,9 +172,9 @@ def _default_sampling(ns: argparse.Namespace) -> dict:
 
 
 def _engine_config(ns: argparse.Namespace, model: str) -> EngineConfig:
-    _tensor_parallel_size(ns)
     _check_backend(ns.backend)
     fields = dict(
+        tensor_parallel_size=_tensor_parallel_size(ns),
         model=model, dtype=ns.dtype, backend=ns.backend, block_size=ns.block_size, max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens, max_model_len=ns.max_model_len,
         prefill_chunk_size=ns.prefill_chunk_size, enable_prefix_caching=not ns.disable_prefix_cache, seed=ns.seed,

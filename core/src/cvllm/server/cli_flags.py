@@ -161,7 +161,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", metavar="NAME", help="cpu, cuda, ... (default: the available backend of highest "
                                                      "priority: cuda, then cpu)")
     g.add_argument("--d", type=_device_ids, metavar="IDS", help="device ids, e.g. 0 or 0,1 (one per tensor-parallel "
-                                                                "rank; TP is not implemented yet)")
+                                                                "rank: 0,1 = tensor parallelism over 2; CPU only now)")
     g.add_argument("--tensor-parallel-size", type=_positive_int, metavar="N", help="vLLM's spelling of the device "
                                                                                    "count (default: 1)")
     g.add_argument("--mem", type=_positive_int, metavar="MB", help="KV cache size in MiB")

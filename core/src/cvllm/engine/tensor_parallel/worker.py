@@ -1,0 +1,106 @@
+"""A tensor-parallel worker process (ranks 1..N-1): build this rank's shard of the model, then run each step's
+forward pass as rank 0 sends it, until told to stop.
+
+A worker finds no plugins: rank 0 sends it the resolved targets (``WorkerSpec``), and it imports only those.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker needs, pickled once when it is spawned."""
+    checkpoint: Any             # cvllm Checkpoint without its tokenizer (its weight iterator is a picklable partial)
+    model_class: str            # "module:Class" targets, resolved by rank 0's plugin registries
+    backend_class: str
+    quantizer: str | None
+    dtype: Any                  # torch.dtype
+    isq: str | None
+    block_size: int
+    world_size: int
+    init_method: str            # tcp://host:port of rank 0's store
+    timeout_s: float
+
+
+def run_worker(spec: WorkerSpec, rank: int, conn: Connection, parent_pid: int) -> None:
+    """The spawned process's target. Reports ("ready", None) or ("error", traceback) on ``conn`` once built."""
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s tp{rank} %(levelname)s %(name)s: %(message)s")
+    _exit_with_parent(parent_pid)
+    try:
+        runner, backend = _build(spec, rank)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        sys.exit(1)
+    conn.send(("ready", None))
+    try:
+        _serve(runner, backend, spec.block_size)
+    except BaseException:
+        # rank 0 gone or a failed step: rank 0 notices this process's exit (TensorParallelGroup.check)
+        traceback.print_exc()
+        os._exit(1)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A worker blocked in a collective would outlive a killed engine: leave when the parent is gone."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="cvllm-tp-parent-watch", daemon=True).start()
+
+
+def _build(spec: WorkerSpec, rank: int):
+    import torch
+    import torch.distributed as dist
+
+    from cvllm.distributed import set_tensor_parallel
+    from cvllm.engine.model_runner import ModelRunner, build_model
+    from cvllm.registry import load_target
+
+    torch.set_num_threads(1)   # ranks share the host's cores; rank 0 keeps its own setting
+    dist.init_process_group("gloo", init_method=spec.init_method, rank=rank, world_size=spec.world_size,
+                            timeout=timedelta(seconds=spec.timeout_s))
+    set_tensor_parallel(rank, spec.world_size)
+    backend = load_target(spec.backend_class)()
+    make_factory = load_target(spec.quantizer) if spec.quantizer else None
+    model = build_model(spec.checkpoint, backend, spec.dtype, isq=spec.isq,
+                        model_class=load_target(spec.model_class), make_factory=make_factory)
+    return ModelRunner(model, backend, spec.block_size, spec.dtype), backend
+
+
+def _serve(runner, backend, block_size: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from cvllm.engine.tensor_parallel import messages
+
+    header = messages.new_header()
+    with torch.inference_mode():
+        while True:
+            dist.broadcast(header, 0)
+            op = int(header[0])
+            if op == messages.SHUTDOWN:
+                return
+            if op == messages.ALLOCATE_KV:
+                runner.allocate_kv_cache(int(header[7]))
+            elif op == messages.STEP:
+                runner.forward_prepared(*messages.receive_step(header, backend, block_size, runner.device))
+            else:
+                raise RuntimeError(f"unknown tensor-parallel message {op}")

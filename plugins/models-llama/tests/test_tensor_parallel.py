@@ -1,0 +1,79 @@
+"""Tensor parallelism on the CPU (gloo, 2 ranks): the same greedy tokens as one rank, a clear error for a size
+that does not split the heads, and a dead worker that fails the engine instead of hanging it."""
+
+from __future__ import annotations
+
+import pytest
+
+from cvllm import LLM, SamplingParams
+from cvllm.testing.checkpoints import make_checkpoint
+
+PROMPTS = [[1, 5, 9, 23, 7, 11, 3, 4, 99, 100, 17, 2, 8], [4, 8, 15, 16, 23, 42]]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def greedy(path, tensor_parallel_size: int, **options) -> list[list[int]]:
+    llm = LLM(str(path), tensor_parallel_size=tensor_parallel_size, num_kv_blocks=32, **options)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+    finally:
+        llm.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.mark.parametrize("arch, overrides", [
+    ("llama", {}),                                                   # 4 heads, 2 KV heads: one KV head per rank
+    ("llama", {"num_key_value_heads": 1}),                           # 1 KV head < 2 ranks: replicated
+    ("llama", {"tie_word_embeddings": True}),
+    ("qwen3", {}),
+    ("qwen3_moe", {}),
+], ids=["llama-gqa", "llama-kv1", "llama-tied", "qwen3", "qwen3-moe"])
+def test_two_ranks_match_one(tmp_path, arch, overrides):
+    make_checkpoint(tmp_path, arch, **overrides)
+    assert greedy(tmp_path, 2) == greedy(tmp_path, 1)
+
+
+def test_rank_zero_holds_its_shard_only(tmp_path):
+    """The equality above is not world size 1 in disguise: rank 0's layers hold half of each split weight."""
+    model = make_checkpoint(tmp_path)   # hidden 64, 4 heads of 16, 2 KV heads, intermediate 128, vocab 512
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, num_kv_blocks=32)
+    try:
+        ours = llm.llm_engine.runner.model
+        layer = ours.model.layers[0]
+        assert ours.model.embed_tokens.weight.shape[0] == model.config.vocab_size // 2
+        assert layer.self_attn.qkv_proj.weight.shape[0] == (4 + 2 * 2) * 16 // 2
+        assert layer.mlp.down_proj.weight.shape[1] == model.config.intermediate_size // 2
+    finally:
+        llm.shutdown()
+
+
+def test_two_ranks_with_chunked_prefill(tmp_path):
+    """Prompts split over several steps (budget 4 tokens), mixed with decodes."""
+    make_checkpoint(tmp_path)
+    assert greedy(tmp_path, 2, max_num_batched_tokens=4) == greedy(tmp_path, 1)
+
+
+def test_size_that_does_not_split_the_heads(tmp_path):
+    make_checkpoint(tmp_path)   # 4 heads, 2 KV heads
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 .* sizes that would: 1, 2, 4"):
+        LLM(str(tmp_path), tensor_parallel_size=3, num_kv_blocks=32)
+
+
+def test_dead_worker_fails_the_engine(tmp_path):
+    make_checkpoint(tmp_path)
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, num_kv_blocks=32)
+    worker = llm.llm_engine.executor.group.processes[0]
+    worker.kill()
+    worker.join()
+    with pytest.raises(RuntimeError, match="tensor-parallel worker 1 .* died"):
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY)
+    llm.shutdown()
+
+
+def test_shutdown_ends_the_workers(tmp_path):
+    make_checkpoint(tmp_path)
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, num_kv_blocks=32)
+    worker = llm.llm_engine.executor.group.processes[0]
+    llm.shutdown()
+    assert not worker.is_alive() and worker.exitcode == 0
+    assert greedy(tmp_path, 1)   # world size 1 again in this process
