@@ -33,6 +33,11 @@ class EngineConfig:
     enforce_eager: bool = False                 # no CUDA graphs: every step launches its kernels one by one
     tensor_parallel_size: int = 1               # ranks the model is split over (engine/tensor_parallel/)
     async_scheduling: bool | None = None        # launch step N+1 before reading N's tokens; None: on except on CPU
+    # Multi-node (tensor_parallel/multinode.py): parsed and checked; num_nodes > 1 is refused at start for now.
+    num_nodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None              # rank 0's host, as every node reaches it
+    master_port: int | None = None
     # Tests only: called with each scheduled batch before it runs; what it raises fails that step as a failing model
     # would (cvllm.testing.faults). Picklable, so it reaches a spawned engine core.
     fault_injector: Callable[[ScheduledBatch], None] | None = None
@@ -42,6 +47,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
+        if self.num_nodes < 1 or not 0 <= self.node_rank < self.num_nodes:
+            raise ValueError(f"node_rank must be in 0..num_nodes-1 with num_nodes >= 1, got node_rank "
+                             f"{self.node_rank}, num_nodes {self.num_nodes}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks", "kv_cache_memory"):
             value = getattr(self, name)
             if value is not None and value <= 0:

@@ -110,6 +110,32 @@ def _tensor_parallel_size(ns: argparse.Namespace) -> int:
     return size
 
 
+def _node_settings(ns: argparse.Namespace) -> dict:
+    """EngineConfig's multi-node fields: the flags, else torchrun's / mpirun's variables; num_nodes > 1 is refused
+    here too, so cvserve says so before loading anything."""
+    from cvllm.engine.tensor_parallel import multinode
+
+    names = ("num_nodes", "node_rank", "master_addr", "master_port")
+    given = {name for name in names if getattr(ns, name) is not None}
+    flags = multinode.NodeSettings(**{name: getattr(ns, name) for name in given}, source="flags")
+    try:
+        settings = multinode.merge(flags, multinode.from_launcher_env(), given)
+        multinode.check_values(settings)
+        multinode.check_supported(settings.num_nodes)
+    except (ValueError, NotImplementedError) as exc:
+        raise CliError(str(exc)) from None
+    return {name: getattr(settings, name) for name in names}
+
+
+def _log_multithread(ns: argparse.Namespace) -> None:
+    if ns.multithread:
+        # torch.distributed keeps one default process group per process, and threads would share one interpreter's
+        # GIL for the Python between kernels: one thread per rank is neither possible nor faster, so ranks stay
+        # processes (the engine's process is rank 0).
+        logger.info("--multithread: running each tensor-parallel rank as its own process instead (torch.distributed "
+                    "has one process group per process, and threads would share the GIL)")
+
+
 def _kv_memory(ns: argparse.Namespace) -> dict:
     """EngineConfig fields for the KV pool size. Precedence: --num-kv-blocks > --mem > --kv-fraction
     > --gpu-memory-utilization; the losers are reported, never silently dropped."""
@@ -180,6 +206,8 @@ def _engine_config(ns: argparse.Namespace, model: str) -> EngineConfig:
         prefill_chunk_size=ns.prefill_chunk_size, enable_prefix_caching=not ns.disable_prefix_cache, seed=ns.seed,
         fake_step_ms=ns.fake_step_ms, enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling,
     )
+    _log_multithread(ns)
+    fields.update(_node_settings(ns))
     fields.update(_kv_memory(ns))
     fields.update(_quantization(ns))
     try:

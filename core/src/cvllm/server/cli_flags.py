@@ -164,6 +164,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                                                                 "rank: 0,1 = tensor parallelism over 2; CPU only now)")
     g.add_argument("--tensor-parallel-size", type=_positive_int, metavar="N", help="vLLM's spelling of the device "
                                                                                    "count (default: 1)")
+    g.add_argument("--multithread", action="store_true",
+                   help="candle-vllm's one-thread-per-device debug mode; accepted, but ranks run as processes "
+                        "(the start-up log says why)")
     g.add_argument("--mem", type=_positive_int, metavar="MB", help="KV cache size in MiB")
     g.add_argument("--kv-fraction", type=_fraction, metavar="F",
                    help="KV cache size as a share of the memory free after loading the weights")
@@ -191,6 +194,16 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fake-step-ms", type=float, metavar="MS",
                    help="benchmarking only: load no model; each engine step takes MS milliseconds and yields "
                         "fixed tokens (measures everything around the model)")
+
+
+def _add_multi_node_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("multi-node", "parsed and checked, but more than one node is not supported yet; "
+                                                "unset flags come from torchrun's or mpirun's environment")
+    g.add_argument("--num-nodes", type=_positive_int, metavar="N", help="nodes taking part (default: 1)")
+    g.add_argument("--node-rank", type=_non_negative_int, metavar="I", help="this node's rank, 0..N-1 (default: 0)")
+    g.add_argument("--master-addr", metavar="HOST", help="node 0's address as every node reaches it")
+    g.add_argument("--master-port", type=_checked(int, lambda v: 0 < v <= 65535, "a port number (1-65535)"),
+                   metavar="PORT", help="node 0's port for the process group")
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -227,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(parser)
     _add_server_flags(parser)
     _add_engine_flags(parser)
+    _add_multi_node_flags(parser)
     _add_sampling_flags(parser)
     _add_security_flags(parser)
     return parser

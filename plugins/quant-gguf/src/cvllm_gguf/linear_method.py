@@ -15,6 +15,7 @@ on 2 cores with SmolLM2 shapes: dequantizing Q4_1 on every call ~208 ms a token,
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 from typing import Literal
 
@@ -27,6 +28,8 @@ from cvllm_gguf.dequant import dequantize
 from cvllm_gguf.int4pack import INT4PACK_TYPES, int4pack_linear, pack_q4_for_int4mm, packable
 from cvllm_gguf.quant_types import FLOAT_DTYPES, FORMATS, resolve_qtype, row_bytes
 
+logger = logging.getLogger(__name__)
+
 Mode = Literal["fast", "exact"]
 
 
@@ -38,6 +41,15 @@ class GGUFLinearMethod(LinearMethod):
         self.mode = mode
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
+        # a row-parallel split (tensor parallelism) whose columns do not fall on block boundaries: this rank keeps
+        # the full rows' blocks and dequantizes its columns once (``gguf_columns``), never a split block
+        split = getattr(layer, "tp_size", 1) if getattr(layer, "tp_dim", None) == 1 else 1
+        layer.gguf_columns = None
+        if split > 1 and input_size % FORMATS[self.qtype].block_size:
+            full = input_size * split
+            _warn_unaligned(self.qtype, full, split)
+            layer.gguf_columns = (layer.tp_rank * input_size, input_size)
+            input_size = full
         width = row_bytes(self.qtype, input_size)
         qweight = nn.Parameter(torch.empty(output_size, width, dtype=torch.uint8), requires_grad=False)
         qweight.weight_loader = partial(self.weight_loader, layer)
@@ -55,10 +67,11 @@ class GGUFLinearMethod(LinearMethod):
         also come as plain float tensors). A fused layer's shards (gate/up, q/k/v) are blocks of
         output rows, so the layer's own loader places them: it narrows byte rows exactly as it
         narrows float rows, and a row-parallel split of the input lands on whole blocks."""
-        width = param.shape[1] * (getattr(layer, "tp_size", 1) if getattr(layer, "tp_dim", None) == 1 else 1)
+        split = getattr(layer, "tp_size", 1) if getattr(layer, "tp_dim", None) == 1 else 1
+        width = param.shape[1] * (1 if getattr(layer, "gguf_columns", None) else split)
         loaded = self._as_rows(loaded, width)
         layer_loader = getattr(layer, "weight_loader", None)
-        if layer_loader is None:
+        if layer_loader is None or getattr(layer, "gguf_columns", None):   # full rows: no narrowing here
             if loaded.shape != param.shape:
                 raise ValueError(f"checkpoint shape {tuple(loaded.shape)} != model shape {tuple(param.shape)}")
             param.data.copy_(loaded)
@@ -88,13 +101,16 @@ class GGUFLinearMethod(LinearMethod):
         out_features, in_features = layer.gguf_shape
         qweight = layer.qweight.data
         if self.mode == "fast" and qweight.device.type == "cpu" and self.qtype in INT4PACK_TYPES \
-                and packable(out_features):
+                and packable(out_features) and not getattr(layer, "gguf_columns", None):
             layer.int4_weight, layer.int4_scales_zeros = pack_q4_for_int4mm(qweight, self.qtype, in_features)
             layer.weight = torch.empty(0, device=qweight.device)
             layer.gguf_compute = "int4pack"
             return
         dtype = torch.float32 if self.mode == "exact" else torch.bfloat16
-        layer.weight = dequantize(qweight, self.qtype, (out_features, in_features)).to(dtype)
+        weight = dequantize(qweight, self.qtype, (out_features, in_features))
+        if getattr(layer, "gguf_columns", None):
+            weight = weight.narrow(1, *layer.gguf_columns).contiguous()
+        layer.weight = weight.to(dtype)
         layer.gguf_compute = "fp32" if dtype == torch.float32 else "bf16"
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -109,3 +125,14 @@ class GGUFLinearMethod(LinearMethod):
         out = F.linear(x.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype))
         return out.to(x.dtype)
 
+
+_warned: set[tuple] = set()
+
+
+def _warn_unaligned(qtype, columns: int, split: int) -> None:
+    key = (qtype, columns, split)
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning("%s rows of %d columns split over %d tensor-parallel ranks off its %d-column blocks: each "
+                       "rank holds the whole rows' blocks and dequantizes its own columns (more memory, exact "
+                       "values)", qtype.name, columns, split, FORMATS[qtype].block_size)

@@ -219,6 +219,11 @@ class GGUFFile:
         self.metadata = self.header.metadata
         self.tensors = self.header.tensors
 
+    def __reduce__(self):
+        """Pickled (for tensor-parallel workers) as its path, size and tensor table: the worker maps the file
+        again without scanning its header, and the metadata (the tokenizer's arrays) stays behind."""
+        return _remap, (self.path, len(self._map), self.tensors)
+
     def value(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
 
@@ -230,6 +235,20 @@ class GGUFFile:
         """The tensor's bytes, copied out of the mapping: uint8 [rows, bytes_per_row]."""
         data = np.frombuffer(self._map, np.uint8, tensor.nbytes, tensor.offset).copy()
         return torch.from_numpy(data).view(-1, tensor.row_bytes)
+
+
+def _remap(path: Path, size: int, tensors: tuple[TensorInfo, ...]) -> GGUFFile:
+    """An unpickled ``GGUFFile``: the tensors' bytes only (no metadata), after checking the file's size."""
+    file = GGUFFile.__new__(GGUFFile)
+    file.path, file.header, file.metadata, file.tensors = path, None, {}, tensors
+    try:
+        with open(path, "rb") as f:
+            file._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot read ({e})") from None
+    if len(file._map) != size:
+        raise CheckpointError(f"{path}: the file changed since it was opened ({size} bytes, now {len(file._map)})")
+    return file
 
 
 def split_parts(path: Path) -> list[Path]:

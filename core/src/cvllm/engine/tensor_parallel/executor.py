@@ -13,7 +13,6 @@ import dataclasses
 import logging
 import multiprocessing
 import os
-import socket
 import time
 from datetime import timedelta
 
@@ -48,6 +47,10 @@ class TensorParallelGroup:
 
     def __init__(self, spec: WorkerSpec):
         self.size = spec.world_size
+        # rank 0's store first, on a port the OS picks: the workers join it, then mark themselves joined
+        self.store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=spec.timeout_s))
+        spec = dataclasses.replace(spec, init_method=f"tcp://127.0.0.1:{self.store.port}")
         context = multiprocessing.get_context("spawn")
         self.processes, self.conns = [], []
         # Not daemons: a daemonic process cannot have children, and the engine may itself run in cvserve's core
@@ -62,9 +65,28 @@ class TensorParallelGroup:
             self.conns.append(parent)
         self.closed = False
         atexit.register(self.close)
-        dist.init_process_group("gloo", init_method=spec.init_method, rank=0, world_size=self.size,
-                                timeout=timedelta(seconds=spec.timeout_s))
+        try:
+            self._wait_joined(spec.timeout_s)
+            dist.init_process_group("gloo", store=self.store, rank=0, world_size=self.size,
+                                    timeout=timedelta(seconds=spec.timeout_s))
+        except BaseException:
+            self.close()
+            raise
         set_tensor_parallel(0, self.size)
+
+    def _wait_joined(self, timeout_s: float) -> None:
+        """Every worker has reached the store (``messages.joined_key``), polling that each is still alive: one
+        that dies first (a failed import or unpickling) fails the start now, not after gloo's ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        keys = [messages.joined_key(rank) for rank in range(1, self.size)]
+        while not self.store.check(keys):
+            for rank, process in enumerate(self.processes, start=1):
+                if not process.is_alive():
+                    raise RuntimeError(f"tensor-parallel worker {rank} (pid {process.pid}) exited with code "
+                                       f"{process.exitcode} before joining the process group")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel workers did not join the process group within {timeout_s:g} s")
+            time.sleep(0.05)
 
     def wait_ready(self, timeout_s: float) -> None:
         """Each worker's shard is built, or the error of the first that failed."""
@@ -89,17 +111,21 @@ class TensorParallelGroup:
             return
         self.closed = True
         atexit.unregister(self.close)
+        sent = False
         try:
-            if all(p.is_alive() for p in self.processes):
+            if dist.is_initialized() and all(p.is_alive() for p in self.processes):
                 messages.send_op(messages.SHUTDOWN)
+                sent = True
         except RuntimeError as e:   # a worker died meanwhile: the kill below ends the others
             logger.warning("tensor-parallel shutdown message failed: %s", e)
         for process in self.processes:
-            process.join(timeout=10)
+            process.join(timeout=10 if sent else 0)   # no group, or no message: nothing will end them but a kill
             if process.is_alive():
                 process.kill()
                 process.join()
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.store = None
         set_tensor_parallel(0, 1)
 
 
@@ -162,7 +188,7 @@ def build_tensor_parallel(checkpoint, backend, dtype: torch.dtype, config) -> tu
         backend_class=target_name(type(backend)),
         quantizer=target_name(plugins.quantizers().spec(quant)) if quant else None,
         dtype=dtype, isq=config.isq, block_size=config.block_size, world_size=size,
-        init_method=f"tcp://127.0.0.1:{_free_port()}", timeout_s=STARTUP_TIMEOUT_S)
+        init_method="", timeout_s=STARTUP_TIMEOUT_S)   # init_method: set by TensorParallelGroup
     group = TensorParallelGroup(spec)
     try:
         model = build_model(checkpoint, backend, dtype, isq=config.isq)
@@ -172,9 +198,3 @@ def build_tensor_parallel(checkpoint, backend, dtype: torch.dtype, config) -> tu
         raise
     logger.info("tensor parallel: %d ranks (gloo), rank 0 in this process", size)
     return BroadcastingRunner(ModelRunner(model, backend, config.block_size, dtype), group)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -67,6 +67,9 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 
 def _build(spec: WorkerSpec, rank: int):
+    from cvllm.engine.tensor_parallel.numa import pin_rank
+
+    pin_rank(rank, spec.world_size)   # MAP_NUMA_NODE, inherited; first, so the shard's pages land on its node
     import torch
     import torch.distributed as dist
 
@@ -75,8 +78,13 @@ def _build(spec: WorkerSpec, rank: int):
     from cvllm.registry import load_target
 
     torch.set_num_threads(1)   # ranks share the host's cores; rank 0 keeps its own setting
-    dist.init_process_group("gloo", init_method=spec.init_method, rank=rank, world_size=spec.world_size,
-                            timeout=timedelta(seconds=spec.timeout_s))
+    from cvllm.engine.tensor_parallel.messages import joined_key
+
+    host, _, port = spec.init_method.removeprefix("tcp://").rpartition(":")
+    timeout = timedelta(seconds=spec.timeout_s)
+    store = dist.TCPStore(host, int(port), spec.world_size, is_master=False, timeout=timeout)
+    store.set(joined_key(rank), "1")   # rank 0 polls for these, and for dead workers, before joining the group
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=spec.world_size, timeout=timeout)
     set_tensor_parallel(rank, spec.world_size)
     backend = load_target(spec.backend_class)()
     make_factory = load_target(spec.quantizer) if spec.quantizer else None
