@@ -9,7 +9,6 @@ bit-equal weights and generate the same tokens with the same log-probabilities.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 
@@ -17,101 +16,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from cvllm import LLM, plugins
 from cvllm.checkpoint.base import CheckpointError
 from cvllm.layers.rotary import _base_inv_freq, _llama3_inv_freq
 from cvllm.sampling_params import SamplingParams
 from cvllm_gguf.quant_types import GGMLType
-
-HIDDEN, INTER, HEADS, KV_HEADS, LAYERS, VOCAB = 64, 256, 4, 2, 2, 96
-HEAD_DIM = HIDDEN // HEADS
-LAYER_TENSORS = {  # HF module -> llama.cpp name (written out here, independently of gguf's TensorNameMap)
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-# a mix like real files: Q8_0 embedding (SmolLM2's), legacy and K-quant linears, float norms
-TYPES = {"embed_tokens": GGMLType.Q8_0, "lm_head": GGMLType.Q5_0, "q_proj": GGMLType.Q4_1,
-         "k_proj": GGMLType.Q4_1, "v_proj": GGMLType.Q4_1, "o_proj": GGMLType.Q8_0, "gate_proj": GGMLType.Q5_1,
-         "up_proj": GGMLType.Q5_1, "down_proj": GGMLType.Q4_K}
-
-
-def llamacpp_permute(rows: torch.Tensor, n_head: int) -> torch.Tensor:
-    """convert_hf_to_gguf's LlamaModel.permute, applied to rows (of bytes or floats)."""
-    return rows.reshape(n_head, 2, rows.shape[0] // n_head // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
-
-
-def shapes(tied: bool) -> dict[str, tuple[int, int]]:
-    out = {"model.embed_tokens": (VOCAB, HIDDEN), "model.norm": (HIDDEN,)}
-    if not tied:
-        out["lm_head"] = (VOCAB, HIDDEN)
-    per_layer = {"input_layernorm": (HIDDEN,), "post_attention_layernorm": (HIDDEN,),
-                 "self_attn.q_proj": (HEADS * HEAD_DIM, HIDDEN), "self_attn.k_proj": (KV_HEADS * HEAD_DIM, HIDDEN),
-                 "self_attn.v_proj": (KV_HEADS * HEAD_DIM, HIDDEN), "self_attn.o_proj": (HIDDEN, HEADS * HEAD_DIM),
-                 "mlp.gate_proj": (INTER, HIDDEN), "mlp.up_proj": (INTER, HIDDEN), "mlp.down_proj": (HIDDEN, INTER)}
-    for i in range(LAYERS):
-        out.update({f"model.layers.{i}.{name}": shape for name, shape in per_layer.items()})
-    return out
-
-
-def gguf_name(module: str) -> str:
-    fixed = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-    if module in fixed:
-        return fixed[module]
-    _, _, index, rest = module.split(".", 3)
-    return f"blk.{index}.{LAYER_TENSORS[rest]}"
-
-
-def write_tiny_llama(tmp_path, make_rows, *, tied=False, types=None, float_linears=(), extra=None):
-    """Returns (gguf path, HF directory, {module: raw HF-order bytes}) for the same weights."""
-    types = {**TYPES, **(types or {})}
-    path, hf_dir = tmp_path / "tiny.gguf", tmp_path / "hf"
-    hf_dir.mkdir()
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_block_count(LAYERS)
-    writer.add_context_length(256)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(INTER)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_rope_dimension_count(HEAD_DIM)
-    writer.add_vocab_size(VOCAB)
-    for key, value in (extra or {}).items():
-        value(writer) if callable(value) else writer.add_string(key, value)
-    floats, raw_rows = {}, {}
-    rng = torch.Generator().manual_seed(0)
-    for seed, (module, shape) in enumerate(shapes(tied).items()):
-        leaf = module.rpartition(".")[2]
-        if len(shape) == 1:  # norms: F32 around 1
-            value = 1 + 0.1 * torch.randn(shape, generator=rng)
-            writer.add_tensor(f"{gguf_name(module)}.weight", value.numpy())
-            floats[f"{module}.weight"] = value
-            continue
-        qtype = GGMLType.F16 if leaf in float_linears else types[leaf]
-        rows = make_rows(qtype, *shape, seed=seed)  # HF row order
-        raw_rows[module] = rows
-        floats[f"{module}.weight"] = torch.from_numpy(
-            gguf.quants.dequantize(rows.numpy(), gguf.GGMLQuantizationType(int(qtype))).astype(np.float32))
-        heads = {"q_proj": HEADS, "k_proj": KV_HEADS}.get(leaf)
-        stored = llamacpp_permute(rows, heads) if heads else rows
-        writer.add_tensor(f"{gguf_name(module)}.weight", stored.numpy(),
-                          raw_dtype=gguf.GGMLQuantizationType(int(qtype)))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": HIDDEN, "intermediate_size": INTER,
-              "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
-              "vocab_size": VOCAB, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-              "tie_word_embeddings": tied, "torch_dtype": "float32"}
-    (hf_dir / "config.json").write_text(json.dumps(config))
-    save_file({k: v.contiguous() for k, v in floats.items()}, str(hf_dir / "model.safetensors"))
-    return path, hf_dir, raw_rows
+from cvllm_gguf.testing import HEAD_DIM, HEADS, HIDDEN, INTER, KV_HEADS, LAYERS, VOCAB, write_tiny_llama
 
 
 def effective_weights(llm: LLM) -> dict[str, torch.Tensor]:

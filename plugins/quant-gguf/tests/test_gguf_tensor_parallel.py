@@ -5,10 +5,8 @@ that falls inside a block (Q4_K's 256 columns over 2 ranks) loads each rank's co
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import pickle
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,18 +14,8 @@ import torch
 from cvllm import LLM, plugins
 from cvllm.sampling_params import SamplingParams
 from cvllm_gguf.quant_types import GGMLType
+from cvllm_gguf.testing import write_tiny_llama
 
-
-def _load_writer():
-    """test_gguf_checkpoint's tiny-llama writer (tests import as files here, not as modules on the path)."""
-    spec = importlib.util.spec_from_file_location("_gguf_checkpoint_tests", Path(__file__).with_name(
-        "test_gguf_checkpoint.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.write_tiny_llama
-
-
-write_tiny_llama = _load_writer()
 PROMPTS = [[5, 17, 33, 2], [90, 1, 44, 44, 3, 8, 61, 12, 70, 9, 11, 4, 85, 30, 31, 32, 33, 50], [7]]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
