@@ -19,7 +19,15 @@ from cvllm.engine_process.client import (
     RequestError,
     RequestStream,
 )
-from cvllm.engine_process.messages import AddRequest, CoreDead, RequestFailed, SeqDelta, StepOutputs, ToCore
+from cvllm.engine_process.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreDead,
+    RequestFailed,
+    SeqDelta,
+    StepOutputs,
+    ToCore,
+)
 from cvllm.engine_process.process import CoreChannel, EngineCore, describe, is_device_error, token_logprobs
 from cvllm.outputs import Logprob
 from cvllm.sampling_params import SamplingParams
@@ -218,3 +226,12 @@ def test_a_device_error_ends_the_core_with_core_dead():
     error = RuntimeError("CUDA error: an illegal memory access was encountered")
     assert EngineCore(EngineWhoseStepRaises(error), channel).run() == 1
     assert channel.sent == [CoreDead("device error: CUDA error: an illegal memory access was encountered")]
+
+
+def test_an_abort_names_whole_requests_unless_it_carries_completion_indices():
+    decoder = msgspec.msgpack.Decoder(ToCore)
+    # as a sender without the field writes it: the whole request
+    old = msgspec.msgpack.encode({"type": "AbortRequests", "request_ids": ["x"]})
+    assert decoder.decode(old) == AbortRequests(["x"]) and AbortRequests(["x"]).indices is None
+    some = decoder.decode(msgspec.msgpack.Encoder().encode(AbortRequests(["x"], [1])))
+    assert some == AbortRequests(["x"], [1])

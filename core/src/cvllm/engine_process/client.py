@@ -12,6 +12,7 @@ import atexit
 import logging
 import multiprocessing
 import threading
+from collections.abc import Collection
 from multiprocessing.connection import Connection, wait
 
 import msgspec
@@ -85,8 +86,10 @@ class RequestStream:
     def finished(self) -> bool:
         return self._ended
 
-    def abort(self) -> None:
-        self._client.abort(self.request_id)
+    def abort(self, indices: Collection[int] | None = None) -> None:
+        """Stop the request in the core, or only its completions ``indices`` (a stop string ended them): the
+        stream then ends once the others have finished."""
+        self._client.abort(self.request_id, indices)
 
     # called by the client, in the loop thread
 
@@ -177,14 +180,22 @@ class EngineCoreClient:
         self._streams[request_id] = stream
         return stream
 
-    def abort(self, request_id: str) -> None:
-        stream = self._streams.pop(request_id, None)
+    def abort(self, request_id: str, indices: Collection[int] | None = None) -> None:
+        """Stop a request, or only its completions ``indices``; the core sends nothing more for those (no finish)."""
+        stream = self._streams.get(request_id)
         if stream is None:
             return   # finished, failed or aborted already
-        stream._stop()
+        message = AbortRequests([request_id])
+        if indices is not None:
+            stream._unfinished.difference_update(indices)
+            if stream._unfinished:   # its siblings go on: the stream ends when they have finished
+                message.indices = sorted(indices)
+        if message.indices is None:
+            del self._streams[request_id]
+            stream._stop()
         if self.dead is None:
             try:
-                self._send(AbortRequests([request_id]))
+                self._send(message)
             except EngineDeadError:
                 pass   # the core is gone, and its blocks with it
 

@@ -7,7 +7,7 @@ Shared by the engine-core process (process.py), which sends them over its pipe, 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING
 
 from cvllm.engine_process.messages import CoreStats, SeqDelta, TokenLogprobs
@@ -49,6 +49,19 @@ class DeltaBuilder:
             if all(seq.is_finished for seq in requests.get(request_id, ())):
                 self.forget(request_id)
                 self.engine.release_request(request_id)
+
+    def abort(self, request_id: str, indices: Collection[int] | None = None) -> None:
+        """Stop a request in the engine, or only its completions ``indices`` (those a stop string ended: their
+        blocks are freed at once and their siblings go on; the request is released once they have all ended).
+        Unknown or finished requests are ignored."""
+        seqs = self.engine.requests.get(request_id, ())
+        if indices is None or all(seq.is_finished or seq.index in indices for seq in seqs):
+            self.forget(request_id)
+            self.engine.abort_request(request_id)
+            return
+        for seq in seqs:
+            if seq.index in indices:
+                self.engine.finish_sequence(seq, "abort")
 
     def forget(self, request_id: str) -> None:
         """Stop tracking a request (finished, aborted or failed)."""

@@ -28,14 +28,7 @@ class InProcessClient:
     def abort(self, request_id: str, indices: Collection[int] | None = None) -> None:
         """Stop a request, or only its completions ``indices`` (those a stop string ended: their siblings go on,
         and in-process each one's compute is saved at once). Unknown or finished requests are ignored."""
-        seqs = self.engine.requests.get(request_id, ())
-        if indices is None or all(seq.is_finished or seq.index in indices for seq in seqs):
-            self._deltas.forget(request_id)
-            self.engine.abort_request(request_id)
-            return
-        for seq in seqs:
-            if seq.index in indices:
-                self.engine.finish_sequence(seq, "abort")
+        self._deltas.abort(request_id, indices)
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()

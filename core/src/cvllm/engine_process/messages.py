@@ -21,6 +21,9 @@ class AddRequest(msgspec.Struct, tag=True):
 
 class AbortRequests(msgspec.Struct, tag=True):
     request_ids: list[str]
+    # only these completions (by index of n) of each request: a stop string ended them while their siblings go
+    # on. None (and a message without the field): the whole requests.
+    indices: list[int] | None = None
 
 
 class Shutdown(msgspec.Struct, tag=True):

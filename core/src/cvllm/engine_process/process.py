@@ -153,8 +153,7 @@ class EngineCore:
             self.channel.send(command)
         elif isinstance(command, AbortRequests):
             for request_id in command.request_ids:
-                self._untrack(request_id)
-                self.engine.abort_request(request_id)
+                self.deltas.abort(request_id, command.indices)   # indices: only those completions
         elif isinstance(command, Shutdown):
             logger.info("shutting down")
             raise _Exit(0)

@@ -4,8 +4,9 @@ and bytes, pre-encoded SSE chunks).
 
 Detokenization, stop strings and finish reasons are the output processor's, the same as the offline API's.
 The tracker adds what only the server has: the stream of deltas from the engine-core client, the timings, and
-aborting the core request when every choice finished early (stop strings) or the client went away. Streaming and
-non-streaming responses are built from the same updates, so they give the same text.
+aborting the core request when every choice finished early (stop strings) or the client went away, or only the
+choices a stop string ended while others go on. Streaming and non-streaming responses are built from the same
+updates, so they give the same text.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class RequestTracker(RequestState):
         self.last_token_at: float | None = None
         self._done = False                 # the core has nothing more for this request
         self._closed = False
+        self._siblings = len(choices) > 1  # a stop string ending one choice stops just that one in the core
 
     async def updates(self) -> AsyncIterator[list[tuple[ChoiceState, ChoiceUpdate]]]:
         try:
@@ -56,11 +58,23 @@ class RequestTracker(RequestState):
                 except StopAsyncIteration:
                     self._done = True
                     break
-                yield self.apply(deltas)
+                batch = self.apply(deltas)
+                if self._siblings and not self.finished:
+                    self._stop_ended(batch)
+                yield batch
             if all(choice.ended_in_core for choice in self.choices):
                 self._done = True
         finally:
             self.close()
+
+    def _stop_ended(self, batch: list[tuple[ChoiceState, ChoiceUpdate]]) -> None:
+        """Stop in the core the choices a stop string ended in this batch while others go on (the core would
+        generate them until the request ends); when every choice has ended, ``close`` aborts the request."""
+        first = self.choices[0].index
+        ended = [choice.index - first for choice, update in batch
+                 if update.finish_reason is not None and not choice.ended_in_core]
+        if ended:
+            self.stream.abort(ended)
 
     def on_tokens(self, count: int) -> None:
         now = self.last_token_at = time.monotonic()

@@ -30,6 +30,7 @@ class FakeStream:
 
     def __init__(self, batches: list[list[SeqDelta]], fail: Exception | None):
         self.batches, self.fail, self.aborts = deque(batches), fail, 0
+        self.stopped: list[list[int]] = []   # each abort of some completions only (a stop string ended them)
 
     def __aiter__(self):
         return self
@@ -42,8 +43,11 @@ class FakeStream:
             raise StopAsyncIteration
         return self.batches.popleft()
 
-    def abort(self) -> None:
-        self.aborts += 1
+    def abort(self, indices=None) -> None:
+        if indices is None:
+            self.aborts += 1
+        else:
+            self.stopped.append(list(indices))
 
 
 class FakeClient:
