@@ -77,3 +77,9 @@ def test_shutdown_ends_the_workers(tmp_path):
     llm.shutdown()
     assert not worker.is_alive() and worker.exitcode == 0
     assert greedy(tmp_path, 1)   # world size 1 again in this process
+
+
+def test_in_situ_quantized_weights_shard_too(tmp_path):
+    """ISQ quantizes each rank's slice as it loads: Q8_0 blocks of 32 split evenly over 2 ranks here."""
+    make_checkpoint(tmp_path)
+    assert greedy(tmp_path, 2, isq="q8_0", dtype="float32") == greedy(tmp_path, 1, isq="q8_0", dtype="float32")

@@ -82,8 +82,12 @@ class TensorParallelGroup:
         while not self.store.check(keys):
             for rank, process in enumerate(self.processes, start=1):
                 if not process.is_alive():
+                    # its own error is on stderr above; the usual one is a script without a main guard, which
+                    # each spawned process re-runs on import
                     raise RuntimeError(f"tensor-parallel worker {rank} (pid {process.pid}) exited with code "
-                                       f"{process.exitcode} before joining the process group")
+                                       f"{process.exitcode} before joining the process group (its error is printed "
+                                       "above; a script that starts tensor parallelism needs an "
+                                       "`if __name__ == \"__main__\":` guard)")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"tensor-parallel workers did not join the process group within {timeout_s:g} s")
             time.sleep(0.05)
