@@ -2,6 +2,7 @@
 
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,15 @@ from cvllm.tokenizer import Tokenizer
 def one_torch_thread():
     with _one_torch_thread():
         yield
+
+
+@pytest.fixture
+def model_dir(tmp_path) -> Path:
+    """A directory cvserve's flags accept as a model (its config.json is empty: nothing is loaded)."""
+    path = tmp_path / "my-model"
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    return path
 
 
 @pytest.fixture(scope="module")

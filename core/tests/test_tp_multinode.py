@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import pytest
 
@@ -20,14 +19,6 @@ LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT
 def no_launcher(monkeypatch):
     for name in LAUNCHER_VARS:
         monkeypatch.delenv(name, raising=False)
-
-
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    path = tmp_path / "my-model"
-    path.mkdir()
-    (path / "config.json").write_text("{}")
-    return path
 
 
 def test_no_launcher():
