@@ -35,15 +35,21 @@ def visible_keys(query_pos: torch.Tensor, kv_lens: torch.Tensor, num_keys: int,
     return visible[:, None, None]
 
 
+def keys_past_end(kv_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """``[B, 1, S, 1]``: key j of sequence b lies past its ``kv_lens[b]`` keys (masks the gathered values)."""
+    return (torch.arange(num_keys, device=kv_lens.device) >= kv_lens[:, None])[:, None, :, None]
+
+
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, query_pos: torch.Tensor, kv_lens: torch.Tensor,
                               scale: float, sliding_window: int | None, soft_cap: float | None,
-                              visible: torch.Tensor | None = None) -> torch.Tensor:
+                              visible: torch.Tensor | None = None,
+                              past_end: torch.Tensor | None = None) -> torch.Tensor:
     """Attention for ``B`` sequences of ``Lq`` queries each over their paged K/V, in fp32.
 
     q: [B, Lq, H, D]; block_tables: [B, nb]; query_pos: [B, Lq] absolute positions (-1 = padding);
-    kv_lens: [B]. ``visible`` is ``visible_keys(...)`` when the caller has it already (it is the same
-    for every layer of a forward pass).
+    kv_lens: [B]. ``visible`` is ``visible_keys(...)`` and ``past_end`` is ``keys_past_end(...)`` when the caller has
+    them already (they are the same for every layer of a forward pass).
     """
     B, Lq, H, D = q.shape
     Hkv = k_cache.shape[2]
@@ -61,7 +67,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     # Keys past a sequence's length (the rest of its last block, padded table entries) are masked out of the
     # scores, but their values still meet a zero weight in the matmul, and 0 * NaN is NaN: the cache is never
     # zero-filled, so what lies there is whatever the memory held
-    v.masked_fill_((torch.arange(S, device=v.device) >= kv_lens[:, None])[:, None, :, None], 0.0)
+    v.masked_fill_(keys_past_end(kv_lens, S) if past_end is None else past_end, 0.0)
     # the G query heads of a KV head and the Lq queries form the rows of one matmul per (sequence, KV head)
     qg = q.float().view(B, Lq, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Lq, D)
     scores = torch.matmul(qg, k.transpose(2, 3)).view(B, Hkv, G, Lq, S) * scale
@@ -116,21 +122,21 @@ class CpuBackend(Backend):
                   layer: Any) -> torch.Tensor:
         plan = ctx.backend_data
         assert isinstance(plan, _AttentionPlan), "the forward pass's ctx was not prepared (Backend.prepare)"
-        assert plan.block_size == k_cache.shape[1], (plan.block_size, k_cache.shape)
         args = (layer.scale, layer.sliding_window, layer.logits_soft_cap)
         if plan.decode_only:  # every row decodes one token, in order: no gather or scatter of rows
             return paged_attention_reference(q[:, None], k_cache, v_cache, plan.decode_tables, plan.decode_positions,
-                                             plan.decode_lens, *args, plan.visible(-1, layer.sliding_window))[:, 0]
+                                             plan.decode_lens, *args, plan.visible(-1, layer.sliding_window),
+                                             plan.past_end(-1))[:, 0]
         out = torch.empty_like(q)
         if plan.decode_tokens is not None:
             # All single-token rows in one padded batch: gathers the blocks they use, one einsum.
             o = paged_attention_reference(q[plan.decode_tokens][:, None], k_cache, v_cache, plan.decode_tables,
                                           plan.decode_positions, plan.decode_lens, *args,
-                                          plan.visible(-1, layer.sliding_window))
+                                          plan.visible(-1, layer.sliding_window), plan.past_end(-1))
             out[plan.decode_tokens] = o[:, 0]
         for i, (start, n, tables, positions, lens) in enumerate(plan.prefills):
             o = paged_attention_reference(q[None, start:start + n], k_cache, v_cache, tables, positions, lens, *args,
-                                          plan.visible(i, layer.sliding_window))
+                                          plan.visible(i, layer.sliding_window), plan.past_end(i))
             out[start:start + n] = o[0]
         return out
 
@@ -145,7 +151,7 @@ class _AttentionPlan:
     block_size: int = 0
     decode_only: bool = False               # decode_tokens is every row of the batch, in order
     # visibility masks by (prefill index or -1 for the decode rows, sliding window): layers share them
-    masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
+    masks: dict[tuple[int, int | str | None], torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def build(cls, ctx: ForwardContext) -> _AttentionPlan:
@@ -167,13 +173,22 @@ class _AttentionPlan:
                                       torch.arange(seq_len - n, seq_len)[None], ctx.seq_lens[i:i + 1]))
         return plan
 
+    def _part(self, part: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block tables, query positions, kv lengths) of the decode rows (-1) or of prefill ``part``."""
+        if part < 0:
+            return self.decode_tables, self.decode_positions, self.decode_lens
+        return self.prefills[part][2:]
+
     def visible(self, part: int, sliding_window: int | None) -> torch.Tensor:
         key = (part, sliding_window)
         if key not in self.masks:
-            if part < 0:
-                tables, positions, lens = self.decode_tables, self.decode_positions, self.decode_lens
-            else:
-                _, _, tables, positions, lens = self.prefills[part]
-            self.masks[key] = visible_keys(positions, lens, tables.shape[1] * self.block_size,
-                                            sliding_window)
+            tables, positions, lens = self._part(part)
+            self.masks[key] = visible_keys(positions, lens, tables.shape[1] * self.block_size, sliding_window)
+        return self.masks[key]
+
+    def past_end(self, part: int) -> torch.Tensor:
+        key = (part, "past_end")
+        if key not in self.masks:
+            tables, _, lens = self._part(part)
+            self.masks[key] = keys_past_end(lens, tables.shape[1] * self.block_size)
         return self.masks[key]
