@@ -19,6 +19,7 @@ from cvllm.engine_process.client import (
     RequestError,
     RequestStream,
 )
+from cvllm.engine_process.deltas import token_logprobs
 from cvllm.engine_process.messages import (
     AbortRequests,
     AddRequest,
@@ -28,7 +29,7 @@ from cvllm.engine_process.messages import (
     StepOutputs,
     ToCore,
 )
-from cvllm.engine_process.process import CoreChannel, EngineCore, describe, is_device_error, token_logprobs
+from cvllm.engine_process.process import CoreChannel, EngineCore, describe, is_device_error
 from cvllm.outputs import Logprob
 from cvllm.sampling_params import SamplingParams
 from cvllm.testing.plugins import registers

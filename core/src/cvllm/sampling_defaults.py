@@ -33,5 +33,6 @@ def sampling_defaults(generation_config: dict[str, Any], mode: str = "auto",
                       overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """The defaults a request starts from: the model's (``mode`` "auto"), then ``overrides`` that are set (the
     server's flags; they may hold max_tokens, which is no generation-config key)."""
+    check_generation_config_mode(mode)   # a misspelt mode must not drop the model's defaults silently
     model = model_sampling_defaults(generation_config) if mode == "auto" else {}
     return {**model, **{k: v for k, v in (overrides or {}).items() if v is not None}}

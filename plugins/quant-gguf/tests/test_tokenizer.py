@@ -192,7 +192,7 @@ def test_read_gguf_fields_round_trips_the_metadata(tmp_path, name):
 def smollm2_fields(demo_gguf):
     start = time.perf_counter()
     fields = read_gguf_fields(GGUFFile(demo_gguf).metadata)
-    assert time.perf_counter() - start < 2  # 49152 tokens and 48900 merges: ~0.1 s in one pass (gguf's reader: 5 s)
+    assert time.perf_counter() - start < 5  # 49152 tokens and 48900 merges in one pass: ~0.1 s (a per-item scan: 5 s+)
     return fields
 
 

@@ -24,12 +24,10 @@ from cvllm.engine.build import build_engine
 from cvllm.engine.config import EngineConfig
 from cvllm.engine.llm_engine import LLMEngine
 from cvllm.engine_process.deltas import DeltaBuilder, core_stats
-from cvllm.engine_process.deltas import token_logprobs as token_logprobs  # where the tests have always found it
 from cvllm.engine_process.messages import (
     AbortRequests,
     AddRequest,
     CoreDead,
-    CoreStats,
     FromCore,
     Ready,
     RequestFailed,
@@ -169,9 +167,6 @@ class EngineCore:
                 logger.exception("request %s could not be added", command.request_id)
             self.channel.send(RequestFailed([command.request_id], describe(e), invalid_request=invalid))
 
-    def _untrack(self, request_id: str) -> None:
-        self.deltas.forget(request_id)
-
     # -- steps -----------------------------------------------------------------------------------
 
     def _step(self) -> bool:
@@ -185,7 +180,7 @@ class EngineCore:
             return True
         self.deltas.release_finished(deltas)
         if deltas:   # a step that only ran a prefill chunk has nothing to say
-            self.channel.send(StepOutputs(deltas, self._stats()))
+            self.channel.send(StepOutputs(deltas, core_stats(self.engine)))
         self._stats_sent = bool(deltas)
         # progress: tokens came back, a batch ran, or one is still in flight (async scheduling)
         return bool(seqs) or bool(self.engine.last_batch and self.engine.last_batch.seqs) \
@@ -202,16 +197,12 @@ class EngineCore:
             request_ids = sorted(self.engine.requests)
         logger.exception("an engine step failed; failing its requests: %s", ", ".join(request_ids))
         for request_id in request_ids:
-            self._untrack(request_id)
-            self.engine.abort_request(request_id)   # frees their KV blocks
+            self.deltas.abort(request_id)   # frees their KV blocks and forgets what was sent of them
         self.channel.send(RequestFailed(request_ids, describe(error)))
-
-    def _stats(self) -> CoreStats:
-        return core_stats(self.engine)
 
     def _send_stats_if_stale(self) -> None:
         if not self._stats_sent:
-            self.channel.send(StepOutputs([], self._stats()))
+            self.channel.send(StepOutputs([], core_stats(self.engine)))
             self._stats_sent = True
 
 

@@ -45,8 +45,7 @@ class OutputProcessor:
             choice = request.choices[delta.index]
             if choice.finish_reason is not None:
                 continue   # a stop string ended it; the core has not heard yet
-            if delta.prompt_logprobs is not None or delta.num_cached_tokens:
-                request.note_prompt(delta)
+            request.note_prompt(delta)
             choice.take(delta)   # final-only: nothing is streamed
             if choice.finish_reason is not None:
                 step.num_finished += 1

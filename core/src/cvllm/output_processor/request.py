@@ -24,6 +24,8 @@ class RequestState:
 
     def note_prompt(self, delta: SeqDelta) -> None:
         """What a completion's first delta says about the prompt; completion 0 speaks for it (counted once)."""
+        if delta.prompt_logprobs is None and not delta.num_cached_tokens:
+            return   # every later delta: nothing about the prompt
         if delta.prompt_logprobs is not None and (self.prompt_logprobs is None or delta.index == 0):
             self.prompt_logprobs = delta.prompt_logprobs
         if delta.num_cached_tokens and delta.index == 0:

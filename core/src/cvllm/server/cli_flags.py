@@ -66,6 +66,7 @@ def _checked(convert, check, what: str):
 _positive_int = _checked(int, lambda v: v > 0, "a positive integer")
 _non_negative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
 _port = _checked(int, lambda v: 0 <= v <= 65535, "a port number (0-65535)")
+_nonzero_port = _checked(int, lambda v: 0 < v <= 65535, "a port number (1-65535)")   # a peer's: 0 means none
 _fraction = _checked(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]")
 _seconds = _checked(float, lambda v: v > 0, "a positive number of seconds")
 
@@ -202,7 +203,7 @@ def _add_multi_node_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-nodes", type=_positive_int, metavar="N", help="nodes taking part (default: 1)")
     g.add_argument("--node-rank", type=_non_negative_int, metavar="I", help="this node's rank, 0..N-1 (default: 0)")
     g.add_argument("--master-addr", metavar="HOST", help="node 0's address as every node reaches it")
-    g.add_argument("--master-port", type=_checked(int, lambda v: 0 < v <= 65535, "a port number (1-65535)"),
+    g.add_argument("--master-port", type=_nonzero_port,
                    metavar="PORT", help="node 0's port for the process group")
 
 

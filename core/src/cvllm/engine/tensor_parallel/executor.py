@@ -178,7 +178,7 @@ class TensorParallelExecutor(InProcessExecutor):
         self.group.close()
 
 
-def build_tensor_parallel(checkpoint, backend, dtype: torch.dtype, config) -> tuple[BroadcastingRunner, object]:
+def build_tensor_parallel(checkpoint, backend, dtype: torch.dtype, config) -> BroadcastingRunner:
     """Start ``config.tensor_parallel_size - 1`` workers and build rank 0's shard; returns rank 0's runner."""
     size = config.tensor_parallel_size
     check_tensor_parallel_size(checkpoint.config, size)
