@@ -61,6 +61,27 @@ def test_a_named_backend_must_be_available_and_registered(add_plugin):
         select_backend("tpu")
 
 
+def test_the_device_is_bound_before_the_backend_is_built(add_plugin):
+    """--d 2: the backend class binds device 2 (CUDA: torch.cuda.set_device) before its constructor reads it."""
+    events = []
+
+    class Devices(CpuBackend):
+        name = "devices"
+        priority = 60
+
+        @classmethod
+        def bind_device(cls, index: int) -> None:
+            events.append(("bind", index))
+
+        def __init__(self) -> None:
+            events.append(("build", None))
+
+    add_plugin(registers("register_backends", ("devices", Devices)), "more")
+    select_backend(None, device=2)
+    select_backend("devices")   # no device asked for: the backend's default, nothing bound
+    assert events == [("bind", 2), ("build", None), ("build", None)]
+
+
 def test_a_backend_plugin_that_cannot_be_imported_is_skipped(add_plugin, caplog):
     add_plugin(registers("register_backends", ("broken", "cvllm_no_such_module:Backend")), "broken")
     assert type(select_backend(None)) is CpuBackend
@@ -83,6 +104,7 @@ def test_collectives_are_identities_at_world_size_one():
 
     backend, x = CpuBackend(), torch.arange(6.0).view(2, 3)
     assert backend.all_reduce(x) is x and backend.all_gather(x) is x and backend.broadcast(x) is x
+    CpuBackend.bind_device(3)   # the CPU is one device every rank shares: any index, nothing to do
     assert x.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
 
 
@@ -91,6 +113,6 @@ def test_the_contract_is_declared_on_backend():
     declared = set(vars(Backend))
     for name in ("priority", "default_max_num_seqs", "default_max_num_batched_tokens", "default_async_scheduling",
                  "host_threads", "sync_free_decode", "prepare", "wrap_decode", "default_kv_cache_bytes",
-                 "all_reduce", "all_gather", "broadcast"):
+                 "all_reduce", "all_gather", "broadcast", "bind_device"):
         assert name in declared, name
     assert plugins.backends().names() == ["cpu"]

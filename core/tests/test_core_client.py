@@ -12,6 +12,8 @@ import msgspec
 import pytest
 
 from cvllm.engine.config import EngineConfig
+from cvllm.engine.errors import EngineBrokenError
+from cvllm.engine.executor import Executor
 from cvllm.engine.scheduler import EngineStats
 from cvllm.engine_process.client import (
     EngineCoreClient,
@@ -190,6 +192,7 @@ class EngineWhoseStepRaises:
         self.requests: dict[str, list] = {}
         self.scheduler = SimpleNamespace(schedule=self._schedule, running=[], waiting=[], stats=EngineStats(),
                                          block_manager=SimpleNamespace(num_blocks=4, num_free_blocks=4))
+        self.executor = Executor()   # the interface's defaults: no worker processes to watch
 
     def _schedule(self):
         return SimpleNamespace(seqs=[seq for seqs in self.requests.values() for seq in seqs])
@@ -227,6 +230,34 @@ def test_a_device_error_ends_the_core_with_core_dead():
     error = RuntimeError("CUDA error: an illegal memory access was encountered")
     assert EngineCore(EngineWhoseStepRaises(error), channel).run() == 1
     assert channel.sent == [CoreDead("device error: CUDA error: an illegal memory access was encountered")]
+
+
+WORKER_DIED = "tensor-parallel worker 1 (pid 7, killed by SIGKILL) died; the engine cannot run steps any more"
+
+
+def test_a_broken_engine_ends_the_core_with_core_dead():
+    """A worker that died or hung mid-step: not one step's failure, since every later step would fail too."""
+    channel = ScriptedChannel([add("x")])
+    assert EngineCore(EngineWhoseStepRaises(EngineBrokenError(WORKER_DIED)), channel).run() == 1
+    assert channel.sent == [CoreDead(WORKER_DIED)]
+
+
+def test_a_worker_that_ends_while_the_core_is_idle_ends_the_core():
+    """The idle core waits on its command pipe and the workers' sentinels: /health need not wait for a request."""
+    sentinel, worker_end = multiprocessing.Pipe(duplex=False)   # readable (EOF) once the "worker" end closes
+
+    def check():
+        raise EngineBrokenError(WORKER_DIED)
+
+    engine = EngineWhoseStepRaises(ValueError("unused"))
+    engine.executor = SimpleNamespace(sentinels=lambda: [sentinel.fileno()], check=check)
+    commands, _api_end = multiprocessing.Pipe(duplex=False)   # open, and nothing is ever sent
+    channel = CoreChannel(commands, None)
+    channel.sent = []
+    channel.send_quietly = channel.sent.append
+    worker_end.close()
+    assert EngineCore(engine, channel).run() == 1
+    assert channel.sent == [CoreDead(WORKER_DIED)]
 
 
 def test_an_abort_names_whole_requests_unless_it_carries_completion_indices():

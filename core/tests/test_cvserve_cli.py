@@ -92,6 +92,12 @@ def test_fake_step_ms_passes_through(model_dir):
     assert build_server_args(["--w", str(model_dir), "--fake-step-ms", "5"]).engine.fake_step_ms == 5.0
 
 
+def test_expert_parallelism_is_off_unless_asked(model_dir):
+    w = ["--w", str(model_dir), "--tensor-parallel-size", "2"]
+    assert build_server_args(w).engine.enable_expert_parallel is False
+    assert build_server_args([*w, "--enable-expert-parallel"]).engine.enable_expert_parallel is True
+
+
 def test_devices_and_tensor_parallelism(model_dir):
     w = ["--w", str(model_dir)]
     assert build_server_args([*w, "--d", "0"]).engine.model == str(model_dir)
@@ -101,10 +107,11 @@ def test_devices_and_tensor_parallelism(model_dir):
     assert build_server_args([*w, "--d", "0,1", "--tensor-parallel-size", "2"]).engine.tensor_parallel_size == 2
     with pytest.raises(CliError, match="is 2 device\\(s\\), but --tensor-parallel-size is 1"):
         build_server_args([*w, "--d", "0,1", "--tensor-parallel-size", "1"])
-    with pytest.raises(CliError, match="CUDA_VISIBLE_DEVICES=3"):
-        build_server_args([*w, "--d", "3"])
-    with pytest.raises(CliError, match="CUDA_VISIBLE_DEVICES=1,2"):
-        build_server_args([*w, "--d", "1,2"])
+    # any devices, in the order given: rank r runs on the r-th (Backend.bind_device)
+    assert build_server_args([*w, "--d", "3"]).engine.device_ids == (3,)
+    engine = build_server_args([*w, "--d", "2,1"]).engine
+    assert (engine.tensor_parallel_size, engine.device_ids) == (2, (2, 1))
+    assert build_server_args([*w, "--tensor-parallel-size", "2"]).engine.device_ids is None
 
 
 class _Quantizers:

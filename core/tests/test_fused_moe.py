@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from cvllm.checkpoint.base import CheckpointError
+from cvllm.distributed import set_tensor_parallel
 from cvllm.layers import FusedMoE, load_weights_with_experts, select_experts
-from cvllm.layers import fused_moe as fused_moe_module
+from cvllm.layers import fused_moe_methods as fused_moe_module
 
 E, TOP_K, H, I, T = 8, 2, 16, 12, 37
 
@@ -185,14 +186,16 @@ def test_wrong_shapes_name_the_tensor(name: str, tensor: torch.Tensor, message: 
         loaded_model([(name, tensor)])
 
 
-def test_tensor_parallel_shards_sum_to_the_whole(monkeypatch) -> None:
+def test_tensor_parallel_shards_sum_to_the_whole() -> None:
     w, x, logits = expert_weights(seed=5), randn(T, H, seed=12), randn(T, E, seed=13)
     whole, _ = loaded_model(_fused(w))
     parts = []
-    monkeypatch.setattr(fused_moe_module, "tp_size", lambda: 2)
     for rank in range(2):
-        monkeypatch.setattr(fused_moe_module, "tp_rank", lambda rank=rank: rank)
-        shard, loaded = loaded_model(per_expert_tensors(w), reduce_results=False)
+        set_tensor_parallel(rank, 2)
+        try:
+            shard, loaded = loaded_model(per_expert_tensors(w), reduce_results=False)
+        finally:
+            set_tensor_parallel(0, 1)
         assert loaded == {"mlp.experts.w13_weight", "mlp.experts.w2_weight"}
         assert tuple(shard.mlp.experts.w13_weight.shape) == (E, I, H)  # half of 2 * I
         assert torch.equal(shard.mlp.experts.w13_weight[:, : I // 2], w["gate"][:, rank * I // 2:(rank + 1) * I // 2])

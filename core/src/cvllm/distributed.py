@@ -1,5 +1,6 @@
-"""Tensor-parallel state: this process's rank and the world size, read by the layers when they are built (their
-shard) and by the collectives (engine/tensor_parallel/ sets them before building the model).
+"""Tensor-parallel state: this process's rank, the world size and whether MoE experts are split whole over the
+ranks (expert parallelism), read by the layers when they are built (their shard) and by the collectives
+(engine/tensor_parallel/ sets them before building the model).
 
 Collectives go through the backend of the forward pass (``Backend.all_reduce``/``all_gather``/``broadcast``:
 ``torch.distributed`` with NCCL or gloo); at world size 1 they are identity functions, so the layers stay honest
@@ -14,6 +15,7 @@ from cvllm.forward_context import get_forward_context
 
 _tp_rank = 0
 _tp_size = 1
+_expert_parallel = False
 
 
 def tp_rank() -> int:
@@ -24,12 +26,19 @@ def tp_size() -> int:
     return _tp_size
 
 
-def set_tensor_parallel(rank: int, size: int) -> None:
-    """Set before a model is built: each parallel layer reads its shard from these once, in its constructor."""
-    global _tp_rank, _tp_size
+def expert_parallel() -> bool:
+    """MoE layers split their experts whole over the ranks (``enable_expert_parallel``) instead of sharding each
+    expert; the other layers stay tensor-parallel either way."""
+    return _expert_parallel
+
+
+def set_tensor_parallel(rank: int, size: int, enable_expert_parallel: bool = False) -> None:
+    """Set before a model is built: each parallel layer reads its shard from these once, in its constructor.
+    Every call sets all three, so a later build in the same process (world size 1 again) starts from a clean state."""
+    global _tp_rank, _tp_size, _expert_parallel
     if not 0 <= rank < size:
         raise ValueError(f"tensor-parallel rank {rank} out of range for size {size}")
-    _tp_rank, _tp_size = rank, size
+    _tp_rank, _tp_size, _expert_parallel = rank, size, enable_expert_parallel
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

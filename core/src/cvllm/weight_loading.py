@@ -3,6 +3,9 @@
 A model lists how checkpoint names map onto its fused parameters in ``packed_modules_mapping``
 (``{"q_proj": ("qkv_proj", "q"), ...}``); everything else loads by its own name. Errors name the
 parameter; a fused parameter counts as loaded only when all of its shards arrived.
+
+Tensors may come lazy (``checkpoint/lazy.py``, under tensor parallelism): a loader marked ``lazy_aware`` (the
+parallel layers') gets the LazyTensor and reads only its rank's part; any other gets the tensor read whole.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 from torch import nn
 
 from cvllm.checkpoint.base import CheckpointError
+from cvllm.checkpoint.lazy import LazyTensor, takes_lazy
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +52,8 @@ def load_weights_by_name(model: nn.Module, weights: Iterable[tuple[str, torch.Te
             logger.warning("ignoring checkpoint tensor '%s': the model has no parameter of that name", name)
             continue
         loader = getattr(param, "weight_loader", default_weight_loader)
+        if isinstance(tensor, LazyTensor) and not takes_lazy(loader):
+            tensor = tensor.materialize()
         try:
             if shard is None:
                 loader(param, tensor)

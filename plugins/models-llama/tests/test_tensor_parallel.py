@@ -6,19 +6,14 @@ from __future__ import annotations
 import pytest
 
 from cvllm import LLM, SamplingParams
-from cvllm.testing.checkpoints import make_checkpoint
+from cvllm.testing.checkpoints import cvllm_greedy, make_checkpoint
 
 PROMPTS = [[1, 5, 9, 23, 7, 11, 3, 4, 99, 100, 17, 2, 8], [4, 8, 15, 16, 23, 42]]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 def greedy(path, tensor_parallel_size: int, **options) -> list[list[int]]:
-    llm = LLM(str(path), tensor_parallel_size=tensor_parallel_size, num_kv_blocks=32, **options)
-    try:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
-    finally:
-        llm.shutdown()
-    return [list(o.outputs[0].token_ids) for o in outputs]
+    return cvllm_greedy(path, PROMPTS, 8, tensor_parallel_size=tensor_parallel_size, num_kv_blocks=32, **options)
 
 
 @pytest.mark.parametrize("arch, overrides", [
@@ -51,6 +46,32 @@ def test_two_ranks_with_chunked_prefill(tmp_path):
     """Prompts split over several steps (budget 4 tokens), mixed with decodes."""
     make_checkpoint(tmp_path)
     assert greedy(tmp_path, 2, max_num_batched_tokens=4) == greedy(tmp_path, 1)
+
+
+def test_two_ranks_with_async_steps_preemption_and_prompt_logprobs(tmp_path):
+    """The step messages' other parts: decode rows whose input id is the in-flight step's sampled token (async
+    scheduling: rank 0 sends those ids after the step), preemption (a KV pool too small for both prompts at once),
+    and prompt-logprob rows appended to the logits rows."""
+    make_checkpoint(tmp_path)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=2, logprobs=2)
+
+    def run(size: int, **options):
+        llm = LLM(str(tmp_path), tensor_parallel_size=size, dtype="float32", **options)
+        try:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+            return [(o.outputs[0].token_ids, o.prompt_logprobs, o.outputs[0].logprobs) for o in outputs], \
+                llm.llm_engine.stats
+        finally:
+            llm.shutdown()
+
+    want, _ = run(1, num_kv_blocks=32)
+    got, stats = run(2, num_kv_blocks=3, block_size=16, async_scheduling=True)
+    assert stats.overlapped_steps > 0 and stats.preemptions > 0
+    for (tokens, prompt_lp, lp), (want_tokens, want_prompt_lp, want_lp) in zip(got, want):
+        assert list(tokens) == list(want_tokens)
+        for ours, theirs in zip(prompt_lp[1:] + lp, want_prompt_lp[1:] + want_lp):
+            assert ours.keys() == theirs.keys()
+            assert all(abs(ours[t].logprob - theirs[t].logprob) < 1e-4 for t in ours)
 
 
 def test_size_that_does_not_split_the_heads(tmp_path):

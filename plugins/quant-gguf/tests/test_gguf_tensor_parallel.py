@@ -1,19 +1,24 @@
 """A GGUF checkpoint under tensor parallelism (2 ranks, gloo): the workers get the checkpoint pickled (the file
 re-mapped, its header not scanned again), quantized linears shard by whole blocks, and a row-parallel split
 that falls inside a block (Q4_K's 256 columns over 2 ranks) loads each rank's columns dequantized. In float32
-(the exact path) the greedy tokens equal one rank's."""
+(the exact path) the greedy tokens equal one rank's. Each rank copies only its part of the file's bytes (ranks built
+in this process, ``GGUFFile.read`` counted), and its shard is the full model's weights narrowed."""
 
 from __future__ import annotations
 
 import logging
 import pickle
+from collections import Counter
 
 import pytest
 import torch
 
 from cvllm import LLM, plugins
+from cvllm.checkpoint.lazy import materialize
 from cvllm.sampling_params import SamplingParams
+from cvllm.testing.shards import build_rank, shard_mismatches
 from cvllm_gguf.quant_types import GGMLType
+from cvllm_gguf.reader import GGUFFile
 from cvllm_gguf.testing import write_tiny_llama
 
 PROMPTS = [[5, 17, 33, 2], [90, 1, 44, 44, 3, 8, 61, 12, 70, 9, 11, 4, 85, 30, 31, 32, 33, 50], [7]]
@@ -33,7 +38,7 @@ def test_weight_iterator_pickles_without_the_metadata(tmp_path, make_rows):
     path, _, _ = write_tiny_llama(tmp_path, make_rows)
     checkpoint = plugins.open_checkpoint(path)
     copy = pickle.loads(pickle.dumps(checkpoint.weight_iterator))
-    ours, theirs = dict(checkpoint.weight_iterator()), dict(copy())
+    ours, theirs = dict(checkpoint.weights()), {name: materialize(tensor) for name, tensor in copy()}
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     assert copy.args[0][0].file.metadata == {}   # the remapped file: tensors only
 
@@ -59,6 +64,32 @@ def test_rank_zero_holds_block_shards(tmp_path, make_rows):
         assert down.gguf_columns == (0, 128) and down.weight.shape == (64, 128)    # Q4_K: full rows kept
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("types, float_linears, whole", [
+    ({}, (), ("ffn_down",)),   # raw blocks (q/k rows permuted in the file); Q4_K down split inside its blocks
+    ({"v_proj": GGMLType.Q8_0, "down_proj": GGMLType.Q8_0}, ("o_proj",), ()),   # dequantized: q/k/v of two types
+], ids=["blocks", "dequantized"])                                              # fuse as floats, o_proj is F16
+def test_each_rank_reads_its_part_of_the_file(tmp_path, make_rows, monkeypatch, types, float_linears, whole):
+    path, _, _ = write_tiny_llama(tmp_path, make_rows, types=types, float_linears=float_linears)
+    checkpoint = plugins.open_checkpoint(path)
+    sizes = {weight.info.name: weight.info.nbytes for weight in checkpoint.weight_iterator.args[0]}
+    reads, read = Counter(), GGUFFile.read
+
+    def counting(self, tensor, *args):
+        out = read(self, tensor, *args)
+        reads[tensor.name] += out.nbytes
+        return out
+
+    monkeypatch.setattr(GGUFFile, "read", counting)
+    full = build_rank(checkpoint, 0, 1)
+    assert dict(reads) == sizes
+    for rank in (0, 1):
+        reads.clear()
+        model = build_rank(checkpoint, rank, 2)
+        kept_whole = [name for name in sizes if "norm" in name or name.split(".")[-2] in whole]
+        assert dict(reads) == {name: size if name in kept_whole else size // 2 for name, size in sizes.items()}
+        assert shard_mismatches(model, full, rank, 2) == []
 
 
 def test_demo_gguf_three_ranks_match_one(demo_gguf):

@@ -120,6 +120,19 @@ def test_reads_metadata_and_tensors_in_pytorch_order(small_gguf):
     assert [f.path for f in open_gguf_files(path)] == [path]
 
 
+def test_read_copies_only_the_rows_and_bytes_asked_for(small_gguf):
+    """What a tensor-parallel rank reads (lazy_weights.py): a range or a list of rows, a range of bytes in each."""
+    path, _ = small_gguf
+    file = GGUFFile(path)
+    info = next(t for t in file.tensors if t.name == "b.weight")   # Q8_0 [8, 64]: 2 blocks of 34 bytes a row
+    whole = file.raw(info)
+    part = file.read(info, slice(2, 5), slice(34, 68))
+    assert torch.equal(part, whole[2:5, 34:68]) and part.is_contiguous()
+    assert torch.equal(file.read(info, np.array([6, 1, 3]), slice(0, 34)), whole[[6, 1, 3], :34])
+    part[:] = 0   # a copy, never the read-only mapping
+    assert torch.equal(file.raw(info), whole)
+
+
 def test_bad_magic_and_version(small_gguf):
     path, _ = small_gguf
     open_fails(corrupt(path, 0, b"GGUX"), "not a GGUF file", "b'GGUX'")

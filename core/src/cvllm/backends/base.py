@@ -79,6 +79,11 @@ class Backend:
         """Cheap check, called while choosing a backend."""
         raise NotImplementedError
 
+    @classmethod
+    def bind_device(cls, index: int) -> None:
+        """Make device ``index`` this process's, before an instance is built (``--d``; tensor parallelism: one
+        device per rank). The CPU is one device that every rank shares: nothing to do."""
+
     def memory(self) -> tuple[int, int]:
         """(free, total) bytes of the memory the KV cache would come from."""
         raise NotImplementedError
@@ -139,18 +144,25 @@ class Backend:
         return x
 
     def all_gather(self, x: Tensor, dim: int = -1) -> Tensor:
-        """Every rank's ``x`` concatenated along ``dim``, in rank order."""
-        if tp_size() == 1:
+        """Every rank's ``x`` concatenated along ``dim``, in rank order. One output tensor (not a list of them):
+        the form a CUDA graph can capture."""
+        size = tp_size()
+        if size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(tp_size())]
-        torch.distributed.all_gather(parts, x.contiguous())
-        return torch.cat(parts, dim=dim)
+        gathered = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        _all_gather_single(gathered, x.contiguous())   # rank r's x in rows [r * len(x), (r + 1) * len(x))
+        dim = dim % x.dim()
+        return gathered.view(size, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
 
     def broadcast(self, x: Tensor, src: int = 0) -> Tensor:
         """Rank ``src``'s ``x`` on every rank, in place (rank 0's step inputs); returns ``x``."""
         if tp_size() > 1:
             torch.distributed.broadcast(x, src)
         return x
+
+
+# torch 2.13 renamed all_gather_into_tensor (and deprecated the old name); older torch has only that
+_all_gather_single = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
 
 
 def forward_backend() -> Backend | None:

@@ -1,5 +1,6 @@
 """Checkpoints: what a plugin's ``open_checkpoint`` hook returns, and the built-in HF-directory reader."""
 
 from cvllm.checkpoint.base import Checkpoint, CheckpointError
+from cvllm.checkpoint.lazy import LazyTensor, lazy_aware, materialize
 
-__all__ = ["Checkpoint", "CheckpointError"]
+__all__ = ["Checkpoint", "CheckpointError", "LazyTensor", "lazy_aware", "materialize"]

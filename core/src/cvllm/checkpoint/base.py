@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from cvllm.checkpoint.lazy import LazyTensor, materialize
 from cvllm.config import ModelConfig
 
 
@@ -21,8 +22,9 @@ class Checkpoint:
     path: Path
     config: ModelConfig
     # Yields (hugging-face parameter name, tensor) pairs; a callable so opening is cheap and
-    # weights are read once, while loading.
-    weight_iterator: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    # weights are read once, while loading. A tensor may be a LazyTensor (checkpoint/lazy.py), read only
+    # as far as a tensor-parallel rank needs it; read the pairs through ``weights()``.
+    weight_iterator: Callable[[], Iterator[tuple[str, torch.Tensor | LazyTensor]]]
     tokenizer: Any = None  # cvllm.tokenizer.Tokenizer, or None when the checkpoint has none
     generation_config: dict[str, Any] = field(default_factory=dict)
     quant_method: str | None = None  # the quantizer registered under this name attaches the linear methods
@@ -30,8 +32,11 @@ class Checkpoint:
     # what that quantizer needs to know about the file (quantization_config, per-tensor GGML types ...)
     quant_config: Any = None
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self.weight_iterator()
+    def weights(self, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
+        """The (name, tensor) pairs, each tensor read whole; ``lazy``: LazyTensors left unread, for loaders that
+        narrow them first (tensor-parallel ranks)."""
+        weights = self.weight_iterator()
+        return weights if lazy else ((name, materialize(tensor)) for name, tensor in weights)
 
     @property
     def architecture(self) -> str:

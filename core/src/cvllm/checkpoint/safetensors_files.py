@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from cvllm.checkpoint.base import CheckpointError
+from cvllm.checkpoint.lazy import LazyTensor, view_reader
 
 _MAX_HEADER = 100 * 1024 * 1024
 
@@ -61,10 +62,12 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
            "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
-def iterate_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
     """Each tensor as a view of the file's mapping (no copy here: the weight loader's copy into the parameter,
     on the GPU a host-to-device one, is the only one; safetensors' ``get_tensor`` would copy each tensor out
-    first, 16 GB of memcpy for an 8B model). Tensors of a dtype torch lacks go through safetensors itself."""
+    first, 16 GB of memcpy for an 8B model), wrapped in a LazyTensor: a tensor-parallel loader narrows it to its
+    rank's rows or columns first, so that copy reads only those pages of the file. Tensors of a dtype torch lacks
+    go through safetensors itself."""
     for path in files:
         header = check_safetensors_file(path)
         with open(path, "rb") as f:
@@ -83,8 +86,8 @@ def iterate_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]
             if end == start:
                 yield name, torch.empty(shape, dtype=dtype)
                 continue
-            yield name, torch.frombuffer(mapping, dtype=dtype, count=math.prod(shape),
-                                         offset=data_start + start).view(shape)
+            view = torch.frombuffer(mapping, dtype=dtype, count=math.prod(shape), offset=data_start + start)
+            yield name, LazyTensor(shape, dtype, view_reader(view.view(shape)))
 
 
 def _read_with_safetensors(path: Path, name: str) -> torch.Tensor:

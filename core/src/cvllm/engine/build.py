@@ -38,7 +38,7 @@ def build_engine(config: EngineConfig, imports_seconds: float | None = None) -> 
     model = config.model
     checkpoint = model if isinstance(model, Checkpoint) else plugins.open_checkpoint(model)
     phases.mark("checkpoint")
-    backend = select_backend(config.backend)
+    backend = select_backend(config.backend, config.device_ids[0] if config.device_ids else None)
     dtype = resolve_dtype(config.dtype, checkpoint.config)
     if config.fake_step_ms is not None:
         runner = FakeModelRunner(checkpoint.config.vocab_size, config.block_size, config.fake_step_ms / 1000,
@@ -61,7 +61,8 @@ def build_engine(config: EngineConfig, imports_seconds: float | None = None) -> 
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context "
                              f"(max_position_embeddings = {context_len})")
         max_num_seqs = config.max_num_seqs or backend.default_max_num_seqs
-        num_blocks = kv_blocks(config, backend, executor.kv_bytes_per_block(), max_model_len, max_num_seqs)
+        num_blocks = kv_blocks(config, backend, executor.memory(), executor.kv_bytes_per_block(), max_model_len,
+                               max_num_seqs)
         executor.allocate_kv_cache(num_blocks)
         phases.mark("KV cache")
         if num_blocks * config.block_size < max_model_len:
@@ -100,11 +101,13 @@ def _executor(config: EngineConfig, runner, sampler, backend, vocab_size: int) -
     return InProcessExecutor(runner, sampler, backend, vocab_size)
 
 
-def kv_blocks(config: EngineConfig, backend, per_block: int, max_model_len: int, max_num_seqs: int) -> int:
-    """KV blocks of ``per_block`` bytes: the number asked for, else what the memory settings leave room for."""
+def kv_blocks(config: EngineConfig, backend, memory: tuple[int, int], per_block: int, max_model_len: int,
+              max_num_seqs: int) -> int:
+    """KV blocks of ``per_block`` bytes: the number asked for, else what the memory settings leave room for in
+    ``memory`` ((free, total) bytes after loading; under tensor parallelism, the tightest rank's)."""
     if config.num_kv_blocks:
         return config.num_kv_blocks
-    free, total = backend.memory()
+    free, total = memory
     if config.kv_cache_memory:
         budget = config.kv_cache_memory
     elif config.kv_fraction:

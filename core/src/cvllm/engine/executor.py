@@ -22,7 +22,7 @@ from cvllm.engine.scheduler import ScheduledBatch
 from cvllm.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from cvllm.engine.model_runner import PreviousTokens
+    from cvllm.engine.step_inputs import PreviousTokens
 
 
 @dataclass(slots=True)
@@ -40,6 +40,10 @@ class Executor:
 
     def kv_bytes_per_block(self) -> int:
         """Device bytes of one KV block (block_size tokens of every attention layer a worker holds)."""
+        raise NotImplementedError
+
+    def memory(self) -> tuple[int, int]:
+        """(free, total) bytes of device memory after loading the model; with several workers, the least free."""
         raise NotImplementedError
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -66,6 +70,14 @@ class Executor:
     def synchronize(self) -> None:
         """Wait until every launched step has run."""
 
+    def sentinels(self) -> list[int]:
+        """Handles (``multiprocessing.connection.wait``) that become ready when a worker process ends: the engine
+        core's idle wait watches them. None for workers in the engine's own process."""
+        return []
+
+    def check(self) -> None:
+        """Raise ``EngineBrokenError`` (engine/errors.py) if a worker has died."""
+
     def shutdown(self) -> None:
         """Free the model, its KV cache and graphs; nothing runs afterwards."""
 
@@ -83,6 +95,9 @@ class InProcessExecutor(Executor):
 
     def kv_bytes_per_block(self) -> int:
         return self.runner.kv_bytes_per_block()
+
+    def memory(self) -> tuple[int, int]:
+        return self.backend.memory()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)

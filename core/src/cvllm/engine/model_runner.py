@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import array
 import dataclasses
-import itertools
 import logging
 import time
 from contextlib import contextmanager
@@ -14,20 +12,15 @@ from torch import nn
 
 from cvllm import plugins
 from cvllm.checkpoint.base import Checkpoint, CheckpointError
+from cvllm.distributed import tp_size
 from cvllm.engine.scheduler import ScheduledBatch
-from cvllm.engine.upload import upload
+from cvllm.engine.step_inputs import PreviousTokens, build_host_step, to_device
 from cvllm.forward_context import ForwardContext, forward_context
 from cvllm.layers.attention import Attention
 from cvllm.layers.quantization import attach_linear_methods
 from cvllm.progress import Progress
 
 logger = logging.getLogger(__name__)
-
-# bytes between the starts of the step inputs in their one upload (see ModelRunner._to_device)
-ALIGN = 16
-
-# the step still in flight: its sampled token ids on the device, and each sampling sequence's row in them
-PreviousTokens = tuple[torch.Tensor, dict[int, int]]
 
 
 @contextmanager
@@ -96,8 +89,10 @@ def build_model(checkpoint: Checkpoint, backend, dtype: torch.dtype, isq: str | 
     started = time.perf_counter()
     # Counted as the checkpoint's tensors, not the model's parameters the loader returns: q/k/v and
     # gate/up load into one fused parameter each, and the count logged must be the one the bar showed.
+    # A tensor-parallel rank takes the tensors lazy (checkpoint/lazy.py): its layers' loaders read only its shard.
+    weights = checkpoint.weights(lazy=tp_size() > 1)
     with torch.no_grad(), Progress(logger, "Loading weights", "loaded", "weights") as progress:
-        loaded = model.load_weights(progress.track(checkpoint.weights(), nbytes=lambda weight: weight[1].nbytes))
+        loaded = model.load_weights(progress.track(weights, nbytes=lambda weight: weight[1].nbytes))
     missing = expected - set(loaded)
     if missing:
         raise CheckpointError(f"{checkpoint.path}: weights missing from the checkpoint: "
@@ -159,84 +154,14 @@ class ModelRunner:
             self.backend.prepare(ctx)   # here, inside what a graph captures (Backend.prepare)
             return self.model.compute_logits(self.model(input_ids, positions))
 
-    def _to_device(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        """The step's integer inputs on the device in one non-blocking host-to-device copy (upload.py): a
-        decode step has eight of them, and each copy has a fixed cost. They travel as bytes and are viewed back
-        in their own dtypes: no conversion kernel on the device. Each starts at a multiple of 16 bytes: Triton
-        compiles a kernel variant per pointer alignment (16 or not), so views whose alignment followed the step's
-        token count would compile new variants mid-serving (~0.5 s each)."""
-        if self.device.type == "cpu":
-            return list(tensors)
-        parts, places, offset = [], [], 0
-        for t in tensors:
-            raw = t.contiguous().view(-1).view(torch.uint8)
-            places.append((offset, raw.numel()))
-            pad = -raw.numel() % ALIGN
-            parts += [raw, torch.zeros(pad, dtype=torch.uint8)] if pad else [raw]
-            offset += raw.numel() + pad
-        packed = upload(torch.cat(parts), self.device)
-        return [packed[start:start + size].view(t.dtype).view(t.shape)
-                for t, (start, size) in zip(tensors, places)]
-
     def prepare(self, batch: ScheduledBatch, previous_tokens: PreviousTokens | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, torch.Tensor]:
-        """Flat varlen tensors for the batch. Python touches each sequence, never each token.
+        """Flat varlen tensors for the batch on the device (step_inputs.py).
 
         ``previous_tokens``: (sampled ids [B'] on the device, seq_id -> row) of the step still in flight; a
         sequence whose last token is among them takes it from there (async scheduling)."""
-        bs = self.block_size
-        seqs, qlens = batch.seqs, batch.num_tokens
-        starts = [seq.num_computed_tokens for seq in seqs]
-        input_ids: list[int] = []
-        fill_at: list[int] = []       # rows of input_ids whose token is on the device only
-        fill_from: list[int] = []     # ... and where it is in previous_tokens
-        for seq, s, n in zip(seqs, starts, qlens):
-            known = seq.token_ids[s:s + n]
-            input_ids.extend(known)
-            if len(known) < n:        # the last token is still in flight (at most one: a decode row)
-                fill_at.append(len(input_ids))
-                fill_from.append(previous_tokens[1][seq.seq_id])
-                input_ids.append(0)
-        seq_lens = [s + n for s, n in zip(starts, qlens)]
-        query_start = [0, *itertools.accumulate(qlens)]
-        max_blocks = max(len(seq.block_table) for seq in seqs)
-        # one flat int32 buffer, padded per row, viewed as [B, max_blocks]: each row is a memcpy of the
-        # sequence's int32 block table (18x cheaper than converting a list's ints at 256 sequences)
-        tables = array.array("i")
-        padding = array.array("i", [0]) * max_blocks
-        for seq in seqs:
-            tables.extend(seq.block_table)
-            tables.extend(padding[len(seq.block_table):])
-
-        qlens_t = torch.tensor(qlens)
-        seq_index = torch.repeat_interleave(torch.arange(len(seqs)), qlens_t)
-        query_start_t = torch.tensor(query_start, dtype=torch.int32)
-        positions = (torch.arange(len(input_ids)) - query_start_t[:-1].long()[seq_index]
-                     + torch.tensor(starts)[seq_index])
-        block_tables = torch.frombuffer(tables, dtype=torch.int32).view(len(seqs), max_blocks)
-        slots = block_tables[seq_index, positions // bs].long() * bs + positions % bs
-        logits_indices = torch.tensor([query_start[i + 1] - 1 for i in batch.sample_indices], dtype=torch.long)
-
-        ids_d, positions_d, query_start_d, seq_lens_d, slots_d, tables_d, logits_indices_d, fill_d = self._to_device(
-            torch.tensor(input_ids), positions, query_start_t, torch.tensor(seq_lens, dtype=torch.int32), slots,
-            block_tables, logits_indices, torch.tensor([fill_at, fill_from], dtype=torch.long).view(2, -1))
-        if fill_at:  # sampled ids feed the next step's input ids on the device
-            ids_d[fill_d[0]] = previous_tokens[0][fill_d[1]]
-        ctx = ForwardContext(
-            backend=self.backend,
-            query_start_loc=query_start_d,
-            seq_lens=seq_lens_d,
-            slot_mapping=slots_d,
-            block_tables=tables_d,
-            query_start_loc_cpu=query_start,
-            query_lens_cpu=qlens,
-            seq_lens_cpu=seq_lens,
-            max_query_len=max(qlens),
-            max_seq_len=max(seq_lens),
-            is_decode_only=batch.num_prefill_tokens == 0,
-            block_size=bs,
-        )
-        return ids_d, positions_d, ctx, logits_indices_d
+        host = build_host_step(batch, self.block_size, previous_tokens[1] if previous_tokens else None)
+        return to_device(host, self.backend, self.block_size, previous_tokens[0] if previous_tokens else None)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, all_logits: bool = False, extra_indices: torch.Tensor | None = None,

@@ -8,6 +8,11 @@ an idle server uses no CPU.
 
 Tests exercise the failed-step path with a healthy model through ``EngineConfig.fault_injector``
 (cvllm.testing.faults), which travels to this process inside the config.
+
+Most step errors fail only that step's requests. A device error or an ``EngineBrokenError`` (a tensor-parallel
+worker died or hung) ends the core instead: it sends ``CoreDead`` with the reason, which fails every open request and
+turns ``/health`` to 503, and exits, ending its workers. With tensor parallelism the idle wait also watches the
+workers, so one that dies while nothing runs shows on ``/health`` at once, not at the next request.
 """
 
 from __future__ import annotations
@@ -15,13 +20,15 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
+from typing import NoReturn
 
 import msgspec
 import torch
 
 from cvllm.engine.build import build_engine
 from cvllm.engine.config import EngineConfig
+from cvllm.engine.errors import EngineBrokenError
 from cvllm.engine.llm_engine import LLMEngine
 from cvllm.engine_process.deltas import DeltaBuilder, core_stats
 from cvllm.engine_process.messages import (
@@ -96,6 +103,10 @@ class CoreChannel:
     def pending(self) -> bool:
         return self.commands.poll(0)   # also true at EOF, so the next recv raises EOFError
 
+    def wait(self, sentinels: list[int]) -> bool:
+        """Block until a command arrives (True) or one of ``sentinels`` is ready (False)."""
+        return self.commands in wait([self.commands, *sentinels])
+
     def send(self, message: FromCore) -> None:
         self.outputs.send_bytes(self._encoder.encode(message))
 
@@ -118,6 +129,8 @@ class EngineCore:
         self.channel = channel
         self.deltas = DeltaBuilder(engine)   # the same conversion the in-process client uses
         self._stats_sent = True
+        # ready when a tensor-parallel worker process ends (TensorParallelExecutor.sentinels); none in one process
+        self._worker_sentinels = engine.executor.sentinels()
 
     def ready(self) -> Ready:
         engine = self.engine
@@ -134,6 +147,7 @@ class EngineCore:
             while True:
                 if not progressed:
                     self._send_stats_if_stale()   # the last snapshot must show the idle state (freed blocks)
+                    self._wait_idle()
                     self._handle(self.channel.recv())   # idle: block, using no CPU
                 while self.channel.pending():
                     self._handle(self.channel.recv())
@@ -186,11 +200,29 @@ class EngineCore:
         return bool(seqs) or bool(self.engine.last_batch and self.engine.last_batch.seqs) \
             or self.engine.has_step_in_flight
 
+    def _wait_idle(self) -> None:
+        """Idle with tensor-parallel workers: block until a command arrives, or end the core now if a worker ends
+        meanwhile (so /health shows it). Without workers, the recv that follows does the blocking."""
+        if not self._worker_sentinels or self.channel.wait(self._worker_sentinels):
+            return
+        try:
+            self.engine.executor.check()   # raises, naming the worker and how it ended
+        except EngineBrokenError as e:
+            self._die(describe(e), e)
+        self._die("a tensor-parallel worker process ended", None)
+
+    def _die(self, reason: str, error: BaseException | None) -> NoReturn:
+        """The engine cannot go on: tell the API process why (it fails every open request with it and turns /health
+        to 503), then exit; run_core shuts the engine down, which ends any tensor-parallel workers."""
+        logger.error("the engine core cannot go on: %s", reason, exc_info=error)
+        self.channel.send_quietly(CoreDead(reason))
+        raise _Exit(1)
+
     def _fail_step(self, error: Exception) -> None:
         if is_device_error(error):
-            logger.exception("device error: the engine core cannot go on")
-            self.channel.send_quietly(CoreDead(f"device error: {describe(error)}"))
-            raise _Exit(1)
+            self._die(f"device error: {describe(error)}", error)
+        if isinstance(error, EngineBrokenError):
+            self._die(describe(error), error)
         if self.engine.last_batch is not None:
             request_ids = sorted({seq.request_id for seq in self.engine.last_batch.seqs})
         else:   # it failed while scheduling: every request's state is suspect

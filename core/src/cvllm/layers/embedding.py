@@ -1,4 +1,5 @@
-"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary."""
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary (and narrows a
+lazy checkpoint tensor to it before reading, ``checkpoint/lazy.py``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cvllm.checkpoint.lazy import LazyTensor, lazy_aware, materialize
 from cvllm.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from cvllm.layers.quantization import dense
 
@@ -20,12 +22,15 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    @lazy_aware
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | LazyTensor) -> None:
         if loaded.shape[1:] != param.shape[1:] or loaded.shape[0] != self.num_embeddings:
             raise ValueError(f"embedding: checkpoint shape {tuple(loaded.shape)} != "
                              f"model shape ({self.num_embeddings}, {param.shape[1]})")
-        part = loaded[self.vocab_start: self.vocab_start + self.per_rank]
-        param.data[: part.shape[0]].copy_(part)
+        # the last ranks' slices may run past the vocabulary, or start after it (many ranks, a small vocabulary)
+        start = min(self.vocab_start, self.num_embeddings)
+        part = loaded.narrow(0, start, min(self.per_rank, self.num_embeddings - start))
+        param.data[: part.shape[0]].copy_(materialize(part))
         param.data[part.shape[0]:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 Column-parallel layers split the output features across ranks, row-parallel ones the input
 features (followed by an all-reduce). Fused layers (QKV, gate+up) load their Hugging Face
-sub-weights through ``weight_loader(param, tensor, shard_id)``.
+sub-weights through ``weight_loader(param, tensor, shard_id)``. The loaders narrow before they copy, so a
+lazy checkpoint tensor (``checkpoint/lazy.py``) is read only as far as this rank's shard.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from cvllm.checkpoint.lazy import LazyTensor, lazy_aware, materialize
 from cvllm.distributed import all_reduce, divide, tp_rank, tp_size
 from cvllm.layers.quantization import LinearMethod, UnquantizedLinearMethod
 
 
-def _check_shape(param: nn.Parameter, loaded: torch.Tensor, what: str) -> None:
+def _check_shape(param: nn.Parameter, loaded: torch.Tensor | LazyTensor, what: str) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"{what}: checkpoint shape {tuple(loaded.shape)} != model shape {tuple(param.shape)}")
 
@@ -49,12 +51,13 @@ class LinearBase(nn.Module):
             delattr(self, name)
         self._create_weights(method)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    @lazy_aware
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | LazyTensor) -> None:
         if self.tp_dim is not None and param.dim() > self.tp_dim and self.tp_size > 1:
             size = param.size(self.tp_dim)
             loaded = loaded.narrow(self.tp_dim, self.tp_rank * size, size)
         _check_shape(param, loaded, "linear")
-        param.data.copy_(loaded)
+        param.data.copy_(materialize(loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
@@ -78,13 +81,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias, quant_method)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+    @lazy_aware
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | LazyTensor, shard_id: int) -> None:
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         loaded = loaded.narrow(0, self.tp_rank * size, size) if self.tp_size > 1 else loaded
         target = param.data.narrow(0, offset, size)
         _check_shape(target, loaded, f"shard {shard_id}")
-        target.copy_(loaded)
+        target.copy_(materialize(loaded))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -100,7 +104,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         output = (total_num_heads + 2 * self.num_kv_heads * size) * head_dim
         super().__init__(hidden_size, output, bias, quant_method)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+    @lazy_aware
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | LazyTensor, shard_id: str) -> None:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
         if self.tp_size > 1:
@@ -108,17 +113,18 @@ class QKVParallelLinear(ColumnParallelLinear):
             loaded = loaded.narrow(0, rank * size, size)
         target = param.data.narrow(0, offset, size)
         _check_shape(target, loaded, f"{shard_id}_proj")
-        target.copy_(loaded)
+        target.copy_(materialize(loaded))
 
 
 class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False, quant_method: LinearMethod | None = None):
         super().__init__(divide(input_size, tp_size()), output_size, bias, 1, quant_method)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    @lazy_aware
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | LazyTensor) -> None:
         if param.dim() == 1:  # the bias is not split: rank 0 adds it after the reduction
             _check_shape(param, loaded, "bias")
-            param.data.copy_(loaded)
+            param.data.copy_(materialize(loaded))
             return
         super().weight_loader(param, loaded)
 

@@ -95,19 +95,15 @@ def _same_path(a: str, b: str) -> bool:
     return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
-def _tensor_parallel_size(ns: argparse.Namespace) -> int:
+def _tensor_parallel(ns: argparse.Namespace) -> dict:
+    """EngineConfig's tensor_parallel_size and device_ids: one rank per device of --d (candle-vllm), or the first
+    --tensor-parallel-size devices (vLLM). On the CPU, --d 0,1 means two ranks (processes)."""
     devices = ns.d or []
     size = ns.tensor_parallel_size
     if devices and size is not None and size != len(devices):
         raise CliError(f"--d {','.join(map(str, devices))} is {len(devices)} device(s), "
                        f"but --tensor-parallel-size is {size}")
-    size = size or len(devices) or 1
-    # One rank per device; which devices is not chosen yet: ranks take the first ``size`` (on the CPU, N processes).
-    if devices and devices != list(range(len(devices))):
-        ids = ",".join(map(str, devices))
-        raise CliError(f"--d {ids}: choosing devices is not implemented yet; make them the first visible "
-                       f"devices instead (e.g. CUDA_VISIBLE_DEVICES={ids})")
-    return size
+    return {"tensor_parallel_size": size or len(devices) or 1, "device_ids": tuple(devices) or None}
 
 
 def _node_settings(ns: argparse.Namespace) -> dict:
@@ -200,11 +196,12 @@ def _default_sampling(ns: argparse.Namespace) -> dict:
 def _engine_config(ns: argparse.Namespace, model: str) -> EngineConfig:
     _check_backend(ns.backend)
     fields = dict(
-        tensor_parallel_size=_tensor_parallel_size(ns),
+        **_tensor_parallel(ns),
         model=model, dtype=ns.dtype, backend=ns.backend, block_size=ns.block_size, max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens, max_model_len=ns.max_model_len,
         prefill_chunk_size=ns.prefill_chunk_size, enable_prefix_caching=not ns.disable_prefix_cache, seed=ns.seed,
         fake_step_ms=ns.fake_step_ms, enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling,
+        enable_expert_parallel=ns.enable_expert_parallel,
     )
     _log_multithread(ns)
     fields.update(_node_settings(ns))

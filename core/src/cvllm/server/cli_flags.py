@@ -165,6 +165,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                                                                 "rank: 0,1 = tensor parallelism over 2; CPU only now)")
     g.add_argument("--tensor-parallel-size", type=_positive_int, metavar="N", help="vLLM's spelling of the device "
                                                                                    "count (default: 1)")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="vLLM's: MoE experts split whole over the tensor-parallel ranks (E / N each; N must divide E) "
+                        "instead of each expert sharded over them; attention stays tensor-parallel (default: off)")
     g.add_argument("--multithread", action="store_true",
                    help="candle-vllm's one-thread-per-device debug mode; accepted, but ranks run as processes "
                         "(the start-up log says why)")

@@ -223,6 +223,20 @@ def hf_greedy(
     return outputs
 
 
+def cvllm_greedy(path, prompts: list[list[int]], max_tokens: int, **llm_options: Any) -> list[list[int]]:
+    """Greedy continuations (``ignore_eos``) of the prompts from an ``LLM`` built with ``llm_options``, which is
+    shut down afterwards (tensor-parallel workers end with it)."""
+    from cvllm import LLM, SamplingParams
+
+    llm = LLM(str(path), **llm_options)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
 def greedy_margins(model: PreTrainedModel, prompt: list[int], continuation: list[int]) -> list[float]:
     """Top-1 minus top-2 logit at each step that produced `continuation`: how far from a tie it was."""
     logits = hf_logits(model, prompt + continuation)[len(prompt) - 1 : -1]

@@ -15,19 +15,23 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-# Runs in the child: ServerArgs from JSON, then serve() and its exit code. If the test runner dies without
-# stopping it, the server notices its parent is gone and stops itself, so no server outlives the tests.
-_BOOT = """
-import json, logging, os, signal, sys, threading, time
-from cvllm.engine.config import EngineConfig
-from cvllm.server.args import ServerArgs
-from cvllm.server.run import serve
+# The start of a child server's code: if the test runner dies without stopping it, the server notices its parent
+# is gone and stops itself, so no server outlives the tests.
+PARENT_WATCH = """
+import os, signal, threading, time
 parent = os.getppid()
 def watch_parent():
     while os.getppid() == parent:
         time.sleep(0.5)
     os.kill(os.getpid(), signal.SIGTERM)
 threading.Thread(target=watch_parent, daemon=True).start()
+"""
+# Runs in the child: ServerArgs from JSON, then serve() and its exit code.
+_BOOT = PARENT_WATCH + """
+import json, logging, sys
+from cvllm.engine.config import EngineConfig
+from cvllm.server.args import ServerArgs
+from cvllm.server.run import serve
 spec = json.loads(sys.argv[1])
 logging.basicConfig(level=str(spec.pop("log_level", "INFO")).upper(),
                     format="%(asctime)s %(levelname)s %(name)s: %(message)s")

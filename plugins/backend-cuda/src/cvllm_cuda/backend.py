@@ -33,6 +33,15 @@ class CudaBackend(Backend):
     def is_available(cls) -> bool:
         return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
 
+    @classmethod
+    def bind_device(cls, index: int) -> None:
+        count = torch.cuda.device_count()
+        if not 0 <= index < count:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise ValueError(f"CUDA device {index} does not exist: {count} visible"
+                             + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""))
+        torch.cuda.set_device(index)
+
     def __init__(self) -> None:
         from cvllm_cuda.kernels.activation import silu_and_mul
         from cvllm_cuda.kernels.argmax import argmax

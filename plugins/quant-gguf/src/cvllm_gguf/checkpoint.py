@@ -14,6 +14,9 @@ Opening reads only the header and metadata: the HF config comes from the model p
    to the engine's dtype otherwise, and yielded under the module name without ``.weight``
    (``model.layers.0.mlp.experts.gate_proj``), the stacked form FusedMoE's loader takes. This costs
    the memory of unquantized experts; a GPU kernel that reads the blocks will replace it.
+
+Each tensor is yielded lazy (``lazy_weights.py``): a tensor-parallel rank's loaders narrow it to the rank's
+shard, and only that part of the file is copied, un-permuted and dequantized; world size 1 reads each whole.
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ import torch
 
 from cvllm import plugins
 from cvllm.checkpoint.base import Checkpoint, CheckpointError
+from cvllm.checkpoint.lazy import LazyTensor
 from cvllm.config import ConfigError, model_config_from_dict
 from cvllm.layers.quantization import LinearMethod, LinearMethodFactory
 from cvllm.sampling_params import SamplingParams
-from cvllm_gguf.adapters import expand_blocks, hf_config, tensor_names, unpermute_rows
-from cvllm_gguf.dequant import dequantize, dequantize_stacked
+from cvllm_gguf.adapters import expand_blocks, hf_config, tensor_names
+from cvllm_gguf.dequant import dequantize
+from cvllm_gguf.lazy_weights import blocks, dequantized
 from cvllm_gguf.linear_method import GGUFLinearMethod
 from cvllm_gguf.quant_types import FLOAT_DTYPES, GGMLType
 from cvllm_gguf.reader import GGUFFile, TensorInfo, open_gguf_files
@@ -168,7 +173,8 @@ def _plan_weights(path: Path, arch_name: str, adapter: Any, located: dict[str, t
     return weights
 
 
-def iterate_weights(weights: list[GGUFWeight], quant: GGUFQuantConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(weights: list[GGUFWeight],
+                    quant: GGUFQuantConfig) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
     stacked = [w for w in weights if w.stacked]
     if stacked:
         expert_dtype = quant.dtype or torch.float32
@@ -177,23 +183,14 @@ def iterate_weights(weights: list[GGUFWeight], quant: GGUFQuantConfig) -> Iterat
                     "plain tensors (no kernel reads GGML blocks of experts yet)", quant.path.name, len(stacked),
                     types, str(expert_dtype).removeprefix("torch."))
     for weight in weights:
-        info = weight.info
         if weight.stacked:
-            yield weight.hf_name, dequantize_stacked(weight.file.raw(info), info.qtype, weight.shape,
-                                                     expert_dtype, info.name)
+            yield weight.hf_name, dequantized(weight, expert_dtype)
             continue
-        raw = weight.file.raw(info)  # [rows, bytes_per_row]
-        if weight.permute_heads is not None:
-            rows = raw.view(info.shape[0], -1)  # a 1-D bias: one row per element
-            try:
-                raw = unpermute_rows(rows, weight.permute_heads).view(raw.shape)
-            except ValueError as e:
-                raise CheckpointError(f"{weight.file.path}: tensor '{info.name}': {e}") from None
         module, _, suffix = weight.hf_name.rpartition(".")
         if suffix == "weight" and module in quant.quantized_modules:
-            yield f"{module}.qweight", raw
+            yield f"{module}.qweight", blocks(weight)   # uint8 [rows, bytes_per_row]
         else:
-            yield weight.hf_name, dequantize(raw, info.qtype, weight.shape, info.name)
+            yield weight.hf_name, dequantized(weight)
 
 
 def gguf_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMethodFactory:

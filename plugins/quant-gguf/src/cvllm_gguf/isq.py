@@ -4,7 +4,9 @@ weights become GGML blocks while they load.
 The engine asks the "isq" quantizer for a method per linear layer (the checkpoint it passes carries
 the requested type as ``quant_config``). Each ``ISQLinearMethod`` holds a uint8 parameter named
 ``weight``, so the checkpoint's float tensors find it by their usual names; its loader quantizes
-every shard (q/k/v, gate/up) as it arrives, so no layer ever holds its float weight whole.
+every shard (q/k/v, gate/up) as it arrives, so no layer ever holds its float weight whole. A lazy
+checkpoint tensor (a tensor-parallel rank's, cvllm/checkpoint/lazy.py) becomes lazy blocks: the layer
+narrows them to its rank's rows or whole blocks of columns, and only that part is read and quantized.
 After loading, the blocks move to ``qweight`` and ``GGUFLinearMethod`` prepares its compute form
 (int4pack for Q4_0/Q4_1, bf16 or exact fp32 otherwise), exactly as for a GGUF file.
 
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cvllm.checkpoint.base import Checkpoint
+from cvllm.checkpoint.lazy import Box, LazyTensor, lazy_aware, materialize
 from cvllm.layers.quantization import LinearMethod, LinearMethodFactory
 from cvllm.progress import Progress
 from cvllm_gguf.linear_method import GGUFLinearMethod, Mode
@@ -114,7 +117,7 @@ class ISQLinearMethod(GGUFLinearMethod):
         self.qtype = qtype
         weight = nn.Parameter(torch.empty(output_size, row_bytes(qtype, input_size), dtype=torch.uint8),
                               requires_grad=False)
-        weight.weight_loader = partial(self.weight_loader, layer)
+        weight.weight_loader = lazy_aware(partial(self.weight_loader, layer))
         layer.weight = weight  # the name the checkpoint's float tensors load into
         layer.qtype = qtype
         layer.gguf_shape = (output_size, input_size)
@@ -123,12 +126,15 @@ class ISQLinearMethod(GGUFLinearMethod):
         self.progress.bytes_before += output_size * input_size * dtype.itemsize
         self.progress.bytes_after += weight.numel()
 
-    def weight_loader(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor,
+    def weight_loader(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor | LazyTensor,
                       shard_id: int | str | None = None) -> None:
         if loaded.is_floating_point():
             self.progress.shard_started()
             # quantized where the layer lives (a GPU quantizes much faster), one shard at a time
-            loaded = quantize(loaded.to(param.device), self.qtype)
+            if isinstance(loaded, LazyTensor) and loaded.dim() == 2:
+                loaded = quantized_lazily(loaded, self.qtype, param.device)
+            else:
+                loaded = quantize(materialize(loaded).to(param.device), self.qtype)
             self.shards_loaded += 1
             if self.shards_loaded == self.shards:
                 self.progress.layer_done()
@@ -147,6 +153,24 @@ class ISQLinearMethod(GGUFLinearMethod):
         if self.qtype is None:
             return F.linear(x, layer.weight, bias)
         return super().apply(layer, x, bias)
+
+
+def quantized_lazily(floats: LazyTensor, qtype: GGMLType, device: torch.device) -> LazyTensor:
+    """The blocks ``quantize`` would make of a 2-D float LazyTensor, uint8 [rows, bytes_per_row], computed only for
+    the part they are narrowed to: rows, and whole blocks of columns (a split inside a block is refused). Rows and
+    blocks are quantized independently of each other, so a part's bytes equal that part of the whole's."""
+    fmt = FORMATS[qtype]
+    rows, columns = floats.shape
+
+    def read(box: Box) -> torch.Tensor:
+        (row, count), (byte, nbytes) = box
+        if byte % fmt.type_size or nbytes % fmt.type_size:
+            raise ValueError(f"bytes {byte}..{byte + nbytes} of {qtype.name} rows split a block")
+        start, width = byte // fmt.type_size * fmt.block_size, nbytes // fmt.type_size * fmt.block_size
+        part = floats.narrow(0, row, count).narrow(1, start, width).materialize()
+        return quantize(part.to(device), qtype)
+
+    return LazyTensor((rows, row_bytes(qtype, columns)), torch.uint8, read)
 
 
 @functools.cache

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cvllm.checkpoint.lazy import LazyTensor, lazy_aware, materialize
 from cvllm.layers.quantization import LinearMethod
 from cvllm_gguf.dequant import dequantize
 from cvllm_gguf.int4pack import INT4PACK_TYPES, int4pack_linear, pack_q4_for_int4mm, packable
@@ -52,7 +53,7 @@ class GGUFLinearMethod(LinearMethod):
             input_size = full
         width = row_bytes(self.qtype, input_size)
         qweight = nn.Parameter(torch.empty(output_size, width, dtype=torch.uint8), requires_grad=False)
-        qweight.weight_loader = partial(self.weight_loader, layer)
+        qweight.weight_loader = lazy_aware(partial(self.weight_loader, layer))
         layer.qweight = qweight
         layer.qtype = self.qtype
         layer.gguf_shape = (output_size, input_size)  # logical [out, in] of this rank's weight
@@ -61,12 +62,13 @@ class GGUFLinearMethod(LinearMethod):
         # hold, and later carries the dequantized compute weight (empty on the int4pack path)
         layer.register_buffer("weight", torch.empty(0, dtype=dtype), persistent=False)
 
-    def weight_loader(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor,
+    def weight_loader(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor | LazyTensor,
                       shard_id: int | str | None = None) -> None:
         """Loads raw GGUF rows: uint8 [rows, bytes_per_row] (1-D bytes are split into rows; F32/F16/BF16
         also come as plain float tensors). A fused layer's shards (gate/up, q/k/v) are blocks of
         output rows, so the layer's own loader places them: it narrows byte rows exactly as it
-        narrows float rows, and a row-parallel split of the input lands on whole blocks."""
+        narrows float rows, and a row-parallel split of the input lands on whole blocks. Lazy rows
+        (checkpoint/lazy.py) are read only as far as that narrowing keeps."""
         split = getattr(layer, "tp_size", 1) if getattr(layer, "tp_dim", None) == 1 else 1
         width = param.shape[1] * (1 if getattr(layer, "gguf_columns", None) else split)
         loaded = self._as_rows(loaded, width)
@@ -74,15 +76,17 @@ class GGUFLinearMethod(LinearMethod):
         if layer_loader is None or getattr(layer, "gguf_columns", None):   # full rows: no narrowing here
             if loaded.shape != param.shape:
                 raise ValueError(f"checkpoint shape {tuple(loaded.shape)} != model shape {tuple(param.shape)}")
-            param.data.copy_(loaded)
+            param.data.copy_(materialize(loaded))
         elif shard_id is None:
             layer_loader(param, loaded)
         else:
             layer_loader(param, loaded, shard_id)
         layer.gguf_compute = None  # new bytes: the compute form must be prepared again
 
-    def _as_rows(self, loaded: torch.Tensor, width: int) -> torch.Tensor:
+    def _as_rows(self, loaded: torch.Tensor | LazyTensor, width: int) -> torch.Tensor | LazyTensor:
         fmt = FORMATS[self.qtype]
+        if isinstance(loaded, LazyTensor) and (loaded.dtype != torch.uint8 or loaded.dim() != 2):
+            loaded = loaded.materialize()   # to be reinterpreted as rows of bytes below: read whole
         if loaded.dtype != torch.uint8:
             if FLOAT_DTYPES.get(self.qtype) != loaded.dtype:
                 raise ValueError(f"expected raw {self.qtype.name} bytes (uint8), got a {loaded.dtype} tensor")

@@ -233,8 +233,17 @@ class GGUFFile:
 
     def raw(self, tensor: TensorInfo) -> torch.Tensor:
         """The tensor's bytes, copied out of the mapping: uint8 [rows, bytes_per_row]."""
-        data = np.frombuffer(self._map, np.uint8, tensor.nbytes, tensor.offset).copy()
-        return torch.from_numpy(data).view(-1, tensor.row_bytes)
+        return self.read(tensor)
+
+    def read(self, tensor: TensorInfo, rows: slice | np.ndarray = slice(None),
+             columns: slice = slice(None)) -> torch.Tensor:
+        """Some of the tensor's bytes, copied out of the mapping: ``rows`` (a range, or row indices in the order
+        wanted) and ``columns`` (a range of bytes in each row) of its uint8 [rows, bytes_per_row] layout. Only
+        those bytes are read: what a tensor-parallel rank's share of a weight costs (lazy_weights.py)."""
+        data = np.frombuffer(self._map, np.uint8, tensor.nbytes, tensor.offset).reshape(-1, tensor.row_bytes)
+        part = data[rows, columns]
+        # ranges give a view of the read-only mapping, indices a copy already; either way the result is a copy
+        return torch.from_numpy(part.copy() if isinstance(rows, slice) else np.ascontiguousarray(part))
 
 
 def _remap(path: Path, size: int, tensors: tuple[TensorInfo, ...]) -> GGUFFile:

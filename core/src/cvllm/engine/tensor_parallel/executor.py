@@ -1,5 +1,5 @@
-"""Rank 0 of tensor parallelism: start the workers, join the gloo group, and send each step to the workers before
-running rank 0's own shard of it.
+"""Rank 0 of tensor parallelism: start the workers, join the process group (gloo on the CPU; gloo for host
+messages and NCCL for tensors on CUDA), and send each step to the workers before running rank 0's own shard of it.
 
 The engine's process is rank 0: it builds its shard like any rank, and its runner is wrapped (``BroadcastingRunner``)
 so that ``InProcessExecutor`` drives it unchanged (sampling, penalties, prompt logprobs stay on rank 0: the LM
@@ -21,15 +21,21 @@ import torch.distributed as dist
 
 from cvllm import plugins
 from cvllm.distributed import set_tensor_parallel
+from cvllm.engine.errors import EngineBrokenError
 from cvllm.engine.executor import InProcessExecutor
 from cvllm.engine.model_runner import ModelRunner, build_model, is_decode_path
+from cvllm.engine.step_inputs import build_host_step, pack, to_device
 from cvllm.engine.tensor_parallel import messages
+from cvllm.engine.tensor_parallel.watchdog import DEATH_GRACE_S, WorkerWatch, stall_timeout_s
 from cvllm.engine.tensor_parallel.worker import WorkerSpec, run_worker
 from cvllm.registry import target_name
 
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0   # workers import torch and load their shard; gloo's own collectives time out after this
+# the device half of the process group, instead of the backend's own (NCCL): "gloo" lets several ranks share one GPU
+# (NCCL refuses that), so one GPU can check sharded CUDA inference; it cannot be captured in CUDA graphs
+DEVICE_COMM_ENV = "CVLLM_TP_DEVICE_COMM"
 
 
 def check_tensor_parallel_size(config, size: int) -> None:
@@ -45,8 +51,11 @@ def check_tensor_parallel_size(config, size: int) -> None:
 class TensorParallelGroup:
     """The worker processes and the process group, from start to shutdown."""
 
-    def __init__(self, spec: WorkerSpec):
+    def __init__(self, spec: WorkerSpec, device: torch.device | None = None):
+        """``device``: rank 0's (NCCL binds its communicator to it)."""
         self.size = spec.world_size
+        self.dist_backend = spec.dist_backend
+        stall_s = stall_timeout_s()   # a malformed CVLLM_TP_STALL_TIMEOUT_S fails before anything starts
         # rank 0's store first, on a port the OS picks: the workers join it, then mark themselves joined
         self.store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=spec.timeout_s))
@@ -63,16 +72,18 @@ class TensorParallelGroup:
             child.close()
             self.processes.append(process)
             self.conns.append(parent)
+        self.watch = WorkerWatch(self.processes, stall_s)   # deaths, and hangs during a step (watchdog.py)
         self.closed = False
         atexit.register(self.close)
         try:
             self._wait_joined(spec.timeout_s)
-            dist.init_process_group("gloo", store=self.store, rank=0, world_size=self.size,
-                                    timeout=timedelta(seconds=spec.timeout_s))
+            dist.init_process_group(spec.dist_backend, store=self.store, rank=0, world_size=self.size,
+                                    timeout=timedelta(seconds=spec.timeout_s),
+                                    device_id=messages.eager_init_device(spec.dist_backend, device))
         except BaseException:
             self.close()
             raise
-        set_tensor_parallel(0, self.size)
+        set_tensor_parallel(0, self.size, spec.enable_expert_parallel)
 
     def _wait_joined(self, timeout_s: float) -> None:
         """Every worker has reached the store (``messages.joined_key``), polling that each is still alive: one
@@ -80,7 +91,10 @@ class TensorParallelGroup:
         deadline = time.monotonic() + timeout_s
         keys = [messages.joined_key(rank) for rank in range(1, self.size)]
         while not self.store.check(keys):
-            for rank, process in enumerate(self.processes, start=1):
+            for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
+                report = _early_report(conn)
+                if report is not None:   # before joining, a worker only ever reports an error (binding its device)
+                    raise RuntimeError(f"tensor-parallel worker {rank} failed to start:\n{report}")
                 if not process.is_alive():
                     # its own error is on stderr above; the usual one is a script without a main guard, which
                     # each spawned process re-runs on import
@@ -103,18 +117,17 @@ class TensorParallelGroup:
             if status != "ready":
                 raise RuntimeError(f"tensor-parallel worker {rank} failed to build its shard:\n{detail}")
 
-    def check(self) -> None:
-        """Raise if a worker has died: the next collective would wait for it until gloo's timeout."""
-        for rank, process in enumerate(self.processes, start=1):
-            if not process.is_alive():
-                raise RuntimeError(f"tensor-parallel worker {rank} (pid {process.pid}) died with exit code "
-                                   f"{process.exitcode}; the engine cannot run steps any more")
+    def check(self, grace_s: float = 0.0) -> None:
+        """Raise EngineBrokenError if a worker has died or hung: the next collective would wait for it until gloo's
+        timeout."""
+        self.watch.check(grace_s)
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
         atexit.unregister(self.close)
+        self.watch.close()
         sent = False
         try:
             if dist.is_initialized() and all(p.is_alive() for p in self.processes):
@@ -133,11 +146,21 @@ class TensorParallelGroup:
         set_tensor_parallel(0, 1)
 
 
+def _early_report(conn) -> str | None:
+    """What a worker sent before joining the group (an error's traceback), or None; a pipe closed without a
+    message (the worker died first) is None too: the caller's liveness check reports that."""
+    try:
+        return conn.recv()[1] if conn.poll() else None
+    except EOFError:
+        return None
+
+
 class BroadcastingRunner:
     """Rank 0's ModelRunner: each forward pass is first sent to the workers (messages.send_step)."""
 
     def __init__(self, runner: ModelRunner, group: TensorParallelGroup):
         self.inner, self.group = runner, group
+        self._sent_host = None   # prepare's host step and its packed bytes, until forward sends them
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -147,31 +170,69 @@ class BroadcastingRunner:
         messages.send_op(messages.ALLOCATE_KV, num_blocks)
         self.inner.allocate_kv_cache(num_blocks)
 
+    def memory(self) -> tuple[int, int]:
+        self.group.check()
+        messages.send_op(messages.MEMORY)
+        return messages.least_memory(self.inner.backend)
+
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Not yet: the workers capture nothing, and a graph would have to replay the collectives too."""
+        """Every rank captures the same graphs at once: the warm-up passes run the collectives for real, and each
+        captured graph replays its rank's part of them (NCCL inside CUDA graphs)."""
+        if self.inner.device.type != "cpu" and self.group.dist_backend.endswith(":gloo"):
+            logger.warning("tensor parallel: no CUDA graphs, the device collectives run over gloo (%s)",
+                           self.group.dist_backend)
+            return
+        self.group.check()
+        messages.send_op(messages.CAPTURE_GRAPHS, max_num_seqs, max_model_len)
+        self.inner.enable_decode_graphs(max_num_seqs, max_model_len)
+
+    def prepare(self, batch, previous_tokens=None):
+        host = build_host_step(batch, self.inner.block_size, previous_tokens[1] if previous_tokens else None)
+        packed = pack(host.tensors)   # the bytes rank 0 uploads are the bytes the workers get
+        inputs = to_device(host, self.inner.backend, self.inner.block_size,
+                           previous_tokens[0] if previous_tokens else None, packed=packed)
+        self._sent_host = (host, packed)
+        return inputs
 
     @torch.inference_mode()
     def run(self, batch, all_logits: bool = False, extra_indices=None, previous_tokens=None) -> torch.Tensor:
-        return self.forward(batch, self.inner.prepare(batch, previous_tokens), all_logits, extra_indices)
+        return self.forward(batch, self.prepare(batch, previous_tokens), all_logits, extra_indices)
 
     def forward(self, batch, inputs, all_logits: bool = False, extra_indices=None) -> torch.Tensor:
         input_ids, positions, ctx, logits_indices = inputs
+        (host, packed), self._sent_host = self._sent_host, None
         decode_path = is_decode_path(batch, ctx, all_logits, extra_indices)
         if extra_indices is not None:
             logits_indices = torch.cat([logits_indices, extra_indices.to(logits_indices.device)])
         self.group.check()
-        try:
-            messages.send_step(input_ids, positions, ctx, logits_indices, decode_path, all_logits)
-            return self.inner.forward_prepared(input_ids, positions, ctx, logits_indices, decode_path, all_logits)
-        except RuntimeError:
-            self.group.check()   # a worker's death is the error to report, not gloo's lost connection
-            raise
+        with self.group.watch.step():
+            try:
+                messages.send_step(host, packed, input_ids, extra_indices, decode_path, all_logits)
+                return self.inner.forward_prepared(input_ids, positions, ctx, logits_indices, decode_path, all_logits)
+            except Exception as e:
+                # a worker's death or hang is the error to report, not gloo's lost connection; any other failure
+                # part-way leaves the workers inside collectives rank 0 will never join, so no step can follow
+                self.group.check(grace_s=DEATH_GRACE_S)
+                raise EngineBrokenError(f"a tensor-parallel step failed part-way, leaving the ranks out of step: "
+                                        f"{e}") from e
 
 
 class TensorParallelExecutor(InProcessExecutor):
     def __init__(self, runner: BroadcastingRunner, sampler, backend, vocab_size: int):
         super().__init__(runner, sampler, backend, vocab_size)
         self.group = runner.group
+
+    def memory(self) -> tuple[int, int]:
+        return self.runner.memory()
+
+    def sentinels(self) -> list[int]:
+        """Ready when a worker process ends: the engine core's idle wait watches them (engine_process/process.py)."""
+        return self.group.watch.sentinels()
+
+    def check(self) -> None:
+        """A worker's sentinel is ready: raise EngineBrokenError naming it and how it ended (its exit status shows
+        a moment after the sentinel)."""
+        self.group.check(grace_s=DEATH_GRACE_S)
 
     def shutdown(self) -> None:
         super().shutdown()
@@ -182,23 +243,27 @@ def build_tensor_parallel(checkpoint, backend, dtype: torch.dtype, config) -> Br
     """Start ``config.tensor_parallel_size - 1`` workers and build rank 0's shard; returns rank 0's runner."""
     size = config.tensor_parallel_size
     check_tensor_parallel_size(checkpoint.config, size)
-    if backend.device.type != "cpu":
-        raise NotImplementedError(f"tensor parallelism runs on the CPU backend only for now (gloo, one process per "
-                                  f"rank); the {backend.name} backend needs NCCL and a device per rank")
+    dist_backend = messages.process_group_backend(backend, os.environ.get(DEVICE_COMM_ENV))
+    device_ids = config.device_ids or tuple(range(size))
+    if "nccl" in dist_backend and len(set(device_ids)) < size:
+        raise ValueError(f"device ids {list(device_ids)}: NCCL needs a device of its own for each rank")
     quant = "isq" if config.isq else checkpoint.quant_method
     spec = WorkerSpec(
         checkpoint=dataclasses.replace(checkpoint, tokenizer=None),   # workers never tokenize
         model_class=target_name(plugins.architectures().spec(checkpoint.architecture)),
         backend_class=target_name(type(backend)),
         quantizer=target_name(plugins.quantizers().spec(quant)) if quant else None,
-        dtype=dtype, isq=config.isq, block_size=config.block_size, world_size=size,
-        init_method="", timeout_s=STARTUP_TIMEOUT_S)   # init_method: set by TensorParallelGroup
-    group = TensorParallelGroup(spec)
+        dtype=dtype, isq=config.isq, block_size=config.block_size, world_size=size, device_ids=device_ids,
+        dist_backend=dist_backend,
+        init_method="", timeout_s=STARTUP_TIMEOUT_S,   # init_method: set by TensorParallelGroup
+        enable_expert_parallel=config.enable_expert_parallel)
+    group = TensorParallelGroup(spec, backend.device)
     try:
         model = build_model(checkpoint, backend, dtype, isq=config.isq)
         group.wait_ready(STARTUP_TIMEOUT_S)
     except BaseException:
         group.close()
         raise
-    logger.info("tensor parallel: %d ranks (gloo), rank 0 in this process", size)
+    logger.info("tensor parallel: %d ranks (%s), rank 0 in this process on %s", size, spec.dist_backend,
+                backend.device)
     return BroadcastingRunner(ModelRunner(model, backend, config.block_size, dtype), group)

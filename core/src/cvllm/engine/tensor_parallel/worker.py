@@ -31,8 +31,11 @@ class WorkerSpec:
     isq: str | None
     block_size: int
     world_size: int
+    device_ids: tuple[int, ...]  # rank r's device
+    dist_backend: str           # the process group's: "gloo", or "cpu:gloo,cuda:nccl" (process_group_backend)
     init_method: str            # tcp://host:port of rank 0's store
     timeout_s: float
+    enable_expert_parallel: bool = False   # MoE experts split whole over the ranks (cvllm.distributed)
 
 
 def run_worker(spec: WorkerSpec, rank: int, conn: Connection, parent_pid: int) -> None:
@@ -78,15 +81,18 @@ def _build(spec: WorkerSpec, rank: int):
     from cvllm.registry import load_target
 
     torch.set_num_threads(1)   # ranks share the host's cores; rank 0 keeps its own setting
-    from cvllm.engine.tensor_parallel.messages import joined_key
+    from cvllm.engine.tensor_parallel.messages import eager_init_device, joined_key
 
+    backend_class = load_target(spec.backend_class)
+    backend_class.bind_device(spec.device_ids[rank])
+    backend = backend_class()
     host, _, port = spec.init_method.removeprefix("tcp://").rpartition(":")
     timeout = timedelta(seconds=spec.timeout_s)
     store = dist.TCPStore(host, int(port), spec.world_size, is_master=False, timeout=timeout)
     store.set(joined_key(rank), "1")   # rank 0 polls for these, and for dead workers, before joining the group
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=spec.world_size, timeout=timeout)
-    set_tensor_parallel(rank, spec.world_size)
-    backend = load_target(spec.backend_class)()
+    dist.init_process_group(spec.dist_backend, store=store, rank=rank, world_size=spec.world_size, timeout=timeout,
+                            device_id=eager_init_device(spec.dist_backend, backend.device))
+    set_tensor_parallel(rank, spec.world_size, spec.enable_expert_parallel)
     make_factory = load_target(spec.quantizer) if spec.quantizer else None
     model = build_model(spec.checkpoint, backend, spec.dtype, isq=spec.isq,
                         model_class=load_target(spec.model_class), make_factory=make_factory)
@@ -104,11 +110,15 @@ def _serve(runner, backend, block_size: int) -> None:
         while True:
             dist.broadcast(header, 0)
             op = int(header[0])
-            if op == messages.SHUTDOWN:
+            if op == messages.STEP:
+                runner.forward_prepared(*messages.receive_step(header, backend, block_size))
+            elif op == messages.SHUTDOWN:
                 return
-            if op == messages.ALLOCATE_KV:
-                runner.allocate_kv_cache(int(header[7]))
-            elif op == messages.STEP:
-                runner.forward_prepared(*messages.receive_step(header, backend, block_size, runner.device))
+            elif op == messages.ALLOCATE_KV:
+                runner.allocate_kv_cache(*messages.op_args(header, 1))
+            elif op == messages.MEMORY:
+                messages.least_memory(backend)
+            elif op == messages.CAPTURE_GRAPHS:
+                runner.enable_decode_graphs(*messages.op_args(header, 2))
             else:
                 raise RuntimeError(f"unknown tensor-parallel message {op}")

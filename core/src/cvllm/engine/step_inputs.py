@@ -1,0 +1,157 @@
+"""A step's inputs: built on the host from a scheduled batch, packed into one byte buffer, put on the device.
+
+Two halves, because tensor parallelism needs the middle: rank 0 builds the host step (``build_host_step``) and
+sends its packed bytes to the other ranks (tensor_parallel/messages.py), and every rank turns the same bytes into
+its device tensors and ForwardContext (``to_device``), so no rank derives a context its own way.
+"""
+
+from __future__ import annotations
+
+import array
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from cvllm.engine.scheduler import ScheduledBatch
+from cvllm.engine.upload import upload
+from cvllm.forward_context import ForwardContext
+
+# bytes between the starts of the step inputs in their one buffer: Triton compiles a kernel variant per pointer
+# alignment (16 or not), so views whose alignment followed the step's token count would compile new variants
+# mid-serving (~0.5 s each)
+ALIGN = 16
+
+# the step still in flight: its sampled token ids on the device, and each sampling sequence's row in them
+PreviousTokens = tuple[torch.Tensor, dict[int, int]]
+
+
+@dataclass(slots=True)
+class HostStep:
+    """The host tensors of a step, in ``NAMES`` order, and what the ForwardContext keeps as host lists."""
+    tensors: list[torch.Tensor]
+    query_start: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    is_decode_only: bool
+
+    NAMES = ("input_ids", "positions", "query_start", "seq_lens", "slots", "block_tables", "logits_indices", "fill")
+
+    @property
+    def num_fill(self) -> int:
+        """Rows whose input id is the in-flight step's sampled token, known on the device only (async scheduling)."""
+        return self.tensors[7].shape[1]
+
+
+def build_host_step(batch: ScheduledBatch, block_size: int, previous_rows: dict[int, int] | None) -> HostStep:
+    """Flat varlen tensors for the batch. Python touches each sequence, never each token.
+
+    ``previous_rows``: seq_id -> row in the sampled ids of the step still in flight; a sequence whose last token
+    is among them gets a placeholder id and a ``fill`` entry (row here, row there)."""
+    bs = block_size
+    seqs, qlens = batch.seqs, batch.num_tokens
+    starts = [seq.num_computed_tokens for seq in seqs]
+    input_ids: list[int] = []
+    fill_at: list[int] = []       # rows of input_ids whose token is on the device only
+    fill_from: list[int] = []     # ... and where it is in the previous step's sampled ids
+    for seq, s, n in zip(seqs, starts, qlens):
+        known = seq.token_ids[s:s + n]
+        input_ids.extend(known)
+        if len(known) < n:        # the last token is still in flight (at most one: a decode row)
+            fill_at.append(len(input_ids))
+            fill_from.append(previous_rows[seq.seq_id])
+            input_ids.append(0)
+    seq_lens = [s + n for s, n in zip(starts, qlens)]
+    query_start = [0, *itertools.accumulate(qlens)]
+    max_blocks = max(len(seq.block_table) for seq in seqs)
+    # one flat int32 buffer, padded per row, viewed as [B, max_blocks]: each row is a memcpy of the
+    # sequence's int32 block table (18x cheaper than converting a list's ints at 256 sequences)
+    tables = array.array("i")
+    padding = array.array("i", [0]) * max_blocks
+    for seq in seqs:
+        tables.extend(seq.block_table)
+        tables.extend(padding[len(seq.block_table):])
+
+    qlens_t = torch.tensor(qlens)
+    seq_index = torch.repeat_interleave(torch.arange(len(seqs)), qlens_t)
+    query_start_t = torch.tensor(query_start, dtype=torch.int32)
+    positions = (torch.arange(len(input_ids)) - query_start_t[:-1].long()[seq_index]
+                 + torch.tensor(starts)[seq_index])
+    block_tables = torch.frombuffer(tables, dtype=torch.int32).view(len(seqs), max_blocks)
+    slots = block_tables[seq_index, positions // bs].long() * bs + positions % bs
+    logits_indices = torch.tensor([query_start[i + 1] - 1 for i in batch.sample_indices], dtype=torch.long)
+    tensors = [torch.tensor(input_ids), positions, query_start_t, torch.tensor(seq_lens, dtype=torch.int32), slots,
+               block_tables, logits_indices, torch.tensor([fill_at, fill_from], dtype=torch.long).view(2, -1)]
+    return HostStep(tensors, query_start, list(qlens), seq_lens, batch.num_prefill_tokens == 0)
+
+
+def layout(num_tokens: int, num_seqs: int, max_blocks: int, num_logits: int, num_fill: int
+           ) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of each of a step's tensors, from its sizes (what a receiving rank knows)."""
+    i64, i32 = torch.int64, torch.int32
+    return [((num_tokens,), i64), ((num_tokens,), i64), ((num_seqs + 1,), i32), ((num_seqs,), i32),
+            ((num_tokens,), i64), ((num_seqs, max_blocks), i32), ((num_logits,), i64), ((2, num_fill), i64)]
+
+
+def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors' bytes in one uint8 buffer, each starting at a multiple of ``ALIGN``."""
+    parts = []
+    for t in tensors:
+        raw = t.contiguous().view(-1).view(torch.uint8)
+        pad = -raw.numel() % ALIGN
+        parts += [raw, torch.zeros(pad, dtype=torch.uint8)] if pad else [raw]
+    return torch.cat(parts)
+
+
+def unpack(packed: torch.Tensor, shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """``pack``'s inverse: views into ``packed`` (on whatever device it is), no copies."""
+    out, offset = [], 0
+    for shape, dtype in shapes:
+        size = torch.Size(shape).numel() * dtype.itemsize
+        out.append(packed[offset:offset + size].view(dtype).view(shape))
+        offset += size + (-size % ALIGN)
+    return out
+
+
+def host_step_from_packed(packed: torch.Tensor, num_tokens: int, num_seqs: int, max_blocks: int, num_logits: int,
+                          num_fill: int, is_decode_only: bool) -> HostStep:
+    """A receiving rank's HostStep from the packed bytes rank 0 sent."""
+    tensors = unpack(packed, layout(num_tokens, num_seqs, max_blocks, num_logits, num_fill))
+    query_start = tensors[2].tolist()
+    seq_lens = tensors[3].tolist()
+    query_lens = [b - a for a, b in zip(query_start, query_start[1:])]
+    return HostStep(tensors, query_start, query_lens, seq_lens, is_decode_only)
+
+
+def to_device(host: HostStep, backend, block_size: int, previous_ids: torch.Tensor | None = None,
+              packed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, torch.Tensor]:
+    """(input ids, positions, context, logits rows) on the backend's device, in one non-blocking upload (a decode
+    step has eight inputs, and each copy has a fixed cost). They travel as bytes and are viewed back in their own
+    dtypes: no conversion kernel on the device. ``previous_ids``: the in-flight step's sampled ids on the device,
+    for the ``fill`` rows (None: leave them, a tensor-parallel worker gets them from rank 0). ``packed``:
+    ``pack(host.tensors)`` when the caller has it already."""
+    device = backend.device
+    if device.type == "cpu":
+        ids, positions, query_start, seq_lens, slots, tables, logits_indices, fill = host.tensors
+    else:
+        packed = pack(host.tensors) if packed is None else packed
+        shapes = [(tuple(t.shape), t.dtype) for t in host.tensors]
+        ids, positions, query_start, seq_lens, slots, tables, logits_indices, fill = unpack(
+            upload(packed, device), shapes)
+    if previous_ids is not None and host.num_fill:   # sampled ids feed the next step's input ids on the device
+        ids[fill[0]] = previous_ids[fill[1]]
+    ctx = ForwardContext(
+        backend=backend,
+        query_start_loc=query_start,
+        seq_lens=seq_lens,
+        slot_mapping=slots,
+        block_tables=tables,
+        query_start_loc_cpu=host.query_start,
+        query_lens_cpu=host.query_lens,
+        seq_lens_cpu=host.seq_lens,
+        max_query_len=max(host.query_lens),
+        max_seq_len=max(host.seq_lens),
+        is_decode_only=host.is_decode_only,
+        block_size=block_size,
+    )
+    return ids, positions, ctx, logits_indices

@@ -1,0 +1,108 @@
+"""How a ``FusedMoE`` layer stores and runs its experts: the method contract and the torch reference.
+
+A method sees only this rank's experts: ``layer.num_local_experts`` of them (all ``E`` unless expert parallelism
+splits them), with local ids; ``layer.placement.localize`` maps the router's global ids to those, and the pairs
+routed to experts other ranks hold contribute nothing here (their rank adds them in the all-reduce).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cvllm.forward_context import current_forward_context
+
+if TYPE_CHECKING:
+    from cvllm.layers.fused_moe import FusedMoE
+
+
+class FusedMoEMethod:
+    def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int, intermediate_local: int,
+                       dtype: torch.dtype) -> None:
+        """``num_experts``: the experts this rank holds (``layer.num_local_experts``)."""
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        pass
+
+    def apply(self, layer: FusedMoE, hidden: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        """``topk_ids``: global expert ids. Returns this rank's partial sum (the layer all-reduces it)."""
+        raise NotImplementedError
+
+
+class UnquantizedFusedMoEMethod(FusedMoEMethod):
+    """The torch reference. Two forms, the same numbers up to matmul rounding:
+
+    - grouped: the (token, expert) pairs sorted by expert, one gate_up and one down matmul per busy expert.
+      Least arithmetic, but it reads the per-expert counts back to the host to slice the groups.
+    - padded: every local expert runs all T tokens (two batched matmuls over ``[E_local, T, H]``), and each
+      (token, expert) pair picks its row out: a token picks an expert at most once, so the row of (t, e) is
+      unique. No value is read back to the host, so a CUDA graph can capture it, at the price of E / k times
+      the arithmetic of the grouped form: cheap for decode batches, where reading the weights is the cost.
+
+    A decode-only forward on a backend with ``sync_free_decode`` (CUDA: graphs, async scheduling) takes the
+    padded form; everything else the grouped one. A fused grouped-GEMM kernel replaces both (issue 19)."""
+
+    def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int, intermediate_local: int,
+                       dtype: torch.dtype) -> None:
+        layer.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_local, hidden_size, dtype=dtype),
+                                        requires_grad=False)
+        layer.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_local, dtype=dtype),
+                                       requires_grad=False)
+
+    def apply(self, layer: FusedMoE, hidden: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        ctx = current_forward_context()
+        if ctx is not None and ctx.is_decode_only and ctx.backend.sync_free_decode:
+            return experts_padded(layer, hidden, topk_weights, topk_ids)
+        return experts_grouped(layer, hidden, topk_weights, topk_ids)
+
+
+def _combine(hidden: torch.Tensor, out: torch.Tensor, weights: torch.Tensor,
+             token_of_pair: torch.Tensor) -> torch.Tensor:
+    """Each pair's expert output times its routing weight, summed into its token's row."""
+    # the routing weights are cast to the activations' dtype before the product, as transformers does
+    out = out * weights.to(hidden.dtype).unsqueeze(-1)
+    return torch.zeros_like(hidden).index_add_(0, token_of_pair, out)
+
+
+def experts_grouped(layer: FusedMoE, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor) -> torch.Tensor:
+    num_local = layer.num_local_experts
+    local_ids = layer.placement.localize(topk_ids).reshape(-1)       # [T * k], token-major; num_local: elsewhere
+    order = torch.argsort(local_ids, stable=True)                    # by expert; other ranks' pairs sort last
+    # one host sync per layer, to size the per-expert slices; the last count is the pairs other ranks run
+    counts = torch.bincount(local_ids, minlength=num_local + 1).tolist()[:num_local]
+    order = order[:sum(counts)]                                      # only the pairs this rank's experts run
+    token_of_pair = order // topk_ids.shape[1]
+    grouped = hidden[token_of_pair]                                  # [pairs here, H]
+    out = torch.empty_like(grouped)
+    start = 0
+    for expert, count in enumerate(counts):                          # experts, never tokens
+        if count:
+            rows = slice(start, start + count)
+            gate_up = F.linear(grouped[rows], layer.w13_weight[expert])   # [n, 2 * I_local]
+            out[rows] = F.linear(layer.act_fn(gate_up), layer.w2_weight[expert])
+            start += count
+    return _combine(hidden, out, topk_weights.reshape(-1)[order], token_of_pair)
+
+
+def experts_padded(layer: FusedMoE, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor) -> torch.Tensor:
+    tokens, num_local = hidden.shape[0], layer.num_local_experts
+    local_ids = layer.placement.localize(topk_ids).reshape(-1)       # [T * k]; num_local: another rank's expert
+    here = local_ids < num_local
+    token_of_pair = torch.arange(local_ids.shape[0], device=hidden.device) // topk_ids.shape[1]
+    # [T, H] @ [E_local, H, 2I] broadcasts: every local expert on every token
+    gate_up = torch.matmul(hidden, layer.w13_weight.transpose(1, 2))
+    down = torch.matmul(layer.act_fn(gate_up), layer.w2_weight.transpose(1, 2))    # [E_local, T, H]
+    # pair (t, e) reads row e * T + t; a pair run elsewhere reads a stand-in row that its zero weight drops, and
+    # that row is zeroed too: an expert's output for a token not routed to it could be anything (inf in fp16)
+    rows = down.reshape(num_local * tokens, -1)[local_ids.clamp(max=num_local - 1) * tokens + token_of_pair]
+    rows = rows.masked_fill(~here.unsqueeze(-1), 0)
+    weights = topk_weights.reshape(-1).masked_fill(~here, 0)
+    return _combine(hidden, rows, weights, token_of_pair)
