@@ -105,7 +105,7 @@ def test_devices_and_tensor_parallelism(model_dir):
     assert build_server_args([*w, "--d", "0,1"]).engine.tensor_parallel_size == 2   # candle-vllm's spelling
     assert build_server_args([*w, "--tensor-parallel-size", "4"]).engine.tensor_parallel_size == 4
     assert build_server_args([*w, "--d", "0,1", "--tensor-parallel-size", "2"]).engine.tensor_parallel_size == 2
-    with pytest.raises(CliError, match="is 2 device\\(s\\), but --tensor-parallel-size is 1"):
+    with pytest.raises(CliError, match="is 2 device\\(s\\) on each of 1 node\\(s\\), but --tensor-parallel-size is 1"):
         build_server_args([*w, "--d", "0,1", "--tensor-parallel-size", "1"])
     # any devices, in the order given: rank r runs on the r-th (Backend.bind_device)
     assert build_server_args([*w, "--d", "3"]).engine.device_ids == (3,)

@@ -7,7 +7,6 @@ import logging
 import pytest
 
 from cvllm.engine.config import EngineConfig
-from cvllm.engine.tensor_parallel import multinode
 from cvllm.engine.tensor_parallel.multinode import MultiNodeError, NodeSettings, from_launcher_env, merge
 from cvllm.server.cli import CliError, build_server_args
 
@@ -66,25 +65,25 @@ def test_flags_fill_in_and_must_agree():
     assert merge(NodeSettings(num_nodes=2), launcher, {"num_nodes"}).num_nodes == 2   # agreeing is fine
 
 
-def test_more_than_one_node_is_refused():
-    multinode.check_supported(1)
-    with pytest.raises(NotImplementedError, match="multi-node serving is not yet supported. What is: tensor "
-                                                  "parallelism on one node"):
-        multinode.check_supported(2)
-
-
 def test_engine_config_fields():
     config = EngineConfig(model="m")
     assert (config.num_nodes, config.node_rank, config.master_addr, config.master_port) == (1, 0, None, None)
     with pytest.raises(ValueError, match="node_rank must be in 0..num_nodes-1"):
         EngineConfig(model="m", num_nodes=2, node_rank=2)
+    with pytest.raises(ValueError, match="more than one node needs master_addr and master_port"):
+        EngineConfig(model="m", num_nodes=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 \\(all ranks\\) does not split evenly over 2 nodes"):
+        EngineConfig(model="m", num_nodes=2, tensor_parallel_size=3, master_addr="h", master_port=1)
+    with pytest.raises(ValueError, match="one device per tensor-parallel rank of a node \\(2\\)"):
+        EngineConfig(model="m", num_nodes=2, tensor_parallel_size=4, master_addr="h", master_port=1, device_ids=[0])
 
 
-def test_llm_refuses_more_than_one_node_before_loading(tmp_path):
+def test_the_engine_runs_on_node_zero_only(tmp_path):
     from cvllm import LLM
 
-    with pytest.raises(NotImplementedError, match="multi-node serving is not yet supported"):
-        LLM(str(tmp_path / "never-opened"), num_nodes=2)
+    with pytest.raises(ValueError, match="node_rank 1: the engine runs on node 0; on this node run `cvserve"):
+        LLM(str(tmp_path / "never-opened"), num_nodes=2, node_rank=1, tensor_parallel_size=2, master_addr="h",
+            master_port=1)
 
 
 def test_cvserve_flags(model_dir, monkeypatch):
@@ -92,8 +91,16 @@ def test_cvserve_flags(model_dir, monkeypatch):
     engine = build_server_args([*w, "--num-nodes", "1", "--node-rank", "0", "--master-addr", "10.0.0.1",
                                 "--master-port", "29500"]).engine
     assert (engine.num_nodes, engine.node_rank, engine.master_addr, engine.master_port) == (1, 0, "10.0.0.1", 29500)
-    with pytest.raises(CliError, match="num_nodes 2: multi-node serving is not yet supported"):
-        build_server_args([*w, "--num-nodes", "2", "--node-rank", "1"])
+    nodes = ["--num-nodes", "2", "--master-addr", "10.0.0.1", "--master-port", "29500"]
+    engine = build_server_args([*w, *nodes, "--d", "0,1"]).engine   # candle-vllm: --d is each node's devices
+    assert (engine.num_nodes, engine.tensor_parallel_size, engine.device_ids) == (2, 4, (0, 1))
+    engine = build_server_args([*w, *nodes, "--tensor-parallel-size", "4"]).engine   # vLLM: all ranks
+    assert (engine.tensor_parallel_size, engine.device_ids) == (4, None)
+    assert build_server_args([*w, *nodes]).engine.tensor_parallel_size == 2   # one rank a node
+    with pytest.raises(CliError, match="is 2 device\\(s\\) on each of 2 node\\(s\\), but --tensor-parallel-size is 2"):
+        build_server_args([*w, *nodes, "--d", "0,1", "--tensor-parallel-size", "2"])
+    with pytest.raises(CliError, match="--num-nodes 2 needs --master-addr and --master-port"):
+        build_server_args([*w, "--num-nodes", "2"])
     with pytest.raises(CliError, match="node_rank must be in 0..0, got 1"):
         build_server_args([*w, "--node-rank", "1"])
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.9")
@@ -103,8 +110,8 @@ def test_cvserve_flags(model_dir, monkeypatch):
     engine = build_server_args(w).engine   # a one-node torchrun launch fills the fields in
     assert (engine.num_nodes, engine.master_addr, engine.master_port) == (1, "10.0.0.9", 29501)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(CliError, match="not yet supported"):
-        build_server_args(w)
+    engine = build_server_args(w).engine   # torchrun --nnodes 2: node 0 of 2, one rank each
+    assert (engine.num_nodes, engine.node_rank, engine.tensor_parallel_size) == (2, 0, 2)
 
 
 @pytest.mark.parametrize("argv, message", [

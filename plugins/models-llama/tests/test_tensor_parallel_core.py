@@ -86,8 +86,8 @@ def test_worker_dead_before_the_group_forms(tmp_path):
     from cvllm.engine.tensor_parallel.worker import WorkerSpec
 
     spec = WorkerSpec(checkpoint=ExitAtOnce(), model_class="x:Y", backend_class="x:Y", quantizer=None,
-                      dtype=None, isq=None, block_size=16, world_size=2, device_ids=(0, 1), dist_backend="gloo",
-                      init_method="", timeout_s=600.0)
+                      dtype=None, isq=None, block_size=16, world_size=2, ranks_per_node=2, device_ids=(0, 1),
+                      dist_backend="gloo", init_method="", timeout_s=600.0)
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"tensor-parallel worker 1 \(pid \d+\) exited with code 3 before"):
         executor.TensorParallelGroup(dataclasses.replace(spec))

@@ -32,8 +32,8 @@ def build_engine(config: EngineConfig, imports_seconds: float | None = None) -> 
     # before anything loads: a refused setting fails at once, and pages rank 0 touches land on its NUMA node
     from cvllm.engine.tensor_parallel import multinode, numa
 
-    multinode.check_supported(config.num_nodes)
-    numa.pin_rank(0, config.tensor_parallel_size)   # workers pin themselves (worker.py); spawned after this
+    multinode.check_engine_node(config.node_rank)
+    numa.pin_rank(0, config.tensor_parallel_size // config.num_nodes)   # workers pin themselves (worker.py)
     # a path (opened by whichever plugin claims it), or a Checkpoint built in memory (benchmarks' random weights)
     model = config.model
     checkpoint = model if isinstance(model, Checkpoint) else plugins.open_checkpoint(model)

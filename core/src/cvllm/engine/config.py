@@ -31,13 +31,13 @@ class EngineConfig:
     fake_step_ms: float | None = None           # no model: each step takes this long (measures the stack around it)
     isq: str | None = None                      # in-situ quantization of an unquantized checkpoint ("q4k", "q8_0" ...)
     enforce_eager: bool = False                 # no CUDA graphs: every step launches its kernels one by one
-    tensor_parallel_size: int = 1               # ranks the model is split over (engine/tensor_parallel/)
-    device_ids: tuple[int, ...] | None = None   # rank r's device (--d 0,1); None: rank r takes device r
+    tensor_parallel_size: int = 1               # ranks the model is split over, on all nodes (engine/tensor_parallel/)
+    device_ids: tuple[int, ...] | None = None   # local rank r's device (--d 0,1); None: local rank r takes device r
     # MoE experts split whole over the tensor-parallel ranks (E / N each) instead of sharding each expert over them;
     # attention and dense MLPs stay tensor-parallel. No effect at tensor_parallel_size 1 (layers/expert_parallel.py)
     enable_expert_parallel: bool = False
     async_scheduling: bool | None = None        # launch step N+1 before reading N's tokens; None: on except on CPU
-    # Multi-node (tensor_parallel/multinode.py): parsed and checked; num_nodes > 1 is refused at start for now.
+    # Multi-node (tensor_parallel/multinode.py, node.py): this process is node 0's rank 0; other nodes run a launcher
     num_nodes: int = 1
     node_rank: int = 0
     master_addr: str | None = None              # rank 0's host, as every node reaches it
@@ -51,14 +51,21 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
-        if self.device_ids is not None:
-            self.device_ids = tuple(self.device_ids)
-            if len(self.device_ids) != self.tensor_parallel_size:
-                raise ValueError(f"device_ids {list(self.device_ids)}: one device per tensor-parallel rank "
-                                 f"({self.tensor_parallel_size})")
         if self.num_nodes < 1 or not 0 <= self.node_rank < self.num_nodes:
             raise ValueError(f"node_rank must be in 0..num_nodes-1 with num_nodes >= 1, got node_rank "
                              f"{self.node_rank}, num_nodes {self.num_nodes}")
+        if self.tensor_parallel_size % self.num_nodes:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} (all ranks) does not split evenly "
+                             f"over {self.num_nodes} nodes")
+        if self.num_nodes > 1 and not (self.master_addr and self.master_port):
+            raise ValueError("more than one node needs master_addr and master_port: where the other nodes reach node "
+                             "0 (--master-addr, --master-port, or torchrun's MASTER_ADDR/MASTER_PORT)")
+        if self.device_ids is not None:
+            self.device_ids = tuple(self.device_ids)
+            per_node = self.tensor_parallel_size // self.num_nodes
+            if len(self.device_ids) != per_node:
+                raise ValueError(f"device_ids {list(self.device_ids)}: one device per tensor-parallel rank of a node "
+                                 f"({per_node})")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks", "kv_cache_memory"):
             value = getattr(self, name)
             if value is not None and value <= 0:

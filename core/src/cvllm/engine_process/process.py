@@ -60,11 +60,15 @@ def run_core(config: EngineConfig, commands: Connection, outputs: Connection, lo
         channel.send_quietly(CoreDead(describe(e)))
         sys.exit(1)
     core = EngineCore(engine, channel)
+    signal.signal(signal.SIGTERM, _terminate)   # a launcher (torchrun) may signal the whole group
     try:
         channel.send(core.ready())
         code = core.run()
     except (EOFError, OSError):
         logger.info("the API process went away; the engine core exits")
+        code = 0
+    except _Terminated:
+        logger.info("SIGTERM: the engine core ends its tensor-parallel workers and exits")
         code = 0
     except Exception as e:   # a bug in this loop, not in a step: say why before going
         logger.exception("the engine core failed")
@@ -72,6 +76,14 @@ def run_core(config: EngineConfig, commands: Connection, outputs: Connection, lo
         code = 1
     _shutdown_quietly(engine)
     sys.exit(code)
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived: not an Exception, so no step's error handling takes it for a failed step."""
+
+
+def _terminate(signum, frame) -> None:
+    raise _Terminated
 
 
 def _shutdown_quietly(engine) -> None:

@@ -95,20 +95,21 @@ def _same_path(a: str, b: str) -> bool:
     return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
-def _tensor_parallel(ns: argparse.Namespace) -> dict:
-    """EngineConfig's tensor_parallel_size and device_ids: one rank per device of --d (candle-vllm), or the first
-    --tensor-parallel-size devices (vLLM). On the CPU, --d 0,1 means two ranks (processes)."""
+def _tensor_parallel(ns: argparse.Namespace, num_nodes: int) -> dict:
+    """EngineConfig's tensor_parallel_size (all ranks, on all nodes) and device_ids (a node's): one rank per device
+    of --d on each node (candle-vllm), or --tensor-parallel-size ranks in all (vLLM), taking each node's first
+    devices. On the CPU, --d 0,1 means two ranks (processes)."""
     devices = ns.d or []
     size = ns.tensor_parallel_size
-    if devices and size is not None and size != len(devices):
-        raise CliError(f"--d {','.join(map(str, devices))} is {len(devices)} device(s), "
-                       f"but --tensor-parallel-size is {size}")
-    return {"tensor_parallel_size": size or len(devices) or 1, "device_ids": tuple(devices) or None}
+    if devices and size is not None and size != len(devices) * num_nodes:
+        raise CliError(f"--d {','.join(map(str, devices))} is {len(devices)} device(s) on each of {num_nodes} "
+                       f"node(s), but --tensor-parallel-size is {size}")
+    return {"tensor_parallel_size": size or len(devices) * num_nodes or num_nodes,
+            "device_ids": tuple(devices) or None}
 
 
-def _node_settings(ns: argparse.Namespace) -> dict:
-    """EngineConfig's multi-node fields: the flags, else torchrun's / mpirun's variables; num_nodes > 1 is refused
-    here too, so cvserve says so before loading anything."""
+def node_settings(ns: argparse.Namespace):
+    """The multi-node settings (NodeSettings): the flags, else torchrun's / mpirun's variables."""
     from cvllm.engine.tensor_parallel import multinode
 
     names = ("num_nodes", "node_rank", "master_addr", "master_port")
@@ -117,10 +118,16 @@ def _node_settings(ns: argparse.Namespace) -> dict:
     try:
         settings = multinode.merge(flags, multinode.from_launcher_env(), given)
         multinode.check_values(settings)
-        multinode.check_supported(settings.num_nodes)
-    except (ValueError, NotImplementedError) as exc:
+    except ValueError as exc:
         raise CliError(str(exc)) from None
-    return {name: getattr(settings, name) for name in names}
+    if settings.num_nodes > 1 and not (settings.master_addr and settings.master_port):
+        raise CliError(f"--num-nodes {settings.num_nodes} needs --master-addr and --master-port (node 0's address "
+                       "and a free port there, the same on every node)")
+    return settings
+
+
+def _node_fields(settings) -> dict:
+    return {name: getattr(settings, name) for name in ("num_nodes", "node_rank", "master_addr", "master_port")}
 
 
 def _log_multithread(ns: argparse.Namespace) -> None:
@@ -195,8 +202,9 @@ def _default_sampling(ns: argparse.Namespace) -> dict:
 
 def _engine_config(ns: argparse.Namespace, model: str) -> EngineConfig:
     _check_backend(ns.backend)
+    nodes = node_settings(ns)
     fields = dict(
-        **_tensor_parallel(ns),
+        **_tensor_parallel(ns, nodes.num_nodes), **_node_fields(nodes),
         model=model, dtype=ns.dtype, backend=ns.backend, block_size=ns.block_size, max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens, max_model_len=ns.max_model_len,
         prefill_chunk_size=ns.prefill_chunk_size, enable_prefix_caching=not ns.disable_prefix_cache, seed=ns.seed,
@@ -204,7 +212,6 @@ def _engine_config(ns: argparse.Namespace, model: str) -> EngineConfig:
         enable_expert_parallel=ns.enable_expert_parallel,
     )
     _log_multithread(ns)
-    fields.update(_node_settings(ns))
     fields.update(_kv_memory(ns))
     fields.update(_quantization(ns))
     try:
@@ -245,6 +252,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help, or a usage error argparse has already printed
         return exc.code if isinstance(exc.code, int) else 2
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        nodes = node_settings(ns)
+    except CliError as exc:
+        print(f"cvserve: error: {exc}", file=sys.stderr)
+        return 2
+    if nodes.node_rank > 0:   # not node 0: no model to resolve, no HTTP; this node's ranks, until they end
+        from cvllm.engine.tensor_parallel.node import run_node
+
+        try:
+            return run_node(nodes)
+        except (RuntimeError, ValueError) as exc:   # node 0 not reached in time, or its settings disagree
+            print(f"cvserve: error: node {nodes.node_rank}: {exc}", file=sys.stderr)
+            return 1
     try:
         # the address first: a port in use should not wait for the model to be resolved, fetched or loaded
         check_address(ns.host, ns.port)

@@ -11,9 +11,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
-import multiprocessing
 import os
-import time
 from datetime import timedelta
 
 import torch
@@ -25,9 +23,9 @@ from cvllm.engine.errors import EngineBrokenError
 from cvllm.engine.executor import InProcessExecutor
 from cvllm.engine.model_runner import ModelRunner, build_model, is_decode_path
 from cvllm.engine.step_inputs import build_host_step, pack, to_device
-from cvllm.engine.tensor_parallel import messages
+from cvllm.engine.tensor_parallel import messages, rendezvous
 from cvllm.engine.tensor_parallel.watchdog import DEATH_GRACE_S, WorkerWatch, stall_timeout_s
-from cvllm.engine.tensor_parallel.worker import WorkerSpec, run_worker
+from cvllm.engine.tensor_parallel.worker import WorkerSpec
 from cvllm.registry import target_name
 
 logger = logging.getLogger(__name__)
@@ -49,34 +47,28 @@ def check_tensor_parallel_size(config, size: int) -> None:
 
 
 class TensorParallelGroup:
-    """The worker processes and the process group, from start to shutdown."""
+    """The worker processes and the process group, from start to shutdown. This node's workers (local ranks
+    1..ranks_per_node-1) are this process's children; other nodes' are their launchers' (node.py)."""
 
-    def __init__(self, spec: WorkerSpec, device: torch.device | None = None):
-        """``device``: rank 0's (NCCL binds its communicator to it)."""
+    def __init__(self, spec: WorkerSpec, device: torch.device | None = None, master_addr: str | None = None,
+                 master_port: int | None = None):
+        """``device``: rank 0's (NCCL binds its communicator to it). ``master_addr``/``master_port``: where the
+        other nodes reach rank 0's store (None: this node only, a port the OS picks)."""
         self.size = spec.world_size
         self.dist_backend = spec.dist_backend
         stall_s = stall_timeout_s()   # a malformed CVLLM_TP_STALL_TIMEOUT_S fails before anything starts
-        # rank 0's store first, on a port the OS picks: the workers join it, then mark themselves joined
-        self.store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=spec.timeout_s))
-        spec = dataclasses.replace(spec, init_method=f"tcp://127.0.0.1:{self.store.port}")
-        context = multiprocessing.get_context("spawn")
-        self.processes, self.conns = [], []
-        # Not daemons: a daemonic process cannot have children, and the engine may itself run in cvserve's core
-        # process. atexit (below) and the workers' parent watch end them when this process ends.
-        for rank in range(1, self.size):
-            parent, child = context.Pipe(duplex=False)
-            process = context.Process(target=run_worker, args=(spec, rank, child, os.getpid()),
-                                      name=f"cvllm-tp-worker-{rank}", daemon=False)
-            process.start()
-            child.close()
-            self.processes.append(process)
-            self.conns.append(parent)
+        self.store, init_method = rendezvous.host_store(master_addr, master_port, self.size, spec.timeout_s)
+        spec = dataclasses.replace(spec, init_method=init_method)
+        if spec.ranks_per_node < self.size:
+            rendezvous.publish_spec(self.store, spec)   # other nodes' launchers read it (node.py)
+        self.processes = rendezvous.spawn_workers(spec, [(rank, rank) for rank in range(1, spec.ranks_per_node)])
+        self.local = dict(enumerate(self.processes, start=1))
         self.watch = WorkerWatch(self.processes, stall_s)   # deaths, and hangs during a step (watchdog.py)
         self.closed = False
-        atexit.register(self.close)
+        atexit.register(self.close)   # and the workers' parent watch: none outlives this process
         try:
-            self._wait_joined(spec.timeout_s)
+            rendezvous.wait_for(self.store, rendezvous.joined_key, range(1, self.size), self.local, spec.timeout_s,
+                                "joining the process group")
             dist.init_process_group(spec.dist_backend, store=self.store, rank=0, world_size=self.size,
                                     timeout=timedelta(seconds=spec.timeout_s),
                                     device_id=messages.eager_init_device(spec.dist_backend, device))
@@ -85,37 +77,10 @@ class TensorParallelGroup:
             raise
         set_tensor_parallel(0, self.size, spec.enable_expert_parallel)
 
-    def _wait_joined(self, timeout_s: float) -> None:
-        """Every worker has reached the store (``messages.joined_key``), polling that each is still alive: one
-        that dies first (a failed import or unpickling) fails the start now, not after gloo's ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        keys = [messages.joined_key(rank) for rank in range(1, self.size)]
-        while not self.store.check(keys):
-            for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
-                report = _early_report(conn)
-                if report is not None:   # before joining, a worker only ever reports an error (binding its device)
-                    raise RuntimeError(f"tensor-parallel worker {rank} failed to start:\n{report}")
-                if not process.is_alive():
-                    # its own error is on stderr above; the usual one is a script without a main guard, which
-                    # each spawned process re-runs on import
-                    raise RuntimeError(f"tensor-parallel worker {rank} (pid {process.pid}) exited with code "
-                                       f"{process.exitcode} before joining the process group (its error is printed "
-                                       "above; a script that starts tensor parallelism needs an "
-                                       "`if __name__ == \"__main__\":` guard)")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"tensor-parallel workers did not join the process group within {timeout_s:g} s")
-            time.sleep(0.05)
-
     def wait_ready(self, timeout_s: float) -> None:
         """Each worker's shard is built, or the error of the first that failed."""
-        deadline = time.monotonic() + timeout_s
-        for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
-            while not conn.poll(0.1):
-                if not process.is_alive() or time.monotonic() > deadline:
-                    raise RuntimeError(f"tensor-parallel worker {rank} did not start (exit code {process.exitcode})")
-            status, detail = conn.recv()
-            if status != "ready":
-                raise RuntimeError(f"tensor-parallel worker {rank} failed to build its shard:\n{detail}")
+        rendezvous.wait_for(self.store, rendezvous.status_key, range(1, self.size), self.local, timeout_s,
+                            "building its shard")
 
     def check(self, grace_s: float = 0.0) -> None:
         """Raise EngineBrokenError if a worker has died or hung: the next collective would wait for it until gloo's
@@ -144,15 +109,6 @@ class TensorParallelGroup:
             dist.destroy_process_group()
         self.store = None
         set_tensor_parallel(0, 1)
-
-
-def _early_report(conn) -> str | None:
-    """What a worker sent before joining the group (an error's traceback), or None; a pipe closed without a
-    message (the worker died first) is None too: the caller's liveness check reports that."""
-    try:
-        return conn.recv()[1] if conn.poll() else None
-    except EOFError:
-        return None
 
 
 class BroadcastingRunner:
@@ -244,8 +200,9 @@ def build_tensor_parallel(checkpoint, backend, dtype: torch.dtype, config) -> Br
     size = config.tensor_parallel_size
     check_tensor_parallel_size(checkpoint.config, size)
     dist_backend = messages.process_group_backend(backend, os.environ.get(DEVICE_COMM_ENV))
-    device_ids = config.device_ids or tuple(range(size))
-    if "nccl" in dist_backend and len(set(device_ids)) < size:
+    per_node = size // config.num_nodes
+    device_ids = config.device_ids or tuple(range(per_node))
+    if "nccl" in dist_backend and len(set(device_ids)) < per_node:
         raise ValueError(f"device ids {list(device_ids)}: NCCL needs a device of its own for each rank")
     quant = "isq" if config.isq else checkpoint.quant_method
     spec = WorkerSpec(
@@ -253,17 +210,17 @@ def build_tensor_parallel(checkpoint, backend, dtype: torch.dtype, config) -> Br
         model_class=target_name(plugins.architectures().spec(checkpoint.architecture)),
         backend_class=target_name(type(backend)),
         quantizer=target_name(plugins.quantizers().spec(quant)) if quant else None,
-        dtype=dtype, isq=config.isq, block_size=config.block_size, world_size=size, device_ids=device_ids,
-        dist_backend=dist_backend,
+        dtype=dtype, isq=config.isq, block_size=config.block_size, world_size=size, ranks_per_node=per_node,
+        device_ids=device_ids, dist_backend=dist_backend,
         init_method="", timeout_s=STARTUP_TIMEOUT_S,   # init_method: set by TensorParallelGroup
         enable_expert_parallel=config.enable_expert_parallel)
-    group = TensorParallelGroup(spec, backend.device)
+    group = TensorParallelGroup(spec, backend.device, config.master_addr, config.master_port)
     try:
         model = build_model(checkpoint, backend, dtype, isq=config.isq)
         group.wait_ready(STARTUP_TIMEOUT_S)
     except BaseException:
         group.close()
         raise
-    logger.info("tensor parallel: %d ranks (%s), rank 0 in this process on %s", size, spec.dist_backend,
-                backend.device)
+    logger.info("tensor parallel: %d ranks on %d node(s) (%s), rank 0 in this process on %s", size,
+                config.num_nodes, spec.dist_backend, backend.device)
     return BroadcastingRunner(ModelRunner(model, backend, config.block_size, dtype), group)

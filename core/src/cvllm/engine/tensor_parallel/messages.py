@@ -20,11 +20,6 @@ STEP, ALLOCATE_KV, SHUTDOWN, CAPTURE_GRAPHS, MEMORY = 1, 2, 3, 4, 5
 DECODE_PATH, ALL_LOGITS, DECODE_ONLY = 1, 2, 4   # flag bits
 
 
-def joined_key(rank: int) -> str:
-    """The store key a worker sets once connected to rank 0's store, before it joins the process group."""
-    return f"cvllm/tp/joined/{rank}"
-
-
 def new_header() -> torch.Tensor:
     return torch.zeros(HEADER_LEN, dtype=torch.int64)
 

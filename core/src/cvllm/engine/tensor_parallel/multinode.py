@@ -6,7 +6,8 @@ candle-vllm's convention is kept: one launched process per node, which then star
 launcher's process rank is the node rank and its world size the node count, and a LOCAL_RANK other than 0 means
 several processes were launched on one node, which this layout does not use.
 
-Launching over nodes is not wired yet: ``check_supported`` refuses ``num_nodes > 1`` at start.
+Node 0's process is the engine (rank 0, and the HTTP server); each other node's process is a launcher of that
+node's ranks (node.py), which reads everything else from rank 0's store.
 """
 
 from __future__ import annotations
@@ -84,13 +85,12 @@ def check_values(settings: NodeSettings) -> None:
         raise MultiNodeError(f"master_port must be a port number (1-65535), got {settings.master_port}")
 
 
-def check_supported(num_nodes: int) -> None:
-    """At start: what runs today is one node, N processes over gloo on the CPU."""
-    if num_nodes > 1:
-        raise NotImplementedError(
-            f"num_nodes {num_nodes}: multi-node serving is not yet supported. What is: tensor parallelism on one "
-            f"node (--tensor-parallel-size N / --d 0,1,..., CPU backend, N processes over gloo), with "
-            f"MAP_NUMA_NODE to place the ranks on NUMA nodes")
+def check_engine_node(node_rank: int) -> None:
+    """The engine (and cvserve's HTTP server) runs on node 0 only; another node runs its ranks' launcher."""
+    if node_rank != 0:
+        raise ValueError(f"node_rank {node_rank}: the engine runs on node 0; on this node run `cvserve --num-nodes N "
+                         f"--node-rank {node_rank} --master-addr HOST --master-port PORT`, which starts this node's "
+                         f"ranks (cvllm.engine.tensor_parallel.node)")
 
 
 def _int(env: Mapping[str, str], name: str, default):

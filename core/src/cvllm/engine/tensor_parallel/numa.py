@@ -1,6 +1,6 @@
 """NUMA placement of tensor-parallel ranks: ``MAP_NUMA_NODE=0,0,1,1`` (candle-vllm's variable) names one NUMA node
-per rank. Each rank pins its CPU affinity to that node's CPUs and, where libnuma is installed, prefers that node's
-memory, so a rank's weights and KV cache sit next to the cores that read them.
+per rank of this node (by local rank). Each rank pins its CPU affinity to that node's CPUs and, where libnuma is
+installed, prefers that node's memory, so a rank's weights and KV cache sit next to the cores that read them.
 
 Rank 0 pins itself in the engine process (engine/build.py), ranks 1..N-1 in their worker (worker.py); the workers
 read the variable from the environment they inherit, so nothing extra travels in ``WorkerSpec``.

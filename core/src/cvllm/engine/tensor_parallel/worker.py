@@ -14,7 +14,6 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing.connection import Connection
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -31,23 +30,32 @@ class WorkerSpec:
     isq: str | None
     block_size: int
     world_size: int
-    device_ids: tuple[int, ...]  # rank r's device
+    ranks_per_node: int         # the world is num_nodes x ranks_per_node; rank r is local rank r % ranks_per_node
+    device_ids: tuple[int, ...]  # local rank l's device
     dist_backend: str           # the process group's: "gloo", or "cpu:gloo,cuda:nccl" (process_group_backend)
-    init_method: str            # tcp://host:port of rank 0's store
+    init_method: str            # tcp://host:port of rank 0's store (rendezvous.py)
     timeout_s: float
     enable_expert_parallel: bool = False   # MoE experts split whole over the ranks (cvllm.distributed)
 
 
-def run_worker(spec: WorkerSpec, rank: int, conn: Connection, parent_pid: int) -> None:
-    """The spawned process's target. Reports ("ready", None) or ("error", traceback) on ``conn`` once built."""
+def run_worker(spec: WorkerSpec, rank: int, local_rank: int, parent_pid: int) -> None:
+    """The spawned process's target: rank ``rank`` of the world, ``local_rank`` on its node. It reports through rank
+    0's store (rendezvous.py): "ready" once built, or the traceback of what failed."""
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s tp{rank} %(levelname)s %(name)s: %(message)s")
     _exit_with_parent(parent_pid)
+    from cvllm.engine.tensor_parallel import rendezvous
+
+    store = None
     try:
-        runner, backend = _build(spec, rank)
+        store = rendezvous.join_store(spec.init_method, spec.world_size, spec.timeout_s)
+        runner, backend = _build(spec, rank, local_rank, store)
     except BaseException:
-        conn.send(("error", traceback.format_exc()))
+        if store is None:
+            traceback.print_exc()   # no store to report to: the exit itself is the report (rank 0 or the node's
+        else:                       # launcher watches this process)
+            store.set(rendezvous.status_key(rank), traceback.format_exc())
         sys.exit(1)
-    conn.send(("ready", None))
+    store.set(rendezvous.status_key(rank), "ready")
     try:
         _serve(runner, backend, spec.block_size)
     except BaseException:
@@ -69,28 +77,28 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="cvllm-tp-parent-watch", daemon=True).start()
 
 
-def _build(spec: WorkerSpec, rank: int):
+def _build(spec: WorkerSpec, rank: int, local_rank: int, store):
     from cvllm.engine.tensor_parallel.numa import pin_rank
 
-    pin_rank(rank, spec.world_size)   # MAP_NUMA_NODE, inherited; first, so the shard's pages land on its node
+    pin_rank(local_rank, spec.ranks_per_node)   # MAP_NUMA_NODE, inherited; first, so the shard's pages land there
     import torch
     import torch.distributed as dist
 
     from cvllm.distributed import set_tensor_parallel
     from cvllm.engine.model_runner import ModelRunner, build_model
+    from cvllm.engine.tensor_parallel.messages import eager_init_device
+    from cvllm.engine.tensor_parallel.rendezvous import joined_key
     from cvllm.registry import load_target
 
     torch.set_num_threads(1)   # ranks share the host's cores; rank 0 keeps its own setting
-    from cvllm.engine.tensor_parallel.messages import eager_init_device, joined_key
-
     backend_class = load_target(spec.backend_class)
-    backend_class.bind_device(spec.device_ids[rank])
+    backend_class.bind_device(spec.device_ids[local_rank])
     backend = backend_class()
-    host, _, port = spec.init_method.removeprefix("tcp://").rpartition(":")
-    timeout = timedelta(seconds=spec.timeout_s)
-    store = dist.TCPStore(host, int(port), spec.world_size, is_master=False, timeout=timeout)
-    store.set(joined_key(rank), "1")   # rank 0 polls for these, and for dead workers, before joining the group
-    dist.init_process_group(spec.dist_backend, store=store, rank=rank, world_size=spec.world_size, timeout=timeout,
+    # joined: the device is bound, so what follows is the group's rendezvous (rank 0 waits for every rank's key
+    # first: a worker that failed before it is an error at once, not a timeout inside init_process_group)
+    store.set(joined_key(rank), "1")
+    dist.init_process_group(spec.dist_backend, store=store, rank=rank, world_size=spec.world_size,
+                            timeout=timedelta(seconds=spec.timeout_s),
                             device_id=eager_init_device(spec.dist_backend, backend.device))
     set_tensor_parallel(rank, spec.world_size, spec.enable_expert_parallel)
     make_factory = load_target(spec.quantizer) if spec.quantizer else None
