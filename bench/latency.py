@@ -4,10 +4,17 @@ quotes (the copy-bandwidth ceiling, HF transformers ``generate`` on the same con
 
     python bench/latency.py --json $OUT/latency.json          # on the H200 (one device call)
     python bench/latency.py --tiny                            # a CPU rehearsal on a tiny shape
+    python bench/latency.py --skip-hf --contexts 1024 --tensor-parallel-size 2    # over 2 GPUs (NCCL)
+    python bench/latency.py --tiny --tensor-parallel-size 2   # the same code path on the CPU (gloo)
 
 Decode tok/s = generated tokens over the wall time of the decode steps (after the first token).
 GPU idle share = 1 - (GPU time of one decode step, timed with CUDA events on the replayed graph) /
 (wall time of one engine step): what host work between steps costs.
+
+With ``--tensor-parallel-size N`` the engine splits the model over N ranks (one process per GPU: this process is
+rank 0, the others are spawned, sent the in-memory checkpoint and draw the same random weights from the same seed).
+The GPU idle share is left out there (replaying rank 0's graph alone would wait in its all-reduce for ranks that
+do not replay theirs); the ceiling is the copy rate over one rank's shard of the weights (collectives excluded).
 """
 
 from __future__ import annotations
@@ -134,8 +141,13 @@ def main() -> None:
                     help="print where the host's time goes in batch-1 decode steps (cProfile, by own time)")
     ap.add_argument("--no-tuned", action="store_true",
                     help="attention with the default tiles, not this GPU's tuned ones (an A/B of the tuning)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                    help="split the model over N ranks (GPUs; processes with gloo under --tiny)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    tp = args.tensor_parallel_size
+    if tp > 1 and args.no_tuned:
+        ap.error("--no-tuned clears the tuned tiles in this process only, not in the other ranks")
     device = "cpu" if args.tiny else "cuda"
     shape = "tiny" if args.tiny else args.shape
     contexts = [64, 256] if args.tiny else [int(c) for c in args.contexts.split(",")]
@@ -150,11 +162,11 @@ def main() -> None:
     engine = build_engine(EngineConfig(model=random_checkpoint(shape, dtype, device), backend=device, dtype=dtype,
                                        max_num_seqs=4, max_model_len=max(contexts) + args.decode_tokens + 16,
                                        kv_cache_memory=8 << 30 if device == "cuda" else 64 << 20,
-                                       enforce_eager=args.enforce_eager))
+                                       enforce_eager=args.enforce_eager, tensor_parallel_size=tp))
     load_s = time.perf_counter() - started
     result: dict = {"bench": "latency", "shape": shape, "device": torch.cuda.get_device_name() if device == "cuda"
                     else "cpu", "dtype": "bfloat16", "enforce_eager": args.enforce_eager,
-                    "tuned_attention": not args.no_tuned, "load_s": load_s,
+                    "tuned_attention": not args.no_tuned, "tensor_parallel_size": tp, "load_s": load_s,
                     "command": "python " + " ".join(sys.argv), "measured": {}, "ceiling": {}, "reference": {}}
     result["cuda_graphs"] = hasattr(engine.runner.decode_forward, "graphs")
     measured = result["measured"]
@@ -165,16 +177,19 @@ def main() -> None:
     measured["bs1_decode_tok_s"] = measured[f"decode_tok_s_{contexts[0]}"]
     if args.profile_host:
         profile_host(engine, contexts[0], vocab)
-    if device == "cuda":
+    if device == "cuda" and tp == 1:
         gpu_ms = graph_replay_ms(engine, 1)    # the graph's buffers hold the last decode run's step: compare with it
         if gpu_ms is not None:
             measured["gpu_step_ms_bs1"] = gpu_ms
             measured["gpu_idle_share_bs1"] = 1 - gpu_ms / measured[f"decode_step_ms_{contexts[-1]}"]
+    if device == "cuda":
+        # rank 0's shard under tensor parallelism: every rank streams its own at the same time
         weights = sum(p.numel() * p.element_size() for n, p in engine.runner.model.named_parameters()
                       if "embed_tokens" not in n or engine.runner.model.config.get("tie_word_embeddings"))
         bandwidth = copy_bandwidth_tb_s()
         result["ceiling"] = {"copy_tb_s": bandwidth, "streamed_weight_gb": weights / 1e9,
                              "bs1_decode_tok_s": bandwidth * 1e12 / weights}
+    engine.shutdown()   # the other ranks' processes end here, and their devices' memory is free again
     del engine
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -184,7 +199,8 @@ def main() -> None:
     result["commit"] = git_commit()
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
-    print(f"\n{shape} on {result['device']} ({'graphs' if result['cuda_graphs'] else 'eager'}), load {load_s:.1f}s")
+    print(f"\n{shape} on {result['device']}{f', TP={tp}' if tp > 1 else ''} "
+          f"({'graphs' if result['cuda_graphs'] else 'eager'}), load {load_s:.1f}s")
     for key, value in {**measured, **{f"ceiling.{k}": v for k, v in result["ceiling"].items()},
                        **{f"reference.{k}": v for k, v in result["reference"].items()}}.items():
         print(f"  {key:36s} {value:10.3f}")

@@ -2,6 +2,9 @@
 
     python bench/serving.py --json $OUT/serving.json      # on the H200 (one device call)
     python bench/serving.py --tiny                        # a CPU rehearsal: tiny shape, 1 and 4 streams of 32/32
+    python bench/serving.py --tensor-parallel-size 2 --checkpoint /tmp/ckpt-8b --concurrency 256 --skip-hf
+                                                          # over 2 GPUs: cvserve --tensor-parallel-size 2, and
+                                                          # LLM(..., tensor_parallel_size=2) offline
 
 1. Writes a random bf16 checkpoint (drawn on the device, saved as safetensors shards) plus a tokenizer
    covering its vocabulary; ``--checkpoint DIR`` keeps it there and reuses it on the next run.
@@ -18,6 +21,9 @@
 Output tok/s = completion tokens over the wall time from the moment all streams are opened to the last
 token. TTFT and inter-token gaps are per stream (a chunk may carry several tokens when the server
 merges a lagging stream's deltas).
+
+``--tensor-parallel-size N`` runs both the server and the offline engine over N ranks (one process per GPU, NCCL);
+the GPU sampler still reads GPU 0 only (rank 0).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import multiprocessing
 import os
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -88,8 +95,9 @@ def write_checkpoint(path: Path, shape: str, device: str, shard_bytes: int = 2 <
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     config = shape_config(shape, torch.bfloat16)
-    (path / "config.json").write_text(json.dumps(config, indent=2))
     write_tokenizer(path, config["vocab_size"])
+    # last: a checkpoint directory with a config.json is complete (measure() reuses it; a run cut short rewrites it)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
     if device == "cuda":
         torch.cuda.empty_cache()   # the server, another process, sizes its KV cache from what is free
 
@@ -99,6 +107,8 @@ def write_checkpoint(path: Path, shape: str, device: str, shard_bytes: int = 2 <
 def engine_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--dtype", "bfloat16", "--backend", args.backend, "--max-num-seqs", str(args.max_num_seqs),
              "--max-model-len", str(args.input_len + args.output_len)]
+    if args.tensor_parallel_size > 1:
+        flags += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     if args.max_num_batched_tokens:
         flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     return flags
@@ -119,7 +129,8 @@ def offline_worker(spec: dict) -> dict:
     started = time.perf_counter()
     llm = LLM(spec["model"], dtype="bfloat16", backend=spec["backend"], max_num_seqs=spec["max_num_seqs"],
               max_model_len=spec["input_len"] + spec["output_len"],
-              max_num_batched_tokens=spec["max_num_batched_tokens"])
+              max_num_batched_tokens=spec["max_num_batched_tokens"],
+              tensor_parallel_size=spec.get("tensor_parallel_size", 1))
     load_s = time.perf_counter() - started
     warm = prompts_for(8, spec["input_len"], spec["vocab"], seed=1)
     llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
@@ -138,6 +149,7 @@ def offline_worker(spec: dict) -> dict:
               "preemptions": llm.llm_engine.stats.preemptions}
     if trace is not None:
         result["by_phase"] = trace.phases()
+    llm.shutdown()   # the other ranks' processes end here, and their devices' memory is free again
     if spec["hf_batches"]:
         del llm, outputs
         result["hf"] = hf_reference(spec)
@@ -198,6 +210,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--hf-batches", default="16,64", help="batch sizes of the transformers reference")
     ap.add_argument("--hf-new-tokens", type=int, default=64)
     ap.add_argument("--json", help="write the result file here (the server's log goes beside it)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                    help="the server and the offline engine over N ranks (GPUs; processes with gloo under --tiny)")
     ap.add_argument("--offline-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.tiny:
@@ -263,6 +277,7 @@ def measure(args: argparse.Namespace, workdir: Path, timings: dict) -> tuple[lis
                            "max_num_batched_tokens": args.max_num_batched_tokens, "input_len": args.input_len,
                            "output_len": args.output_len, "vocab": vocab_size,
                            "concurrency": args.offline_concurrency, "shape": args.shape,
+                           "tensor_parallel_size": args.tensor_parallel_size,
                            "hf_batches": [] if args.skip_hf else args.hf_batches, "hf_new_tokens": args.hf_new_tokens})
     timings["offline"] = time.perf_counter() - started
     log(f"offline {args.offline_concurrency}: {offline['output_tok_s']:.1f} output tok/s ({timings['offline']:.1f}s)")
@@ -287,6 +302,7 @@ def report(args: argparse.Namespace, levels: list[dict], offline: dict | None, t
     from throughput import gpu_name
 
     result = {"bench": "serving", "shape": args.shape, "dtype": "bfloat16", "gpu": gpu_name(args.backend),
+              "tensor_parallel_size": args.tensor_parallel_size,
               "command": "python " + " ".join(sys.argv), "commit": git_commit(),
               "date": datetime.date.today().isoformat(),
               "workload": {"input_len": args.input_len, "output_len": args.output_len, "levels": args.levels,
@@ -313,7 +329,9 @@ def gpu_cell(level: dict) -> str:
 
 def print_table(result: dict) -> None:
     w = result["workload"]
-    print(f"\n{result['shape']} on {result['gpu']} through cvserve: {w['input_len']} in / {w['output_len']} out, "
+    tp = result.get("tensor_parallel_size", 1)
+    print(f"\n{result['shape']} on {result['gpu']}{f', TP={tp}' if tp > 1 else ''} through cvserve: "
+          f"{w['input_len']} in / {w['output_len']} out, "
           f"one round of N streams per level")
     print(f"{'streams':>7} {'out tok/s':>10} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'ITL p50 ms':>11} "
           f"{'client CPU sum/max':>19} {'procs':>5} {'API/engine CPU':>15} {'errors':>6} {'GPU MHz/W/capped':>17}")
@@ -340,6 +358,9 @@ def main() -> None:
     if args.offline_worker:
         print("OFFLINE " + json.dumps(offline_worker(json.loads(args.offline_worker))), flush=True)
         return
+    # a SIGTERM (run_all.sh's timeout) unwinds like an error, so the server (its own session: the signal does not
+    # reach it) and its tensor-parallel workers are stopped rather than left holding the GPUs for the next step
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     started = time.perf_counter()
     timings: dict[str, float] = {}
     workdir = Path(tempfile.mkdtemp(prefix="cvllm-serving-bench-"))

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work, results under $OUT (bench/device/README.md):
 #   source bench/device/h200_setup.sh && CVLLM_BENCH_COMMIT=<short hash> bash bench/device/run_all.sh bench
-# "tests": the gpu-marked tests, file by file (up to ~9 min); "bench": latency, throughput and serving (~6 min).
+# "tests": the gpu-marked tests, file by file (up to ~9 min); "bench": latency, throughput and serving (~6 min);
+# "tp" (a machine of 2 or 4 GPUs): tensor parallelism against one GPU, Llama-3-8B shape (~5 min);
+# "tp70b" (4 GPUs): batch-1 latency of a Llama-3-70B shape at TP=4 and TP=2 (~5 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
+# NVLink multicast stays off on the shared multi-GPU hosts (h200_setup.sh sets these too; the benchmarks pass them on)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 what=${1:-bench}
 commit=${CVLLM_BENCH_COMMIT:?set CVLLM_BENCH_COMMIT to the commit being measured (the device copy of .git is stale)}
 day=$(date +%F)
@@ -12,7 +16,7 @@ run() {   # name, limit in seconds, command...
     local name=$1 limit=$2
     shift 2
     echo "=== $name"
-    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    timeout -k 75 "$limit" "$@" > "$out/$name.log" 2>&1   # SIGKILL 75 s after the SIGTERM, if still there
     echo "--- $name: exit $?"
     tail -n 14 "$out/$name.log"
 }
@@ -31,7 +35,46 @@ bench)
     run latency 150 python3 bench/latency.py --json "$out/$day-h200-latency-$commit.json"
     run throughput 150 python3 bench/throughput.py --json "$out/$day-h200-throughput-$commit.json"
     run serving 260 python3 bench/serving.py --json "$out/$day-h200-serving-$commit.json" ;;
+tp)
+    # issue 17 item 9: TP=1 against TP=2 (TP_SIZES="1 4" on 4 GPUs), Llama-3-8B shape, bf16, random weights.
+    # Batch-1 decode at 1k context (latency.py: the checkpoint drawn in memory, each rank draws it again from the
+    # seed) and 256 streams of 1024 in / 1024 out through cvserve (serving.py: one 16 GB checkpoint written by the
+    # first run, reused by the next). TP_OFFLINE=1 adds the offline engine's run to each serving step (~+45 s each).
+    gpus=$(nvidia-smi -L 2>/dev/null | grep -c GPU)
+    prefix="$out/$day-h200x$gpus"
+    ckpt=/tmp/cvllm-bench-llama3-8b
+    offline=(--skip-offline)
+    serve_limit=150
+    if [ "${TP_OFFLINE:-0}" = 1 ]; then offline=(); serve_limit=200; fi
+    files=()
+    for n in ${TP_SIZES:-1 2}; do
+        files+=("$prefix-latency-tp$n-$commit.json")
+        run latency-tp$n 110 python3 bench/latency.py --skip-hf --contexts 1024 --tensor-parallel-size "$n" \
+            --json "$prefix-latency-tp$n-$commit.json"
+    done
+    for n in ${TP_SIZES:-1 2}; do
+        files+=("$prefix-serving-tp$n-$commit.json")
+        run serving-tp$n $serve_limit python3 bench/serving.py --skip-hf "${offline[@]}" --concurrency 256 \
+            --checkpoint "$ckpt" --tensor-parallel-size "$n" --json "$prefix-serving-tp$n-$commit.json"
+    done
+    python3 bench/tp_summary.py --command \
+        "TP_SIZES='${TP_SIZES:-1 2}' TP_OFFLINE=${TP_OFFLINE:-0} CVLLM_BENCH_COMMIT=$commit bash bench/device/run_all.sh tp" \
+        --json "$prefix-tp_summary-$commit.json" "${files[@]}" ;;
+tp70b)
+    # a Llama-3-70B shape (141 GB of bf16 weights: more than one GPU holds) on 4 GPUs, batch 1 at 1k context; each
+    # rank draws the random weights on its GPU and keeps its shard (nothing written to disk)
+    gpus=$(nvidia-smi -L 2>/dev/null | grep -c GPU)
+    prefix="$out/$day-h200x$gpus"
+    files=()
+    for n in ${TP_SIZES:-4 2}; do
+        files+=("$prefix-latency-70b-tp$n-$commit.json")
+        run latency-70b-tp$n 260 python3 bench/latency.py --shape llama3-70b --skip-hf --contexts 1024 \
+            --tensor-parallel-size "$n" --json "$prefix-latency-70b-tp$n-$commit.json"
+    done
+    python3 bench/tp_summary.py --command \
+        "TP_SIZES='${TP_SIZES:-4 2}' CVLLM_BENCH_COMMIT=$commit bash bench/device/run_all.sh tp70b" \
+        --json "$prefix-tp70b_summary-$commit.json" "${files[@]}" ;;
 *)
-    echo "usage: run_all.sh tests|bench" >&2
+    echo "usage: run_all.sh tests|bench|tp|tp70b" >&2
     exit 2 ;;
 esac
