@@ -267,3 +267,17 @@ def test_an_abort_names_whole_requests_unless_it_carries_completion_indices():
     assert decoder.decode(old) == AbortRequests(["x"]) and AbortRequests(["x"]).indices is None
     some = decoder.decode(msgspec.msgpack.Encoder().encode(AbortRequests(["x"], [1])))
     assert some == AbortRequests(["x"], [1])
+
+
+def test_no_exit_hook_is_left_per_launch(tmp_path):
+    """Each launch is ended at exit while it runs, and forgotten once it has ended (no hook or Process kept per
+    launch for the life of the API process)."""
+    from cvllm.engine_process import client as client_module
+
+    config = EngineConfig(model=str(tmp_path / "missing"), fake_step_ms=1.0)
+    before = set(client_module._live_cores)
+    launch = EngineCoreClient.launch(config)
+    assert launch.process in client_module._live_cores
+    with pytest.raises(EngineStartupError):
+        asyncio.run(launch.ready(60))
+    assert client_module._live_cores == before

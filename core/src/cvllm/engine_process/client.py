@@ -145,7 +145,7 @@ class EngineCoreClient:
         process = context.Process(target=run_core, name="cvllm-engine-core", daemon=False,
                                   args=(config, commands_reader, outputs_writer, log_level))
         process.start()
-        atexit.register(_end_core, process)
+        _live_cores.add(process)
         # The child holds these ends now; closing ours is what makes EOF mean "the core is gone".
         commands_reader.close()
         outputs_writer.close()
@@ -214,6 +214,7 @@ class EngineCoreClient:
             logger.warning("the engine core did not exit within %g s; killing it", timeout)
             self._process.kill()
             await self._exited.wait()
+        _live_cores.discard(self._process)
         self._mark_dead("the engine core was shut down")
         await self._loop.run_in_executor(None, self._reader.join)
         self._commands.close()
@@ -244,6 +245,7 @@ class EngineCoreClient:
             if not self._post(self._on_message, message):
                 return   # the loop is closed: nobody is left to tell
         self._process.join(10)   # the pipe closed: the process is exiting; reap it for its exit code
+        _live_cores.discard(self._process)
         self._post(self._on_exit, self._process.exitcode)
 
     def _post(self, callback, *args) -> bool:
@@ -286,13 +288,19 @@ class EngineCoreClient:
             stream._fail(EngineDeadError(self.dead))
 
 
-def _end_core(process: multiprocessing.process.BaseProcess) -> None:
-    """At the API process's exit: the core if it still runs (its tensor-parallel workers follow it)."""
-    if process.is_alive():
-        process.terminate()
-        process.join(timeout=2)
+# Engine cores this process started and has not shut down: ended at its exit (one atexit hook for all of them)
+_live_cores: set[multiprocessing.process.BaseProcess] = set()
+
+
+@atexit.register
+def _end_live_cores() -> None:
+    """At the API process's exit: each core still running (its tensor-parallel workers follow it)."""
+    for process in list(_live_cores):
         if process.is_alive():
-            process.kill()
+            process.terminate()
+            process.join(timeout=2)
+            if process.is_alive():
+                process.kill()
 
 
 def _first_message(outputs: Connection, process: multiprocessing.process.BaseProcess,
@@ -325,6 +333,7 @@ class CoreLaunch:
             return EngineCoreClient(process, self._commands, self._outputs, first, loop)
         process.kill()
         await loop.run_in_executor(None, process.join, 10)
+        _live_cores.discard(process)
         self._commands.close()
         self._outputs.close()
         if isinstance(first, CoreDead):
@@ -335,3 +344,4 @@ class CoreLaunch:
         """Stop a core that is no longer wanted (the API side failed to start); reaps it, so no zombie is left."""
         self.process.kill()
         self.process.join(5)   # SIGKILL: quick
+        _live_cores.discard(self.process)
