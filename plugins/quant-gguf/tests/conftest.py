@@ -3,15 +3,21 @@ model for the end-to-end ones."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from cvllm.testing.requirements import demo_model
-from cvllm.testing.threads import one_torch_thread as single_torch_thread
-from cvllm_gguf.quant_types import FLOAT_DTYPES, FORMATS, GGMLType
+# the block kernels (cvllm_gguf.kernels) run in Triton's CPU interpreter without a GPU; Triton reads this when a
+# kernel is decorated, i.e. before a test module imports them (as plugins/backend-cuda/tests/conftest.py does)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from cvllm.testing.requirements import demo_model  # noqa: E402
+from cvllm.testing.threads import one_torch_thread as single_torch_thread  # noqa: E402
+from cvllm_gguf.quant_types import FLOAT_DTYPES, FORMATS, GGMLType  # noqa: E402
 
 # byte offsets of the f16 scale fields in each block type: random bytes there could be NaN/inf,
 # which the tests replace by random finite halves (the quant fields stay fully random)
@@ -20,6 +26,12 @@ F16_FIELDS: dict[GGMLType, tuple[int, ...]] = {
     GGMLType.Q8_0: (0,), GGMLType.Q2_K: (80, 82), GGMLType.Q3_K: (108,), GGMLType.Q4_K: (0, 2),
     GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,),
 }
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
+    # triton 3.6's interpreter converts 1-element arrays to ints the way numpy deprecated: hundreds per test
+    config.addinivalue_line("filterwarnings", "ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 
 def finite_half_bits(rng: np.random.Generator, n: int) -> np.ndarray:

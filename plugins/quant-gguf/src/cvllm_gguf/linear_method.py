@@ -1,9 +1,17 @@
 """A LinearMethod over raw GGUF blocks.
 
 The layer keeps the blocks exactly as the file stores them (``layer.qweight``: uint8
-[out_features, bytes_per_row], ``layer.qtype``), so a CUDA kernel that reads the blocks directly
-can take over later through this same interface, with no change to model code. On CPU,
-``process_weights_after_loading`` prepares a compute form once (measured
+[out_features, bytes_per_row], ``layer.qtype``).
+
+On a CUDA device with ``CVLLM_GGUF_KERNELS=1``, a type with a kernel (``cvllm_gguf.kernels``: Q8_0, Q4_0, Q4_1,
+Q5_0, Q5_1 in ``simple_blocks.py``, the K-quants that ``k_blocks.py`` registers) keeps only those blocks (GPU weight
+memory ~ the file's bytes) and every call reads them in place (``gguf_matmul``: float32 accumulation, in either
+mode; ``gguf_compute == "kernel"``). Opt-in for now: the kernels are checked in Triton's interpreter only and have
+not yet run compiled on a GPU; once their GPU tests pass they become the default. Everything else on CUDA takes the
+dequantized path below, as before: a type with no registered kernel (F32/F16/BF16 layers among them), a row-parallel
+split off block boundaries (``gguf_columns``), and every layer where triton cannot be imported.
+
+On CPU, and for those, ``process_weights_after_loading`` prepares a compute form once (measured
 on 2 cores with SmolLM2 shapes: dequantizing Q4_1 on every call ~208 ms a token, the int4-packed op ~7 ms):
 
 - mode "fast": Q4_0/Q4_1 repacked into torch's int4-packed CPU layout for
@@ -16,6 +24,7 @@ on 2 cores with SmolLM2 shapes: dequantizing Q4_1 on every call ~208 ms a token,
 from __future__ import annotations
 
 import logging
+import os
 from functools import partial
 from typing import Literal
 
@@ -27,7 +36,7 @@ from cvllm.checkpoint.lazy import LazyTensor, lazy_aware, materialize
 from cvllm.layers.quantization import LinearMethod
 from cvllm_gguf.dequant import dequantize
 from cvllm_gguf.int4pack import INT4PACK_TYPES, int4pack_linear, pack_q4_for_int4mm, packable
-from cvllm_gguf.quant_types import FLOAT_DTYPES, FORMATS, resolve_qtype, row_bytes
+from cvllm_gguf.quant_types import FLOAT_DTYPES, FORMATS, GGMLType, resolve_qtype, row_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +113,11 @@ class GGUFLinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         out_features, in_features = layer.gguf_shape
         qweight = layer.qweight.data
+        if qweight.device.type == "cuda" and not getattr(layer, "gguf_columns", None) and kernels_enabled() \
+                and _has_kernel(self.qtype):
+            layer.weight = torch.empty(0, device=qweight.device)  # no dequantized copy: the blocks are read in place
+            layer.gguf_compute = "kernel"
+            return
         if self.mode == "fast" and qweight.device.type == "cpu" and self.qtype in INT4PACK_TYPES \
                 and packable(out_features) and not getattr(layer, "gguf_columns", None):
             layer.int4_weight, layer.int4_scales_zeros = pack_q4_for_int4mm(qweight, self.qtype, in_features)
@@ -120,6 +134,14 @@ class GGUFLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.gguf_compute is None:
             self.process_weights_after_loading(layer)
+        if layer.gguf_compute == "kernel":
+            from cvllm_gguf.kernels import gguf_matmul
+
+            out_features, in_features = layer.gguf_shape
+            out = gguf_matmul(x.reshape(-1, in_features), layer.qweight, self.qtype, out_features, in_features)
+            if bias is not None:
+                out += bias.to(out.dtype)
+            return out.view(*x.shape[:-1], out_features)
         if layer.gguf_compute == "int4pack":
             out = int4pack_linear(x, layer.int4_weight, layer.int4_scales_zeros)
             if bias is not None:
@@ -130,7 +152,27 @@ class GGUFLinearMethod(LinearMethod):
         return out.to(x.dtype)
 
 
-_warned: set[tuple] = set()
+KERNELS_ENV = "CVLLM_GGUF_KERNELS"
+
+
+def kernels_enabled() -> bool:
+    """The in-place block kernels on CUDA: opt-in (``CVLLM_GGUF_KERNELS=1``) until they have run on a GPU."""
+    return os.environ.get(KERNELS_ENV, "0") == "1"
+
+
+def _has_kernel(qtype: GGMLType) -> bool:
+    """Whether ``cvllm_gguf.kernels`` computes with ``qtype``'s blocks; False (once logged) without triton."""
+    try:
+        from cvllm_gguf.kernels import has_kernel
+    except ImportError as exc:
+        if "triton" not in _warned:
+            _warned.add("triton")
+            logger.warning("GGUF layers on CUDA load dequantized: the in-place block kernels need triton (%s)", exc)
+        return False
+    return has_kernel(qtype)
+
+
+_warned: set = set()
 
 
 def _warn_unaligned(qtype, columns: int, split: int) -> None:
