@@ -3,7 +3,9 @@
 #   source bench/device/h200_setup.sh && CVLLM_BENCH_COMMIT=<short hash> bash bench/device/run_all.sh bench
 # "tests": the gpu-marked tests, file by file (up to ~9 min); "bench": latency, throughput and serving (~6 min);
 # "tp" (a machine of 2 or 4 GPUs): tensor parallelism against one GPU, Llama-3-8B shape (~5 min);
-# "tp70b" (4 GPUs): batch-1 latency of a Llama-3-70B shape at TP=4 and TP=2 (~5 min).
+# "tp70b" (4 GPUs): batch-1 latency of a Llama-3-70B shape at TP=4 and TP=2 (~5 min);
+# "gguf": the GGUF in-place kernels (issue 18) against bf16 F.linear, Llama-3-8B shapes, 10 types (~3-8 min, most
+# of it Triton compiles; GGUF_TYPES=Q4_K,Q6_K times a part, e.g. to split the types over two calls).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
 # NVLink multicast stays off on the shared multi-GPU hosts (h200_setup.sh sets these too; the benchmarks pass them on)
@@ -74,7 +76,12 @@ tp70b)
     python3 bench/tp_summary.py --command \
         "TP_SIZES='${TP_SIZES:-4 2}' CVLLM_BENCH_COMMIT=$commit bash bench/device/run_all.sh tp70b" \
         --json "$prefix-tp70b_summary-$commit.json" "${files[@]}" ;;
+gguf)
+    # the JSON is rewritten after every (shape, type): a run cut by the timeout keeps what it measured
+    suffix=${GGUF_TYPES:+-${GGUF_TYPES//,/-}}
+    run gguf-kernels 480 python3 bench/gguf_kernels.py ${GGUF_TYPES:+--types "$GGUF_TYPES"} \
+        --json "$out/$day-h200-gguf_kernels$suffix-$commit.json" ;;
 *)
-    echo "usage: run_all.sh tests|bench|tp|tp70b" >&2
+    echo "usage: run_all.sh tests|bench|tp|tp70b|gguf" >&2
     exit 2 ;;
 esac
