@@ -1,0 +1,86 @@
+"""The "gptq" and "awq" quantizers: ``target(checkpoint, dtype)`` -> a factory of LinearMethods per linear layer.
+
+``quantization_config`` comes from the checkpoint's config.json (core's HF reader sets ``quant_method`` from it and
+keeps the whole config). A layer is quantized when the checkpoint holds ``<module>.qweight`` for its modules (read
+from the safetensors headers, nothing else); a fused layer whose parts disagree is an error. Without headers to read
+(a checkpoint that is not a directory of safetensors files) every linear layer is taken as quantized except AWQ's
+``modules_to_not_convert``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cvllm.checkpoint.base import Checkpoint, CheckpointError
+from cvllm.layers.quantization import LinearMethod, LinearMethodFactory
+from cvllm_marlin.config import QuantConfigError, modules_not_converted, parse_awq_config, parse_gptq_config
+from cvllm_marlin.linear_method import AWQLinearMethod, GPTQLinearMethod
+
+
+def quantization_config(checkpoint: Checkpoint) -> dict[str, Any]:
+    """The checkpoint's ``quantization_config`` dict: ``quant_config`` when a reader set one, else config.json's."""
+    config = checkpoint.quant_config if isinstance(checkpoint.quant_config, dict) else \
+        checkpoint.config.get("quantization_config")
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{checkpoint.path}: quant_method {checkpoint.quant_method!r} but config.json has no "
+                              f"quantization_config object")
+    return config
+
+
+def quantized_modules(checkpoint: Checkpoint) -> set[str] | None:
+    """Module names that have a ``.qweight`` tensor in the checkpoint's safetensors headers; None if unknown."""
+    path = Path(checkpoint.path)
+    if not path.is_dir():
+        return None
+    from cvllm.checkpoint.hf_dir import weight_files
+    from cvllm.checkpoint.safetensors_files import check_safetensors_file
+
+    modules = set()
+    for file in weight_files(path):
+        for name in check_safetensors_file(file):
+            if name.endswith(".qweight"):
+                modules.add(name.removesuffix(".qweight"))
+    return modules
+
+
+def _factory(checkpoint: Checkpoint, method_class, config, not_converted: list[str], dtype: torch.dtype) \
+        -> LinearMethodFactory:
+    present = quantized_modules(checkpoint)
+
+    def method_for(layer: str, sources: Sequence[str]) -> LinearMethod | None:
+        if present is None:
+            if any(part in layer.split(".") or layer.endswith(part) for part in not_converted):
+                return None
+            return method_class(config, dtype, layer)
+        quantized = [source in present for source in sources]
+        if not any(quantized):
+            return None
+        if not all(quantized):
+            listed = ", ".join(f"{s} {'quantized' if q else 'float'}" for s, q in zip(sources, quantized))
+            raise CheckpointError(f"{checkpoint.path}: layer '{layer}' fuses quantized and float weights "
+                                  f"({listed}); such checkpoints are not supported")
+        return method_class(config, dtype, layer)
+
+    return method_for
+
+
+def gptq_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMethodFactory:
+    raw = quantization_config(checkpoint)
+    try:
+        config = parse_gptq_config(raw, f"{checkpoint.path}: quantization_config")
+    except QuantConfigError as e:
+        raise CheckpointError(str(e)) from None
+    return _factory(checkpoint, GPTQLinearMethod, config, [], dtype)
+
+
+def awq_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMethodFactory:
+    raw = quantization_config(checkpoint)
+    try:
+        config = parse_awq_config(raw, f"{checkpoint.path}: quantization_config")
+    except QuantConfigError as e:
+        raise CheckpointError(str(e)) from None
+    return _factory(checkpoint, AWQLinearMethod, config, modules_not_converted(raw), dtype)
