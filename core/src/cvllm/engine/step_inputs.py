@@ -28,14 +28,14 @@ PreviousTokens = tuple[torch.Tensor, dict[int, int]]
 
 @dataclass(slots=True)
 class HostStep:
-    """The host tensors of a step, in ``NAMES`` order, and what the ForwardContext keeps as host lists."""
+    """The host tensors of a step and what the ForwardContext keeps as host lists. ``tensors``, in this order (the
+    order of ``layout``): input ids, positions, query starts, sequence lengths, slots, block tables, logits rows,
+    fill ([2, F]: rows here, rows in the in-flight step's sampled ids)."""
     tensors: list[torch.Tensor]
     query_start: list[int]
     query_lens: list[int]
     seq_lens: list[int]
     is_decode_only: bool
-
-    NAMES = ("input_ids", "positions", "query_start", "seq_lens", "slots", "block_tables", "logits_indices", "fill")
 
     @property
     def num_fill(self) -> int:

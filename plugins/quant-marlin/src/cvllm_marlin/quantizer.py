@@ -69,18 +69,18 @@ def _factory(checkpoint: Checkpoint, method_class, config, not_converted: list[s
 
 
 def gptq_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMethodFactory:
-    raw = quantization_config(checkpoint)
-    try:
-        config = parse_gptq_config(raw, f"{checkpoint.path}: quantization_config")
-    except QuantConfigError as e:
-        raise CheckpointError(str(e)) from None
-    return _factory(checkpoint, GPTQLinearMethod, config, [], dtype)
+    return _linear_methods(checkpoint, dtype, parse_gptq_config, GPTQLinearMethod)
 
 
 def awq_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMethodFactory:
+    return _linear_methods(checkpoint, dtype, parse_awq_config, AWQLinearMethod)
+
+
+def _linear_methods(checkpoint: Checkpoint, dtype: torch.dtype, parse, method_class) -> LinearMethodFactory:
     raw = quantization_config(checkpoint)
     try:
-        config = parse_awq_config(raw, f"{checkpoint.path}: quantization_config")
+        config = parse(raw, f"{checkpoint.path}: quantization_config")
     except QuantConfigError as e:
         raise CheckpointError(str(e)) from None
-    return _factory(checkpoint, AWQLinearMethod, config, modules_not_converted(raw), dtype)
+    # GPTQ checkpoints carry no such list (modules_not_converted finds none); AWQ's names its float layers
+    return _factory(checkpoint, method_class, config, modules_not_converted(raw), dtype)
