@@ -143,6 +143,8 @@ def main() -> None:
                     help="attention with the default tiles, not this GPU's tuned ones (an A/B of the tuning)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                     help="split the model over N ranks (GPUs; processes with gloo under --tiny)")
+    ap.add_argument("--isq", metavar="TYPE",
+                    help="quantize the random weights in situ as they load (q4k, q8_0 ...): the quantized decode path")
     ap.add_argument("--json")
     args = ap.parse_args()
     tp = args.tensor_parallel_size
@@ -162,10 +164,10 @@ def main() -> None:
     engine = build_engine(EngineConfig(model=random_checkpoint(shape, dtype, device), backend=device, dtype=dtype,
                                        max_num_seqs=4, max_model_len=max(contexts) + args.decode_tokens + 16,
                                        kv_cache_memory=8 << 30 if device == "cuda" else 64 << 20,
-                                       enforce_eager=args.enforce_eager, tensor_parallel_size=tp))
+                                       enforce_eager=args.enforce_eager, tensor_parallel_size=tp, isq=args.isq))
     load_s = time.perf_counter() - started
     result: dict = {"bench": "latency", "shape": shape, "device": torch.cuda.get_device_name() if device == "cuda"
-                    else "cpu", "dtype": "bfloat16", "enforce_eager": args.enforce_eager,
+                    else "cpu", "dtype": "bfloat16", "isq": args.isq, "enforce_eager": args.enforce_eager,
                     "tuned_attention": not args.no_tuned, "tensor_parallel_size": tp, "load_s": load_s,
                     "command": "python " + " ".join(sys.argv), "measured": {}, "ceiling": {}, "reference": {}}
     result["cuda_graphs"] = hasattr(engine.runner.decode_forward, "graphs")
@@ -189,6 +191,11 @@ def main() -> None:
         bandwidth = copy_bandwidth_tb_s()
         result["ceiling"] = {"copy_tb_s": bandwidth, "streamed_weight_gb": weights / 1e9,
                              "bs1_decode_tok_s": bandwidth * 1e12 / weights}
+        # everything the model holds on the device (a quantized layer that keeps a dequantized copy shows here)
+        model = engine.runner.model
+        held = {t.data_ptr(): t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()]
+                if t.device.type == "cuda" and t.numel()}
+        result["model_memory_gb"] = sum(held.values()) / 1e9
     engine.shutdown()   # the other ranks' processes end here, and their devices' memory is free again
     del engine
     if device == "cuda":
@@ -199,11 +206,13 @@ def main() -> None:
     result["commit"] = git_commit()
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
-    print(f"\n{shape} on {result['device']}{f', TP={tp}' if tp > 1 else ''} "
+    print(f"\n{shape}{f' isq={args.isq}' if args.isq else ''} on {result['device']}{f', TP={tp}' if tp > 1 else ''} "
           f"({'graphs' if result['cuda_graphs'] else 'eager'}), load {load_s:.1f}s")
     for key, value in {**measured, **{f"ceiling.{k}": v for k, v in result["ceiling"].items()},
                        **{f"reference.{k}": v for k, v in result["reference"].items()}}.items():
         print(f"  {key:36s} {value:10.3f}")
+    if result.get("model_memory_gb") is not None:
+        print(f"  {'model_memory_gb':36s} {result['model_memory_gb']:10.3f}")
 
 
 if __name__ == "__main__":
