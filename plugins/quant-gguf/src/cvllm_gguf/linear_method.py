@@ -114,9 +114,16 @@ class GGUFLinearMethod(LinearMethod):
         out_features, in_features = layer.gguf_shape
         qweight = layer.qweight.data
         if qweight.device.type == "cuda" and not getattr(layer, "gguf_columns", None) and kernels_enabled() \
-                and _has_kernel(self.qtype):
-            layer.weight = torch.empty(0, device=qweight.device)  # no dequantized copy: the blocks are read in place
-            layer.gguf_compute = "kernel"
+                and _planes_available(self.qtype):
+            from cvllm_gguf.planes import to_planes
+
+            planes = to_planes(qweight, self.qtype, in_features)
+            for name, tensor in planes.tensors().items():   # buffers: counted, moved and seen like the weights
+                layer.register_buffer(f"quant_{name}", tensor, persistent=False)
+            layer.quant_weight = planes
+            layer.qweight.data = torch.empty(0, dtype=torch.uint8, device=qweight.device)   # the planes replace it
+            layer.weight = torch.empty(0, device=qweight.device)
+            layer.gguf_compute = "planes"
             return
         if self.mode == "fast" and qweight.device.type == "cpu" and self.qtype in INT4PACK_TYPES \
                 and packable(out_features) and not getattr(layer, "gguf_columns", None):
@@ -134,11 +141,11 @@ class GGUFLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.gguf_compute is None:
             self.process_weights_after_loading(layer)
-        if layer.gguf_compute == "kernel":
-            from cvllm_gguf.kernels import gguf_matmul
+        if layer.gguf_compute == "planes":
+            from cvllm_cuda.kernels.quant_matmul import quant_matmul
 
             out_features, in_features = layer.gguf_shape
-            out = gguf_matmul(x.reshape(-1, in_features), layer.qweight, self.qtype, out_features, in_features)
+            out = quant_matmul(x.reshape(-1, in_features), layer.quant_weight)
             if bias is not None:
                 out += bias.to(out.dtype)
             return out.view(*x.shape[:-1], out_features)
@@ -156,20 +163,25 @@ KERNELS_ENV = "CVLLM_GGUF_KERNELS"
 
 
 def kernels_enabled() -> bool:
-    """The in-place block kernels on CUDA: opt-in (``CVLLM_GGUF_KERNELS=1``) until they have run on a GPU."""
-    return os.environ.get(KERNELS_ENV, "0") == "1"
+    """The low-bit matmul kernels on CUDA; ``CVLLM_GGUF_KERNELS=0`` dequantizes every layer to bf16 instead."""
+    return os.environ.get(KERNELS_ENV, "1") != "0"
 
 
-def _has_kernel(qtype: GGMLType) -> bool:
-    """Whether ``cvllm_gguf.kernels`` computes with ``qtype``'s blocks; False (once logged) without triton."""
+def _planes_available(qtype: GGMLType) -> bool:
+    """Whether the CUDA backend's plane matmul computes with ``qtype``; False (once logged) without it or triton."""
+    from cvllm_gguf.planes import has_layout
+
+    if not has_layout(qtype):
+        return False
     try:
-        from cvllm_gguf.kernels import has_kernel
+        import cvllm_cuda.kernels.quant_matmul  # noqa: F401
     except ImportError as exc:
         if "triton" not in _warned:
             _warned.add("triton")
-            logger.warning("GGUF layers on CUDA load dequantized: the in-place block kernels need triton (%s)", exc)
+            logger.warning("GGUF layers on CUDA load dequantized: the low-bit kernels need cvllm-cuda and triton "
+                           "(%s)", exc)
         return False
-    return has_kernel(qtype)
+    return True
 
 
 _warned: set = set()

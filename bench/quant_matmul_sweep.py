@@ -1,0 +1,125 @@
+"""Tile sweep of the low-bit plane matmul (cvllm_cuda/kernels/quant_matmul.py) on Llama-3-8B's projection shapes:
+for each layout, every GEMV config at T=1 and a few GEMM configs at T=8 and T=256, against bf16 ``F.linear`` on the
+same shape. Prints the best configs; the chosen ones go into GEMV_CONFIGS / GEMM_CONFIGS.
+
+    python bench/quant_matmul_sweep.py --json $OUT/quant_matmul_sweep.json          # on the H200
+    python bench/quant_matmul_sweep.py --layouts q4_k --shapes o --budget-s 60
+
+Times are triton.testing.do_bench medians (the L2 is flushed before each call: weights come from HBM), in
+microseconds; GB/s counts the planes' bytes once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "plugins/backend-cuda/tests"))
+from test_quant_matmul import LAYOUTS, random_weight  # noqa: E402
+
+from cvllm_cuda.kernels.quant_matmul import quant_gemm, quant_gemv  # noqa: E402
+from cvllm_cuda.quant_planes import dequantize_planes  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def gemv_configs():
+    for bn, bg, warps in itertools.product((1, 2, 4, 8, 16), (2, 4, 8, 16, 32), (2, 4, 8)):
+        if bn * bg * 32 // (warps * 32) <= 64 and bn * bg >= 8:
+            yield (bn, bg, warps)
+
+
+def gemm_configs(t: int):
+    if t <= 16:
+        return [(bn, bg, 4, st) for bn in (32, 64, 128) for bg in (1, 2, 4) for st in (2, 4)]
+    return [(bn, bg, w, st) for bn in (64, 128) for bg in (2, 4) for w in (4, 8) for st in (3, 4)]
+
+
+def time_us(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=40) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layouts", default="q4_k,q8_0,q6_k,q4_1")
+    ap.add_argument("--shapes", default="o,gate_up,down,qkv")
+    ap.add_argument("--gemm-layouts", default="q4_k,q8_0")
+    ap.add_argument("--budget-s", type=float, default=400)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    started = time.perf_counter()
+    results: dict = {"gemv": {}, "gemm": {}, "bf16": {}, "dequant_linear": {}}
+    shapes = args.shapes.split(",")
+    for shape in shapes:
+        n, k = SHAPES[shape]
+        w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        for t in (1, 8, 256):
+            x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+            results["bf16"][f"{shape}/{t}"] = time_us(lambda: F.linear(x, w16))
+        del w16
+    for name in args.layouts.split(","):
+        for shape in shapes:
+            if time.perf_counter() - started > args.budget_s:
+                break
+            n, k = SHAPES[shape]
+            weight = random_weight(LAYOUTS[name], n, k, "cuda")
+            mb = weight.nbytes() / 1e6
+            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+            ref = (x.float() @ dequantize_planes(weight).T)
+            rows = {}
+            for cfg in gemv_configs():
+                if time.perf_counter() - started > args.budget_s:
+                    break
+                try:
+                    quant_gemv(x, weight, out, cfg)
+                    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+                    rows[cfg] = (time_us(lambda: quant_gemv(x, weight, out, cfg)), err)
+                except Exception as exc:   # e.g. out of shared memory or registers
+                    print(f"  {name} {shape} gemv {cfg}: {type(exc).__name__}", flush=True)
+            best = sorted(rows.items(), key=lambda kv: kv[1][0])[:5]
+            results["gemv"][f"{name}/{shape}"] = {str(c): v for c, v in rows.items()}
+            bf16 = results["bf16"][f"{shape}/1"]
+            for cfg, (us, err) in best:
+                print(f"gemv {name:5s} {shape:8s} {str(cfg):14s} {us:8.1f} us {mb / us * 1e-3:6.2f} TB/s "
+                      f"x{bf16 / us:4.2f} vs bf16 err {err:.1e}", flush=True)
+            if name not in args.gemm_layouts.split(","):
+                continue
+            for t in (8, 256):
+                x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+                out = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
+                ref = (x.float() @ dequantize_planes(weight).T)
+                rows = {}
+                for cfg in gemm_configs(t):
+                    if time.perf_counter() - started > args.budget_s:
+                        break
+                    try:
+                        quant_gemm(x, weight, out, cfg)
+                        err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+                        rows[cfg] = (time_us(lambda: quant_gemm(x, weight, out, cfg)), err)
+                    except Exception as exc:
+                        print(f"  {name} {shape} gemm {cfg}: {type(exc).__name__}", flush=True)
+                results["gemm"][f"{name}/{shape}/{t}"] = {str(c): v for c, v in rows.items()}
+                bf16 = results["bf16"][f"{shape}/{t}"]
+                for cfg, (us, err) in sorted(rows.items(), key=lambda kv: kv[1][0])[:3]:
+                    print(f"gemm {name:5s} {shape:8s} T={t:<4d} {str(cfg):14s} {us:8.1f} us x{bf16 / us:4.2f} vs "
+                          f"bf16 err {err:.1e}", flush=True)
+                if t == 256:   # the alternative for prefill: dequantize to bf16, then cuBLAS
+                    deq = dequantize_planes(weight).to(torch.bfloat16)
+                    results["dequant_linear"][f"{name}/{shape}"] = time_us(lambda: F.linear(x, deq))
+            if args.json:
+                Path(args.json).write_text(json.dumps(results, indent=1))
+    for key, us in results["bf16"].items():
+        print(f"bf16 {key:14s} {us:8.1f} us")
+
+
+if __name__ == "__main__":
+    main()

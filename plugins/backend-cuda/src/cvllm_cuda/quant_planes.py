@@ -1,0 +1,125 @@
+"""One layout for every low-bit weight the CUDA matmul reads (kernels/quant_matmul.py): GGUF blocks and GPTQ/AWQ
+groups are repacked into it once at load, losslessly (the same integers, the same f16 scales), in about the bytes
+of the original.
+
+Element k of row n has an unsigned integer q (``low_bits`` from the low plane, ``high_bits`` more above them from
+the high plane) and its value is
+
+    q * scale + offset,   scale = D * A,   offset = M * B
+
+with D (and M) f16 per ``super_group`` elements and A, B per ``scale_group`` elements (see ``QuantLayout``). Every
+format's own formula fits: Q4_0 is ``d * (q - 8)`` (A = 1, M = D, B = -8), Q4_K ``d*sc * q - dmin*mn`` (A = sc,
+M = dmin, B = -mn), GPTQ ``s * (q - z)`` (M = D = s, B = -z). Those products are exact in float32 for every
+supported format, so the kernels' weights equal dequant-then-matmul's bit for bit; only the sums' order differs.
+
+Why repack rather than read the file's blocks in place: the blocks interleave f16 scales with the quants at 18-,
+34- or 210-byte strides, so a warp cannot load them with wide aligned loads, and the K-quants' packed 6-bit scales
+cost more to unpack than the weights. Here every plane is a row-major int32 array: the low plane holds each group
+of 32 elements in ``low_bits`` words, element e of the group at bits ``(e % per_word) * low_bits`` of word
+``e // per_word``, and the words are stored word-major within a row ([word i][group g], so word i of consecutive
+groups is contiguous: one wide load per word index over a tile of groups). The high plane is the same with
+``high_bits`` words per group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+GROUP = 32  # elements per storage group (one word of 1-bit planes)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantLayout:
+    low_bits: int        # 2, 4 or 8
+    high_bits: int       # 0, 1 or 2
+    scale_group: int     # elements per A and B (a multiple of 16, dividing super_group)
+    super_group: int     # elements per D and M (a multiple of 32)
+    a_mode: int = 0      # A: 0 = 1, 1 = int8 per scale group, 2 = uint8 per scale group
+    b_mode: int = 0      # B: 0 = b_const, 1 = A * b_const, 2 = uint8 per scale group * b_const
+    b_const: int = 1
+    has_m: bool = False  # M from its own f16 per super group; else M = D
+
+    def __post_init__(self):
+        if self.low_bits not in (2, 4, 8) or self.high_bits not in (0, 1, 2):
+            raise ValueError(f"unsupported plane widths {self.low_bits}+{self.high_bits}")
+        if self.scale_group % 16 or self.super_group % GROUP or self.super_group % self.scale_group:
+            raise ValueError(f"scale group {self.scale_group} / super group {self.super_group} do not nest")
+        if self.scale_group < GROUP // self.low_bits:
+            raise ValueError("a scale group must cover whole words of the low plane")
+
+    def bits(self) -> int:
+        return self.low_bits + self.high_bits
+
+    def kernel_args(self) -> dict:
+        return {f.name.upper(): getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(slots=True)
+class QuantWeight:
+    """A [out_features, in_features] weight in ``layout``: the planes and factors, each [out_features, ...]."""
+    layout: QuantLayout
+    out_features: int
+    in_features: int
+    low: torch.Tensor                  # int32 [N, K / 32 * low_bits]
+    high: torch.Tensor | None          # int32 [N, K / 32 * high_bits]
+    d: torch.Tensor                    # float16 [N, K / super_group]
+    m: torch.Tensor | None             # float16 [N, K / super_group]
+    a: torch.Tensor | None             # int8 / uint8 [N, K / scale_group]
+    b: torch.Tensor | None             # uint8 [N, K / scale_group]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name: t for name in ("low", "high", "d", "m", "a", "b") if (t := getattr(self, name)) is not None}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def to(self, device: torch.device | str) -> QuantWeight:
+        moved = {name: t.to(device) for name, t in self.tensors().items()}
+        return QuantWeight(self.layout, self.out_features, self.in_features, **{
+            name: moved.get(name) for name in ("low", "high", "d", "m", "a", "b")})
+
+
+def pack_plane(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8/int [N, K] values below 2**bits to the plane layout: int32 [N, K / 32 * bits], word-major per row."""
+    n, k = q.shape
+    per_word = 32 // bits
+    groups = k // GROUP
+    shifts = torch.arange(per_word, device=q.device, dtype=torch.int64) * bits
+    words = (q.to(torch.int64).view(n, groups, bits, per_word) << shifts).sum(-1)   # disjoint bits: sum = or
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words)                # as two's complement int32
+    return words.to(torch.int32).transpose(1, 2).reshape(n, bits * groups).contiguous()
+
+
+def unpack_plane(words: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
+    """The inverse of ``pack_plane``: int64 [N, K]."""
+    n = words.shape[0]
+    per_word = 32 // bits
+    groups = in_features // GROUP
+    shifts = torch.arange(per_word, device=words.device, dtype=torch.int64) * bits
+    w = words.to(torch.int64).view(n, bits, groups).transpose(1, 2).unsqueeze(-1)   # [n, groups, bits, 1]
+    return ((w >> shifts) & ((1 << bits) - 1)).reshape(n, in_features)
+
+
+def dequantize_planes(weight: QuantWeight) -> torch.Tensor:
+    """float32 [N, K]: the values the kernels compute with (the reference their tests compare against)."""
+    lay, k = weight.layout, weight.in_features
+    q = unpack_plane(weight.low, lay.low_bits, k)
+    if lay.high_bits:
+        q |= unpack_plane(weight.high, lay.high_bits, k) << lay.low_bits
+    d = weight.d.float().repeat_interleave(lay.super_group, dim=1)
+    m = d if not lay.has_m else weight.m.float().repeat_interleave(lay.super_group, dim=1)
+    per_scale = lay.scale_group
+
+    def expand(t: torch.Tensor) -> torch.Tensor:
+        return t.float().repeat_interleave(per_scale, dim=1)
+
+    a = expand(weight.a) if lay.a_mode else torch.ones_like(d)
+    if lay.b_mode == 0:
+        b = torch.full_like(d, float(lay.b_const))
+    elif lay.b_mode == 1:
+        b = a * lay.b_const
+    else:
+        b = expand(weight.b) * lay.b_const
+    return q.float() * (d * a) + m * b

@@ -1,0 +1,111 @@
+"""The low-bit plane matmul (kernels/quant_matmul.py) against its layout's reference dequantization then a float32
+matmul: every plane width, scale mode and group size the GGUF and GPTQ/AWQ repacks use, GEMV and GEMM paths, x in
+float32, float16 and bfloat16. In Triton's interpreter without a GPU; compiled, on larger shapes, with one."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from cvllm.testing.requirements import import_or_skip
+
+import_or_skip("triton")
+
+from cvllm_cuda.kernels.quant_matmul import GEMM_CONFIGS, GEMV_CONFIGS, quant_matmul  # noqa: E402
+from cvllm_cuda.quant_planes import QuantLayout, QuantWeight, dequantize_planes, pack_plane, unpack_plane  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+needs_gpu = pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+LAYOUTS = {   # the GGUF types' (cvllm_gguf/planes.py) and GPTQ's
+    "q8_0": QuantLayout(8, 0, 32, 32, b_const=-128),
+    "q4_1": QuantLayout(4, 0, 32, 32, has_m=True),
+    "q5_0": QuantLayout(4, 1, 32, 32, b_const=-16),
+    "q2_k": QuantLayout(2, 0, 16, 256, a_mode=2, b_mode=2, b_const=-1, has_m=True),
+    "q3_k": QuantLayout(2, 1, 16, 256, a_mode=1, b_mode=1, b_const=-4),
+    "q4_k": QuantLayout(4, 0, 32, 256, a_mode=2, b_mode=2, b_const=-1, has_m=True),
+    "q6_k": QuantLayout(4, 2, 16, 256, a_mode=1, b_mode=1, b_const=-32),
+    "gptq4_g128": QuantLayout(4, 0, 128, 128, b_mode=2, b_const=-1),
+}
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def random_weight(layout: QuantLayout, n: int, k: int, device: str, seed: int = 0) -> QuantWeight:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 1 << layout.bits(), (n, k), generator=gen)
+    supers, scales = k // layout.super_group, k // layout.scale_group
+    half = lambda: (torch.rand(n, supers, generator=gen) * 2e-2 + 1e-3).half()   # noqa: E731
+    a = None
+    if layout.a_mode == 1:
+        a = torch.randint(-32, 32, (n, scales), generator=gen).to(torch.int8)
+    elif layout.a_mode == 2:
+        a = torch.randint(0, 64, (n, scales), generator=gen).to(torch.uint8)
+    b = torch.randint(0, 64, (n, scales), generator=gen).to(torch.uint8) if layout.b_mode == 2 else None
+    weight = QuantWeight(layout, n, k, low=pack_plane(q & ((1 << layout.low_bits) - 1), layout.low_bits),
+                         high=pack_plane(q >> layout.low_bits, layout.high_bits) if layout.high_bits else None,
+                         d=half(), m=half() if layout.has_m else None, a=a, b=b)
+    return weight.to(device)
+
+
+def check(weight: QuantWeight, t: int, dtype: torch.dtype, seed: int = 0) -> None:
+    x = torch.randn(t, weight.in_features, generator=torch.Generator().manual_seed(seed)).to(dtype).to(
+        weight.low.device)
+    ref = x.float() @ dequantize_planes(weight).T
+    out = quant_matmul(x, weight)
+    assert out.dtype == dtype and out.shape == (t, weight.out_features)
+    err = (out.float() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < TOLERANCE[dtype], err
+
+
+def test_pack_plane_round_trips():
+    q = torch.randint(0, 16, (3, 64))
+    assert torch.equal(unpack_plane(pack_plane(q, 4), 4, 64), q)
+    q8 = torch.randint(0, 256, (2, 96))
+    assert torch.equal(unpack_plane(pack_plane(q8, 8), 8, 96), q8)
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("t", [1, 3])
+def test_matmul_equals_dequantize_then_matmul(name, t):
+    # N not a multiple of the tiles, K not a multiple of the group steps: the masks
+    layout = LAYOUTS[name]
+    weight = random_weight(layout, 13, 352 if layout.super_group == 32 else 3 * layout.super_group, DEVICE)
+    check(weight, t, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("t", [1, 20])
+def test_half_inputs(dtype, t):
+    check(random_weight(LAYOUTS["q4_k"], 10, 512, DEVICE, seed=3), t, dtype)
+
+
+def test_configs_cover_every_plane_width():
+    assert set(GEMV_CONFIGS) == set(GEMM_CONFIGS) == {2, 4, 8}
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("t", [1, 2, 8, 16, 33, 300])
+def test_gpu_shapes(name, t):
+    check(random_weight(LAYOUTS[name], 1000, 4096, DEVICE, seed=t), t, torch.bfloat16)
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_decode_matmul_is_captured_in_a_cuda_graph():
+    weight = random_weight(LAYOUTS["q4_k"], 512, 1024, DEVICE)
+    x = torch.randn(1, 1024, device=DEVICE, dtype=torch.bfloat16)
+    out = torch.empty(1, 512, device=DEVICE, dtype=torch.bfloat16)
+    quant_matmul(x, weight, out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        quant_matmul(x, weight, out)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = (x.float() @ dequantize_planes(weight).T)
+    assert (out.float() - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()
