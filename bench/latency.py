@@ -185,16 +185,18 @@ def main() -> None:
             measured["gpu_step_ms_bs1"] = gpu_ms
             measured["gpu_idle_share_bs1"] = 1 - gpu_ms / measured[f"decode_step_ms_{contexts[-1]}"]
     if device == "cuda":
-        # rank 0's shard under tensor parallelism: every rank streams its own at the same time
-        weights = sum(p.numel() * p.element_size() for n, p in engine.runner.model.named_parameters()
-                      if "embed_tokens" not in n or engine.runner.model.config.get("tie_word_embeddings"))
+        # rank 0's shard under tensor parallelism: every rank streams its own at the same time. Buffers count too:
+        # a quantized layer's planes are buffers
+        model = engine.runner.model
+        tied = model.config.get("tie_word_embeddings")
+        tensors = [*model.named_parameters(), *model.named_buffers()]
+        held = {t.data_ptr(): t.untyped_storage().nbytes() for _, t in tensors if t.device.type == "cuda" and t.numel()}
+        weights = sum(t.numel() * t.element_size() for n, t in tensors
+                      if t.device.type == "cuda" and ("embed_tokens" not in n or tied))
         bandwidth = copy_bandwidth_tb_s()
         result["ceiling"] = {"copy_tb_s": bandwidth, "streamed_weight_gb": weights / 1e9,
                              "bs1_decode_tok_s": bandwidth * 1e12 / weights}
         # everything the model holds on the device (a quantized layer that keeps a dequantized copy shows here)
-        model = engine.runner.model
-        held = {t.data_ptr(): t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()]
-                if t.device.type == "cuda" and t.numel()}
         result["model_memory_gb"] = sum(held.values()) / 1e9
     engine.shutdown()   # the other ranks' processes end here, and their devices' memory is free again
     del engine

@@ -13,7 +13,15 @@ from cvllm.testing.requirements import import_or_skip
 
 import_or_skip("triton")
 
-from cvllm_cuda.kernels.quant_matmul import GEMM_CONFIGS, GEMV_CONFIGS, quant_matmul  # noqa: E402
+from cvllm_cuda.kernels.quant_matmul import (  # noqa: E402
+    DEQUANT_CONFIGS,
+    GEMM_CONFIGS,
+    GEMM_MAX_ROWS,
+    GEMV_CONFIGS,
+    dequantize_weight,
+    quant_gemm,
+    quant_matmul,
+)
 from cvllm_cuda.quant_planes import QuantLayout, QuantWeight, dequantize_planes, pack_plane, unpack_plane  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -68,7 +76,7 @@ def test_pack_plane_round_trips():
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("t", [1, 3, GEMM_MAX_ROWS + 1])   # GEMV, dequantize-in-tile GEMM, dequantize + cuBLAS
 def test_matmul_equals_dequantize_then_matmul(name, t):
     # N not a multiple of the tiles, K not a multiple of the group steps: the masks
     layout = LAYOUTS[name]
@@ -82,8 +90,23 @@ def test_half_inputs(dtype, t):
     check(random_weight(LAYOUTS["q4_k"], 10, 512, DEVICE, seed=3), t, dtype)
 
 
+@pytest.mark.parametrize("name", ["q6_k", "q3_k", "q8_0"])
+def test_dequantize_weight_gives_the_reference_values(name):
+    weight = random_weight(LAYOUTS[name], 9, 512, DEVICE, seed=4)
+    assert torch.equal(dequantize_weight(weight, torch.float32).cpu(), dequantize_planes(weight).cpu())
+
+
+def test_gemm_writes_into_strided_rows():
+    weight = random_weight(LAYOUTS["q4_k"], 20, 256, DEVICE, seed=5)
+    x = torch.randn(4, 256).to(DEVICE)
+    out = torch.full((4, 40), float("nan"), device=DEVICE)
+    quant_gemm(x, weight, out[:, 10:30])
+    torch.testing.assert_close(out[:, 10:30].cpu(), (x @ dequantize_planes(weight).T).cpu(), rtol=1e-5, atol=1e-5)
+    assert out[:, :10].isnan().all() and out[:, 30:].isnan().all()
+
+
 def test_configs_cover_every_plane_width():
-    assert set(GEMV_CONFIGS) == set(GEMM_CONFIGS) == {2, 4, 8}
+    assert set(GEMV_CONFIGS) == set(GEMM_CONFIGS) == set(DEQUANT_CONFIGS) == {2, 4, 8}
 
 
 @needs_gpu

@@ -14,11 +14,8 @@ supported format, so the kernels' weights equal dequant-then-matmul's bit for bi
 
 Why repack rather than read the file's blocks in place: the blocks interleave f16 scales with the quants at 18-,
 34- or 210-byte strides, so a warp cannot load them with wide aligned loads, and the K-quants' packed 6-bit scales
-cost more to unpack than the weights. Here every plane is a row-major int32 array: the low plane holds each group
-of 32 elements in ``low_bits`` words, element e of the group at bits ``(e % per_word) * low_bits`` of word
-``e // per_word``, and the words are stored word-major within a row ([word i][group g], so word i of consecutive
-groups is contiguous: one wide load per word index over a tile of groups). The high plane is the same with
-``high_bits`` words per group.
+cost more to unpack than the weights. Here every plane is a row-major int32 array of consecutive elements (element
+e of a row at bits ``(e % per_word) * bits`` of word ``e // per_word``), and the factors are plain arrays.
 """
 
 from __future__ import annotations
@@ -62,8 +59,8 @@ class QuantWeight:
     layout: QuantLayout
     out_features: int
     in_features: int
-    low: torch.Tensor                  # int32 [N, K / 32 * low_bits]
-    high: torch.Tensor | None          # int32 [N, K / 32 * high_bits]
+    low: torch.Tensor                  # int32 [N, K * low_bits / 32]
+    high: torch.Tensor | None          # int32 [N, K * high_bits / 32]
     d: torch.Tensor                    # float16 [N, K / super_group]
     m: torch.Tensor | None             # float16 [N, K / super_group]
     a: torch.Tensor | None             # int8 / uint8 [N, K / scale_group]
@@ -82,24 +79,22 @@ class QuantWeight:
 
 
 def pack_plane(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8/int [N, K] values below 2**bits to the plane layout: int32 [N, K / 32 * bits], word-major per row."""
+    """uint8/int [N, K] values below 2**bits to the plane layout: int32 [N, K * bits / 32], element e of a row at
+    bits ``(e % per_word) * bits`` of word ``e // per_word``."""
     n, k = q.shape
     per_word = 32 // bits
-    groups = k // GROUP
     shifts = torch.arange(per_word, device=q.device, dtype=torch.int64) * bits
-    words = (q.to(torch.int64).view(n, groups, bits, per_word) << shifts).sum(-1)   # disjoint bits: sum = or
+    words = (q.to(torch.int64).view(n, k // per_word, per_word) << shifts).sum(-1)   # disjoint bits: sum = or
     words = torch.where(words >= 1 << 31, words - (1 << 32), words)                # as two's complement int32
-    return words.to(torch.int32).transpose(1, 2).reshape(n, bits * groups).contiguous()
+    return words.to(torch.int32).contiguous()
 
 
 def unpack_plane(words: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
     """The inverse of ``pack_plane``: int64 [N, K]."""
     n = words.shape[0]
     per_word = 32 // bits
-    groups = in_features // GROUP
     shifts = torch.arange(per_word, device=words.device, dtype=torch.int64) * bits
-    w = words.to(torch.int64).view(n, bits, groups).transpose(1, 2).unsqueeze(-1)   # [n, groups, bits, 1]
-    return ((w >> shifts) & ((1 << bits) - 1)).reshape(n, in_features)
+    return ((words.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(n, in_features)
 
 
 def dequantize_planes(weight: QuantWeight) -> torch.Tensor:

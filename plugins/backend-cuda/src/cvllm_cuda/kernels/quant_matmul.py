@@ -17,128 +17,170 @@ Launches allocate only the output and never read a value back to the host: graph
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-import torch
-
 from cvllm_cuda.kernels.pdl import options as pdl_options
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
-from cvllm_cuda.quant_planes import GROUP, QuantWeight
-
-_MAGIC = 0x4B000000   # the bits of 2.0**23: OR-ing an integer below 2**23 into its mantissa gives 2**23 + q
+from cvllm_cuda.quant_planes import QuantWeight
 
 
 @triton.jit
-def _dequantize(low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, rows, row_ok, groups, group_ok, NUM_GROUPS,
-                LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
-                SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
-                HAS_M: tl.constexpr):
-    """float32 [BLOCK_N, BLOCK_G, WORDS, PER_WORD]: the weights of ``rows`` x ``groups``; element (n, g, i, s) is
-    input feature 32 g + PER_WORD i + s of row n (0 where masked)."""
-    WORDS: tl.constexpr = LOW_BITS
-    PER_WORD: tl.constexpr = 32 // LOW_BITS
-    i = tl.arange(0, WORDS)
-    s = tl.arange(0, PER_WORD)
-    r = rows.to(tl.int64)[:, None, None]
-    g = groups[None, :, None]
-    ok = row_ok[:, None, None] & group_ok[None, :, None]
-    words = tl.load(low_ptr + r * (NUM_GROUPS * WORDS) + i[None, None, :] * NUM_GROUPS + g, mask=ok, other=0)
-    q = (words[:, :, :, None] >> (s * LOW_BITS)[None, None, None, :]) & ((1 << LOW_BITS) - 1)
+def _load_words(low_ptr, high_ptr, r, words, ok, K, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr):
+    """The low-plane words [BLOCK_N, BLOCK_W] of rows ``r`` (int64 [BLOCK_N, 1]) at word indices ``words``
+    ([1, BLOCK_W]), and for each the high-plane word holding its elements' high bits (0 without a high plane)."""
+    low = tl.load(low_ptr + r * (K * LOW_BITS // 32) + words, mask=ok, other=0)
     if HIGH_BITS > 0:
-        HIGH_PER_WORD: tl.constexpr = 32 // HIGH_BITS
-        first = i * PER_WORD   # the first element of each low word, within its group
-        high = tl.load(high_ptr + r * (NUM_GROUPS * HIGH_BITS) + (first // HIGH_PER_WORD)[None, None, :] * NUM_GROUPS
-                       + g, mask=ok, other=0)
-        shift = ((first % HIGH_PER_WORD)[:, None] + s[None, :]) * HIGH_BITS   # [WORDS, PER_WORD]
-        q = q | (((high[:, :, :, None] >> shift[None, None, :, :]) & ((1 << HIGH_BITS) - 1)) << LOW_BITS)
-    qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    # the factors of each low word's elements (a word never straddles a scale group)
-    element = g * 32 + (i * PER_WORD)[None, None, :]          # [1, BLOCK_G, WORDS]
-    per_super = NUM_GROUPS * 32 // SUPER_GROUP
-    d = tl.load(d_ptr + r * per_super + element // SUPER_GROUP, mask=ok, other=0.0).to(tl.float32)
+        first = words * (32 // LOW_BITS)
+        high = tl.load(high_ptr + r * (K * HIGH_BITS // 32) + first // (32 // HIGH_BITS), mask=ok, other=0)
+    else:
+        high = low
+    return low, high
+
+
+@triton.jit
+def _word_factors(d_ptr, m_ptr, a_ptr, b_ptr, r, first, ok, K, SCALE_GROUP: tl.constexpr,
+                  SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
+                  HAS_M: tl.constexpr):
+    """scale and offset (float32 [BLOCK_N, BLOCK_W]) of the words whose first elements are ``first``: a word never
+    straddles a scale group."""
+    d = tl.load(d_ptr + r * (K // SUPER_GROUP) + first // SUPER_GROUP, mask=ok, other=0.0).to(tl.float32)
     if HAS_M:
-        m = tl.load(m_ptr + r * per_super + element // SUPER_GROUP, mask=ok, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + r * (K // SUPER_GROUP) + first // SUPER_GROUP, mask=ok, other=0.0).to(tl.float32)
     else:
         m = d
-    per_scale = NUM_GROUPS * 32 // SCALE_GROUP
     if A_MODE == 0:
         scale = d
+        a = d
     else:
-        a = tl.load(a_ptr + r * per_scale + element // SCALE_GROUP, mask=ok, other=0).to(tl.float32)
+        a = tl.load(a_ptr + r * (K // SCALE_GROUP) + first // SCALE_GROUP, mask=ok, other=0).to(tl.float32)
         scale = d * a
     if B_MODE == 0:
         offset = m * B_CONST
     elif B_MODE == 1:
         offset = m * (a * B_CONST)
     else:
-        b = tl.load(b_ptr + r * per_scale + element // SCALE_GROUP, mask=ok, other=0).to(tl.float32)
+        b = tl.load(b_ptr + r * (K // SCALE_GROUP) + first // SCALE_GROUP, mask=ok, other=0).to(tl.float32)
         offset = m * (b * B_CONST)
-    return qf * scale[:, :, :, None] + offset[:, :, :, None]
+    return scale, offset
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, NUM_GROUPS,
+def _quant(low, high, first, S: tl.constexpr, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr):
+    """float32: the integer of element ``first + S`` of each word (exact, without a conversion instruction)."""
+    q = (low >> (S * LOW_BITS)) & ((1 << LOW_BITS) - 1)
+    if HIGH_BITS > 0:
+        shift = (first % (32 // HIGH_BITS) + S) * HIGH_BITS
+        q = q | (((high >> shift) & ((1 << HIGH_BITS) - 1)) << LOW_BITS)
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K,
                  LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
                  SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
-                 HAS_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, USE_PDL: tl.constexpr):
+                 HAS_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_previous_kernel(USE_PDL)
-    WORDS: tl.constexpr = LOW_BITS
     PER_WORD: tl.constexpr = 32 // LOW_BITS
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    i = tl.arange(0, WORDS)
-    s = tl.arange(0, PER_WORD)
-    acc = tl.zeros((BLOCK_N, BLOCK_G, WORDS, PER_WORD), dtype=tl.float32)
-    for g0 in range(0, NUM_GROUPS, BLOCK_G):
-        groups = g0 + tl.arange(0, BLOCK_G)
-        group_ok = groups < NUM_GROUPS
-        w = _dequantize(low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, rows, row_ok, groups, group_ok, NUM_GROUPS,
-                        LOW_BITS, HIGH_BITS, SCALE_GROUP, SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
-        cols = groups[:, None, None] * 32 + (i * PER_WORD)[None, :, None] + s[None, None, :]
-        x = tl.load(x_ptr + cols, mask=group_ok[:, None, None], other=0.0).to(tl.float32)
-        acc += w * x[None, :, :, :]
-    total = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
-    tl.store(out_ptr + rows, total.to(out_ptr.dtype.element_ty), mask=row_ok)
+    r = rows.to(tl.int64)[:, None]
+    num_words = K // PER_WORD
+    acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+    for w0 in range(0, num_words, BLOCK_W):
+        words = w0 + tl.arange(0, BLOCK_W)
+        word_ok = words < num_words
+        ok = row_ok[:, None] & word_ok[None, :]
+        first = words * PER_WORD
+        low, high = _load_words(low_ptr, high_ptr, r, words[None, :], ok, K, LOW_BITS, HIGH_BITS)
+        scale, offset = _word_factors(d_ptr, m_ptr, a_ptr, b_ptr, r, first[None, :], ok, K, SCALE_GROUP,
+                                      SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
+        # sum q * x over each word's elements, then one scale and one offset * sum(x) per word
+        part = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+        x_sum = tl.zeros((BLOCK_W,), dtype=tl.float32)
+        for S in tl.static_range(PER_WORD):
+            x = tl.load(x_ptr + first + S, mask=word_ok, other=0.0).to(tl.float32)
+            part += _quant(low, high, first[None, :], S, LOW_BITS, HIGH_BITS) * x[None, :]
+            x_sum += x
+        acc += part * scale + offset * x_sum[None, :]
+    tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _gemm_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, T, N, NUM_GROUPS, stride_xt,
-                 stride_ot,
+def _gemm_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, T, N, K, stride_xt, stride_ot,
                  LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
                  SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
-                 HAS_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+                 HAS_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                  IEEE: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
+    """out^T tile [BLOCK_N, BLOCK_M] = W tile @ x^T tile, one ``tl.dot`` per element position S of the words (the
+    sum over K does not care in which order the columns come)."""
     wait_for_previous_kernel(USE_PDL)
-    BLOCK_K: tl.constexpr = BLOCK_G * 32
+    PER_WORD: tl.constexpr = 32 // LOW_BITS
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
+    r = rows.to(tl.int64)[:, None]
     ts = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     t_ok = ts < T
-    x_rows = x_ptr + ts.to(tl.int64)[:, None] * stride_xt
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for g0 in range(0, NUM_GROUPS, BLOCK_G):
-        groups = g0 + tl.arange(0, BLOCK_G)
-        group_ok = groups < NUM_GROUPS
-        w = _dequantize(low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, rows, row_ok, groups, group_ok, NUM_GROUPS,
-                        LOW_BITS, HIGH_BITS, SCALE_GROUP, SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
-        cols = g0 * 32 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_rows + cols[None, :], mask=t_ok[:, None] & (cols < NUM_GROUPS * 32)[None, :], other=0.0)
-        w = tl.reshape(w, (BLOCK_N, BLOCK_K)).to(x.dtype)
-        if UPCAST:   # the same bf16-rounded operands multiplied as float32 (see _upcast)
-            acc = tl.dot(x.to(tl.float32), tl.trans(w).to(tl.float32), acc, input_precision="ieee")
-        elif IEEE:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)
-    out_ptrs = out_ptr + ts.to(tl.int64)[:, None] * stride_ot + rows[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & row_ok[None, :])
+    x_cols = x_ptr + ts.to(tl.int64)[None, :] * stride_xt
+    num_words = K // PER_WORD
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for w0 in range(0, num_words, BLOCK_W):
+        words = w0 + tl.arange(0, BLOCK_W)
+        word_ok = words < num_words
+        ok = row_ok[:, None] & word_ok[None, :]
+        first = words * PER_WORD
+        low, high = _load_words(low_ptr, high_ptr, r, words[None, :], ok, K, LOW_BITS, HIGH_BITS)
+        scale, offset = _word_factors(d_ptr, m_ptr, a_ptr, b_ptr, r, first[None, :], ok, K, SCALE_GROUP,
+                                      SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
+        for S in tl.static_range(PER_WORD):
+            x = tl.load(x_cols + (first + S)[:, None], mask=word_ok[:, None] & t_ok[None, :], other=0.0)
+            w = (_quant(low, high, first[None, :], S, LOW_BITS, HIGH_BITS) * scale + offset).to(x.dtype)
+            if UPCAST:   # the same bf16-rounded operands multiplied as float32 (see _upcast)
+                acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
+            elif IEEE:
+                acc = tl.dot(w, x, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, x, acc)
+    out_ptrs = out_ptr + ts.to(tl.int64)[None, :] * stride_ot + rows[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & t_ok[None, :])
 
 
-# (BLOCK_N, BLOCK_G, num_warps) of the GEMV and (BLOCK_N, BLOCK_G, num_warps, num_stages) of the GEMM, by low bits;
-# set from bench/quant_matmul_sweep.py on the H200
-GEMV_CONFIGS = {2: (4, 8, 4), 4: (4, 8, 4), 8: (4, 4, 4)}
-GEMM_CONFIGS = {2: (64, 2, 4, 3), 4: (64, 2, 4, 3), 8: (64, 2, 4, 3)}
+@triton.jit
+def _dequantize_kernel(out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K,
+                       LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
+                       SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
+                       HAS_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, USE_PDL: tl.constexpr):
+    """The whole weight in out's dtype [N, K] (many rows of x: then cuBLAS multiplies)."""
+    wait_for_previous_kernel(USE_PDL)
+    PER_WORD: tl.constexpr = 32 // LOW_BITS
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = rows.to(tl.int64)[:, None]
+    words = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    ok = (rows < N)[:, None] & (words < K // PER_WORD)[None, :]
+    first = words * PER_WORD
+    low, high = _load_words(low_ptr, high_ptr, r, words[None, :], ok, K, LOW_BITS, HIGH_BITS)
+    scale, offset = _word_factors(d_ptr, m_ptr, a_ptr, b_ptr, r, first[None, :], ok, K, SCALE_GROUP, SUPER_GROUP,
+                                  A_MODE, B_MODE, B_CONST, HAS_M)
+    s = tl.arange(0, PER_WORD)
+    q = (low[:, :, None] >> (s * LOW_BITS)[None, None, :]) & ((1 << LOW_BITS) - 1)
+    if HIGH_BITS > 0:
+        shift = ((first % (32 // HIGH_BITS))[:, None] + s[None, :]) * HIGH_BITS
+        q = q | (((high[:, :, None] >> shift[None, :, :]) & ((1 << HIGH_BITS) - 1)) << LOW_BITS)
+    qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    w = qf * scale[:, :, None] + offset[:, :, None]
+    ptrs = out_ptr + r[:, :, None] * K + first[None, :, None] + s[None, None, :]
+    tl.store(ptrs, w.to(out_ptr.dtype.element_ty), mask=ok[:, :, None])
+
+
+# (BLOCK_N, BLOCK_W, num_warps) of the GEMV, (BLOCK_N, BLOCK_W, num_warps, num_stages) of the GEMM and
+# (BLOCK_N, BLOCK_W, num_warps) of the dequantization, by low-plane bits; set from bench/quant_matmul_sweep.py
+GEMV_CONFIGS = {2: (8, 32, 4), 4: (8, 64, 4), 8: (8, 64, 4)}
+GEMM_CONFIGS = {2: (64, 32, 4, 3), 4: (64, 32, 4, 3), 8: (64, 32, 4, 3)}
+DEQUANT_CONFIGS = {2: (16, 16, 4), 4: (16, 32, 4), 8: (16, 64, 4)}
+# rows of x up to which the dequantize-in-tile GEMM runs; more rows dequantize the weight once and call cuBLAS
+GEMM_MAX_ROWS = 16
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -158,23 +200,35 @@ def _planes(weight: QuantWeight) -> tuple[torch.Tensor, ...]:
 
 
 def quant_gemv(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple | None = None) -> None:
-    """out[0] = weight @ x[0] (x and out [1, K] / [1, N], contiguous)."""
-    block_n, block_g, warps = config or GEMV_CONFIGS[weight.layout.low_bits]
-    n, groups = weight.out_features, weight.in_features // GROUP
-    _gemv_kernel[(_cdiv(n, block_n),)](x, out, *_planes(weight), n, groups, **weight.layout.kernel_args(),
-                                       BLOCK_N=block_n, BLOCK_G=block_g, num_warps=warps,
-                                       **pdl_options(x.device))
+    """out[0] = weight @ x[0] (x [1, K] and out [1, N], contiguous)."""
+    block_n, block_w, warps = config or GEMV_CONFIGS[weight.layout.low_bits]
+    n = weight.out_features
+    _gemv_kernel[(_cdiv(n, block_n),)](x, out, *_planes(weight), n, weight.in_features,
+                                       **weight.layout.kernel_args(), BLOCK_N=block_n, BLOCK_W=block_w,
+                                       num_warps=warps, **pdl_options(x.device))
 
 
 def quant_gemm(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple | None = None) -> None:
-    """out = x @ weight.T for x [T, K] (last dimension contiguous) and out [T, N]."""
-    block_n, block_g, warps, stages = config or GEMM_CONFIGS[weight.layout.low_bits]
-    t, n, groups = x.shape[0], weight.out_features, weight.in_features // GROUP
+    """out = x @ weight.T for x [T, K] (last dimension contiguous) and out [T, N] (last dimension contiguous)."""
+    block_n, block_w, warps, stages = config or GEMM_CONFIGS[weight.layout.low_bits]
+    t, n = x.shape[0], weight.out_features
     block_m = 16 if t <= 16 else 32 if t <= 32 else 64
     grid = (_cdiv(n, block_n), _cdiv(t, block_m))
-    _gemm_kernel[grid](x, out, *_planes(weight), t, n, groups, x.stride(0), out.stride(0),
-                       **weight.layout.kernel_args(), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_G=block_g,
-                       IEEE=x.dtype == torch.float32, UPCAST=_upcast(x.dtype), num_warps=warps, num_stages=stages, **pdl_options(x.device))
+    _gemm_kernel[grid](x, out, *_planes(weight), t, n, weight.in_features, x.stride(0), out.stride(0),
+                       **weight.layout.kernel_args(), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w,
+                       IEEE=x.dtype == torch.float32, UPCAST=_upcast(x.dtype), num_warps=warps, num_stages=stages,
+                       **pdl_options(x.device))
+
+
+def dequantize_weight(weight: QuantWeight, dtype: torch.dtype, config: tuple | None = None) -> torch.Tensor:
+    """The weight as a [N, K] tensor of ``dtype`` (the layout's reference values, rounded once to ``dtype``)."""
+    block_n, block_w, warps = config or DEQUANT_CONFIGS[weight.layout.low_bits]
+    n, k = weight.out_features, weight.in_features
+    out = torch.empty((n, k), dtype=dtype, device=weight.low.device)
+    grid = (_cdiv(n, block_n), _cdiv(k * weight.layout.low_bits // 32, block_w))
+    _dequantize_kernel[grid](out, *_planes(weight), n, k, **weight.layout.kernel_args(), BLOCK_N=block_n,
+                             BLOCK_W=block_w, num_warps=warps, **pdl_options(out.device))
+    return out
 
 
 def quant_matmul(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -183,12 +237,17 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor | None 
         raise ValueError(f"x must be [T, {weight.in_features}], got {tuple(x.shape)}")
     if x.stride(1) != 1:
         x = x.contiguous()
+    t = x.shape[0]
+    if t > GEMM_MAX_ROWS and out is None:
+        return F.linear(x, dequantize_weight(weight, x.dtype))
     if out is None:
-        out = torch.empty((x.shape[0], weight.out_features), dtype=x.dtype, device=x.device)
-    if x.shape[0] == 0 or weight.out_features == 0:
+        out = torch.empty((t, weight.out_features), dtype=x.dtype, device=x.device)
+    if t == 0 or weight.out_features == 0:
         return out
-    if x.shape[0] == 1:
+    if t == 1:
         quant_gemv(x, weight, out)
-    else:
+    elif t <= GEMM_MAX_ROWS:
         quant_gemm(x, weight, out)
+    else:
+        torch.matmul(x, dequantize_weight(weight, x.dtype).T, out=out)
     return out

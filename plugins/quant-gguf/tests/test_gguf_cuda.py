@@ -1,0 +1,96 @@
+"""GGUF layers on CUDA: their blocks are repacked into the CUDA backend's low-bit planes (cvllm_gguf/planes.py) and
+multiplied there (cvllm_cuda/kernels/quant_matmul.py), never dequantized to a float copy. Without a GPU the
+linear method's planes path runs in Triton's CPU interpreter (conftest.py sets TRITON_INTERPRET=1); with one, a
+tiny GGUF model on CUDA gives the CPU's greedy tokens."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from cvllm.testing.requirements import import_or_skip
+
+import_or_skip("triton")  # a skip locally, an error under CI=true
+
+from cvllm.layers.linear import ReplicatedLinear  # noqa: E402
+from cvllm_gguf.linear_method import GGUFLinearMethod, kernels_enabled  # noqa: E402
+from cvllm_gguf.planes import LAYOUTS, to_planes  # noqa: E402
+from cvllm_gguf.quant_types import GGMLType  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
+                               reason="needs a CUDA device (and TRITON_INTERPRET unset)")
+
+
+def test_every_isq_type_has_a_plane_layout():
+    from cvllm_gguf.isq import ISQ_TYPES
+
+    assert set(ISQ_TYPES) <= set(LAYOUTS)
+
+
+def test_kernels_are_on_unless_turned_off(monkeypatch):
+    monkeypatch.delenv("CVLLM_GGUF_KERNELS", raising=False)
+    assert kernels_enabled()
+    monkeypatch.setenv("CVLLM_GGUF_KERNELS", "0")
+    assert not kernels_enabled()
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q5_0, GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
+def test_planes_path_reshapes_and_adds_the_bias(qtype, make_rows, one_torch_thread):
+    """The "planes" compute form (what a CUDA layer takes) on [..., K] activations with a bias, against the exact
+    path, for every kernel path (1 row, a few, many)."""
+    k, n = 256, 24
+    rows = make_rows(qtype, n, k, seed=5)
+    layers = {}
+    for form in ("exact", "planes"):
+        layer = ReplicatedLinear(k, n, bias=True, quant_method=GGUFLinearMethod(qtype, mode="exact"))
+        layer.qweight.weight_loader(layer.qweight, rows)
+        layer.bias.data.copy_(torch.linspace(-1, 1, n))
+        if form == "planes":   # as process_weights_after_loading sets it up on a CUDA device
+            layer.quant_weight = to_planes(layer.qweight.data, qtype, k).to(DEVICE)
+            layer.weight = torch.empty(0)
+            layer.gguf_compute = "planes"
+        else:
+            layer.quant_method.process_weights_after_loading(layer)
+            assert layer.gguf_compute == "fp32"  # a CPU layer keeps the dequantized path
+        layers[form] = layer.to(DEVICE)
+    for shape in ((1, k), (2, 3, k), (4, 5, k)):
+        x = torch.randn(shape).to(DEVICE)
+        got, want = layers["planes"](x), layers["exact"](x)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _greedy(llm, prompts):
+    from cvllm.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("types", [{}, {"q_proj": GGMLType.Q4_0, "k_proj": GGMLType.Q4_0, "v_proj": GGMLType.Q4_0,
+                                        "o_proj": GGMLType.Q5_0, "lm_head": GGMLType.Q8_0,
+                                        "down_proj": GGMLType.Q6_K}],
+                         ids=["mix1", "mix2"])
+def test_tiny_model_on_cuda_computes_from_planes_and_gives_the_cpu_exact_tokens(tmp_path, make_rows, types):
+    from cvllm import LLM
+    from cvllm_gguf.testing import write_tiny_llama
+
+    path, _, _ = write_tiny_llama(tmp_path, make_rows, types=types)
+    prompts = [[5, 17, 33, 2], [90, 1, 44, 44, 3, 8, 61, 12, 70, 9, 11, 4, 85, 30, 31, 32, 33, 50], [7]]
+    cpu = LLM(model=str(path), backend="cpu", dtype="float32", num_kv_blocks=32)
+    cuda = LLM(model=str(path), backend="cuda", dtype="float32", num_kv_blocks=32, max_num_seqs=4)
+    planes = 0
+    for name, module in cuda.llm_engine.runner.model.named_modules():
+        if not hasattr(module, "qweight") or module.qtype not in LAYOUTS:
+            continue
+        assert module.gguf_compute == "planes" and module.weight.numel() == 0, name   # no float copy
+        assert module.qweight.numel() == 0 and module.quant_low.is_cuda, name           # the planes replace the blocks
+        planes += 1
+    assert planes >= 6
+    assert _greedy(cuda, prompts) == _greedy(cpu, prompts)
