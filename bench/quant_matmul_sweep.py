@@ -32,9 +32,9 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 
 
 def gemv_configs():
-    for bn, bw, warps in itertools.product((1, 2, 4, 8, 16), (16, 32, 64, 128, 256), (2, 4, 8)):
+    for bn, bw, warps in itertools.product((32, 64, 128, 256), (4, 8, 16, 32), (2, 4, 8)):
         per_thread = bn * bw / (warps * 32)
-        if 2 <= per_thread <= 16 and not (bn == 1 and bw < 64):
+        if 2 <= per_thread <= 32:
             yield (bn, bw, warps)
 
 
@@ -42,7 +42,7 @@ def gemm_configs():
     return [(bn, bw, 4, st) for bn in (32, 64, 128) for bw in (16, 32, 64) for st in (2, 3)]
 
 
-DEQUANT = [(bn, bw, w) for bn in (8, 16, 32) for bw in (16, 32, 64) for w in (4,)]
+DEQUANT = [(bn, bw, w) for bn in (64, 128, 256) for bw in (4, 8, 16) for w in (4,)]
 
 
 def time_us(fn) -> float:
@@ -123,7 +123,7 @@ def main() -> None:
                     except Exception as exc:
                         print(f"  {name} {shape} gemm {cfg}: {type(exc).__name__}", flush=True)
                 results["gemm"][f"{name}/{shape}/{t}"] = {str(c): v for c, v in rows.items()}
-                bf16 = results["bf16"][f"{shape}/{min(t, 8)}"]
+                bf16 = results["bf16"][f"{shape}/8"]
                 for cfg, (us, err) in sorted(rows.items(), key=lambda kv: kv[1][0])[:3]:
                     print(f"gemm {name:5s} {shape:8s} T={t:<4d} {str(cfg):14s} {us:8.1f} us x{bf16 / us:4.2f} vs "
                           f"bf16 err {err:.1e}", flush=True)
@@ -135,7 +135,7 @@ def main() -> None:
                 except Exception as exc:
                     print(f"  {name} {shape} dequant {cfg}: {type(exc).__name__}", flush=True)
             best = min(rows.items(), key=lambda kv: kv[1])
-            exact = torch.equal(dequantize_weight(weight, torch.float32, best[0]), dequantize_planes(weight))
+            exact = torch.equal(dequantize_weight(weight, torch.float32, best[0]), dequantize_planes(weight).T)
             results["dequant"][f"{name}/{shape}"] = {str(c): v for c, v in rows.items()}
             print(f"dequant {name:5s} {shape:8s} {str(best[0]):14s} {best[1]:8.1f} us ({n * k * 2 / best[1] / 1e6:.2f} "
                   f"TB/s written) exact={exact}; + bf16 F.linear T=256 {results['bf16'][f'{shape}/256']:.1f} us",

@@ -45,13 +45,13 @@ def random_weight(layout: QuantLayout, n: int, k: int, device: str, seed: int = 
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 1 << layout.bits(), (n, k), generator=gen)
     supers, scales = k // layout.super_group, k // layout.scale_group
-    half = lambda: (torch.rand(n, supers, generator=gen) * 2e-2 + 1e-3).half()   # noqa: E731
+    half = lambda: (torch.rand(supers, n, generator=gen) * 2e-2 + 1e-3).half()   # noqa: E731
     a = None
     if layout.a_mode == 1:
-        a = torch.randint(-32, 32, (n, scales), generator=gen).to(torch.int8)
+        a = torch.randint(-32, 32, (scales, n), generator=gen).to(torch.int8)
     elif layout.a_mode == 2:
-        a = torch.randint(0, 64, (n, scales), generator=gen).to(torch.uint8)
-    b = torch.randint(0, 64, (n, scales), generator=gen).to(torch.uint8) if layout.b_mode == 2 else None
+        a = torch.randint(0, 64, (scales, n), generator=gen).to(torch.uint8)
+    b = torch.randint(0, 64, (scales, n), generator=gen).to(torch.uint8) if layout.b_mode == 2 else None
     weight = QuantWeight(layout, n, k, low=pack_plane(q & ((1 << layout.low_bits) - 1), layout.low_bits),
                          high=pack_plane(q >> layout.low_bits, layout.high_bits) if layout.high_bits else None,
                          d=half(), m=half() if layout.has_m else None, a=a, b=b)
@@ -93,7 +93,7 @@ def test_half_inputs(dtype, t):
 @pytest.mark.parametrize("name", ["q6_k", "q3_k", "q8_0"])
 def test_dequantize_weight_gives_the_reference_values(name):
     weight = random_weight(LAYOUTS[name], 9, 512, DEVICE, seed=4)
-    assert torch.equal(dequantize_weight(weight, torch.float32).cpu(), dequantize_planes(weight).cpu())
+    assert torch.equal(dequantize_weight(weight, torch.float32).cpu(), dequantize_planes(weight).cpu().T)
 
 
 def test_gemm_writes_into_strided_rows():

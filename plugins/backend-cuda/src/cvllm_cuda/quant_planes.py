@@ -14,8 +14,11 @@ supported format, so the kernels' weights equal dequant-then-matmul's bit for bi
 
 Why repack rather than read the file's blocks in place: the blocks interleave f16 scales with the quants at 18-,
 34- or 210-byte strides, so a warp cannot load them with wide aligned loads, and the K-quants' packed 6-bit scales
-cost more to unpack than the weights. Here every plane is a row-major int32 array of consecutive elements (element
-e of a row at bits ``(e % per_word) * bits`` of word ``e // per_word``), and the factors are plain arrays.
+cost more to unpack than the weights. Here every plane is an int32 array [K * bits / 32, N], input features packed
+into words in order (element k at bits ``(k % per_word) * bits`` of word ``k // per_word``) and output features
+contiguous, the layout GPTQ checkpoints already have: a warp loads the words of consecutive output features with
+wide loads, and each thread keeps several output features, so every activation it loads serves all of them. The
+factors are plain arrays [K / group, N].
 """
 
 from __future__ import annotations
@@ -55,16 +58,17 @@ class QuantLayout:
 
 @dataclass(slots=True)
 class QuantWeight:
-    """A [out_features, in_features] weight in ``layout``: the planes and factors, each [out_features, ...]."""
+    """A [out_features N, in_features K] weight in ``layout``: the planes and factors, each [..., N] (K-major, as
+    GPTQ stores them: the output features of one word or group are contiguous)."""
     layout: QuantLayout
     out_features: int
     in_features: int
-    low: torch.Tensor                  # int32 [N, K * low_bits / 32]
-    high: torch.Tensor | None          # int32 [N, K * high_bits / 32]
-    d: torch.Tensor                    # float16 [N, K / super_group]
-    m: torch.Tensor | None             # float16 [N, K / super_group]
-    a: torch.Tensor | None             # int8 / uint8 [N, K / scale_group]
-    b: torch.Tensor | None             # uint8 [N, K / scale_group]
+    low: torch.Tensor                  # int32 [K * low_bits / 32, N]
+    high: torch.Tensor | None          # int32 [K * high_bits / 32, N]
+    d: torch.Tensor                    # float16 or float32 [K / super_group, N]
+    m: torch.Tensor | None             # like d
+    a: torch.Tensor | None             # int8 / uint8 [K / scale_group, N]
+    b: torch.Tensor | None             # uint8 [K / scale_group, N]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: t for name in ("low", "high", "d", "m", "a", "b") if (t := getattr(self, name)) is not None}
@@ -79,22 +83,22 @@ class QuantWeight:
 
 
 def pack_plane(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8/int [N, K] values below 2**bits to the plane layout: int32 [N, K * bits / 32], element e of a row at
-    bits ``(e % per_word) * bits`` of word ``e // per_word``."""
+    """uint8/int [N, K] values below 2**bits to the plane layout: int32 [K * bits / 32, N], element k of output
+    feature n at bits ``(k % per_word) * bits`` of word [k // per_word, n] (GPTQ's qweight layout)."""
     n, k = q.shape
     per_word = 32 // bits
     shifts = torch.arange(per_word, device=q.device, dtype=torch.int64) * bits
     words = (q.to(torch.int64).view(n, k // per_word, per_word) << shifts).sum(-1)   # disjoint bits: sum = or
     words = torch.where(words >= 1 << 31, words - (1 << 32), words)                # as two's complement int32
-    return words.to(torch.int32).contiguous()
+    return words.to(torch.int32).t().contiguous()
 
 
 def unpack_plane(words: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
     """The inverse of ``pack_plane``: int64 [N, K]."""
-    n = words.shape[0]
+    n = words.shape[1]
     per_word = 32 // bits
     shifts = torch.arange(per_word, device=words.device, dtype=torch.int64) * bits
-    return ((words.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(n, in_features)
+    return ((words.t().to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(n, in_features)
 
 
 def dequantize_planes(weight: QuantWeight) -> torch.Tensor:
@@ -103,12 +107,12 @@ def dequantize_planes(weight: QuantWeight) -> torch.Tensor:
     q = unpack_plane(weight.low, lay.low_bits, k)
     if lay.high_bits:
         q |= unpack_plane(weight.high, lay.high_bits, k) << lay.low_bits
-    d = weight.d.float().repeat_interleave(lay.super_group, dim=1)
-    m = d if not lay.has_m else weight.m.float().repeat_interleave(lay.super_group, dim=1)
+    d = weight.d.float().t().repeat_interleave(lay.super_group, dim=1)
+    m = d if not lay.has_m else weight.m.float().t().repeat_interleave(lay.super_group, dim=1)
     per_scale = lay.scale_group
 
     def expand(t: torch.Tensor) -> torch.Tensor:
-        return t.float().repeat_interleave(per_scale, dim=1)
+        return t.float().t().repeat_interleave(per_scale, dim=1)
 
     a = expand(weight.a) if lay.a_mode else torch.ones_like(d)
     if lay.b_mode == 0:

@@ -35,7 +35,7 @@ LAYOUTS: dict[GGMLType, QuantLayout] = {
 
 
 def _f16_field(blocks: torch.Tensor, start: int, rows: int) -> torch.Tensor:
-    return _f16(blocks, start).to(torch.float16).view(rows, -1)
+    return _f16(blocks, start).to(torch.float16).view(rows, -1).t().contiguous()
 
 
 def _parts(blocks: torch.Tensor, qtype: GGMLType) -> tuple:
@@ -90,7 +90,7 @@ def to_planes(qweight: torch.Tensor, qtype: GGMLType, in_features: int) -> Quant
         return _to_planes(qweight, qtype, in_features)
     parts = [_to_planes(qweight[i:i + rows], qtype, in_features) for i in range(0, qweight.shape[0], rows)]
     first = parts[0]
-    joined = {name: torch.cat([getattr(p, name) for p in parts]) for name in first.tensors()}
+    joined = {name: torch.cat([getattr(p, name) for p in parts], dim=1) for name in first.tensors()}
     return QuantWeight(first.layout, qweight.shape[0], in_features, **{
         name: joined.get(name) for name in ("low", "high", "d", "m", "a", "b")})
 
@@ -110,6 +110,6 @@ def _to_planes(qweight: torch.Tensor, qtype: GGMLType, in_features: int) -> Quan
         high=high,
         d=_f16_field(blocks, d_at, n),
         m=_f16_field(blocks, m_at, n) if m_at is not None else None,
-        a=a.reshape(n, -1).contiguous() if a is not None else None,
-        b=b.reshape(n, -1).contiguous() if b is not None else None,
+        a=a.reshape(n, -1).t().contiguous() if a is not None else None,
+        b=b.reshape(n, -1).t().contiguous() if b is not None else None,
     )

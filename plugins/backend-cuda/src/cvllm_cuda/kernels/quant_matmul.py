@@ -18,7 +18,6 @@ Launches allocate only the output and never read a value back to the host: graph
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -28,41 +27,41 @@ from cvllm_cuda.quant_planes import QuantWeight
 
 
 @triton.jit
-def _load_words(low_ptr, high_ptr, r, words, ok, K, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr):
-    """The low-plane words [BLOCK_N, BLOCK_W] of rows ``r`` (int64 [BLOCK_N, 1]) at word indices ``words``
-    ([1, BLOCK_W]), and for each the high-plane word holding its elements' high bits (0 without a high plane)."""
-    low = tl.load(low_ptr + r * (K * LOW_BITS // 32) + words, mask=ok, other=0)
+def _load_words(low_ptr, high_ptr, words, cols, ok, N, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr):
+    """The low-plane words [BLOCK_W, BLOCK_N] at word indices ``words`` ([BLOCK_W, 1]) of output features ``cols``
+    ([1, BLOCK_N]), and for each the high-plane word holding its elements' high bits (``low`` again without one)."""
+    low = tl.load(low_ptr + words * N + cols, mask=ok, other=0)
     if HIGH_BITS > 0:
         first = words * (32 // LOW_BITS)
-        high = tl.load(high_ptr + r * (K * HIGH_BITS // 32) + first // (32 // HIGH_BITS), mask=ok, other=0)
+        high = tl.load(high_ptr + first // (32 // HIGH_BITS) * N + cols, mask=ok, other=0)
     else:
         high = low
     return low, high
 
 
 @triton.jit
-def _word_factors(d_ptr, m_ptr, a_ptr, b_ptr, r, first, ok, K, SCALE_GROUP: tl.constexpr,
+def _word_factors(d_ptr, m_ptr, a_ptr, b_ptr, first, cols, ok, N, SCALE_GROUP: tl.constexpr,
                   SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
                   HAS_M: tl.constexpr):
-    """scale and offset (float32 [BLOCK_N, BLOCK_W]) of the words whose first elements are ``first``: a word never
-    straddles a scale group."""
-    d = tl.load(d_ptr + r * (K // SUPER_GROUP) + first // SUPER_GROUP, mask=ok, other=0.0).to(tl.float32)
+    """scale and offset (float32 [BLOCK_W, BLOCK_N]) of the words whose first elements are ``first``
+    ([BLOCK_W, 1]): a word never straddles a scale group."""
+    d = tl.load(d_ptr + first // SUPER_GROUP * N + cols, mask=ok, other=0.0).to(tl.float32)
     if HAS_M:
-        m = tl.load(m_ptr + r * (K // SUPER_GROUP) + first // SUPER_GROUP, mask=ok, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + first // SUPER_GROUP * N + cols, mask=ok, other=0.0).to(tl.float32)
     else:
         m = d
     if A_MODE == 0:
         scale = d
         a = d
     else:
-        a = tl.load(a_ptr + r * (K // SCALE_GROUP) + first // SCALE_GROUP, mask=ok, other=0).to(tl.float32)
+        a = tl.load(a_ptr + first // SCALE_GROUP * N + cols, mask=ok, other=0).to(tl.float32)
         scale = d * a
     if B_MODE == 0:
         offset = m * B_CONST
     elif B_MODE == 1:
         offset = m * (a * B_CONST)
     else:
-        b = tl.load(b_ptr + r * (K // SCALE_GROUP) + first // SCALE_GROUP, mask=ok, other=0).to(tl.float32)
+        b = tl.load(b_ptr + first // SCALE_GROUP * N + cols, mask=ok, other=0).to(tl.float32)
         offset = m * (b * B_CONST)
     return scale, offset
 
@@ -84,28 +83,27 @@ def _gemv_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, 
                  HAS_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_previous_kernel(USE_PDL)
     PER_WORD: tl.constexpr = 32 // LOW_BITS
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    r = rows.to(tl.int64)[:, None]
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
     num_words = K // PER_WORD
-    acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_W, BLOCK_N), dtype=tl.float32)
     for w0 in range(0, num_words, BLOCK_W):
         words = w0 + tl.arange(0, BLOCK_W)
         word_ok = words < num_words
-        ok = row_ok[:, None] & word_ok[None, :]
+        ok = word_ok[:, None] & col_ok[None, :]
         first = words * PER_WORD
-        low, high = _load_words(low_ptr, high_ptr, r, words[None, :], ok, K, LOW_BITS, HIGH_BITS)
-        scale, offset = _word_factors(d_ptr, m_ptr, a_ptr, b_ptr, r, first[None, :], ok, K, SCALE_GROUP,
-                                      SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
+        low, high = _load_words(low_ptr, high_ptr, words[:, None], cols[None, :], ok, N, LOW_BITS, HIGH_BITS)
+        scale, offset = _word_factors(d_ptr, m_ptr, a_ptr, b_ptr, first[:, None], cols[None, :], ok, N,
+                                      SCALE_GROUP, SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
         # sum q * x over each word's elements, then one scale and one offset * sum(x) per word
-        part = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+        part = tl.zeros((BLOCK_W, BLOCK_N), dtype=tl.float32)
         x_sum = tl.zeros((BLOCK_W,), dtype=tl.float32)
         for S in tl.static_range(PER_WORD):
             x = tl.load(x_ptr + first + S, mask=word_ok, other=0.0).to(tl.float32)
-            part += _quant(low, high, first[None, :], S, LOW_BITS, HIGH_BITS) * x[None, :]
+            part += _quant(low, high, first[:, None], S, LOW_BITS, HIGH_BITS) * x[:, None]
             x_sum += x
-        acc += part * scale + offset * x_sum[None, :]
-    tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=row_ok)
+        acc += part * scale + offset * x_sum[:, None]
+    tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -114,37 +112,36 @@ def _gemm_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, 
                  SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
                  HAS_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                  IEEE: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
-    """out^T tile [BLOCK_N, BLOCK_M] = W tile @ x^T tile, one ``tl.dot`` per element position S of the words (the
-    sum over K does not care in which order the columns come)."""
+    """out tile [BLOCK_M, BLOCK_N] += x tile @ W^T tile, one ``tl.dot`` per element position S of the words (the
+    sum over K does not care in which order its terms come)."""
     wait_for_previous_kernel(USE_PDL)
     PER_WORD: tl.constexpr = 32 // LOW_BITS
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    r = rows.to(tl.int64)[:, None]
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
     ts = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     t_ok = ts < T
-    x_cols = x_ptr + ts.to(tl.int64)[None, :] * stride_xt
+    x_rows = x_ptr + ts.to(tl.int64)[:, None] * stride_xt
     num_words = K // PER_WORD
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for w0 in range(0, num_words, BLOCK_W):
         words = w0 + tl.arange(0, BLOCK_W)
         word_ok = words < num_words
-        ok = row_ok[:, None] & word_ok[None, :]
+        ok = word_ok[:, None] & col_ok[None, :]
         first = words * PER_WORD
-        low, high = _load_words(low_ptr, high_ptr, r, words[None, :], ok, K, LOW_BITS, HIGH_BITS)
-        scale, offset = _word_factors(d_ptr, m_ptr, a_ptr, b_ptr, r, first[None, :], ok, K, SCALE_GROUP,
-                                      SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
+        low, high = _load_words(low_ptr, high_ptr, words[:, None], cols[None, :], ok, N, LOW_BITS, HIGH_BITS)
+        scale, offset = _word_factors(d_ptr, m_ptr, a_ptr, b_ptr, first[:, None], cols[None, :], ok, N,
+                                      SCALE_GROUP, SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
         for S in tl.static_range(PER_WORD):
-            x = tl.load(x_cols + (first + S)[:, None], mask=word_ok[:, None] & t_ok[None, :], other=0.0)
-            w = (_quant(low, high, first[None, :], S, LOW_BITS, HIGH_BITS) * scale + offset).to(x.dtype)
+            x = tl.load(x_rows + (first + S)[None, :], mask=t_ok[:, None] & word_ok[None, :], other=0.0)
+            w = (_quant(low, high, first[:, None], S, LOW_BITS, HIGH_BITS) * scale + offset).to(x.dtype)
             if UPCAST:   # the same bf16-rounded operands multiplied as float32 (see _upcast)
-                acc = tl.dot(w.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
+                acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
             elif IEEE:
-                acc = tl.dot(w, x, acc, input_precision="ieee")
+                acc = tl.dot(x, w, acc, input_precision="ieee")
             else:
-                acc = tl.dot(w, x, acc)
-    out_ptrs = out_ptr + ts.to(tl.int64)[None, :] * stride_ot + rows[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & t_ok[None, :])
+                acc = tl.dot(x, w, acc)
+    out_ptrs = out_ptr + ts.to(tl.int64)[:, None] * stride_ot + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -152,33 +149,27 @@ def _dequantize_kernel(out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N
                        LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
                        SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
                        HAS_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, USE_PDL: tl.constexpr):
-    """The whole weight in out's dtype [N, K] (many rows of x: then cuBLAS multiplies)."""
+    """The transposed weight W^T [K, N] in out's dtype (many rows of x: then cuBLAS multiplies)."""
     wait_for_previous_kernel(USE_PDL)
     PER_WORD: tl.constexpr = 32 // LOW_BITS
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    r = rows.to(tl.int64)[:, None]
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     words = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-    ok = (rows < N)[:, None] & (words < K // PER_WORD)[None, :]
+    ok = (words < K // PER_WORD)[:, None] & (cols < N)[None, :]
     first = words * PER_WORD
-    low, high = _load_words(low_ptr, high_ptr, r, words[None, :], ok, K, LOW_BITS, HIGH_BITS)
-    scale, offset = _word_factors(d_ptr, m_ptr, a_ptr, b_ptr, r, first[None, :], ok, K, SCALE_GROUP, SUPER_GROUP,
-                                  A_MODE, B_MODE, B_CONST, HAS_M)
-    s = tl.arange(0, PER_WORD)
-    q = (low[:, :, None] >> (s * LOW_BITS)[None, None, :]) & ((1 << LOW_BITS) - 1)
-    if HIGH_BITS > 0:
-        shift = ((first % (32 // HIGH_BITS))[:, None] + s[None, :]) * HIGH_BITS
-        q = q | (((high[:, :, None] >> shift[None, :, :]) & ((1 << HIGH_BITS) - 1)) << LOW_BITS)
-    qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    w = qf * scale[:, :, None] + offset[:, :, None]
-    ptrs = out_ptr + r[:, :, None] * K + first[None, :, None] + s[None, None, :]
-    tl.store(ptrs, w.to(out_ptr.dtype.element_ty), mask=ok[:, :, None])
+    low, high = _load_words(low_ptr, high_ptr, words[:, None], cols[None, :], ok, N, LOW_BITS, HIGH_BITS)
+    scale, offset = _word_factors(d_ptr, m_ptr, a_ptr, b_ptr, first[:, None], cols[None, :], ok, N, SCALE_GROUP,
+                                  SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
+    for S in tl.static_range(PER_WORD):
+        w = _quant(low, high, first[:, None], S, LOW_BITS, HIGH_BITS) * scale + offset
+        ptrs = out_ptr + (first + S).to(tl.int64)[:, None] * N + cols[None, :]
+        tl.store(ptrs, w.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 # (BLOCK_N, BLOCK_W, num_warps) of the GEMV, (BLOCK_N, BLOCK_W, num_warps, num_stages) of the GEMM and
 # (BLOCK_N, BLOCK_W, num_warps) of the dequantization, by low-plane bits; set from bench/quant_matmul_sweep.py
-GEMV_CONFIGS = {2: (8, 32, 4), 4: (8, 64, 4), 8: (8, 64, 4)}
+GEMV_CONFIGS = {2: (128, 16, 4), 4: (128, 16, 4), 8: (128, 16, 4)}
 GEMM_CONFIGS = {2: (64, 32, 4, 3), 4: (64, 32, 4, 3), 8: (64, 32, 4, 3)}
-DEQUANT_CONFIGS = {2: (16, 16, 4), 4: (16, 32, 4), 8: (16, 64, 4)}
+DEQUANT_CONFIGS = {2: (128, 8, 4), 4: (128, 8, 4), 8: (128, 8, 4)}
 # rows of x up to which the dequantize-in-tile GEMM runs; more rows dequantize the weight once and call cuBLAS
 GEMM_MAX_ROWS = 16
 
@@ -195,6 +186,8 @@ def _upcast(dtype: torch.dtype) -> bool:
 
 def _planes(weight: QuantWeight) -> tuple[torch.Tensor, ...]:
     low = weight.low
+    if max(t.numel() for t in weight.tensors().values()) >= 1 << 31:   # the kernels index the planes with int32
+        raise ValueError(f"a {weight.out_features} x {weight.in_features} weight is too large for one plane matmul")
     pick = lambda t: low if t is None else t   # noqa: E731  (an unused pointer: any tensor on the device)
     return low, pick(weight.high), weight.d, pick(weight.m), pick(weight.a), pick(weight.b)
 
@@ -221,10 +214,10 @@ def quant_gemm(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: 
 
 
 def dequantize_weight(weight: QuantWeight, dtype: torch.dtype, config: tuple | None = None) -> torch.Tensor:
-    """The weight as a [N, K] tensor of ``dtype`` (the layout's reference values, rounded once to ``dtype``)."""
+    """The weight transposed, W^T [K, N] of ``dtype`` (the layout's reference values, rounded once to ``dtype``)."""
     block_n, block_w, warps = config or DEQUANT_CONFIGS[weight.layout.low_bits]
     n, k = weight.out_features, weight.in_features
-    out = torch.empty((n, k), dtype=dtype, device=weight.low.device)
+    out = torch.empty((k, n), dtype=dtype, device=weight.low.device)
     grid = (_cdiv(n, block_n), _cdiv(k * weight.layout.low_bits // 32, block_w))
     _dequantize_kernel[grid](out, *_planes(weight), n, k, **weight.layout.kernel_args(), BLOCK_N=block_n,
                              BLOCK_W=block_w, num_warps=warps, **pdl_options(out.device))
@@ -239,7 +232,7 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor | None 
         x = x.contiguous()
     t = x.shape[0]
     if t > GEMM_MAX_ROWS and out is None:
-        return F.linear(x, dequantize_weight(weight, x.dtype))
+        return x @ dequantize_weight(weight, x.dtype)
     if out is None:
         out = torch.empty((t, weight.out_features), dtype=x.dtype, device=x.device)
     if t == 0 or weight.out_features == 0:
@@ -249,5 +242,5 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor | None 
     elif t <= GEMM_MAX_ROWS:
         quant_gemm(x, weight, out)
     else:
-        torch.matmul(x, dequantize_weight(weight, x.dtype).T, out=out)
+        torch.matmul(x, dequantize_weight(weight, x.dtype), out=out)
     return out
