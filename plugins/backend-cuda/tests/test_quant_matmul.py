@@ -20,6 +20,7 @@ from cvllm_cuda.kernels.quant_matmul import (  # noqa: E402
     GEMV_CONFIGS,
     dequantize_weight,
     quant_gemm,
+    quant_gemv,
     quant_matmul,
 )
 from cvllm_cuda.quant_planes import QuantLayout, QuantWeight, dequantize_planes, pack_plane, unpack_plane  # noqa: E402
@@ -103,6 +104,18 @@ def test_gemm_writes_into_strided_rows():
     quant_gemm(x, weight, out[:, 10:30])
     torch.testing.assert_close(out[:, 10:30].cpu(), (x @ dequantize_planes(weight).T).cpu(), rtol=1e-5, atol=1e-5)
     assert out[:, :10].isnan().all() and out[:, 30:].isnan().all()
+
+
+@pytest.mark.parametrize("t", [1, 5])
+def test_k_split_into_parts_adds_up(t):
+    """Few output features: K is split over programs and the partial sums added (GEMV and GEMM)."""
+    weight = random_weight(LAYOUTS["q5_0"], 12, 1024, DEVICE, seed=6)
+    x = torch.randn(t, 1024).to(DEVICE)
+    ref = x @ dequantize_planes(weight).T
+    for splits in (2, 3, 64):   # 64: more parts than K steps: as many as there are steps
+        out = torch.full((t, 12), float("nan"), device=DEVICE)
+        (quant_gemv if t == 1 else quant_gemm)(x, weight, out, splits=splits)
+        torch.testing.assert_close(out.cpu(), ref.cpu(), rtol=1e-5, atol=1e-5)
 
 
 def test_configs_cover_every_plane_width():

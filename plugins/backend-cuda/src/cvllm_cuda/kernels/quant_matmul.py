@@ -17,6 +17,8 @@ Launches allocate only the output and never read a value back to the host: graph
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -77,17 +79,20 @@ def _quant(low, high, first, S: tl.constexpr, LOW_BITS: tl.constexpr, HIGH_BITS:
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K,
+def _gemv_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K, SPLIT_WORDS,
                  LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
                  SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
                  HAS_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (i, j) sums words j * SPLIT_WORDS .. (j + 1) * SPLIT_WORDS of output features i * BLOCK_N ...; with
+    more than one split, ``out`` is the float32 [splits, N] of the partial sums (``_sum_splits`` adds them)."""
     wait_for_previous_kernel(USE_PDL)
     PER_WORD: tl.constexpr = 32 // LOW_BITS
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    num_words = K // PER_WORD
+    start = tl.program_id(1) * SPLIT_WORDS
+    num_words = tl.minimum(K // PER_WORD, start + SPLIT_WORDS)
     acc = tl.zeros((BLOCK_W, BLOCK_N), dtype=tl.float32)
-    for w0 in range(0, num_words, BLOCK_W):
+    for w0 in range(start, num_words, BLOCK_W):
         words = w0 + tl.arange(0, BLOCK_W)
         word_ok = words < num_words
         ok = word_ok[:, None] & col_ok[None, :]
@@ -103,17 +108,30 @@ def _gemv_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, 
             part += _quant(low, high, first[:, None], S, LOW_BITS, HIGH_BITS) * x[:, None]
             x_sum += x
         acc += part * scale + offset * x_sum[:, None]
-    tl.store(out_ptr + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=col_ok)
+    tl.store(out_ptr + tl.program_id(1) * N + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _sum_splits(partial_ptr, out_ptr, N, SPLITS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_previous_kernel(USE_PDL)
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(SPLITS):
+        total += tl.load(partial_ptr + j * N + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit(do_not_specialize=["T"])
 def _gemm_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, T, N, K, stride_xt, stride_ot,
+                 SPLIT_WORDS,
                  LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
                  SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
                  HAS_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                  IEEE: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
     """out tile [BLOCK_M, BLOCK_N] += x tile @ W^T tile, one ``tl.dot`` per element position S of the words (the
-    sum over K does not care in which order its terms come)."""
+    sum over K does not care in which order its terms come). Split over K like the GEMV: with more than one split,
+    ``out`` is float32 [splits, T, N] (stride_ot N)."""
     wait_for_previous_kernel(USE_PDL)
     PER_WORD: tl.constexpr = 32 // LOW_BITS
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -121,9 +139,11 @@ def _gemm_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, 
     ts = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     t_ok = ts < T
     x_rows = x_ptr + ts.to(tl.int64)[:, None] * stride_xt
-    num_words = K // PER_WORD
+    start = tl.program_id(2) * SPLIT_WORDS
+    num_words = tl.minimum(K // PER_WORD, start + SPLIT_WORDS)
+    out_ptr += tl.program_id(2).to(tl.int64) * T * N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for w0 in range(0, num_words, BLOCK_W):
+    for w0 in range(start, num_words, BLOCK_W):
         words = w0 + tl.arange(0, BLOCK_W)
         word_ok = words < num_words
         ok = word_ok[:, None] & col_ok[None, :]
@@ -167,9 +187,11 @@ def _dequantize_kernel(out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N
 
 # (BLOCK_N, BLOCK_W, num_warps) of the GEMV, (BLOCK_N, BLOCK_W, num_warps, num_stages) of the GEMM and
 # (BLOCK_N, BLOCK_W, num_warps) of the dequantization, by low-plane bits; set from bench/quant_matmul_sweep.py
-GEMV_CONFIGS = {2: (128, 16, 4), 4: (128, 16, 4), 8: (128, 16, 4)}
-GEMM_CONFIGS = {2: (64, 32, 4, 3), 4: (64, 32, 4, 3), 8: (64, 32, 4, 3)}
-DEQUANT_CONFIGS = {2: (128, 8, 4), 4: (128, 8, 4), 8: (128, 8, 4)}
+GEMV_CONFIGS = {2: (32, 32, 4), 4: (32, 32, 4), 8: (32, 32, 4)}
+GEMM_CONFIGS = {2: (32, 64, 4, 3), 4: (32, 64, 4, 3), 8: (32, 64, 4, 3)}
+DEQUANT_CONFIGS = {2: (256, 8, 4), 4: (256, 8, 4), 8: (128, 4, 4)}
+# the GEMV splits K until it has about this many programs per SM
+PROGRAMS_PER_SM = 4
 # rows of x up to which the dequantize-in-tile GEMM runs; more rows dequantize the weight once and call cuBLAS
 GEMM_MAX_ROWS = 16
 
@@ -192,25 +214,70 @@ def _planes(weight: QuantWeight) -> tuple[torch.Tensor, ...]:
     return low, pick(weight.high), weight.d, pick(weight.m), pick(weight.a), pick(weight.b)
 
 
-def quant_gemv(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple | None = None) -> None:
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def k_splits(programs: int, k: int, low_bits: int, block_w: int, device: torch.device) -> int:
+    """How many parts to split K into: enough programs to fill the GPU about PROGRAMS_PER_SM times over (a 4096-row
+    weight in 32-row tiles is 128 programs, fewer than the H200's 132 SMs), each still a few K steps long."""
+    if device.type != "cuda":
+        return 1 if k < 1024 else 2   # the interpreter: both paths
+    steps = _cdiv(k * low_bits // 32, block_w)
+    return max(1, min(_cdiv(PROGRAMS_PER_SM * _sm_count(device.index or 0), programs), steps // 4, 16))
+
+
+def quant_gemv(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple | None = None,
+               splits: int | None = None) -> None:
     """out[0] = weight @ x[0] (x [1, K] and out [1, N], contiguous)."""
     block_n, block_w, warps = config or GEMV_CONFIGS[weight.layout.low_bits]
-    n = weight.out_features
-    _gemv_kernel[(_cdiv(n, block_n),)](x, out, *_planes(weight), n, weight.in_features,
-                                       **weight.layout.kernel_args(), BLOCK_N=block_n, BLOCK_W=block_w,
-                                       num_warps=warps, **pdl_options(x.device))
+    n, k = weight.out_features, weight.in_features
+    splits, split_words = _split(_cdiv(n, block_n), k, weight.layout.low_bits, block_w, x.device, splits)
+    target = out if splits == 1 else torch.empty((splits, n), dtype=torch.float32, device=x.device)
+    _gemv_kernel[(_cdiv(n, block_n), splits)](x, target, *_planes(weight), n, k, split_words,
+                                              **weight.layout.kernel_args(), BLOCK_N=block_n, BLOCK_W=block_w,
+                                              num_warps=warps, **pdl_options(x.device))
+    if splits > 1:
+        _add_splits(target, out, splits, n)
 
 
-def quant_gemm(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple | None = None) -> None:
+def _split(programs: int, k: int, low_bits: int, block_w: int, device: torch.device,
+           splits: int | None) -> tuple[int, int]:
+    """(splits, words per split), the words a whole number of K steps."""
+    words = k * low_bits // 32
+    if splits is None:
+        splits = k_splits(programs, k, low_bits, block_w, device)
+    split_words = _cdiv(_cdiv(words, splits), block_w) * block_w
+    return _cdiv(words, split_words), split_words
+
+
+def _add_splits(partials: torch.Tensor, out: torch.Tensor, splits: int, n: int) -> None:
+    """out [T, N] (rows of any stride) = the sum of partials [splits, T, N] (float32)."""
+    t = out.shape[0] if out.dim() == 2 else 1
+    target = out if out.is_contiguous() else torch.empty((t, n), dtype=out.dtype, device=out.device)
+    _sum_splits[(_cdiv(t * n, 1024),)](partials, target, t * n, SPLITS=splits, BLOCK=1024, num_warps=4,
+                                       **pdl_options(out.device))
+    if target is not out:
+        out.copy_(target)
+
+
+def quant_gemm(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple | None = None,
+               splits: int | None = None) -> None:
     """out = x @ weight.T for x [T, K] (last dimension contiguous) and out [T, N] (last dimension contiguous)."""
     block_n, block_w, warps, stages = config or GEMM_CONFIGS[weight.layout.low_bits]
-    t, n = x.shape[0], weight.out_features
+    t, n, k = x.shape[0], weight.out_features, weight.in_features
     block_m = 16 if t <= 16 else 32 if t <= 32 else 64
-    grid = (_cdiv(n, block_n), _cdiv(t, block_m))
-    _gemm_kernel[grid](x, out, *_planes(weight), t, n, weight.in_features, x.stride(0), out.stride(0),
+    programs = _cdiv(n, block_n) * _cdiv(t, block_m)
+    splits, split_words = _split(programs, k, weight.layout.low_bits, block_w, x.device, splits)
+    target = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
+    grid = (_cdiv(n, block_n), _cdiv(t, block_m), splits)
+    _gemm_kernel[grid](x, target, *_planes(weight), t, n, k, x.stride(0), target.stride(-2), split_words,
                        **weight.layout.kernel_args(), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w,
                        IEEE=x.dtype == torch.float32, UPCAST=_upcast(x.dtype), num_warps=warps, num_stages=stages,
                        **pdl_options(x.device))
+    if splits > 1:
+        _add_splits(target, out, splits, n)
 
 
 def dequantize_weight(weight: QuantWeight, dtype: torch.dtype, config: tuple | None = None) -> torch.Tensor:
