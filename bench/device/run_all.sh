@@ -4,8 +4,8 @@
 # "tests": the gpu-marked tests, file by file (up to ~9 min); "bench": latency, throughput and serving (~6 min);
 # "tp" (a machine of 2 or 4 GPUs): tensor parallelism against one GPU, Llama-3-8B shape (~5 min);
 # "tp70b" (4 GPUs): batch-1 latency of a Llama-3-70B shape at TP=4 and TP=2 (~5 min);
-# "gguf": the GGUF in-place kernels (issue 18) against bf16 F.linear, Llama-3-8B shapes, 10 types (~3-8 min, most
-# of it Triton compiles; GGUF_TYPES=Q4_K,Q6_K times a part, e.g. to split the types over two calls).
+# "quant": batch-1 latency of bf16 and in-situ quantized (q4k, q8_0) Llama-3-8B shapes, then the low-bit matmul's
+# tile sweep (issue 18; ~8 min, most of it Triton compiles; QUANT_LAYOUTS=q4_k,q8_0 narrows the sweep).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
 # NVLink multicast stays off on the shared multi-GPU hosts (h200_setup.sh sets these too; the benchmarks pass them on)
@@ -32,7 +32,9 @@ tests)
     run gpu-tests-argmax 60 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_argmax.py --durations=3
     run gpu-tests-matmul 100 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_matmul.py --durations=3
     run gpu-tests-fused 60 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_fused_kernels_gpu.py --durations=3
-    run gpu-tests-kernels 240 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_kernels_gpu.py --durations=3 ;;
+    run gpu-tests-kernels 240 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_kernels_gpu.py --durations=3
+    run gpu-tests-quant 150 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_quant_matmul.py \
+        plugins/quant-gguf/tests/test_gguf_cuda.py plugins/quant-marlin/tests --durations=3 ;;
 bench)
     run latency 150 python3 bench/latency.py --json "$out/$day-h200-latency-$commit.json"
     run throughput 150 python3 bench/throughput.py --json "$out/$day-h200-throughput-$commit.json"
@@ -76,12 +78,15 @@ tp70b)
     python3 bench/tp_summary.py --command \
         "TP_SIZES='${TP_SIZES:-4 2}' CVLLM_BENCH_COMMIT=$commit bash bench/device/run_all.sh tp70b" \
         --json "$prefix-tp70b_summary-$commit.json" "${files[@]}" ;;
-gguf)
-    # the JSON is rewritten after every (shape, type): a run cut by the timeout keeps what it measured
-    suffix=${GGUF_TYPES:+-${GGUF_TYPES//,/-}}
-    run gguf-kernels 480 python3 bench/gguf_kernels.py ${GGUF_TYPES:+--types "$GGUF_TYPES"} \
-        --json "$out/$day-h200-gguf_kernels$suffix-$commit.json" ;;
+quant)
+    for q in none q4k q8_0; do
+        run latency-isq-$q 90 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
+            $([ $q = none ] || echo --isq $q) --json "$out/$day-h200-latency-isq-$q-$commit.json"
+    done
+    # the JSON is rewritten after every (layout, shape): a run cut by the timeout keeps what it measured
+    run quant-sweep 300 python3 bench/quant_matmul_sweep.py --budget-s 240 ${QUANT_LAYOUTS:+--layouts "$QUANT_LAYOUTS"} \
+        --json "$out/$day-h200-quant_matmul_sweep-$commit.json" ;;
 *)
-    echo "usage: run_all.sh tests|bench|tp|tp70b|gguf" >&2
+    echo "usage: run_all.sh tests|bench|tp|tp70b|quant" >&2
     exit 2 ;;
 esac

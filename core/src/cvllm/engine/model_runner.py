@@ -17,7 +17,7 @@ from cvllm.engine.scheduler import ScheduledBatch
 from cvllm.engine.step_inputs import PreviousTokens, build_host_step, to_device
 from cvllm.forward_context import ForwardContext, forward_context
 from cvllm.layers.attention import Attention
-from cvllm.layers.quantization import attach_linear_methods
+from cvllm.layers.quantization import attach_linear_methods, isq_quantizer
 from cvllm.progress import Progress
 
 logger = logging.getLogger(__name__)
@@ -58,16 +58,18 @@ def attach_quantization(model: nn.Module, checkpoint: Checkpoint, dtype: torch.d
     """A quantized checkpoint's linear layers get the methods of the quantizer registered under its
     ``quant_method``: ``factory = quantizer(checkpoint, dtype)``, then ``factory(layer, sources)`` per layer.
 
-    ``isq`` (in-situ quantization, e.g. "q4k") asks the "isq" quantizer to quantize an unquantized
-    checkpoint while it loads; it sees the checkpoint with ``quant_config`` set to the requested type."""
+    ``isq`` (in-situ quantization, e.g. "q4k") asks the "isq" quantizer (or the "isq-<type>" one a plugin registers,
+    e.g. "isq-gptq") to quantize an unquantized checkpoint while it loads; it sees the checkpoint with
+    ``quant_config`` set to the requested type."""
     if isq is not None:
         if checkpoint.quant_method is not None:
             raise CheckpointError(f"isq {isq}: {checkpoint.path} is already quantized ({checkpoint.quant_method}); "
                                   f"in-situ quantization needs an unquantized checkpoint")
-        if make_factory is None and "isq" not in plugins.quantizers():
+        name = isq_quantizer(isq, plugins.quantizers())
+        if make_factory is None and name not in plugins.quantizers():
             raise CheckpointError(f"isq {isq}: in-situ quantization needs the cvllm-gguf plugin (no 'isq' "
                                   f"quantizer is installed)")
-        checkpoint = dataclasses.replace(checkpoint, quant_method="isq", quant_config=isq)
+        checkpoint = dataclasses.replace(checkpoint, quant_method=name, quant_config=isq)
     if checkpoint.quant_method is None:
         return
     make_factory = make_factory or plugins.quantizers().get(checkpoint.quant_method)

@@ -76,3 +76,11 @@ def attach_linear_methods(model: nn.Module, factory: LinearMethodFactory) -> int
             module.set_quant_method(method)
             changed += 1
     return changed
+
+
+def isq_quantizer(isq: str, installed) -> str:
+    """The quantizer that performs in-situ quantization to ``isq``: one registered as ``isq-<type>`` (e.g.
+    "isq-gptq" for ``--isq gptq``) where a plugin provides it, else the general "isq" one (the GGUF types)."""
+    specific = f"isq-{isq.lower()}"
+    return specific if specific in installed else "isq"
+

@@ -164,9 +164,10 @@ def _quantization(ns: argparse.Namespace) -> dict:
     if ns.isq is None:
         return {}
     from cvllm import plugins
+    from cvllm.layers.quantization import isq_quantizer
 
     quantizers = plugins.quantizers()
-    if "isq" not in quantizers:
+    if isq_quantizer(ns.isq, quantizers) not in quantizers:
         raise CliError(f"--isq {ns.isq}: in-situ quantization needs the cvllm-gguf plugin "
                        f"(quantizers installed: {', '.join(quantizers.names()) or 'none'})")
     return {"isq": ns.isq}

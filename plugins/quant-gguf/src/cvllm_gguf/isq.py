@@ -8,7 +8,7 @@ every shard (q/k/v, gate/up) as it arrives, so no layer ever holds its float wei
 checkpoint tensor (a tensor-parallel rank's, cvllm/checkpoint/lazy.py) becomes lazy blocks: the layer
 narrows them to its rank's rows or whole blocks of columns, and only that part is read and quantized.
 After loading, the blocks move to ``qweight`` and ``GGUFLinearMethod`` prepares its compute form
-(on CUDA with CVLLM_GGUF_KERNELS=1 the blocks read in place where the type has a kernel; on CPU int4pack for
+(on CUDA repacked into low-bit planes that Triton kernels compute with; on CPU int4pack for
 Q4_0/Q4_1, bf16 or exact fp32 otherwise), exactly as for a GGUF file.
 
 Embeddings, the LM head and norms are not linear layers and stay as they are. K-quants need rows

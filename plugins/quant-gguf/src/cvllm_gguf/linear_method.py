@@ -3,13 +3,12 @@
 The layer keeps the blocks exactly as the file stores them (``layer.qweight``: uint8
 [out_features, bytes_per_row], ``layer.qtype``).
 
-On a CUDA device with ``CVLLM_GGUF_KERNELS=1``, a type with a kernel (``cvllm_gguf.kernels``: Q8_0, Q4_0, Q4_1,
-Q5_0, Q5_1 in ``simple_blocks.py``, the K-quants that ``k_blocks.py`` registers) keeps only those blocks (GPU weight
-memory ~ the file's bytes) and every call reads them in place (``gguf_matmul``: float32 accumulation, in either
-mode; ``gguf_compute == "kernel"``). Opt-in for now: the kernels are checked in Triton's interpreter only and have
-not yet run compiled on a GPU; once their GPU tests pass they become the default. Everything else on CUDA takes the
-dequantized path below, as before: a type with no registered kernel (F32/F16/BF16 layers among them), a row-parallel
-split off block boundaries (``gguf_columns``), and every layer where triton cannot be imported.
+On a CUDA device every quantized type (Q4_0 ... Q8_0, Q2_K ... Q6_K) is repacked once after loading into the CUDA
+backend's low-bit planes (``cvllm_gguf.planes``: the same integers and f16 scales, about the file's bytes) and the
+blocks are freed; every call computes from the planes with ``cvllm_cuda.kernels.quant_matmul`` (float32 sums;
+``gguf_compute == "planes"``), so GPU weight memory is about the file's size. ``CVLLM_GGUF_KERNELS=0`` turns this
+off (every layer dequantized to bf16 instead). The dequantized path below remains for F32/F16/BF16 layers, a
+row-parallel split off block boundaries (``gguf_columns``), and when cvllm-cuda's kernels cannot be imported.
 
 On CPU, and for those, ``process_weights_after_loading`` prepares a compute form once (measured
 on 2 cores with SmolLM2 shapes: dequantizing Q4_1 on every call ~208 ms a token, the int4-packed op ~7 ms):

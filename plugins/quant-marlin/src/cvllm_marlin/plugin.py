@@ -10,3 +10,6 @@ from cvllm.hookspecs import hookimpl
 def register_quantizers(register):
     register("gptq", "cvllm_marlin.quantizer:gptq_linear_methods")
     register("awq", "cvllm_marlin.quantizer:awq_linear_methods")
+    # in-situ quantization to GPTQ's form (--isq gptq / --isq marlin): core picks "isq-<type>" over the general "isq"
+    register("isq-gptq", "cvllm_marlin.isq:isq_gptq_linear_methods")
+    register("isq-marlin", "cvllm_marlin.isq:isq_gptq_linear_methods")

@@ -26,6 +26,7 @@ from cvllm.engine.step_inputs import build_host_step, pack, to_device
 from cvllm.engine.tensor_parallel import messages, rendezvous
 from cvllm.engine.tensor_parallel.watchdog import DEATH_GRACE_S, WorkerWatch, stall_timeout_s
 from cvllm.engine.tensor_parallel.worker import WorkerSpec
+from cvllm.layers.quantization import isq_quantizer
 from cvllm.registry import target_name
 
 logger = logging.getLogger(__name__)
@@ -204,7 +205,7 @@ def build_tensor_parallel(checkpoint, backend, dtype: torch.dtype, config) -> Br
     device_ids = config.device_ids or tuple(range(per_node))
     if "nccl" in dist_backend and len(set(device_ids)) < per_node:
         raise ValueError(f"device ids {list(device_ids)}: NCCL needs a device of its own for each rank")
-    quant = "isq" if config.isq else checkpoint.quant_method
+    quant = isq_quantizer(config.isq, plugins.quantizers()) if config.isq else checkpoint.quant_method
     spec = WorkerSpec(
         checkpoint=dataclasses.replace(checkpoint, tokenizer=None),   # workers never tokenize
         model_class=target_name(plugins.architectures().spec(checkpoint.architecture)),

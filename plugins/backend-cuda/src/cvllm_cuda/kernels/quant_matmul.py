@@ -1,18 +1,27 @@
-"""``quant_matmul(x, weight)``: ``x @ W.T`` with W a low-bit ``QuantWeight`` (cvllm_cuda/quant_planes.py), read in
-its packed planes and dequantized in registers.
+"""``quant_matmul(x, weight)``: ``x @ W.T`` with W a low-bit ``QuantWeight`` (cvllm_cuda/quant_planes.py: int32
+planes [K * bits / 32, N], factors [K / group, N]), dequantized in registers as it is read.
 
-Both kernels dequantize a tile [BLOCK_N rows, BLOCK_G groups of 32, words per group, elements per word] with
-``_dequantize``: a shift and a mask per element, and the integer made a float without a conversion instruction
-(``q | 0x4B000000`` is the float 2**23 + q; subtracting 2**23 is exact), then ``q * scale + offset``. The weights
-equal the layout's reference dequantization bit for bit.
+Every path works on tiles of words [BLOCK_W, BLOCK_N] (a word holds 32 / low_bits consecutive input features of one
+output feature; consecutive output features are contiguous, so a warp's loads are wide). Element S of every word of
+a tile is one shift and mask (plus the high plane's bits), made a float without a conversion instruction
+(``q | 0x4B000000`` is the float 2**23 + q; subtracting 2**23 is exact), then scaled per word: ``q * scale +
+offset``, the layout's reference values exactly.
 
-- GEMV (one row of x, the batch-1 decode step): a program owns BLOCK_N output features and walks their rows
-  BLOCK_G groups at a time, multiplying element-wise into a float32 accumulator of the tile's shape; the one
-  reduction is at the end. The weight stream is the cost, so everything else is sized to keep loads in flight.
-- GEMM (more rows): each K step dequantizes a [BLOCK_N, BLOCK_G * 32] tile to x's dtype and feeds ``tl.dot``
-  with a [BLOCK_M, BLOCK_G * 32] tile of x, accumulating in float32.
+- GEMV (one row of x: the batch-1 decode step): each program owns BLOCK_N output features and walks K, summing
+  ``q * x`` per word and applying each word's scale once (``scale * sum(q x) + offset * sum(x)``); one reduction
+  at the end. When the output features alone make too few programs to fill the GPU (a 4096-row weight is 128
+  tiles of 32), K is split over programs too and a second small kernel adds the float32 partial sums.
+- GEMM (2 to GEMM_MAX_ROWS rows: decode batches): per element position S one ``tl.dot`` of the x columns
+  ``first + S`` with the dequantized tile (the sum over K does not care about the order of its terms), float32
+  accumulators, split over K the same way.
+- More rows (prefill): one kernel writes W^T in x's dtype, and cuBLAS multiplies.
 
-Launches allocate only the output and never read a value back to the host: graph-safe.
+Measured on the H200 (bench/quant_matmul_sweep.py, bench/results/2026-12-02-h200-*): the GEMV is bound by its
+instructions per element, not by memory, at ~1.5 TB/s of 4-bit weights (gate_up 1.5x bf16's time), so batch-1
+decode of a Q4_K Llama-3-8B runs ~1.1x bf16, short of the memory-bound ~3x; packed bf16x2 arithmetic is next.
+
+Launches allocate only the output (and the split partial sums) and never read a value back to the host: they are
+captured in the decode CUDA graphs.
 """
 
 from __future__ import annotations
