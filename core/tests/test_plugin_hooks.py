@@ -22,7 +22,8 @@ pytestmark = pytest.mark.usefixtures("only_builtin_plugins")
 
 def test_every_hookspec_documents_its_signature():
     assert HOOK_NAMES == {"register_architectures", "register_backends", "register_quantizers",
-                          "register_samplers", "register_gguf_architectures", "open_checkpoint"}
+                          "register_samplers", "register_gguf_architectures", "register_converters",
+                          "open_checkpoint"}
     for name in HOOK_NAMES:
         spec = getattr(hookspecs, name)
         assert spec.__doc__, name
@@ -79,6 +80,27 @@ def test_hook_register_quantizers(add_plugin):
     # An object registered directly (not as a string) is returned as is, without importing anything.
     assert plugins.quantizers().get("gptq") is Gptq
     assert plugins.quantizers().spec("awq") == "q_pkg.awq:Awq"
+
+
+def test_hook_register_converters(add_plugin, tmp_path, capsys):
+    from cvllm.cli import main
+
+    assert plugins.converters().names() == []
+    seen = []
+
+    def convert(src, out, options):
+        seen.append((src, out, options))
+        if options["bits"] == 3:
+            raise ValueError("3 bits? no")
+
+    add_plugin(registers("register_converters", ("toy", convert)), "conv")
+    assert plugins.converters().names() == ["toy"]
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "config.json").write_text("{}")
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--to", "toy", "--asym"]) == 0
+    assert seen == [(tmp_path / "src", tmp_path / "out", {"bits": None, "group_size": None, "sym": False})]
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--to", "toy", "--bits", "3"]) == 1
+    assert "3 bits? no" in capsys.readouterr().err
 
 
 def test_hook_register_samplers(add_plugin):

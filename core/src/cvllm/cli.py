@@ -155,9 +155,52 @@ def _run_fetch_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-# Later subcommands (convert) add one _add_<name> function here.
+def _add_convert(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "convert", help="write a quantized copy of a checkpoint (e.g. --to gptq)",
+        description="Quantize an unquantized Hugging Face checkpoint directory into another format that cvserve "
+                    "serves, with a converter a plugin registers (cvllm-quant-marlin: gptq, round-to-nearest). "
+                    "Example: cvllm convert ./Llama-3-8B ./Llama-3-8B-gptq --to gptq --bits 4 --group-size 128")
+    parser.add_argument("src", help="the checkpoint directory (config.json and *.safetensors)")
+    parser.add_argument("out", help="the directory to write (created; must not hold a checkpoint already)")
+    parser.add_argument("--to", required=True, metavar="FORMAT", help="the converter, e.g. gptq")
+    parser.add_argument("--bits", type=int, help="bits per weight (converter's default if not given)")
+    parser.add_argument("--group-size", type=int, help="inputs per scale group (-1: one group per row)")
+    sym = parser.add_mutually_exclusive_group()
+    sym.add_argument("--sym", dest="sym", action="store_true", default=None, help="symmetric (zero in the middle)")
+    sym.add_argument("--asym", dest="sym", action="store_false", help="asymmetric (a zero per group)")
+    parser.set_defaults(run=_run_convert)
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    import logging
+    from pathlib import Path
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    converters = plugins.converters()
+    if args.to not in converters:
+        names = ", ".join(converters.names()) or "none (install cvllm-quant-marlin for gptq)"
+        print(f"cvllm convert: error: no converter {args.to!r}; installed: {names}", file=sys.stderr)
+        return 2
+    src, out = Path(args.src), Path(args.out)
+    if not (src / "config.json").is_file():
+        print(f"cvllm convert: error: {src} is not a checkpoint directory (no config.json)", file=sys.stderr)
+        return 2
+    if (out / "config.json").exists():
+        print(f"cvllm convert: error: {out} already holds a checkpoint; choose another directory", file=sys.stderr)
+        return 2
+    options = {"bits": args.bits, "group_size": args.group_size, "sym": args.sym}
+    try:
+        converters.get(args.to)(src, out, options)
+    except ValueError as exc:
+        print(f"cvllm convert: error: {exc}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
 _SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_plugins, _add_chat, _add_bench,
-                                                                         _add_fetch_demo)
+                                                                         _add_fetch_demo, _add_convert)
 
 
 def _version() -> str:

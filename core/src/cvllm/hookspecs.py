@@ -55,6 +55,19 @@ def register_quantizers(register):
 
 
 @hookspec
+def register_converters(register):
+    """register_converters(register)
+
+    Register checkpoint converters for ``cvllm convert SRC OUT --to NAME``: the target is called as
+    ``target(src, out, options)`` with the source checkpoint directory, the output directory (a Path each) and a
+    dict of the command's options (``bits``, ``group_size``, ``sym``; None where not given), and writes a checkpoint
+    that ``cvserve --w OUT`` serves::
+
+        register("gptq", "cvllm_marlin.convert:convert_to_gptq")
+    """
+
+
+@hookspec
 def register_samplers(register):
     """register_samplers(register)
 

@@ -40,6 +40,7 @@ REGISTRY_HOOKS: dict[str, str] = {
     "quantizer": "register_quantizers",
     "logits_processor": "register_samplers",
     "gguf_architecture": "register_gguf_architectures",
+    "converter": "register_converters",
 }
 
 
@@ -224,6 +225,11 @@ def logits_processors() -> Registry:
 
 def gguf_architectures() -> Registry:
     return _registry("gguf_architecture")
+
+
+def converters() -> Registry:
+    """Checkpoint converters for ``cvllm convert --to NAME`` (``target(src, out, options)``)."""
+    return _registry("converter")
 
 
 def registry_problems() -> list[str]:

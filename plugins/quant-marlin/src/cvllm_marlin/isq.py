@@ -1,7 +1,8 @@
 """``--isq gptq`` (alias ``marlin``): an unquantized checkpoint's linear weights quantized while they load, by
-round-to-nearest with fp16 group scales (rtn.py: 4 bits, symmetric, groups of 128 inputs; 64 or 32 where the inputs,
-or a tensor-parallel rank's part of them, are not whole groups of 128; unquantized where not even 32). Lower quality than a calibrated GPTQ or AWQ checkpoint
-of the same size: a quick way to fit a model, not a substitute for one.
+round-to-nearest with fp16 group scales (rtn.py: 4 bits, symmetric, groups of 128 inputs; 64 or 32 where the
+inputs, or a tensor-parallel rank's part of them, are not whole groups of 128; unquantized where not even 32).
+Lower quality than a calibrated GPTQ or AWQ checkpoint of the same size: a quick way to fit a model, not a
+substitute for one.
 
 Each float shard is quantized as it arrives, so no layer ever holds its float weight whole, into rows of
 "blocks" like GGUF's: per group of G inputs, G code bytes, the fp16 scale and the zero byte (G + 3 bytes). The
@@ -24,6 +25,7 @@ from torch import nn
 from cvllm.checkpoint.base import Checkpoint
 from cvllm.checkpoint.lazy import Box, LazyTensor, lazy_aware, materialize
 from cvllm.layers.quantization import LinearMethod, LinearMethodFactory
+from cvllm_marlin.linear_method import plane_kernels_usable
 from cvllm_marlin.rtn import quantize_rtn
 
 logger = logging.getLogger(__name__)
@@ -112,7 +114,7 @@ class RTNLinearMethod(LinearMethod):
         blocks = layer._parameters.pop("weight")
         codes, scales, zeros = decode_blocks(blocks.data, self.group)
         out_features, in_features = layer.rtn_shape
-        planes = _planes(codes, scales, zeros, self.group) if blocks.device.type == "cuda" else None
+        planes = _planes(codes, scales, zeros, self.group) if plane_kernels_usable(blocks.device) else None
         if planes is not None:
             for name, tensor in planes.tensors().items():
                 layer.register_buffer(f"quant_{name}", tensor, persistent=False)
@@ -143,13 +145,9 @@ class RTNLinearMethod(LinearMethod):
 
 
 def _planes(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int):
-    """The CUDA backend's plane form of the blocks, or None where its kernels cannot be imported (logged)."""
-    try:
-        import cvllm_cuda.kernels.quant_matmul  # noqa: F401
-        from cvllm_cuda.quant_planes import QuantLayout, QuantWeight, pack_plane
-    except ImportError as exc:
-        logger.warning("isq gptq: the low-bit kernels need cvllm-cuda and triton (%s): dequantized instead", exc)
-        return None
+    """The CUDA backend's plane form of the blocks (plane_kernels_usable said its kernels import)."""
+    from cvllm_cuda.quant_planes import QuantLayout, QuantWeight, pack_plane
+
     layout = QuantLayout(BITS, 0, group, group, b_mode=2, b_const=-1)
     n, k = codes.shape
     return QuantWeight(layout, n, k, low=pack_plane(codes, BITS), high=None, d=scales, m=None, a=None, b=zeros)

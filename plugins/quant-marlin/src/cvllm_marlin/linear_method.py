@@ -15,14 +15,25 @@ Each layer holds the checkpoint's own tensors under their own names (``qweight``
 
 Lazy checkpoint tensors (cvllm/checkpoint/lazy.py) are narrowed before they are read, so a rank reads its part only.
 
-FOR NOW the compute is not a quantized kernel: ``process_weights_after_loading`` dequantizes each layer once, to the
-engine's dtype, and ``apply`` is a plain matmul (``F.linear``, or the backend's own), on CPU and CUDA alike. The
-packed tensors are then released, so weight memory is that of the unquantized model in the engine's dtype (bf16 on
-a GPU) until the W4A16 Triton kernel (with a Hopper-tuned repack at load) replaces this path.
+The compute form, made once by ``process_weights_after_loading`` (``layer.marlin_compute``):
+
+- "planes", on a CUDA device: the weights stay 4/8-bit, repacked losslessly into the CUDA backend's low-bit plane
+  layout (planes.py: GPTQ's ``qweight`` as stored, AWQ's repacked along the input dim, act-order layers with their
+  inputs reordered by group), and ``apply`` runs its Triton kernel (``cvllm_cuda.kernels.quant_matmul``: float32
+  sums; its weights equal the dequantized ones bit for bit). GPU weight memory is about the checkpoint's.
+  ``CVLLM_QUANT_KERNELS=0`` turns it off; it also needs cvllm-cuda and triton.
+- "dense", everywhere else (CPU; CUDA without the kernels; layers the planes cannot hold: fused shards with
+  different act-order maps, a row-parallel rank's part under act-order, input features or groups not multiples of
+  32): dequantized once to the engine's dtype, and ``apply`` is a plain matmul (``F.linear``, or the backend's own).
+  Weight memory is then that of the unquantized model in the engine's dtype.
+
+Either way the packed checkpoint tensors are released afterwards.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from functools import partial
 
 import torch
@@ -35,6 +46,10 @@ from cvllm_marlin.config import AWQConfig, GPTQConfig
 from cvllm_marlin.packing import dequantize_awq, dequantize_gptq
 
 PACKED = ("qweight", "qzeros", "scales", "g_idx")
+# "0" keeps every layer dequantized on CUDA too (the plane kernels off)
+KERNELS_ENV = "CVLLM_QUANT_KERNELS"
+
+logger = logging.getLogger(__name__)
 
 
 class ShardError(ValueError):
@@ -137,6 +152,7 @@ class PackedLinearMethod(LinearMethod):
         self.dtype = self.dtype or dtype
         self._create_packed(layer, input_size, output_size)
         layer.marlin_ready = False
+        layer.marlin_compute = None   # "planes" or "dense" once prepared
         # the compute form lives here after loading; empty until then
         layer.register_buffer("weight", torch.empty(0, dtype=dtype), persistent=False)
 
@@ -147,7 +163,7 @@ class PackedLinearMethod(LinearMethod):
     def weight_loader(self, layer: nn.Module, name: str, param: nn.Parameter, loaded: torch.Tensor | LazyTensor,
                       shard_id: object = None) -> None:
         if layer.marlin_ready:
-            raise RuntimeError(f"{self.layer_name}: {name} loaded after the layer was dequantized")
+            raise RuntimeError(f"{self.layer_name}: {name} loaded after the layer was prepared")
         in_dim, in_unit, out_dim, out_unit = self.layout[name]
         target = param.data
         if name == "g_idx":
@@ -177,22 +193,73 @@ class PackedLinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if layer.marlin_ready:
             return
-        weight = self.dequantize(layer).to(self.dtype or torch.float32)
-        layer.weight = weight
-        for name in PACKED:   # dequantized: the packed form is not read again until the kernel path exists
+        planes = None
+        if plane_kernels_usable(layer.qweight.device):
+            from cvllm_marlin.planes import layer_planes
+
+            planes = layer_planes(self, layer)
+        if planes is not None:
+            self.use_planes(layer, planes)
+        else:
+            layer.weight = self.dequantize(layer).to(self.dtype or torch.float32)
+            layer.marlin_compute = "dense"
+        for name in PACKED:   # the compute form holds everything needed: the packed form is not read again
             param = getattr(layer, name, None)
             if isinstance(param, nn.Parameter):
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         layer.marlin_ready = True
 
+    def use_planes(self, layer: nn.Module, planes) -> None:
+        """Make ``planes`` (planes.Planes) the layer's compute form."""
+        for name, tensor in planes.weight.tensors().items():   # buffers: counted, moved and seen like weights
+            layer.register_buffer(f"quant_{name}", tensor, persistent=False)
+        layer.register_buffer("quant_perm", planes.perm, persistent=False)
+        layer.quant_weight = planes.weight
+        layer.weight = torch.empty(0, device=planes.weight.low.device)
+        layer.marlin_compute = "planes"
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not layer.marlin_ready:
             self.process_weights_after_loading(layer)
+        if layer.marlin_compute == "planes":
+            from cvllm_cuda.kernels.quant_matmul import quant_matmul
+
+            weight = layer.quant_weight
+            rows = x.reshape(-1, weight.in_features)
+            if layer.quant_perm is not None:   # act-order: the planes hold the inputs in group order
+                rows = rows.index_select(1, layer.quant_perm)
+            out = quant_matmul(rows, weight)
+            if bias is not None:
+                out += bias.to(out.dtype)
+            return out.view(*x.shape[:-1], weight.out_features)
         weight = layer.weight
         if x.dtype == weight.dtype and (bias is None or bias.dtype == weight.dtype):
             return dense(x, weight, bias)
         out = dense(x.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype))
         return out.to(x.dtype)
+
+
+def kernels_enabled() -> bool:
+    return os.environ.get(KERNELS_ENV, "1") != "0"
+
+
+def plane_kernels_usable(device: torch.device) -> bool:
+    """Whether layers on ``device`` compute with the plane kernels: CUDA, not turned off, and importable (a missing
+    cvllm-cuda or triton is logged once)."""
+    if device.type != "cuda" or not kernels_enabled():
+        return False
+    try:
+        import cvllm_cuda.kernels.quant_matmul  # noqa: F401
+    except ImportError as exc:
+        if not _warned:
+            _warned.append(exc)
+            logger.warning("GPTQ/AWQ layers on CUDA load dequantized: the low-bit kernels need cvllm-cuda and "
+                           "triton (%s)", exc)
+        return False
+    return True
+
+
+_warned: list[ImportError] = []
 
 
 def _check_dim(loaded: torch.Tensor | LazyTensor, dim: int, expected: int, name: str, what: str) -> None:
@@ -203,7 +270,7 @@ def _check_dim(loaded: torch.Tensor | LazyTensor, dim: int, expected: int, name:
 
 class GPTQLinearMethod(PackedLinearMethod):
     """GPTQ: qweight int32 [in/pack, out], qzeros int32 [groups, out/pack], scales [groups, out], g_idx [in]
-    (held per output shard: [shards, in]). Dequantized once after loading, see the module docstring."""
+    (held per output shard: [shards, in]). Planes or dequantized after loading, see the module docstring."""
 
     name = "gptq"
 
@@ -239,7 +306,7 @@ class GPTQLinearMethod(PackedLinearMethod):
 
 class AWQLinearMethod(PackedLinearMethod):
     """AWQ (GEMM): qweight int32 [in, out/8] and qzeros int32 [groups, out/8] in AWQ's interleaved order, scales
-    [groups, out]. Dequantized once after loading, see the module docstring."""
+    [groups, out]. Planes or dequantized after loading, see the module docstring."""
 
     name = "awq"
 

@@ -13,3 +13,8 @@ def register_quantizers(register):
     # in-situ quantization to GPTQ's form (--isq gptq / --isq marlin): core picks "isq-<type>" over the general "isq"
     register("isq-gptq", "cvllm_marlin.isq:isq_gptq_linear_methods")
     register("isq-marlin", "cvllm_marlin.isq:isq_gptq_linear_methods")
+
+
+@hookimpl
+def register_converters(register):
+    register("gptq", "cvllm_marlin.convert:convert_to_gptq")

@@ -1,0 +1,97 @@
+"""``cvllm convert SRC OUT --to gptq``: an unquantized Hugging Face checkpoint rewritten as a GPTQ checkpoint
+(AutoGPTQ's "gptq" format, which cvllm, vLLM and transformers read), quantized by round-to-nearest (rtn.py; 4 bits,
+symmetric, groups of 128 unless told otherwise). The job candle-vllm's convert scripts do for its Marlin path.
+
+Every 2-D ``*_proj.weight`` of the decoder layers whose inputs are whole groups becomes ``qweight`` (int32 [in / pack,
+out], inputs packed into words in order), ``qzeros`` (int32 [groups, out / pack], each zero stored minus one as
+the "gptq" format does), ``scales`` (fp16 [groups, out]) and ``g_idx`` (int32 [in], i // group_size); embeddings,
+the LM head, norms and everything else are copied unchanged. One tensor is in memory at a time; the output keeps
+the source's shard files (and index), config.json gains ``quantization_config``, and the tokenizer and other files
+are copied.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from cvllm.checkpoint.hf_dir import weight_files
+from cvllm.progress import Progress
+from cvllm_marlin.packing import pack_columns, pack_rows
+from cvllm_marlin.rtn import quantize_rtn
+
+logger = logging.getLogger(__name__)
+
+DEFAULTS = {"bits": 4, "group_size": 128, "sym": True}
+
+
+def quantizable(name: str, tensor: torch.Tensor, group_size: int) -> bool:
+    """A decoder layer's projection weight with whole groups of inputs (MoE experts' projections included)."""
+    return (name.endswith("_proj.weight") and ".layers." in name and tensor.dim() == 2
+            and tensor.is_floating_point() and (group_size == -1 or tensor.shape[1] % group_size == 0)
+            and tensor.shape[0] % (32 // 4) == 0)
+
+
+def gptq_tensors(prefix: str, weight: torch.Tensor, bits: int, group_size: int, sym: bool) -> dict:
+    rtn = quantize_rtn(weight, bits, group_size, sym)
+    in_features = weight.shape[1]
+    zeros = (rtn.zeros.to(torch.int64) - 1) & ((1 << bits) - 1)   # the "gptq" (v1) format stores zero - 1
+    return {
+        f"{prefix}.qweight": pack_rows(rtn.q.t(), bits),
+        f"{prefix}.qzeros": pack_columns(zeros, bits),
+        f"{prefix}.scales": rtn.scales,
+        f"{prefix}.g_idx": (torch.arange(in_features) // rtn.group_size).to(torch.int32),
+    }
+
+
+def convert_to_gptq(src: Path, out: Path, options: dict) -> None:
+    settings = {key: value if (value := options.get(key)) is not None else default
+                for key, default in DEFAULTS.items()}
+    bits, group_size, sym = settings["bits"], settings["group_size"], settings["sym"]
+    if bits not in (4, 8):
+        raise ValueError(f"--bits {bits}: gptq conversion writes 4 or 8 bits")
+    if group_size != -1 and (group_size < 32 or group_size % 32):
+        raise ValueError(f"--group-size {group_size}: a multiple of 32, or -1")
+    config = json.loads((src / "config.json").read_text())
+    if config.get("quantization_config"):
+        raise ValueError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')})")
+    files = weight_files(src)
+    if not files or any(f.suffix != ".safetensors" for f in files):
+        raise ValueError(f"{src}: conversion reads safetensors weights only")
+    out.mkdir(parents=True, exist_ok=True)
+    for item in src.iterdir():   # tokenizer, generation config, chat template ...
+        if item.is_file() and item.suffix != ".safetensors" and item.name not in ("config.json",
+                                                                                  "model.safetensors.index.json"):
+            shutil.copy2(item, out / item.name)
+    weight_map: dict[str, str] = {}
+    quantized = 0
+    with Progress(logger, "Quantizing to GPTQ", "converted", "tensors") as progress:
+        for file in files:
+            tensors: dict[str, torch.Tensor] = {}
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    tensor = f.get_tensor(name)
+                    if quantizable(name, tensor, group_size):
+                        tensors.update(gptq_tensors(name.removesuffix(".weight"), tensor, bits, group_size, sym))
+                        quantized += 1
+                    else:
+                        tensors[name] = tensor
+                    progress.update(nbytes=tensor.numel() * tensor.element_size())
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / file.name), metadata={"format": "pt"})
+            weight_map.update({name: file.name for name in tensors})
+        progress.finish(f" ({quantized} projections to {bits}-bit, groups of {group_size})")
+    if (src / "model.safetensors.index.json").exists():
+        index = json.loads((src / "model.safetensors.index.json").read_text())
+        index["weight_map"] = weight_map
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "sym": sym,
+                                     "desc_act": False, "checkpoint_format": "gptq"}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    if not quantized:
+        logger.warning("no projection had whole groups of %d inputs: the copy is unquantized", group_size)
