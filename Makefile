@@ -8,10 +8,10 @@
 VENV := $(if $(VIRTUAL_ENV),$(VIRTUAL_ENV),.venv)
 BIN := $(VENV)/bin
 PACKAGES := ./core ./plugins/models-llama ./plugins/models-qwen ./plugins/quant-gguf ./plugins/quant-marlin \
-            ./plugins/backend-cuda
+            ./plugins/quant-fp8 ./plugins/backend-cuda
 # The packages with the extras their tests need (transformers, gguf, the Triton the CPU interpreter runs, ...)
 TEST_PACKAGES := ./core[test] ./plugins/models-llama ./plugins/models-qwen[test] ./plugins/quant-gguf[test] \
-                 ./plugins/quant-marlin[test] ./plugins/backend-cuda[test]
+                 ./plugins/quant-marlin[test] ./plugins/quant-fp8[test] ./plugins/backend-cuda[test]
 PYPROJECTS := $(wildcard core/pyproject.toml plugins/*/pyproject.toml)
 
 .PHONY: serve test install install-test clean

@@ -6,7 +6,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || return 1
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site \
-    ./core ./plugins/models-llama ./plugins/models-qwen ./plugins/quant-gguf ./plugins/quant-marlin \
+    ./core ./plugins/models-llama ./plugins/models-qwen ./plugins/quant-gguf ./plugins/quant-marlin ./plugins/quant-fp8 \
     ./plugins/backend-cuda || return 1
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"

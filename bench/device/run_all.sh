@@ -4,7 +4,7 @@
 # "tests": the gpu-marked tests, file by file (up to ~9 min); "bench": latency, throughput and serving (~6 min);
 # "tp" (a machine of 2 or 4 GPUs): tensor parallelism against one GPU, Llama-3-8B shape (~5 min);
 # "tp70b" (4 GPUs): batch-1 latency of a Llama-3-70B shape at TP=4 and TP=2 (~5 min);
-# "quant": batch-1 latency of bf16 and in-situ quantized (q4k, q8_0) Llama-3-8B shapes, then the low-bit matmul's
+# "quant": batch-1 latency of bf16 and in-situ quantized (q4k, q8_0, gptq, fp8) Llama-3-8B shapes, then the low-bit matmul's
 # tile sweep (issue 18; ~8 min, most of it Triton compiles; QUANT_LAYOUTS=q4_k,q8_0 narrows the sweep).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
@@ -34,7 +34,7 @@ tests)
     run gpu-tests-fused 60 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_fused_kernels_gpu.py --durations=3
     run gpu-tests-kernels 240 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_kernels_gpu.py --durations=3
     run gpu-tests-quant 150 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_quant_matmul.py \
-        plugins/quant-gguf/tests/test_gguf_cuda.py plugins/quant-marlin/tests --durations=3 ;;
+        plugins/quant-gguf/tests/test_gguf_cuda.py plugins/quant-marlin/tests plugins/quant-fp8/tests --durations=3 ;;
 bench)
     run latency 150 python3 bench/latency.py --json "$out/$day-h200-latency-$commit.json"
     run throughput 150 python3 bench/throughput.py --json "$out/$day-h200-throughput-$commit.json"
@@ -79,7 +79,7 @@ tp70b)
         "TP_SIZES='${TP_SIZES:-4 2}' CVLLM_BENCH_COMMIT=$commit bash bench/device/run_all.sh tp70b" \
         --json "$prefix-tp70b_summary-$commit.json" "${files[@]}" ;;
 quant)
-    for q in none q4k q8_0; do
+    for q in none q4k q8_0 gptq fp8; do
         run latency-isq-$q 90 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
             $([ $q = none ] || echo --isq $q) --json "$out/$day-h200-latency-isq-$q-$commit.json"
     done

@@ -38,6 +38,7 @@ LAYOUTS = {   # the GGUF types' (cvllm_gguf/planes.py) and GPTQ's
     "q4_k": QuantLayout(4, 0, 32, 256, a_mode=2, b_mode=2, b_const=-1, has_m=True),
     "q6_k": QuantLayout(4, 2, 16, 256, a_mode=1, b_mode=1, b_const=-32),
     "gptq4_g128": QuantLayout(4, 0, 128, 128, b_mode=2, b_const=-1),
+    "fp8_block128": QuantLayout(8, 0, 128, 128, b_const=0, float8=True),   # DeepSeek's 128-input scale blocks
 }
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -45,6 +46,8 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 def random_weight(layout: QuantLayout, n: int, k: int, device: str, seed: int = 0) -> QuantWeight:
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 1 << layout.bits(), (n, k), generator=gen)
+    if layout.float8:   # finite e4m3 values (0x7f / 0xff are NaN)
+        q = torch.where((q & 0x7F) == 0x7F, q ^ 0x40, q)
     supers, scales = k // layout.super_group, k // layout.scale_group
     half = lambda: (torch.rand(supers, n, generator=gen) * 2e-2 + 1e-3).half()   # noqa: E731
     a = None

@@ -126,8 +126,8 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", type=str.lower, choices=DTYPES, default="auto", metavar="DTYPE",
                    help=f"{'|'.join(DTYPES)} (default: auto = the checkpoint's)")
     g.add_argument("--isq", metavar="TYPE",
-                   help="quantize the weights while loading: GGUF types q4k, q8_0 ... (cvllm-gguf plugin) or gptq "
-                        "(4-bit round-to-nearest, groups of 128; cvllm-quant-marlin plugin)")
+                   help="quantize the weights while loading: GGUF types q4k, q8_0 ... (cvllm-gguf plugin), gptq "
+                        "(4-bit round-to-nearest, groups of 128; cvllm-quant-marlin) or fp8 (cvllm-quant-fp8)")
     g.add_argument("--served-model-name", nargs="+", metavar="NAME",
                    help="name(s) clients use in 'model' (default: the repo id, or the path's last component)")
     g.add_argument("--strict-model-name", action="store_true",

@@ -40,10 +40,13 @@ class QuantLayout:
     b_mode: int = 0      # B: 0 = b_const, 1 = A * b_const, 2 = uint8 per scale group * b_const
     b_const: int = 1
     has_m: bool = False  # M from its own f16 per super group; else M = D
+    float8: bool = False  # the low plane's bytes are FP8 e4m3 values, not integers (q * D, offset 0)
 
     def __post_init__(self):
         if self.low_bits not in (2, 4, 8) or self.high_bits not in (0, 1, 2):
             raise ValueError(f"unsupported plane widths {self.low_bits}+{self.high_bits}")
+        if self.float8 and (self.low_bits != 8 or self.high_bits or self.a_mode or self.b_mode or self.b_const):
+            raise ValueError("an FP8 plane is 8 bits with a scale D only (no A, B or offset)")
         if self.scale_group % 16 or self.super_group % GROUP or self.super_group % self.scale_group:
             raise ValueError(f"scale group {self.scale_group} / super group {self.super_group} do not nest")
         if self.scale_group < GROUP // self.low_bits:
@@ -84,13 +87,21 @@ class QuantWeight:
 
 def pack_plane(q: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8/int [N, K] values below 2**bits to the plane layout: int32 [K * bits / 32, N], element k of output
-    feature n at bits ``(k % per_word) * bits`` of word [k // per_word, n] (GPTQ's qweight layout)."""
+    feature n at bits ``(k % per_word) * bits`` of word [k // per_word, n] (GPTQ's qweight layout). Done a slice
+    of rows at a time: the values are int64 for a moment, and an LM head's would be gigabytes."""
     n, k = q.shape
     per_word = 32 // bits
+    out = torch.empty((k // per_word, n), dtype=torch.int32, device=q.device)
     shifts = torch.arange(per_word, device=q.device, dtype=torch.int64) * bits
-    words = (q.to(torch.int64).view(n, k // per_word, per_word) << shifts).sum(-1)   # disjoint bits: sum = or
-    words = torch.where(words >= 1 << 31, words - (1 << 32), words)                # as two's complement int32
-    return words.to(torch.int32).t().contiguous()
+    rows = max(1, _PACK_ELEMENTS // max(k, 1))
+    for r0 in range(0, n, rows):
+        part = q[r0:r0 + rows].to(torch.int64).view(-1, k // per_word, per_word)
+        words = (part << shifts).sum(-1)                                             # disjoint bits: sum = or
+        out[:, r0:r0 + rows] = torch.where(words >= 1 << 31, words - (1 << 32), words).t()   # two's complement
+    return out
+
+
+_PACK_ELEMENTS = 1 << 24
 
 
 def unpack_plane(words: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
@@ -105,6 +116,8 @@ def dequantize_planes(weight: QuantWeight) -> torch.Tensor:
     """float32 [N, K]: the values the kernels compute with (the reference their tests compare against)."""
     lay, k = weight.layout, weight.in_features
     q = unpack_plane(weight.low, lay.low_bits, k)
+    if lay.float8:
+        q = q.to(torch.uint8).view(torch.float8_e4m3fn)
     if lay.high_bits:
         q |= unpack_plane(weight.high, lay.high_bits, k) << lay.low_bits
     d = weight.d.float().t().repeat_interleave(lay.super_group, dim=1)

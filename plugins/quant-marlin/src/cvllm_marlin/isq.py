@@ -132,13 +132,9 @@ class RTNLinearMethod(LinearMethod):
         if self.group is not None and layer.rtn_compute is None:
             self.process_weights_after_loading(layer)
         if self.group is not None and layer.rtn_compute == "planes":
-            from cvllm_cuda.kernels.quant_matmul import quant_matmul
+            from cvllm_cuda.kernels.quant_matmul import quant_linear
 
-            out_features, in_features = layer.rtn_shape
-            out = quant_matmul(x.reshape(-1, in_features), layer.quant_weight)
-            if bias is not None:
-                out += bias.to(out.dtype)
-            return out.view(*x.shape[:-1], out_features)
+            return quant_linear(x, layer.quant_weight, bias)
         weight = layer.weight
         out = F.linear(x.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype))
         return out.to(x.dtype)

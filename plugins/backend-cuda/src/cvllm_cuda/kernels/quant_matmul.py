@@ -78,9 +78,13 @@ def _word_factors(d_ptr, m_ptr, a_ptr, b_ptr, first, cols, ok, N, SCALE_GROUP: t
 
 
 @triton.jit
-def _quant(low, high, first, S: tl.constexpr, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr):
-    """float32: the integer of element ``first + S`` of each word (exact, without a conversion instruction)."""
+def _quant(low, high, first, S: tl.constexpr, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr,
+           FLOAT8: tl.constexpr = False):
+    """float32: the integer of element ``first + S`` of each word (exact, without a conversion instruction), or
+    its FP8 e4m3 value (FLOAT8)."""
     q = (low >> (S * LOW_BITS)) & ((1 << LOW_BITS) - 1)
+    if FLOAT8:
+        return q.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
     if HIGH_BITS > 0:
         shift = (first % (32 // HIGH_BITS) + S) * HIGH_BITS
         q = q | (((high >> shift) & ((1 << HIGH_BITS) - 1)) << LOW_BITS)
@@ -91,7 +95,8 @@ def _quant(low, high, first, S: tl.constexpr, LOW_BITS: tl.constexpr, HIGH_BITS:
 def _gemv_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K, SPLIT_WORDS,
                  LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
                  SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
-                 HAS_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, USE_PDL: tl.constexpr):
+                 HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     """Program (i, j) sums words j * SPLIT_WORDS .. (j + 1) * SPLIT_WORDS of output features i * BLOCK_N ...; with
     more than one split, ``out`` is the float32 [splits, N] of the partial sums (``_sum_splits`` adds them)."""
     wait_for_previous_kernel(USE_PDL)
@@ -114,7 +119,7 @@ def _gemv_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, 
         x_sum = tl.zeros((BLOCK_W,), dtype=tl.float32)
         for S in tl.static_range(PER_WORD):
             x = tl.load(x_ptr + first + S, mask=word_ok, other=0.0).to(tl.float32)
-            part += _quant(low, high, first[:, None], S, LOW_BITS, HIGH_BITS) * x[:, None]
+            part += _quant(low, high, first[:, None], S, LOW_BITS, HIGH_BITS, FLOAT8) * x[:, None]
             x_sum += x
         acc += part * scale + offset * x_sum[:, None]
     tl.store(out_ptr + tl.program_id(1) * N + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=col_ok)
@@ -136,8 +141,8 @@ def _gemm_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, 
                  SPLIT_WORDS,
                  LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
                  SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
-                 HAS_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                 IEEE: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
+                 HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_W: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
     """out tile [BLOCK_M, BLOCK_N] += x tile @ W^T tile, one ``tl.dot`` per element position S of the words (the
     sum over K does not care in which order its terms come). Split over K like the GEMV: with more than one split,
     ``out`` is float32 [splits, T, N] (stride_ot N)."""
@@ -162,7 +167,7 @@ def _gemm_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, 
                                       SCALE_GROUP, SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
         for S in tl.static_range(PER_WORD):
             x = tl.load(x_rows + (first + S)[None, :], mask=t_ok[:, None] & word_ok[None, :], other=0.0)
-            w = (_quant(low, high, first[:, None], S, LOW_BITS, HIGH_BITS) * scale + offset).to(x.dtype)
+            w = (_quant(low, high, first[:, None], S, LOW_BITS, HIGH_BITS, FLOAT8) * scale + offset).to(x.dtype)
             if UPCAST:   # the same bf16-rounded operands multiplied as float32 (see _upcast)
                 acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
             elif IEEE:
@@ -177,7 +182,8 @@ def _gemm_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, 
 def _dequantize_kernel(out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K,
                        LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
                        SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
-                       HAS_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, USE_PDL: tl.constexpr):
+                       HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     """The transposed weight W^T [K, N] in out's dtype (many rows of x: then cuBLAS multiplies)."""
     wait_for_previous_kernel(USE_PDL)
     PER_WORD: tl.constexpr = 32 // LOW_BITS
@@ -189,7 +195,7 @@ def _dequantize_kernel(out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N
     scale, offset = _word_factors(d_ptr, m_ptr, a_ptr, b_ptr, first[:, None], cols[None, :], ok, N, SCALE_GROUP,
                                   SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
     for S in tl.static_range(PER_WORD):
-        w = _quant(low, high, first[:, None], S, LOW_BITS, HIGH_BITS) * scale + offset
+        w = _quant(low, high, first[:, None], S, LOW_BITS, HIGH_BITS, FLOAT8) * scale + offset
         ptrs = out_ptr + (first + S).to(tl.int64)[:, None] * N + cols[None, :]
         tl.store(ptrs, w.to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -320,3 +326,13 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor | None 
     else:
         torch.matmul(x, dequantize_weight(weight, x.dtype), out=out)
     return out
+
+
+def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A linear layer's forward over a ``QuantWeight``: x [..., in_features] -> [..., out_features] in x's dtype,
+    plus ``bias``."""
+    out = quant_matmul(x.reshape(-1, weight.in_features), weight)
+    if bias is not None:
+        out += bias.to(out.dtype)
+    return out.view(*x.shape[:-1], weight.out_features)
+

@@ -1,0 +1,90 @@
+"""The "fp8", "compressed-tensors" and "isq-fp8" quantizers: ``target(checkpoint, dtype)`` -> a factory of
+LinearMethods per linear layer.
+
+A checkpoint layer is FP8 when its ``<module>.weight`` is F8_E4M3 in the safetensors headers (read, nothing else);
+without headers to read, every linear layer but the config's ignored ones. A fused layer mixing FP8 and float
+parts is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cvllm.checkpoint.base import Checkpoint, CheckpointError
+from cvllm.layers.quantization import LinearMethod, LinearMethodFactory
+from cvllm_fp8.config import FP8Config, FP8ConfigError, parse_compressed_tensors_config, parse_fp8_config
+from cvllm_fp8.linear_method import FP8LinearMethod
+
+
+def _quantization_config(checkpoint: Checkpoint) -> dict[str, Any]:
+    config = checkpoint.quant_config if isinstance(checkpoint.quant_config, dict) else \
+        checkpoint.config.get("quantization_config")
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{checkpoint.path}: quant_method {checkpoint.quant_method!r} but config.json has no "
+                              f"quantization_config object")
+    return config
+
+
+def fp8_modules(checkpoint: Checkpoint) -> set[str] | None:
+    """Modules whose ``.weight`` is F8_E4M3 in the checkpoint's safetensors headers; None if unknown."""
+    path = Path(checkpoint.path)
+    if not path.is_dir():
+        return None
+    from cvllm.checkpoint.hf_dir import weight_files
+    from cvllm.checkpoint.safetensors_files import check_safetensors_file
+
+    modules = set()
+    for file in weight_files(path):
+        for name, info in check_safetensors_file(file).items():
+            if name.endswith(".weight") and isinstance(info, dict) and info.get("dtype") == "F8_E4M3":
+                modules.add(name.removesuffix(".weight"))
+    return modules
+
+
+def _factory(checkpoint: Checkpoint, config: FP8Config) -> LinearMethodFactory:
+    present = fp8_modules(checkpoint)
+
+    def ignored(layer: str) -> bool:
+        return any(layer == name or layer.endswith("." + name) or name in layer.split(".") for name in config.ignore)
+
+    def method_for(layer: str, sources: Sequence[str]) -> LinearMethod | None:
+        if present is None:
+            return None if ignored(layer) else FP8LinearMethod(config, layer)
+        fp8 = [source in present for source in sources]
+        if not any(fp8):
+            return None
+        if not all(fp8):
+            listed = ", ".join(f"{s} {'fp8' if q else 'float'}" for s, q in zip(sources, fp8))
+            raise CheckpointError(f"{checkpoint.path}: layer '{layer}' fuses FP8 and float weights ({listed}); "
+                                  f"such checkpoints are not supported")
+        return FP8LinearMethod(config, layer)
+
+    return method_for
+
+
+def _parsed(checkpoint: Checkpoint, parse) -> FP8Config:
+    try:
+        return parse(_quantization_config(checkpoint), f"{checkpoint.path}: quantization_config")
+    except FP8ConfigError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def fp8_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMethodFactory:
+    return _factory(checkpoint, _parsed(checkpoint, parse_fp8_config))
+
+
+def compressed_tensors_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMethodFactory:
+    return _factory(checkpoint, _parsed(checkpoint, parse_compressed_tensors_config))
+
+
+def isq_fp8_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMethodFactory:
+    """``--isq fp8``: every linear layer quantized per output row as its float shards load."""
+
+    def method_for(layer: str, sources: Sequence[str]) -> LinearMethod:
+        return FP8LinearMethod(None, layer)
+
+    return method_for

@@ -1,0 +1,193 @@
+"""FP8 weight checkpoints (transformers' "fp8" with 128x128 scale blocks or one scale per tensor, llm-compressor's
+compressed-tensors per channel / tensor / block) and ``--isq fp8``: cvllm computes exactly what a float checkpoint
+of the dequantized weights computes (float32, tokens and logprobs bit for bit), on one rank and over two; the
+plane form a CUDA layer takes equals the dense one (Triton's interpreter here); bad configs are refused by name."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from cvllm import LLM, SamplingParams
+from cvllm.checkpoint.base import CheckpointError
+from cvllm.layers.linear import ReplicatedLinear
+from cvllm.testing.checkpoints import cvllm_greedy, make_checkpoint
+from cvllm_fp8.config import FP8Config
+from cvllm_fp8.linear_method import FP8LinearMethod, _planes, dequantize, quantize_rows
+
+PROMPTS = [[1, 5, 9, 23, 7, 11, 3, 4, 99, 100, 17, 2, 8], [4, 8, 15, 16, 23, 42]]
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# every projection's inputs and outputs whole 128-blocks (k/v: 2 heads of 64)
+WIDE = {"hidden_size": 256, "intermediate_size": 512}
+
+
+def quantize_blocks(w: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    out, inp = w.shape
+    padded = torch.zeros(math.ceil(out / rows) * rows, math.ceil(inp / cols) * cols)
+    padded[:out, :inp] = w
+    blocks = padded.view(padded.shape[0] // rows, rows, padded.shape[1] // cols, cols)
+    scale = (blocks.abs().amax(dim=(1, 3)) / 448).clamp(min=1e-12)
+    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).view_as(padded)[:out, :inp]
+    return q.contiguous(), scale
+
+
+def write_fp8(base, out, scheme: str, static: bool = False) -> None:
+    """An FP8 copy of the float checkpoint ``base`` and, beside it, the float checkpoint of its dequantized weights
+    (``out`` + "-float")."""
+    state, floats = load_file(base / "model.safetensors"), {}
+    quantized = {}
+    for name, w in state.items():
+        if not (name.endswith(".weight") and name.split(".")[-2] in LINEARS):
+            quantized[name] = floats[name] = w
+            continue
+        prefix = name.removesuffix(".weight")
+        if scheme in ("fp8-block", "ct-block"):
+            q, scale = quantize_blocks(w, 128, 128)
+            scale_rows = scale.repeat_interleave(128, dim=0)[:w.shape[0]]
+            key = "weight_scale_inv" if scheme == "fp8-block" else "weight_scale"
+        elif scheme in ("fp8-tensor", "ct-tensor"):
+            scale = (w.abs().max() / 448).reshape(1 if scheme == "ct-tensor" else ())
+            q = (w / scale).to(torch.float8_e4m3fn)
+            scale_rows, key = scale.reshape(1, 1).expand(w.shape[0], 1), "weight_scale"
+        else:   # ct-channel
+            q, scale = quantize_rows(w)
+            scale_rows, key = scale, "weight_scale"
+        quantized[name], quantized[f"{prefix}.{key}"] = q, scale.to(torch.float32)
+        if static:
+            quantized[f"{prefix}.input_scale"] = torch.tensor([0.02])
+        floats[name] = dequantize(q, scale_rows.to(torch.float32))
+    for directory, tensors in ((out, quantized), (out.with_name(out.name + "-float"), floats)):
+        directory.mkdir(parents=True)
+        for file in base.iterdir():
+            if file.is_file() and file.suffix != ".safetensors":
+                shutil.copy(file, directory / file.name)
+        save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    scheme_kind, granularity = scheme.split("-")
+    if scheme_kind == "fp8":
+        qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "static" if static else "dynamic"}
+        if granularity == "block":
+            qc["weight_block_size"] = [128, 128]
+    else:
+        weights = {"num_bits": 8, "type": "float", "strategy": granularity, "dynamic": False, "symmetric": True}
+        if granularity == "block":
+            weights["block_structure"] = [128, 128]
+        group = {"targets": ["Linear"], "weights": weights}
+        if static:
+            group["input_activations"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+        qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": group},
+              "ignore": ["lm_head"]}
+    config["quantization_config"] = qc
+    (out / "config.json").write_text(json.dumps(config))
+
+
+def run(path, **options):
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=32, **options)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        layer = llm.llm_engine.runner.model.model.layers[0]
+        kinds = {type(layer.self_attn.qkv_proj.quant_method).__name__, type(layer.mlp.down_proj.quant_method).__name__}
+    finally:
+        llm.shutdown()
+    return [(list(o.outputs[0].token_ids), [e[t].logprob for e, t in zip(o.outputs[0].logprobs,
+                                                                      o.outputs[0].token_ids)]) for o in outputs], kinds
+
+
+@pytest.mark.parametrize("scheme, static", [("fp8-block", False), ("fp8-tensor", True), ("ct-channel", False),
+                                            ("ct-tensor", True), ("ct-block", False)])
+def test_checkpoint_computes_its_dequantized_weights(tmp_path, scheme, static):
+    make_checkpoint(tmp_path / "base", "llama", **WIDE)
+    write_fp8(tmp_path / "base", tmp_path / "fp8", scheme, static)
+    ours, kinds = run(tmp_path / "fp8")
+    assert kinds == {"FP8LinearMethod"}
+    theirs, _ = run(tmp_path / "fp8-float")
+    assert ours == theirs
+
+
+def test_partial_scale_blocks(tmp_path):
+    """The default tiny model's 64-wide projections sit inside one 128x128 block: ceil-sized scale tensors."""
+    make_checkpoint(tmp_path / "base", "llama")
+    write_fp8(tmp_path / "base", tmp_path / "fp8", "fp8-block")
+    assert run(tmp_path / "fp8")[0] == run(tmp_path / "fp8-float")[0]
+
+
+@pytest.mark.parametrize("scheme", ["fp8-block", "fp8-tensor"])
+def test_two_ranks_match_one(tmp_path, scheme):
+    make_checkpoint(tmp_path / "base", "llama", **WIDE)
+    write_fp8(tmp_path / "base", tmp_path / "fp8", scheme)
+    options = dict(dtype="float32", num_kv_blocks=32)
+    one = cvllm_greedy(tmp_path / "fp8", PROMPTS, 8, **options)
+    assert cvllm_greedy(tmp_path / "fp8", PROMPTS, 8, tensor_parallel_size=2, **options) == one
+
+
+def test_isq_fp8_computes_the_row_quantized_model(tmp_path):
+    make_checkpoint(tmp_path / "base", "llama")
+    state = load_file(tmp_path / "base" / "model.safetensors")
+    for name, w in state.items():
+        if name.endswith(".weight") and name.split(".")[-2] in LINEARS:
+            state[name] = dequantize(*quantize_rows(w))
+    float_dir = tmp_path / "rows"
+    shutil.copytree(tmp_path / "base", float_dir)
+    save_file(state, float_dir / "model.safetensors", metadata={"format": "pt"})
+    ours, kinds = run(tmp_path / "base", isq="fp8")
+    assert kinds == {"FP8LinearMethod"}
+    assert ours == run(float_dir)[0]
+    two = cvllm_greedy(tmp_path / "base", PROMPTS, 8, dtype="float32", num_kv_blocks=32, isq="fp8",
+                       tensor_parallel_size=2)
+    assert two == [tokens for tokens, _ in ours]
+
+
+def test_plane_form_equals_the_dense_form():
+    pytest.importorskip("cvllm_cuda")
+    from cvllm.testing.requirements import import_or_skip
+
+    import_or_skip("triton")
+    config = FP8Config((128, 128), False, "weight_scale_inv", False)
+    gen = torch.Generator().manual_seed(0)
+    q, scale = quantize_blocks(torch.randn(40, 256, generator=gen), 128, 128)
+    layers = []
+    for form in ("dense", "planes"):
+        layer = ReplicatedLinear(256, 40, bias=True, quant_method=FP8LinearMethod(config, "test"))
+        layer.weight.weight_loader(layer.weight, q)
+        layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, scale)
+        layer.bias.data.copy_(torch.linspace(-1, 1, 40))
+        if form == "planes":   # what process_weights_after_loading does on a CUDA device
+            layer.quant_weight = _planes(layer._parameters.pop("weight").data,
+                                         layer._parameters.pop("weight_scale_inv").data, "test")
+            layer.weight = torch.empty(0)
+            layer.fp8_compute = "planes"
+        layers.append(layer)
+    for rows in (1, 3, 20):
+        x = torch.randn(rows, 256, generator=gen)
+        torch.testing.assert_close(layers[1](x), layers[0](x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"fmt": "e5m2"}, "fmt 'e5m2'"),
+    ({"weight_block_size": [128]}, "weight_block_size"),
+    ({"activation_scheme": "weird"}, "activation_scheme"),
+])
+def test_bad_configs_are_refused(tmp_path, change, message):
+    make_checkpoint(tmp_path / "base", "llama")
+    write_fp8(tmp_path / "base", tmp_path / "fp8", "fp8-block")
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    config["quantization_config"].update(change)
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=message):
+        LLM(str(tmp_path / "fp8"), dtype="float32", num_kv_blocks=32)
+
+
+def test_compressed_tensors_int_schemes_are_refused(tmp_path):
+    make_checkpoint(tmp_path / "base", "llama")
+    write_fp8(tmp_path / "base", tmp_path / "fp8", "ct-channel")
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"].update(type="int", num_bits=4)
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="only FP8 weights"):
+        LLM(str(tmp_path / "fp8"), dtype="float32", num_kv_blocks=32)
