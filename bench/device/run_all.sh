@@ -4,8 +4,8 @@
 # "tests": the gpu-marked tests, file by file (up to ~9 min); "bench": latency, throughput and serving (~6 min);
 # "tp" (a machine of 2 or 4 GPUs): tensor parallelism against one GPU, Llama-3-8B shape (~5 min);
 # "tp70b" (4 GPUs): batch-1 latency of a Llama-3-70B shape at TP=4 and TP=2 (~5 min);
-# "quant": batch-1 latency of bf16 and in-situ quantized (q4k, q8_0, gptq, fp8) Llama-3-8B shapes, then the low-bit matmul's
-# tile sweep (issue 18; ~8 min, most of it Triton compiles; QUANT_LAYOUTS=q4_k,q8_0 narrows the sweep).
+# "quant": batch-1 latency of bf16 and in-situ quantized (q4k, q8_0, gptq, fp8) Llama-3-8B shapes, then the
+# low-bit matmul's tile sweep (issue 18; ~8 min, most of it Triton compiles; QUANT_LAYOUTS=q4_k,q8_0 narrows the sweep).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
 # NVLink multicast stays off on the shared multi-GPU hosts (h200_setup.sh sets these too; the benchmarks pass them on)
