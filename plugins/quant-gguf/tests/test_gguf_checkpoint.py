@@ -101,17 +101,25 @@ def test_float_linears_stay_unquantized(tmp_path, make_rows):
         assert torch.equal(value, reference[name]), name
 
 
-def test_fused_layer_of_mixed_types_loads_dequantized(tmp_path, make_rows, caplog):
-    path, hf_dir, _ = write_tiny_llama(tmp_path, make_rows, types={"v_proj": GGMLType.Q8_0})
+def test_fused_layer_of_mixed_types_keeps_each_parts_blocks(tmp_path, make_rows, caplog):
+    """llama.cpp's *_M mixes: a Q8_0 v_proj beside Q4_1 q/k fuse into one layer that keeps each part's blocks."""
+    path, hf_dir, _ = write_tiny_llama(tmp_path, make_rows, types={"v_proj": GGMLType.Q8_0,
+                                                                   "up_proj": GGMLType.Q4_0})
     with caplog.at_level(logging.WARNING, logger="cvllm_gguf.checkpoint"):
         llm = LLM(model=str(path), dtype="float32", num_kv_blocks=32)
-    assert "layer 'model.layers.0.self_attn.qkv_proj' fuses weights of different GGML types " \
-           "(q_proj Q4_1, k_proj Q4_1, v_proj Q8_0): loading it dequantized" in caplog.text
+    assert "different GGML types" not in caplog.text
     layer = llm.llm_engine.runner.model.model.layers[0]
-    assert not hasattr(layer.self_attn.qkv_proj, "qweight") and hasattr(layer.mlp.down_proj, "qweight")
+    qkv, gate_up = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj
+    assert type(qkv.quant_method).__name__ == type(gate_up.quant_method).__name__ == "MixedGGUFLinearMethod"
+    assert [part[1] for part in qkv.gguf_parts] == [GGMLType.Q4_1, GGMLType.Q4_1, GGMLType.Q8_0]
     reference = effective_weights(LLM(model=str(hf_dir), dtype="float32", num_kv_blocks=32))
     for name, value in effective_weights(llm).items():
         assert torch.equal(value, reference[name]), name
+    two = LLM(model=str(path), dtype="float32", num_kv_blocks=32, tensor_parallel_size=2)
+    try:
+        assert [o.token_ids for o in generate(two, PROMPTS)] == [o.token_ids for o in generate(llm, PROMPTS)]
+    finally:
+        two.shutdown()
 
 
 def test_rope_scaling_from_metadata(tmp_path, make_rows):

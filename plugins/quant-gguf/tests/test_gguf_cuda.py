@@ -75,8 +75,9 @@ def _greedy(llm, prompts):
 @needs_gpu
 @pytest.mark.parametrize("types", [{}, {"q_proj": GGMLType.Q4_0, "k_proj": GGMLType.Q4_0, "v_proj": GGMLType.Q4_0,
                                         "o_proj": GGMLType.Q5_0, "lm_head": GGMLType.Q8_0,
-                                        "down_proj": GGMLType.Q6_K}],
-                         ids=["mix1", "mix2"])
+                                        "down_proj": GGMLType.Q6_K},
+                                   {"v_proj": GGMLType.Q8_0, "up_proj": GGMLType.Q4_0}],   # mixed fused parts
+                         ids=["mix1", "mix2", "mixed-parts"])
 def test_tiny_model_on_cuda_computes_from_planes_and_gives_the_cpu_exact_tokens(tmp_path, make_rows, types):
     from cvllm import LLM
     from cvllm_gguf.testing import write_tiny_llama
@@ -87,10 +88,40 @@ def test_tiny_model_on_cuda_computes_from_planes_and_gives_the_cpu_exact_tokens(
     cuda = LLM(model=str(path), backend="cuda", dtype="float32", num_kv_blocks=32, max_num_seqs=4)
     planes = 0
     for name, module in cuda.llm_engine.runner.model.named_modules():
-        if not hasattr(module, "qweight") or module.qtype not in LAYOUTS:
+        if not hasattr(module, "qweight"):
+            continue
+        parts = getattr(module, "gguf_parts", None)
+        if parts is None and module.qtype not in LAYOUTS:
             continue
         assert module.gguf_compute == "planes" and module.weight.numel() == 0, name   # no float copy
-        assert module.qweight.numel() == 0 and module.quant_low.is_cuda, name           # the planes replace the blocks
+        assert module.qweight.numel() == 0, name                                       # the planes replace the blocks
+        assert (module.quant_0_low if parts else module.quant_low).is_cuda, name
         planes += 1
     assert planes >= 6
     assert _greedy(cuda, prompts) == _greedy(cpu, prompts)
+
+
+def test_mixed_parts_each_computed_from_their_planes(make_rows, one_torch_thread):
+    """A fused q/k/v of Q4_K, Q4_K and Q6_K parts (a Q4_K_M file's attention): one matmul per part into its
+    columns, against the exact dequantized stack, for every kernel path (1 row, a few, many)."""
+    from cvllm.layers.linear import QKVParallelLinear
+    from cvllm_gguf.mixed import MixedGGUFLinearMethod
+
+    types = [GGMLType.Q4_K, GGMLType.Q4_K, GGMLType.Q6_K]
+    layers = []
+    for form in ("exact", "planes"):
+        layer = QKVParallelLinear(256, 32, 2, 1, bias=True,
+                                  quant_method=MixedGGUFLinearMethod(types, mode="exact"))
+        for shard, qtype, rows in zip("qkv", types, (64, 32, 32)):
+            layer.qweight.weight_loader(layer.qweight, make_rows(qtype, rows, 256, seed=ord(shard)), shard)
+        layer.bias.data.copy_(torch.linspace(-1, 1, 128))
+        if form == "planes":   # as process_weights_after_loading sets it up on a CUDA device
+            layer.quant_parts, start = [], 0
+            for qtype, rows, blocks in layer.quant_method._part_bytes(layer):
+                layer.quant_parts.append((start, to_planes(blocks, qtype, 256)))
+                start += rows
+            layer.gguf_compute = "planes"
+        layers.append(layer)
+    for shape in ((1, 256), (3, 256), (2, 10, 256)):
+        x = torch.randn(shape)
+        torch.testing.assert_close(layers[1](x), layers[0](x), rtol=1e-5, atol=1e-5)

@@ -40,6 +40,7 @@ from cvllm_gguf.adapters import expand_blocks, hf_config, tensor_names
 from cvllm_gguf.dequant import dequantize
 from cvllm_gguf.lazy_weights import blocks, dequantized
 from cvllm_gguf.linear_method import GGUFLinearMethod
+from cvllm_gguf.mixed import MixedGGUFLinearMethod
 from cvllm_gguf.quant_types import FLOAT_DTYPES, GGMLType
 from cvllm_gguf.reader import GGUFFile, TensorInfo, open_gguf_files
 
@@ -206,12 +207,15 @@ def gguf_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMet
         if not types or all(t in FLOAT_DTYPES for t in types.values()):
             return None
         if len(set(types.values())) > 1:
-            # llama.cpp's *_M mixes (e.g. Q6_K attn_v beside Q4_K q/k) fuse into one layer here, and one
-            # GGUFLinearMethod holds one type: such a layer loads dequantized (exact values, more memory)
-            listed = ", ".join(f"{source.rpartition('.')[2]} {t.name}" for source, t in types.items())
-            logger.warning("%s: layer '%s' fuses weights of different GGML types (%s): loading it dequantized",
-                           quant.path.name, layer, listed)
-            return None
+            # llama.cpp's *_M mixes (e.g. Q6_K attn_v beside Q4_K q/k) fuse into one layer here: each part keeps
+            # its own blocks (mixed.py)
+            if len(types) != len(sources):
+                listed = ", ".join(f"{source.rpartition('.')[2]} {t.name}" for source, t in types.items())
+                logger.warning("%s: layer '%s' fuses weights of different GGML types (%s) and float ones: loading "
+                               "it dequantized", quant.path.name, layer, listed)
+                return None
+            quant.quantized_modules.update(types)
+            return MixedGGUFLinearMethod([types[source] for source in sources], mode)
         quant.quantized_modules.update(types)
         return GGUFLinearMethod(next(iter(types.values())), mode)
 
