@@ -32,10 +32,10 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 
 
 def gemv_configs():
-    for bn, bw, warps in itertools.product((32, 64, 128, 256), (4, 8, 16, 32), (2, 4, 8)):
+    for bn, bw, warps, stages in itertools.product((32, 64, 128), (8, 16, 32), (2, 4, 8), (1, 3)):
         per_thread = bn * bw / (warps * 32)
         if 2 <= per_thread <= 32:
-            yield (bn, bw, warps)
+            yield (bn, bw, warps, stages)
 
 
 def gemm_configs():

@@ -102,7 +102,7 @@ def test_dequantize_weight_gives_the_reference_values(name):
 
 def test_gemm_writes_into_strided_rows():
     weight = random_weight(LAYOUTS["q4_k"], 20, 256, DEVICE, seed=5)
-    x = torch.randn(4, 256).to(DEVICE)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(7)).to(DEVICE)
     out = torch.full((4, 40), float("nan"), device=DEVICE)
     quant_gemm(x, weight, out[:, 10:30])
     torch.testing.assert_close(out[:, 10:30].cpu(), (x @ dequantize_planes(weight).T).cpu(), rtol=1e-5, atol=1e-5)
@@ -113,12 +113,13 @@ def test_gemm_writes_into_strided_rows():
 def test_k_split_into_parts_adds_up(t):
     """Few output features: K is split over programs and the partial sums added (GEMV and GEMM)."""
     weight = random_weight(LAYOUTS["q5_0"], 12, 1024, DEVICE, seed=6)
-    x = torch.randn(t, 1024).to(DEVICE)
+    x = torch.randn(t, 1024, generator=torch.Generator().manual_seed(t)).to(DEVICE)
     ref = x @ dequantize_planes(weight).T
     for splits in (2, 3, 64):   # 64: more parts than K steps: as many as there are steps
         out = torch.full((t, 12), float("nan"), device=DEVICE)
         (quant_gemv if t == 1 else quant_gemm)(x, weight, out, splits=splits)
-        torch.testing.assert_close(out.cpu(), ref.cpu(), rtol=1e-5, atol=1e-5)
+        # float32 sums in another order: relative to the outputs' size
+        torch.testing.assert_close(out.cpu(), ref.cpu(), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
 def test_configs_cover_every_plane_width():

@@ -96,7 +96,7 @@ def _gemv_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, 
                  LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
                  SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
                  HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 STAGES: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (i, j) sums words j * SPLIT_WORDS .. (j + 1) * SPLIT_WORDS of output features i * BLOCK_N ...; with
     more than one split, ``out`` is the float32 [splits, N] of the partial sums (``_sum_splits`` adds them)."""
     wait_for_previous_kernel(USE_PDL)
@@ -106,7 +106,8 @@ def _gemv_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, 
     start = tl.program_id(1) * SPLIT_WORDS
     num_words = tl.minimum(K // PER_WORD, start + SPLIT_WORDS)
     acc = tl.zeros((BLOCK_W, BLOCK_N), dtype=tl.float32)
-    for w0 in range(start, num_words, BLOCK_W):
+    # STAGES > 1: Triton's software pipelining issues the next tiles' loads while this one computes
+    for w0 in tl.range(start, num_words, BLOCK_W, num_stages=STAGES):
         words = w0 + tl.arange(0, BLOCK_W)
         word_ok = words < num_words
         ok = word_ok[:, None] & col_ok[None, :]
@@ -200,7 +201,7 @@ def _dequantize_kernel(out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N
         tl.store(ptrs, w.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-# (BLOCK_N, BLOCK_W, num_warps) of the GEMV, (BLOCK_N, BLOCK_W, num_warps, num_stages) of the GEMM and
+# (BLOCK_N, BLOCK_W, num_warps[, stages]) of the GEMV, (BLOCK_N, BLOCK_W, num_warps, num_stages) of the GEMM and
 # (BLOCK_N, BLOCK_W, num_warps) of the dequantization, by low-plane bits; set from bench/quant_matmul_sweep.py
 GEMV_CONFIGS = {2: (32, 32, 4), 4: (32, 32, 4), 8: (32, 32, 4)}
 GEMM_CONFIGS = {2: (32, 64, 4, 3), 4: (32, 64, 4, 3), 8: (32, 64, 4, 3)}
@@ -246,13 +247,14 @@ def k_splits(programs: int, k: int, low_bits: int, block_w: int, device: torch.d
 def quant_gemv(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple | None = None,
                splits: int | None = None) -> None:
     """out[0] = weight @ x[0] (x [1, K] and out [1, N], contiguous)."""
-    block_n, block_w, warps = config or GEMV_CONFIGS[weight.layout.low_bits]
+    block_n, block_w, warps, *stages = config or GEMV_CONFIGS[weight.layout.low_bits]
     n, k = weight.out_features, weight.in_features
     splits, split_words = _split(_cdiv(n, block_n), k, weight.layout.low_bits, block_w, x.device, splits)
     target = out if splits == 1 else torch.empty((splits, n), dtype=torch.float32, device=x.device)
     _gemv_kernel[(_cdiv(n, block_n), splits)](x, target, *_planes(weight), n, k, split_words,
                                               **weight.layout.kernel_args(), BLOCK_N=block_n, BLOCK_W=block_w,
-                                              num_warps=warps, **pdl_options(x.device))
+                                              STAGES=stages[0] if stages else 1, num_warps=warps,
+                                              **pdl_options(x.device))
     if splits > 1:
         _add_splits(target, out, splits, n)
 
