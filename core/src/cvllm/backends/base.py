@@ -94,8 +94,11 @@ class Backend:
         return int(free * 0.9)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        """Store this step's K/V ``[T, Hkv, D]`` at ``slot_mapping`` (block * block_size + offset)."""
+                 slot_mapping: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Store this step's K/V ``[T, Hkv, D]`` at ``slot_mapping`` (block * block_size + offset). An FP8 cache
+        (float8_e4m3fn) comes with ``scales`` (K's and V's per KV head, float32 [Hkv] on the device): store
+        ``x / scale`` saturated to ±448 (layers/kv_fp8.py); ``attention`` then reads ``layer.k_scale`` and
+        ``layer.v_scale``."""
         raise NotImplementedError
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Any,

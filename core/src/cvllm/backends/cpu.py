@@ -10,6 +10,7 @@ import torch
 
 from cvllm.backends.base import Backend
 from cvllm.forward_context import ForwardContext
+from cvllm.layers import kv_fp8
 
 KV_CACHE_BYTES = 4 << 30   # the KV pool by default, at most (vLLM's CPU default is 4 GiB too)
 
@@ -60,8 +61,14 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     def gather(cache: torch.Tensor) -> torch.Tensor:
         """The sequences' keys or values as contiguous fp32 [B, Hkv, S, D]: cast and transpose in one copy,
         so the batched matmuls below fold (B, Hkv) into one batch dim without copying again."""
-        rows = cache.index_select(0, blocks).view(B, S, Hkv, D).transpose(1, 2)
-        return torch.empty(rows.shape, dtype=torch.float32, device=rows.device).copy_(rows)
+        scale = getattr(cache, "kv_scale", None)   # an FP8 cache (_Scaled): stored value * scale
+        if scale is not None:   # gathered as bytes: torch has no index_select of float8
+            rows = cache.stored.view(torch.uint8).index_select(0, blocks).view(cache.stored.dtype)
+        else:
+            rows = cache.index_select(0, blocks)
+        rows = rows.view(B, S, Hkv, D).transpose(1, 2)
+        out = torch.empty(rows.shape, dtype=torch.float32, device=rows.device).copy_(rows)
+        return out if scale is None else out.mul_(scale.view(1, -1, 1, 1))   # [B, Hkv, S, D]: per KV head
 
     k, v = gather(k_cache), gather(v_cache)
     # Keys past a sequence's length (the rest of its last block, padded table entries) are masked out of the
@@ -80,6 +87,13 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         probs = probs.nan_to_num_(0.0)  # padded query rows see nothing (a decode row always sees itself)
     out = torch.matmul(probs.view(B, Hkv, G * Lq, S), v).view(B, Hkv, G, Lq, D)
     return out.permute(0, 3, 1, 2, 4).reshape(B, Lq, H, D).to(q.dtype)
+
+
+class _Scaled:
+    """An FP8 cache with its layer's scale, for paged_attention_reference (it reads shape and rows)."""
+
+    def __init__(self, stored: torch.Tensor, scale: torch.Tensor):
+        self.stored, self.kv_scale, self.shape = stored, scale, stored.shape
 
 
 class CpuBackend(Backend):
@@ -104,7 +118,7 @@ class CpuBackend(Backend):
         self._slots_seen: torch.Tensor | None = None
         self._slots_kept: torch.Tensor | None = None
 
-    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping, scales=None) -> None:
         if slot_mapping is not self._slots_seen:
             self._slots_seen = slot_mapping
             padded = slot_mapping.numel() and int(slot_mapping.min()) < 0  # -1: a token whose K/V is not stored
@@ -112,6 +126,9 @@ class CpuBackend(Backend):
         if self._slots_kept is not None:
             keep = self._slots_kept
             k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+        if scales is not None:   # an FP8 cache, its bytes copied as bytes (torch has no index_copy_ of float8)
+            k, v = kv_fp8.quantize(k, scales[0]).view(torch.uint8), kv_fp8.quantize(v, scales[1]).view(torch.uint8)
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
@@ -123,6 +140,8 @@ class CpuBackend(Backend):
         plan = ctx.backend_data
         assert isinstance(plan, _AttentionPlan), "the forward pass's ctx was not prepared (Backend.prepare)"
         args = (layer.scale, layer.sliding_window, layer.logits_soft_cap)
+        if kv_fp8.is_fp8(k_cache):   # the stored values times the layer's scales, in float32
+            k_cache, v_cache = _Scaled(k_cache, layer.k_scale), _Scaled(v_cache, layer.v_scale)
         if plan.decode_only:  # every row decodes one token, in order: no gather or scatter of rows
             return paged_attention_reference(q[:, None], k_cache, v_cache, plan.decode_tables, plan.decode_positions,
                                              plan.decode_lens, *args, plan.visible(-1, layer.sliding_window),

@@ -20,6 +20,7 @@ from cvllm.engine.llm_engine import LLMEngine
 from cvllm.engine.model_runner import ModelRunner, build_model
 from cvllm.engine.sampler import Sampler
 from cvllm.engine.scheduler import Scheduler, SchedulerConfig
+from cvllm.layers.kv_fp8 import kv_cache_torch_dtype
 from cvllm.startup import StartupPhases
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ def build_engine(config: EngineConfig, imports_seconds: float | None = None) -> 
         runner = build_tensor_parallel(checkpoint, backend, dtype, config)
     else:
         runner = ModelRunner(build_model(checkpoint, backend, dtype, isq=config.isq), backend, config.block_size,
-                             dtype)
+                             dtype, kv_cache_torch_dtype(config.kv_cache_dtype, dtype))
     sampler = Sampler(backend.argmax)   # the backend's argmax kernel where it has one (None: torch's)
     executor = _executor(config, runner, sampler, backend, checkpoint.config.vocab_size)
     phases.mark("weights")

@@ -12,6 +12,10 @@ if TYPE_CHECKING:   # not imported at run time: cvserve's API process starts the
     from cvllm.engine.scheduler import ScheduledBatch
 
 
+# "fp8" and "fp8_e4m3" (vLLM's names) are the same: e4m3 values, one scale per layer for K and one for V
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
 @dataclass
 class EngineConfig:
     model: Any                                  # a path or repo id, or an opened cvllm Checkpoint
@@ -30,6 +34,7 @@ class EngineConfig:
     seed: int = 0
     fake_step_ms: float | None = None           # no model: each step takes this long (measures the stack around it)
     isq: str | None = None                      # in-situ quantization of an unquantized checkpoint ("q4k", "q8_0" ...)
+    kv_cache_dtype: str = "auto"                # "auto": the model's dtype; "fp8": e4m3 with per-layer scales
     enforce_eager: bool = False                 # no CUDA graphs: every step launches its kernels one by one
     tensor_parallel_size: int = 1               # ranks the model is split over, on all nodes (engine/tensor_parallel/)
     device_ids: tuple[int, ...] | None = None   # local rank r's device (--d 0,1); None: local rank r takes device r
@@ -49,6 +54,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
         if self.num_nodes < 1 or not 0 <= self.node_rank < self.num_nodes:

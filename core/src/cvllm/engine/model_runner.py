@@ -16,6 +16,7 @@ from cvllm.distributed import tp_size
 from cvllm.engine.scheduler import ScheduledBatch
 from cvllm.engine.step_inputs import PreviousTokens, build_host_step, to_device
 from cvllm.forward_context import ForwardContext, forward_context
+from cvllm.layers import kv_fp8
 from cvllm.layers.attention import Attention
 from cvllm.layers.quantization import attach_linear_methods, isq_quantizer
 from cvllm.progress import Progress
@@ -117,19 +118,21 @@ def _process_after_loading(model: nn.Module) -> None:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, backend, block_size: int, dtype: torch.dtype):
+    def __init__(self, model: nn.Module, backend, block_size: int, dtype: torch.dtype,
+                 kv_cache_dtype: torch.dtype | None = None):
         self.model = model
         self.backend = backend
         self.device = backend.device
         self.block_size = block_size
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype or dtype   # float8_e4m3fn: an FP8 cache (layers/kv_fp8.py)
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.num_blocks = 0
         self.decode_forward = self.decode_logits   # decode-only steps; the backend may wrap it (CUDA graphs)
 
     def kv_bytes_per_block(self) -> int:
         per_token = sum(2 * torch.Size(layer.kv_cache_shape()).numel() for layer in self.attention_layers)
-        return per_token * self.block_size * self.dtype.itemsize
+        return per_token * self.block_size * self.kv_cache_dtype.itemsize
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         for layer in self.attention_layers:
@@ -137,8 +140,10 @@ class ModelRunner:
             # empty, not zeros: filling gigabytes costs seconds at start-up (every page touched), and no kernel lets
             # a slot past a sequence's length reach its output (masked loads; the CPU reference zeroes such values,
             # since 0 * NaN = NaN), which tests check with a cache full of NaN
-            layer.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-            layer.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            layer.k_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
+            layer.v_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
+            if kv_fp8.is_fp8(layer.k_cache):
+                kv_fp8.init_scales(layer, self.device)
         self.num_blocks = num_blocks
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from cvllm.forward_context import get_forward_context
+from cvllm.layers import kv_fp8
 from cvllm.layers.rotary import RotaryEmbedding
 
 
@@ -24,6 +25,9 @@ class Attention(nn.Module):
         # Set by the ModelRunner once the KV pool is allocated: [num_blocks, block_size, kv_heads, head_dim]
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # an FP8 cache's scales (float32 [1] each, layers/kv_fp8.py), also set by the ModelRunner
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
 
     def kv_cache_shape(self) -> tuple[int, ...]:
         """Per-token shape of one of this layer's K and V caches (MLA layers declare a latent instead)."""
@@ -34,7 +38,11 @@ class Attention(nn.Module):
         """Attention of this step's tokens; with ``rotary_emb``, q and k are rotated by ``positions`` first
         (here, so that a backend can rotate the keys on their way into the cache: one kernel, not two)."""
         ctx = get_forward_context()
-        fused = ctx.backend.rotary_write_kv if rotary_emb is not None else None
+        fp8 = kv_fp8.is_fp8(self.k_cache)
+        # an FP8 cache takes rotary, then write_kv with the layer's scales (the fused kernel writes 16-bit caches)
+        fused = ctx.backend.rotary_write_kv if rotary_emb is not None and not fp8 else None
+        if fp8 and self.kv_scales_pending and not ctx.is_decode_only:
+            kv_fp8.calibrate(self, k, v)   # the first prefill this layer sees sets its scales (kv_fp8.py)
         if fused is not None:
             q = fused(positions, q, k, v, rotary_emb.cos_sin_for(positions, q), self.head_dim,
                       self.k_cache, self.v_cache, ctx.slot_mapping)
@@ -43,6 +51,10 @@ class Attention(nn.Module):
                 q, k = rotary_emb(positions, q, k)
             k = k.view(-1, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
             v = v.view(-1, self.num_kv_heads, self.head_dim)
-            ctx.backend.write_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+            if fp8:
+                ctx.backend.write_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping,
+                                     scales=(self.k_scale, self.v_scale))
+            else:
+                ctx.backend.write_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         out = ctx.backend.attention(q.view(-1, self.num_heads, self.head_dim), self.k_cache, self.v_cache, ctx, self)
         return out.reshape(-1, self.num_heads * self.head_dim)

@@ -210,7 +210,7 @@ def _engine_config(ns: argparse.Namespace, model: str) -> EngineConfig:
         max_num_batched_tokens=ns.max_num_batched_tokens, max_model_len=ns.max_model_len,
         prefill_chunk_size=ns.prefill_chunk_size, enable_prefix_caching=not ns.disable_prefix_cache, seed=ns.seed,
         fake_step_ms=ns.fake_step_ms, enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling,
-        enable_expert_parallel=ns.enable_expert_parallel,
+        enable_expert_parallel=ns.enable_expert_parallel, kv_cache_dtype=ns.kv_cache_dtype,
     )
     _log_multithread(ns)
     fields.update(_kv_memory(ns))

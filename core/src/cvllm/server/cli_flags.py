@@ -178,6 +178,11 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=_fraction, metavar="F",
                    help="vLLM's: weights + KV cache use at most this share of the device's total memory")
     g.add_argument("--num-kv-blocks", type=_positive_int, metavar="N", help="KV cache size in blocks")
+    g.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"), default="auto",
+                   help="KV cache element type: auto (the model's) or fp8 (e4m3 with per-layer scales: twice the "
+                        "tokens; scales from each layer's first prefill, see docs/cli.md)")
+    g.add_argument("--fp8-kvcache", dest="kv_cache_dtype", action="store_const", const="fp8",
+                   help="candle-vllm's spelling of --kv-cache-dtype fp8")
     g.add_argument("--block-size", type=_positive_int, default=16, metavar="N",
                    help="tokens per KV block, a power of two (default: 16)")
     g.add_argument("--max-num-seqs", type=_positive_int, metavar="N",

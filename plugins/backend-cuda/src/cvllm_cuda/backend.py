@@ -65,13 +65,15 @@ class CudaBackend(Backend):
     def memory(self) -> tuple[int, int]:
         return torch.cuda.mem_get_info(self.device)
 
-    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        self._write_kv(k, v, k_cache, v_cache, slot_mapping)
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping, scales=None) -> None:
+        self._write_kv(k, v, k_cache, v_cache, slot_mapping, scales)
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Any,
                   layer: Any) -> torch.Tensor:
+        fp8 = k_cache.dtype == torch.float8_e4m3fn
         return self._paged_attention(q, k_cache, v_cache, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables,
-                                     ctx.max_query_len, layer.scale, layer.sliding_window, layer.logits_soft_cap)
+                                     ctx.max_query_len, layer.scale, layer.sliding_window, layer.logits_soft_cap,
+                                     kv_scales=(layer.k_scale, layer.v_scale) if fp8 else None)
 
     def wrap_decode(self, forward: Callable, max_num_seqs: int, max_blocks_per_seq: int) -> GraphedDecode:
         from cvllm_cuda.graphs import DecodeGraphs

@@ -26,6 +26,7 @@ from cvllm.engine.step_inputs import build_host_step, pack, to_device
 from cvllm.engine.tensor_parallel import messages, rendezvous
 from cvllm.engine.tensor_parallel.watchdog import DEATH_GRACE_S, WorkerWatch, stall_timeout_s
 from cvllm.engine.tensor_parallel.worker import WorkerSpec
+from cvllm.layers.kv_fp8 import kv_cache_torch_dtype
 from cvllm.layers.quantization import isq_quantizer
 from cvllm.registry import target_name
 
@@ -214,7 +215,8 @@ def build_tensor_parallel(checkpoint, backend, dtype: torch.dtype, config) -> Br
         dtype=dtype, isq=config.isq, block_size=config.block_size, world_size=size, ranks_per_node=per_node,
         device_ids=device_ids, dist_backend=dist_backend,
         init_method="", timeout_s=STARTUP_TIMEOUT_S,   # init_method: set by TensorParallelGroup
-        enable_expert_parallel=config.enable_expert_parallel)
+        enable_expert_parallel=config.enable_expert_parallel,
+        kv_cache_dtype=kv_cache_torch_dtype(config.kv_cache_dtype, dtype))
     group = TensorParallelGroup(spec, backend.device, config.master_addr, config.master_port)
     try:
         model = build_model(checkpoint, backend, dtype, isq=config.isq)
@@ -224,4 +226,4 @@ def build_tensor_parallel(checkpoint, backend, dtype: torch.dtype, config) -> Br
         raise
     logger.info("tensor parallel: %d ranks on %d node(s) (%s), rank 0 in this process on %s", size,
                 config.num_nodes, spec.dist_backend, backend.device)
-    return BroadcastingRunner(ModelRunner(model, backend, config.block_size, dtype), group)
+    return BroadcastingRunner(ModelRunner(model, backend, config.block_size, dtype, spec.kv_cache_dtype), group)

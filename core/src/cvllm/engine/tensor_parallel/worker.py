@@ -36,6 +36,7 @@ class WorkerSpec:
     init_method: str            # tcp://host:port of rank 0's store (rendezvous.py)
     timeout_s: float
     enable_expert_parallel: bool = False   # MoE experts split whole over the ranks (cvllm.distributed)
+    kv_cache_dtype: Any = None             # torch.dtype of the KV cache; None: dtype
 
 
 def run_worker(spec: WorkerSpec, rank: int, local_rank: int, parent_pid: int) -> None:
@@ -104,7 +105,7 @@ def _build(spec: WorkerSpec, rank: int, local_rank: int, store):
     make_factory = load_target(spec.quantizer) if spec.quantizer else None
     model = build_model(spec.checkpoint, backend, spec.dtype, isq=spec.isq,
                         model_class=load_target(spec.model_class), make_factory=make_factory)
-    return ModelRunner(model, backend, spec.block_size, spec.dtype), backend
+    return ModelRunner(model, backend, spec.block_size, spec.dtype, spec.kv_cache_dtype), backend
 
 
 def _serve(runner, backend, block_size: int) -> None:

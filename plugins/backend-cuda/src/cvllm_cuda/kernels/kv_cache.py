@@ -23,11 +23,11 @@ _ELEMENTS_PER_PROGRAM = 2048
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
     num_kv_heads, block_size,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0)
@@ -44,17 +44,24 @@ def _write_kv_kernel(
     row = token.to(tl.int64)
 
     k = tl.load(k_ptr + row * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+    if FP8:   # x / its head's scale, saturated to e4m3's range (cvllm/layers/kv_fp8.py)
+        k_scale = tl.load(k_scale_ptr + heads, mask=heads < num_kv_heads, other=1.0)
+        k = tl.clamp(k.to(tl.float32) / k_scale[:, None], -448.0, 448.0)
     k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + heads[:, None] * stride_kch + dims[None, :]
     tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
 
     v = tl.load(v_ptr + row * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    if FP8:
+        v_scale = tl.load(v_scale_ptr + heads, mask=heads < num_kv_heads, other=1.0)
+        v = tl.clamp(v.to(tl.float32) / v_scale[:, None], -448.0, 448.0)
     v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + heads[:, None] * stride_vch + dims[None, :]
     tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Scatter ``k``/``v`` ``[T, Hkv, D]`` into the caches at ``slot_mapping`` ``[T]`` (slots < 0 skipped).
+             slot_mapping: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Scatter ``k``/``v`` ``[T, Hkv, D]`` into the caches at ``slot_mapping`` ``[T]`` (slots < 0 skipped). FP8
+    caches take ``scales`` (K's and V's, float32 [Hkv]): ``x / scale`` saturated to ±448 is stored.
 
     ``k`` and ``v`` may be strided views (a slice of a fused QKV output) as long as their last dim is
     contiguous; the caches need a contiguous last dim too. Values are cast to the cache dtype.
@@ -71,11 +78,14 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     block_d = next_power_of_2(head_dim)
     block_h = min(next_power_of_2(num_kv_heads), max(1, _ELEMENTS_PER_PROGRAM // block_d))
     grid = (num_tokens, cdiv(num_kv_heads, block_h))
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    assert fp8 == (scales is not None), "an FP8 cache needs its scales (and only an FP8 cache)"
+    k_scale, v_scale = scales if fp8 else (slot_mapping, slot_mapping)   # unused pointers otherwise
     _write_kv_kernel[grid](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         num_kv_heads, k_cache.shape[1],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, **pdl.options(k.device),
+        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, FP8=fp8, **pdl.options(k.device),
     )

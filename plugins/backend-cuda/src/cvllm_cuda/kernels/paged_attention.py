@@ -125,18 +125,20 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
     num_seqs, scale, soft_cap, sliding_window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
     BLOCK_SIZE: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DECODE_ONLY: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if FP8:   # e4m3 keys and values: the head's K scale folds into the softmax scale, its V scale into the output
+        scale = scale * tl.load(k_scale_ptr + kv_head)
     if DECODE_ONLY:
         seq = tile
         q_start = tl.load(query_start_loc_ptr + seq)
@@ -184,6 +186,8 @@ def _attention_kernel(
         key_offset = page * stride_cb + (keys % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
         k = tl.load(k_cache_ptr + key_offset[None, :] + dims[:, None],
                     mask=dim_valid[:, None] & key_valid[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+        if FP8:
+            k = k.to(q.dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
         if USE_SOFT_CAP:
             s = soft_cap * _tanh(s / soft_cap)
@@ -201,8 +205,12 @@ def _attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + key_offset[:, None] + dims[None, :],
                     mask=key_valid[:, None] & dim_valid[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        if FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+    if FP8:
+        acc = acc * tl.load(v_scale_ptr + kv_head)
 
     out_mask = row_valid[:, None] & dim_valid[None, :]
     if NUM_SPLITS == 1:
@@ -241,14 +249,17 @@ def _combine_splits_kernel(
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int, scale: float,
                     sliding_window: int | None, soft_cap: float | None, out: torch.Tensor | None = None, *,
-                    num_splits: int | None = None, config: AttentionConfig | None = None) -> torch.Tensor:
+                    num_splits: int | None = None, config: AttentionConfig | None = None,
+                    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of varlen queries ``q [T, H, D]`` over the paged caches ``[num_blocks, block_size, Hkv, D]``.
 
     Sequence i's queries are rows ``query_start_loc[i]:query_start_loc[i + 1]`` at positions
     ``seq_lens[i] - q_len ... seq_lens[i] - 1``; its keys are at ``block_tables[i]`` (entries past its last
     block are never read). ``max_query_len`` must be >= the longest q_len (it picks tile shapes; 1 selects
     the decode path). ``num_splits`` forces the split-KV path (rounded up to a power of two); by default
-    ``default_num_splits``. ``config`` overrides the tile sizes of ``attention_config`` (tuning).
+    ``default_num_splits``. ``config`` overrides the tile sizes of ``attention_config`` (tuning). FP8 caches
+    (float8_e4m3fn) take ``kv_scales``: the K and V scales per KV head (float32 [Hkv]) the stored values are
+    multiplied by.
     Launches without reading anything back to the host.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -256,7 +267,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_seqs = seq_lens.shape[0]
     assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim, (q.shape, k_cache.shape)
     assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride(), "K and V caches differ in layout"
-    assert q.dtype == k_cache.dtype == v_cache.dtype, (q.dtype, k_cache.dtype)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    assert (q.dtype == k_cache.dtype or fp8) and v_cache.dtype == k_cache.dtype, (q.dtype, k_cache.dtype)
+    assert fp8 == (kv_scales is not None), "an FP8 cache needs its scales (and only an FP8 cache)"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1, "q and the caches need a contiguous last dim"
     assert query_start_loc.shape == (num_seqs + 1,) and block_tables.shape[0] == num_seqs
     assert query_start_loc.stride(0) == 1 and seq_lens.stride(0) == 1 and block_tables.stride(1) == 1
@@ -288,14 +301,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     launch = pdl.options(q.device)
     _attention_kernel[(tiles, num_kv_heads, splits)](
         q, k_cache, v_cache, out, part_max, part_sum, part_acc,
-        query_start_loc, seq_lens, block_tables,
+        query_start_loc, seq_lens, block_tables, *(kv_scales or (seq_lens, seq_lens)),
         num_seqs, float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, G=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_N=config.block_n,
         NUM_SPLITS=splits, DECODE_ONLY=decode, USE_WINDOW=bool(sliding_window), USE_SOFT_CAP=bool(soft_cap),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch,
     )
     if splits > 1:

@@ -1,0 +1,77 @@
+"""The FP8 KV cache in the CUDA kernels (Triton's interpreter without a GPU): write_kv stores x / scale as e4m3,
+saturated, exactly as the CPU path does; paged attention over e4m3 caches with their scales equals the reference
+over the dequantized caches (decode, mixed batches, split KV)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from cvllm.testing.requirements import import_or_skip
+
+import_or_skip("triton")
+
+from cvllm.backends.cpu import paged_attention_reference  # noqa: E402
+from cvllm.layers.kv_fp8 import quantize  # noqa: E402
+from cvllm_cuda.kernels import paged_attention, write_kv  # noqa: E402
+
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+FP8 = torch.float8_e4m3fn
+
+
+def test_write_kv_stores_scaled_saturated_e4m3(generator):
+    tokens, heads, dim, blocks, block_size = 7, 2, 64, 3, 16
+    scales = (torch.tensor([0.0625, 0.125]), torch.tensor([0.03125, 0.25]))   # per head; powers of two: x / scale exact
+    k = torch.randn(tokens, heads, dim, generator=generator) * 3
+    v = torch.randn(tokens, heads, dim, generator=generator)
+    if DEVICE == "cpu":
+        # Triton 3.6's interpreter converts float32 to e4m3 wrongly where rounding carries into the exponent
+        # (31.4 -> 16): there the inputs are values e4m3 holds exactly, so only placement, scaling and saturation
+        # are checked; the GPU rounds random values (to nearest even, as torch does)
+        k = (k / scales[0][:, None]).to(FP8).float() * scales[0][:, None]
+        v = (v / scales[1][:, None]).to(FP8).float() * scales[1][:, None]
+    k[0, 0, :4] = torch.tensor([1e4, -1e4, 0.0, 1e-6])   # beyond 448 * scale: saturated, not NaN
+    slots = torch.tensor([3, 17, -1, 40, 5, 6, 33])
+    k_cache = torch.zeros(blocks, block_size, heads, dim, dtype=FP8, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    write_kv(k.to(DEVICE), v.to(DEVICE), k_cache, v_cache, slots.to(DEVICE), tuple(s.to(DEVICE) for s in scales))
+    flat_k, flat_v = k_cache.cpu().view(-1, heads, dim).float(), v_cache.cpu().view(-1, heads, dim).float()
+    kept = slots >= 0
+    for flat, x, scale in ((flat_k, k, scales[0]), (flat_v, v, scales[1])):
+        assert torch.equal(flat[slots[kept]], quantize(x[kept], scale).float())
+    assert flat_k[3, 0, 0] == 448 and flat_k[3, 0, 1] == -448 and not flat_k.isnan().any()
+    untouched = torch.ones(blocks * block_size, dtype=torch.bool)
+    untouched[slots[kept]] = False
+    assert (flat_k[untouched] == 0).all() and (flat_v[untouched] == 0).all()
+
+
+@pytest.mark.parametrize("query_lens,context_lens,splits", [
+    ([1, 1, 1], [127, 0, 63], 1), ([1, 1, 1], [127, 0, 63], 4), ([1, 5, 1, 7], [37, 20, 9, 0], 1),
+    ([1, 5, 1, 7], [37, 20, 9, 0], 2)])
+def test_attention_over_fp8_caches(make_attention_case, query_lens, context_lens, splits):
+    case = make_attention_case(query_lens=query_lens, context_lens=context_lens, num_heads=4, num_kv_heads=2,
+                               head_dim=64, block_size=16, dtype=torch.float32, device=DEVICE)
+    k_scale, v_scale = torch.tensor([0.004, 0.006], device=DEVICE), torch.tensor([0.003, 0.002], device=DEVICE)
+    k8 = quantize(case.k_cache.cpu(), k_scale.cpu()).to(DEVICE)
+    v8 = quantize(case.v_cache.cpu(), v_scale.cpu()).to(DEVICE)
+    out = paged_attention(case.q, k8, v8, *case.args()[3:], None, None, num_splits=splits,
+                          kv_scales=(k_scale, v_scale))
+    # the reference on the dequantized caches (what the stored bytes mean)
+    k_deq = (k8.float() * k_scale[:, None]).to(case.q.dtype)   # [blocks, block_size, Hkv, D] * per-head scales
+    v_deq = (v8.float() * v_scale[:, None]).to(case.q.dtype)
+    positions = []
+    for q_len, ctx in zip(query_lens, context_lens):
+        positions.append(torch.arange(ctx, ctx + q_len))
+    max_q = max(query_lens)
+    query_pos = torch.full((len(query_lens), max_q), -1, dtype=torch.long)
+    q_rows = torch.zeros(len(query_lens), max_q, *case.q.shape[1:])
+    starts = case.query_start_loc.cpu().tolist()
+    for i, pos in enumerate(positions):
+        query_pos[i, :len(pos)] = pos
+        q_rows[i, :len(pos)] = case.q.cpu()[starts[i]:starts[i + 1]]
+    ref = paged_attention_reference(q_rows, k_deq.cpu(), v_deq.cpu(), case.block_tables.cpu(), query_pos,
+                                    case.seq_lens.cpu().long(), case.scale, None, None)
+    expected = torch.cat([ref[i, :q] for i, q in enumerate(query_lens)])
+    torch.testing.assert_close(out.cpu(), expected, rtol=2e-4, atol=2e-4)
