@@ -34,7 +34,9 @@ tests)
     run gpu-tests-fused 60 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_fused_kernels_gpu.py --durations=3
     run gpu-tests-kernels 240 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_kernels_gpu.py --durations=3
     run gpu-tests-quant 150 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_quant_matmul.py \
-        plugins/quant-gguf/tests/test_gguf_cuda.py plugins/quant-marlin/tests plugins/quant-fp8/tests --durations=3 ;;
+        plugins/quant-gguf/tests/test_gguf_cuda.py plugins/quant-marlin/tests plugins/quant-fp8/tests --durations=3
+    # the FP8 KV cache kernels: the same tests as in the interpreter, compiled (no gpu marker: they run on CPU too)
+    run gpu-tests-kv-fp8 90 python3 -m pytest -p no:cacheprovider -q $t/test_kv_fp8.py --durations=3 ;;
 bench)
     run latency 150 python3 bench/latency.py --json "$out/$day-h200-latency-$commit.json"
     run throughput 150 python3 bench/throughput.py --json "$out/$day-h200-throughput-$commit.json"

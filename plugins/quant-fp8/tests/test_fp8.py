@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 
 import pytest
@@ -144,6 +145,8 @@ def test_isq_fp8_computes_the_row_quantized_model(tmp_path):
 
 
 def test_plane_form_equals_the_dense_form():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU tensors through Triton's interpreter; with a GPU the end-to-end gpu test covers this path")
     pytest.importorskip("cvllm_cuda")
     from cvllm.testing.requirements import import_or_skip
 

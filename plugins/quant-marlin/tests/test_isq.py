@@ -5,6 +5,8 @@ interpreter)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from marlin_reference import write_float
@@ -70,6 +72,8 @@ def test_blocks_round_trip():
 
 
 def test_plane_form_equals_the_dense_form():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU tensors through Triton's interpreter; with a GPU the end-to-end gpu test covers this path")
     pytest.importorskip("cvllm_cuda")
     from cvllm.testing.requirements import import_or_skip
 
