@@ -127,6 +127,27 @@ def main() -> None:
                 for cfg, (us, err) in sorted(rows.items(), key=lambda kv: kv[1][0])[:3]:
                     print(f"gemm {name:5s} {shape:8s} T={t:<4d} {str(cfg):14s} {us:8.1f} us x{bf16 / us:4.2f} vs "
                           f"bf16 err {err:.1e}", flush=True)
+            # decode batches of 64 and 256 rows: the dequantize-in-tile GEMM against dequantize + cuBLAS (which writes
+            # and reads a bf16 copy of the weight every step): where GEMM_MAX_ROWS should be
+            for t in (64, 256):
+                x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+                out = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
+                rows = {}
+                for cfg in [(bn, bw, w, 3, bm) for bn in (64, 128) for bw in (16, 32) for w in (4, 8)
+                            for bm in (64, 128) if bm <= t]:
+                    if time.perf_counter() - started > args.budget_s:
+                        break
+                    try:
+                        rows[cfg] = time_us(lambda: quant_gemm(x, weight, out, cfg))  # noqa: B023, F821  (called at once)
+                    except Exception as exc:
+                        print(f"  {name} {shape} gemm {cfg}: {type(exc).__name__}", flush=True)
+                both = time_us(lambda: x @ dequantize_weight(weight, torch.bfloat16))  # noqa: B023, F821
+                timed = {str(c): v for c, v in rows.items()}
+                results["gemm"][f"{name}/{shape}/{t}"] = {**timed, "dequant+cublas": both}
+                if rows:
+                    cfg, us = min(rows.items(), key=lambda kv: kv[1])
+                    print(f"gemm {name:5s} {shape:8s} T={t:<4d} {str(cfg):20s} {us:8.1f} us; dequantize + cuBLAS "
+                          f"{both:8.1f} us; bf16 {results['bf16'][f'{shape}/256']:.1f} us (T=256)", flush=True)
             # many rows: dequantize once (timed alone), then cuBLAS on the bf16 weight (what bf16 costs)
             rows = {}
             for cfg in DEQUANT:

@@ -122,6 +122,15 @@ def test_k_split_into_parts_adds_up(t):
         torch.testing.assert_close(out.cpu(), ref.cpu(), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
+def test_gemm_config_may_set_block_m():
+    weight = random_weight(LAYOUTS["q4_k"], 24, 256, DEVICE, seed=8)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    out = torch.empty(5, 24, device=DEVICE)
+    quant_gemm(x, weight, out, (32, 16, 4, 2, 32))
+    ref = x @ dequantize_planes(weight).T
+    torch.testing.assert_close(out.cpu(), ref.cpu(), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
 def test_configs_cover_every_plane_width():
     assert set(GEMV_CONFIGS) == set(GEMM_CONFIGS) == set(DEQUANT_CONFIGS) == {2, 4, 8}
 

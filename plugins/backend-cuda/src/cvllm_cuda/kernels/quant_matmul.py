@@ -281,10 +281,11 @@ def _add_splits(partials: torch.Tensor, out: torch.Tensor, splits: int, n: int) 
 
 def quant_gemm(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple | None = None,
                splits: int | None = None) -> None:
-    """out = x @ weight.T for x [T, K] (last dimension contiguous) and out [T, N] (last dimension contiguous)."""
-    block_n, block_w, warps, stages = config or GEMM_CONFIGS[weight.layout.low_bits]
+    """out = x @ weight.T for x [T, K] (last dimension contiguous) and out [T, N] (last dimension contiguous).
+    ``config``: (BLOCK_N, BLOCK_W, num_warps, num_stages[, BLOCK_M])."""
+    block_n, block_w, warps, stages, *block_m = config or GEMM_CONFIGS[weight.layout.low_bits]
     t, n, k = x.shape[0], weight.out_features, weight.in_features
-    block_m = 16 if t <= 16 else 32 if t <= 32 else 64
+    block_m = block_m[0] if block_m else 16 if t <= 16 else 32 if t <= 32 else 64
     programs = _cdiv(n, block_n) * _cdiv(t, block_m)
     splits, split_words = _split(programs, k, weight.layout.low_bits, block_w, x.device, splits)
     target = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
