@@ -99,3 +99,30 @@ def test_config_and_command_line():
     assert parser.parse_args(["--fp8-kvcache"]).kv_cache_dtype == "fp8"
     assert parser.parse_args(["--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
     assert parser.parse_args([]).kv_cache_dtype == "auto"
+
+
+def test_checkpoint_kv_scales_are_used(tmp_path, caplog):
+    """llm-compressor's kv_cache_scheme tensors (self_attn.k_scale / v_scale) set the scales: no calibration; with a
+    16-bit cache they are read quietly and unused."""
+    import logging
+
+    from safetensors.torch import load_file, save_file
+
+    make_checkpoint(tmp_path, "llama")
+    state = load_file(tmp_path / "model.safetensors")
+    layers = {name.split(".")[2] for name in state if name.startswith("model.layers.")}
+    for i in layers:
+        state[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.125)
+        state[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor([0.25])
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level(logging.WARNING):
+        plain = LLM(str(tmp_path), dtype="float32", num_kv_blocks=32)
+        plain.shutdown()
+    assert "ignoring checkpoint tensor" not in caplog.text
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=32, kv_cache_dtype="fp8")
+    try:
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0, max_tokens=2))
+        for layer in attention_layers(llm):
+            assert layer.k_scale.tolist() == [0.125, 0.125] and layer.v_scale.tolist() == [0.25, 0.25]
+    finally:
+        llm.shutdown()

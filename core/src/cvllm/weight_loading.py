@@ -28,6 +28,30 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
+# an FP8 KV cache's scales as checkpoints carry them (llm-compressor's kv_cache_scheme: self_attn.k_scale; older
+# FP8 checkpoints: k_proj.output_scale), for the attention layer of the module that holds them (layers/kv_fp8.py)
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".k_proj.output_scale", ".v_proj.output_scale")
+
+
+def _store_kv_scale(model: nn.Module, name: str, tensor) -> bool:
+    """Keep a checkpoint KV scale on the attention layer under its module; False when there is none."""
+    from cvllm.layers.attention import Attention
+
+    which = "k" if name.endswith(("k_scale", "k_proj.output_scale")) else "v"
+    parent = name.removesuffix(".k_proj.output_scale").removesuffix(".v_proj.output_scale")
+    parent = parent.removesuffix(".k_scale").removesuffix(".v_scale")
+    try:
+        module = model.get_submodule(parent)
+    except AttributeError:
+        return False
+    attention = next((m for m in module.modules() if isinstance(m, Attention)), None)
+    if attention is None:
+        return False
+    value = tensor.materialize() if isinstance(tensor, LazyTensor) else tensor
+    setattr(attention, f"checkpoint_{which}_scale", float(value.reshape(-1)[0]))
+    return True
+
+
 def load_weights_by_name(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                          packed_modules_mapping: dict[str, tuple[str, object]] | None = None,
                          skip: tuple[str, ...] = ("rotary_emb.inv_freq",)) -> set[str]:
@@ -48,6 +72,8 @@ def load_weights_by_name(model: nn.Module, weights: Iterable[tuple[str, torch.Te
                 target, shard = name.replace(f".{source}.", f".{fused}."), shard_id
                 break
         param = params.get(target)
+        if param is None and name.endswith(KV_SCALE_SUFFIXES) and _store_kv_scale(model, name, tensor):
+            continue
         if param is None:
             logger.warning("ignoring checkpoint tensor '%s': the model has no parameter of that name", name)
             continue
