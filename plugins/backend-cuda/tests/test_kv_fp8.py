@@ -75,3 +75,28 @@ def test_attention_over_fp8_caches(make_attention_case, query_lens, context_lens
                                     case.seq_lens.cpu().long(), case.scale, None, None)
     expected = torch.cat([ref[i, :q] for i, q in enumerate(query_lens)])
     torch.testing.assert_close(out.cpu(), expected, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 32])   # whole and partial rotary
+def test_fused_rotary_write_stores_what_rotary_then_write_kv_stores(generator, rotary_dim):
+    from cvllm_cuda.kernels.rotary import rotary, rotary_write_kv
+
+    tokens, q_heads, kv_heads, dim, blocks, block_size = 6, 4, 2, 64, 2, 16
+    positions = torch.tensor([0, 5, 9, 17, 3, 30])
+    angles = torch.arange(40)[:, None] * torch.rand(rotary_dim // 2, generator=generator)[None, :]
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1)
+    q = torch.randn(tokens, q_heads * dim, generator=generator)
+    k = torch.randn(tokens, kv_heads * dim, generator=generator) * 4
+    v = torch.randn(tokens, kv_heads * dim, generator=generator)
+    slots = torch.tensor([1, 7, -1, 20, 31, 2])
+    scales = (torch.tensor([0.02, 0.05]), torch.tensor([0.01, 0.03]))
+    on = lambda *ts: [t.to(DEVICE) for t in ts]   # noqa: E731
+    caches = [torch.zeros(blocks, block_size, kv_heads, dim, dtype=FP8, device=DEVICE) for _ in range(4)]
+    fused_q = rotary_write_kv(*on(positions, q, k, v, cos_sin), dim, caches[0], caches[1], slots.to(DEVICE),
+                              tuple(on(*scales)))
+    plain_q, plain_k = rotary(*on(positions, q, k), cos_sin.to(DEVICE), dim)
+    write_kv(plain_k.view(tokens, kv_heads, dim), v.to(DEVICE).view(tokens, kv_heads, dim), caches[2], caches[3],
+             slots.to(DEVICE), tuple(on(*scales)))
+    assert torch.equal(fused_q, plain_q)
+    for fused, plain in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(fused.view(torch.uint8), plain.view(torch.uint8))

@@ -39,21 +39,21 @@ class Attention(nn.Module):
         (here, so that a backend can rotate the keys on their way into the cache: one kernel, not two)."""
         ctx = get_forward_context()
         fp8 = kv_fp8.is_fp8(self.k_cache)
-        # an FP8 cache takes rotary, then write_kv with the layer's scales (the fused kernel writes 16-bit caches)
-        fused = ctx.backend.rotary_write_kv if rotary_emb is not None and not fp8 else None
+        scales = (self.k_scale, self.v_scale) if fp8 else None
+        fused = ctx.backend.rotary_write_kv if rotary_emb is not None else None
         if fp8 and self.kv_scales_pending and not ctx.is_decode_only:
             kv_fp8.calibrate(self, k, v)   # the first prefill this layer sees sets its scales (kv_fp8.py)
         if fused is not None:
+            extra = {"scales": scales} if fp8 else {}
             q = fused(positions, q, k, v, rotary_emb.cos_sin_for(positions, q), self.head_dim,
-                      self.k_cache, self.v_cache, ctx.slot_mapping)
+                      self.k_cache, self.v_cache, ctx.slot_mapping, **extra)
         else:
             if rotary_emb is not None:
                 q, k = rotary_emb(positions, q, k)
             k = k.view(-1, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
             v = v.view(-1, self.num_kv_heads, self.head_dim)
             if fp8:
-                ctx.backend.write_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping,
-                                     scales=(self.k_scale, self.v_scale))
+                ctx.backend.write_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, scales=scales)
             else:
                 ctx.backend.write_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         out = ctx.backend.attention(q.view(-1, self.num_heads, self.head_dim), self.k_cache, self.v_cache, ctx, self)

@@ -21,13 +21,22 @@ _TILE_ELEMENTS = 2048  # (heads x half rotary dims) per program
 
 
 @triton.jit
+def _to_cache(value, scale, FP8: tl.constexpr):
+    """A rounded value as the destination stores it: an FP8 cache holds value / its head's scale, saturated."""
+    if FP8:
+        return tl.clamp(value.to(tl.float32) / scale[:, None], -448.0, 448.0)
+    return value
+
+
+@triton.jit
 def _rotate_heads(
-    src_row, src_stride_h, dst_row, dst_stride_h, cos, sin, first_head, num_heads,
+    src_row, src_stride_h, dst_row, dst_stride_h, cos, sin, first_head, num_heads, scale_ptr,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_TAIL: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr, FP8: tl.constexpr = False,
 ):
     """Rotates heads [first_head, first_head + BLOCK_H) of one token; ``src_row`` and ``dst_row`` point at
-    the token's head 0, heads ``*_stride_h`` elements apart."""
+    the token's head 0, heads ``*_stride_h`` elements apart. FP8: ``dst_row`` is an FP8 cache and ``scale_ptr``
+    its per-head scales."""
     heads = first_head + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_HALF)
     mask = (heads < num_heads)[:, None] & (dims < HALF)[None, :]
@@ -43,22 +52,26 @@ def _rotate_heads(
     x2_sin = (x2 * sin).to(dtype).to(tl.float32)
     x2_cos = (x2 * cos).to(dtype).to(tl.float32)
     x1_sin = (x1 * sin).to(dtype).to(tl.float32)
-    tl.store(dst, (x1_cos - x2_sin).to(dtype).to(out_dtype), mask=mask)
-    tl.store(dst + HALF, (x2_cos + x1_sin).to(dtype).to(out_dtype), mask=mask)
+    scale = tl.load(scale_ptr + heads, mask=heads < num_heads, other=1.0) if FP8 else cos
+    tl.store(dst, _to_cache((x1_cos - x2_sin).to(dtype), scale, FP8).to(out_dtype), mask=mask)
+    tl.store(dst + HALF, _to_cache((x2_cos + x1_sin).to(dtype), scale, FP8).to(out_dtype), mask=mask)
     if BLOCK_TAIL > 0:  # partial rotary: the features past rotary_dim pass through
         tail = 2 * HALF + tl.arange(0, BLOCK_TAIL)
         tail_mask = (heads < num_heads)[:, None] & (tail < HEAD_DIM)[None, :]
         value = tl.load(src_row + heads[:, None] * src_stride_h + tail[None, :], mask=tail_mask)
-        tl.store(dst_row + heads[:, None] * dst_stride_h + tail[None, :], value.to(out_dtype), mask=tail_mask)
+        tl.store(dst_row + heads[:, None] * dst_stride_h + tail[None, :], _to_cache(value, scale, FP8).to(out_dtype),
+                 mask=tail_mask)
 
 
 @triton.jit
 def _rotary_kernel(
-    positions_ptr, cos_sin_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, slot_ptr,
+    positions_ptr, cos_sin_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, slot_ptr, k_scale_ptr,
+    v_scale_ptr,
     num_q_heads, num_k_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
     block_size, stride_cb, stride_cs, stride_ch,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr, TO_CACHE: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr, TO_CACHE: tl.constexpr, FP8: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     # grid: (token, head block); the head blocks of q come first, then those of k, then (TO_CACHE) v's
@@ -74,7 +87,7 @@ def _rotary_kernel(
     t = token.to(tl.int64)
     if head_block < q_blocks:
         _rotate_heads(q_ptr + t * stride_qt, stride_qh, q_out_ptr + t * num_q_heads * HEAD_DIM, HEAD_DIM, cos, sin,
-                      head_block * BLOCK_H, num_q_heads, HEAD_DIM, HALF, BLOCK_H, BLOCK_HALF, BLOCK_TAIL)
+                      head_block * BLOCK_H, num_q_heads, k_scale_ptr, HEAD_DIM, HALF, BLOCK_H, BLOCK_HALF, BLOCK_TAIL)
     else:
         if TO_CACHE:  # k and v go to the token's slot of the paged caches [blocks, block_size, Hkv, D]
             slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -88,15 +101,16 @@ def _rotary_kernel(
             out_stride_h = HEAD_DIM
         if head_block < q_blocks + k_blocks:
             _rotate_heads(k_ptr + t * stride_kt, stride_kh, k_out_ptr + out_row, out_stride_h, cos, sin,
-                          (head_block - q_blocks) * BLOCK_H, stored_heads, HEAD_DIM, HALF, BLOCK_H, BLOCK_HALF,
-                          BLOCK_TAIL)
+                          (head_block - q_blocks) * BLOCK_H, stored_heads, k_scale_ptr, HEAD_DIM, HALF, BLOCK_H,
+                          BLOCK_HALF, BLOCK_TAIL, FP8)
         elif TO_CACHE:  # v is stored as it is
             heads = (head_block - q_blocks - k_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
             d = tl.arange(0, BLOCK_D)
             mask = (heads < stored_heads)[:, None] & (d < HEAD_DIM)[None, :]
             v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + d[None, :], mask=mask)
+            v_scale = tl.load(v_scale_ptr + heads, mask=heads < stored_heads, other=1.0) if FP8 else v
             tl.store(v_out_ptr + out_row + heads[:, None] * out_stride_h + d[None, :],
-                     v.to(v_out_ptr.dtype.element_ty), mask=mask)
+                     _to_cache(v, v_scale, FP8).to(v_out_ptr.dtype.element_ty), mask=mask)
 
 
 def _heads_view(x: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -120,17 +134,20 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, cos
 
 def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     cos_sin: torch.Tensor, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> torch.Tensor:
-    """``rotary(positions, q, k)`` then ``write_kv(k, v, ...)`` of the rotated k, in one launch: the rotated
+                    slot_mapping: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> torch.Tensor:
+    """``rotary(positions, q, k)`` then ``write_kv(k, v, ..., scales)`` of the rotated k, in one launch: the rotated
     keys go straight to their cache slots (slot -1: nothing stored) and never to a tensor of their own.
-    Returns the rotated ``q`` (a new contiguous tensor). Caches: ``[num_blocks, block_size, Hkv, D]``."""
+    Returns the rotated ``q`` (a new contiguous tensor). Caches: ``[num_blocks, block_size, Hkv, D]``; FP8 caches
+    take their per-head ``scales`` (K's, V's) as write_kv does."""
     assert v.shape == k.shape and v.stride(-1) == 1 and slot_mapping.shape == (q.shape[0],), (v.shape, k.shape)
     assert k_cache.shape[2] * k_cache.shape[3] == k.shape[-1] and k_cache.shape[3] == head_dim, k_cache.shape
     assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride() and k_cache.stride(-1) == 1
-    return _launch(positions, q, k, v, cos_sin, head_dim, k_cache, v_cache, slot_mapping.contiguous())
+    assert (k_cache.dtype == torch.float8_e4m3fn) == (scales is not None), "an FP8 cache needs its scales"
+    return _launch(positions, q, k, v, cos_sin, head_dim, k_cache, v_cache, slot_mapping.contiguous(), scales)
 
 
-def _launch(positions, q, k, v, cos_sin, head_dim, k_out, v_cache, slot_mapping) -> torch.Tensor:
+def _launch(positions, q, k, v, cos_sin, head_dim, k_out, v_cache, slot_mapping, scales=None) -> torch.Tensor:
     """The rotated q; the rotated k goes to ``k_out``: a tensor shaped like k, or (with ``v_cache`` and
     ``slot_mapping``) the paged K cache, v then going to ``v_cache``."""
     rotary_dim = cos_sin.shape[1]
@@ -154,12 +171,12 @@ def _launch(positions, q, k, v, cos_sin, head_dim, k_out, v_cache, slot_mapping)
     grid = (num_tokens, cdiv(num_q_heads, block_h) + k_blocks * (2 if to_cache else 1))
     _rotary_kernel[grid](
         positions, cos_sin, q3, k3, v3, q_out, k_out if k_out is not None else q_out,
-        v_cache if to_cache else q_out, slot_mapping if to_cache else positions,
+        v_cache if to_cache else q_out, slot_mapping if to_cache else positions, *(scales or (positions, positions)),
         num_q_heads, num_k_heads, q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), v3.stride(0),
         v3.stride(1), cos_sin.stride(0), k_out.shape[1] if to_cache else 1, *cache_strides,
         HEAD_DIM=head_dim, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
         BLOCK_TAIL=next_power_of_2(head_dim - rotary_dim),  # 0 when the whole head rotates
-        BLOCK_D=next_power_of_2(head_dim), TO_CACHE=to_cache,
+        BLOCK_D=next_power_of_2(head_dim), TO_CACHE=to_cache, FP8=scales is not None,
         num_warps=4,
         enable_fp_fusion=False,  # no FMA contraction: the products round as torch's do
         **pdl.options(q.device),
