@@ -89,7 +89,7 @@ def test_matmul_equals_dequantize_then_matmul(name, t):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("t", [1, 20])
+@pytest.mark.parametrize("t", [1, 20, 100])   # GEMV, GEMM of 32-row and 128-row tiles
 def test_half_inputs(dtype, t):
     check(random_weight(LAYOUTS["q4_k"], 10, 512, DEVICE, seed=3), t, dtype)
 

@@ -63,7 +63,7 @@ def test_planes_path_reshapes_and_adds_the_bias(qtype, make_rows, one_torch_thre
         x = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape))).to(DEVICE)
         got, want = layers["planes"](x), layers["exact"](x)
         assert got.shape == want.shape
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 def _greedy(llm, prompts):
@@ -128,4 +128,5 @@ def test_mixed_parts_each_computed_from_their_planes(make_rows, one_torch_thread
         layers.append(layer)
     for shape in ((1, 256), (3, 256), (2, 10, 256)):
         x = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape)))
-        torch.testing.assert_close(layers[1](x), layers[0](x), rtol=1e-5, atol=1e-5)
+        want = layers[0](x)   # float32 sums in another order: relative to the outputs' size
+        torch.testing.assert_close(layers[1](x), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())

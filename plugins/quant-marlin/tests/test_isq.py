@@ -92,4 +92,5 @@ def test_plane_form_equals_the_dense_form():
         layers.append(layer)
     for rows in (1, 3, 20):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
-        torch.testing.assert_close(layers[1](x), layers[0](x), rtol=1e-5, atol=1e-5)
+        want = layers[0](x)   # float32 sums in another order: relative to the outputs' size
+        torch.testing.assert_close(layers[1](x), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())

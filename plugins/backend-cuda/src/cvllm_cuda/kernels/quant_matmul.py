@@ -208,8 +208,10 @@ GEMM_CONFIGS = {2: (32, 64, 4, 3), 4: (32, 64, 4, 3), 8: (32, 64, 4, 3)}
 DEQUANT_CONFIGS = {2: (256, 8, 4), 4: (256, 8, 4), 8: (128, 4, 4)}
 # the GEMV splits K until it has about this many programs per SM
 PROGRAMS_PER_SM = 4
-# rows of x up to which the dequantize-in-tile GEMM runs; more rows dequantize the weight once and call cuBLAS
-GEMM_MAX_ROWS = 16
+# rows of x up to which the dequantize-in-tile GEMM runs; more rows (prefill) dequantize the weight once and call
+# cuBLAS. Decode batches stay below it: dequantizing every weight to bf16 each step writes and reads back a bf16
+# model per step. 128 is reasoned, not yet measured (the sweep times 64 and 256 rows both ways)
+GEMM_MAX_ROWS = 128
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -285,7 +287,7 @@ def quant_gemm(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: 
     ``config``: (BLOCK_N, BLOCK_W, num_warps, num_stages[, BLOCK_M])."""
     block_n, block_w, warps, stages, *block_m = config or GEMM_CONFIGS[weight.layout.low_bits]
     t, n, k = x.shape[0], weight.out_features, weight.in_features
-    block_m = block_m[0] if block_m else 16 if t <= 16 else 32 if t <= 32 else 64
+    block_m = block_m[0] if block_m else 16 if t <= 16 else 32 if t <= 32 else 64 if t <= 64 else 128
     programs = _cdiv(n, block_n) * _cdiv(t, block_m)
     splits, split_words = _split(programs, k, weight.layout.low_bits, block_w, x.device, splits)
     target = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
