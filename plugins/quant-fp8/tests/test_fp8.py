@@ -162,7 +162,7 @@ def test_plane_form_equals_the_dense_form():
         layer.bias.data.copy_(torch.linspace(-1, 1, 40))
         if form == "planes":   # what process_weights_after_loading does on a CUDA device
             layer.quant_weight = _planes(layer._parameters.pop("weight").data,
-                                         layer._parameters.pop("weight_scale_inv").data, "test")
+                                         layer._parameters.pop("weight_scale_inv").data, 128, "test")
             layer.weight = torch.empty(0)
             layer.fp8_compute = "planes"
         layers.append(layer)
@@ -170,6 +170,13 @@ def test_plane_form_equals_the_dense_form():
         x = torch.randn(rows, 256, generator=gen)
         want = layers[0](x)   # float32 sums in another order: relative to the outputs' size
         torch.testing.assert_close(layers[1](x), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_planes_need_whole_scale_blocks():
+    pytest.importorskip("cvllm_cuda")
+    weight = torch.zeros(8, 200, dtype=torch.float8_e4m3fn)
+    assert _planes(weight, torch.ones(8, 2), 128, "test") is None    # 128 + a partial 72: dense
+    assert _planes(weight[:, :64], torch.ones(8, 1), 128, "test").layout.scale_group == 64   # one block
 
 
 @pytest.mark.parametrize("change, message", [

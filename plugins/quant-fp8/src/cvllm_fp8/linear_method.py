@@ -154,7 +154,8 @@ class FP8LinearMethod(LinearMethod):
         weight = layer._parameters.pop("weight").data
         name = layer.fp8_scale_name
         scale = (layer._parameters.pop(name) if name in layer._parameters else layer._buffers.pop(name)).data
-        planes = _planes(weight, scale, self.layer_name) if _kernels_usable(weight.device) else None
+        columns = self.columns or weight.shape[1]
+        planes = _planes(weight, scale, columns, self.layer_name) if _kernels_usable(weight.device) else None
         if planes is not None:
             for name, tensor in planes.tensors().items():
                 layer.register_buffer(f"quant_{name}", tensor, persistent=False)
@@ -178,19 +179,18 @@ class FP8LinearMethod(LinearMethod):
         return out.to(x.dtype)
 
 
-def _planes(weight: torch.Tensor, scale: torch.Tensor, where: str):
-    """The FP8 plane of ``weight`` [N, K] with ``scale`` [N, K / C] (C a multiple of 32 dividing K, or all K), or
-    None (the dense path) where the layout cannot hold the blocks."""
+def _planes(weight: torch.Tensor, scale: torch.Tensor, columns: int, where: str):
+    """The FP8 plane of ``weight`` [N, K] with ``scale`` [N, ceil(K / columns)], or None (the dense path) where the
+    layout cannot hold the blocks: K must be whole blocks, and a block a multiple of 32 columns."""
     from cvllm_cuda.quant_planes import QuantLayout, QuantWeight, pack_plane
 
     n, k = weight.shape
-    columns = k // scale.shape[1] if k % scale.shape[1] == 0 else 0
-    if k % 32 or not columns or columns % 32:
+    columns = min(columns, k)   # one block wider than the layer: the layer is one block
+    if k % 32 or k % columns or columns % 32:
         if "shape" not in _warned:
             _warned.add("shape")
-            logger.info("%s: %d inputs in scale blocks of %s do not fit the FP8 plane (whole blocks of a multiple "
-                        "of 32): dequantized instead (and any later layer alike)", where, k,
-                        columns or f"~{k / scale.shape[1]:.0f}")
+            logger.info("%s: %d inputs in scale blocks of %d columns do not fit the FP8 plane (whole blocks of a "
+                        "multiple of 32): dequantized instead (and any later layer alike)", where, k, columns)
         return None
     layout = QuantLayout(8, 0, columns, columns, b_const=0, float8=True)
     return QuantWeight(layout, n, k, low=pack_plane(weight.view(torch.uint8), 8), high=None,
