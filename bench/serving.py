@@ -109,6 +109,10 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
              "--max-model-len", str(args.input_len + args.output_len)]
     if args.tensor_parallel_size > 1:
         flags += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    if args.kv_cache_dtype != "auto":
+        flags += ["--kv-cache-dtype", args.kv_cache_dtype]
+    if args.isq:
+        flags += ["--isq", args.isq]
     if args.max_num_batched_tokens:
         flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     return flags
@@ -130,7 +134,8 @@ def offline_worker(spec: dict) -> dict:
     llm = LLM(spec["model"], dtype="bfloat16", backend=spec["backend"], max_num_seqs=spec["max_num_seqs"],
               max_model_len=spec["input_len"] + spec["output_len"],
               max_num_batched_tokens=spec["max_num_batched_tokens"],
-              tensor_parallel_size=spec.get("tensor_parallel_size", 1))
+              tensor_parallel_size=spec.get("tensor_parallel_size", 1),
+              kv_cache_dtype=spec.get("kv_cache_dtype", "auto"), isq=spec.get("isq"))
     load_s = time.perf_counter() - started
     warm = prompts_for(8, spec["input_len"], spec["vocab"], seed=1)
     llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
@@ -212,6 +217,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--json", help="write the result file here (the server's log goes beside it)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                     help="the server and the offline engine over N ranks (GPUs; processes with gloo under --tiny)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                    help="the server's and the offline engine's KV cache (issue 18: FP8 KV at 256 streams)")
+    ap.add_argument("--isq", metavar="TYPE", help="quantize the random weights in situ (q4k, gptq, fp8 ...)")
     ap.add_argument("--offline-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.tiny:
@@ -278,6 +286,7 @@ def measure(args: argparse.Namespace, workdir: Path, timings: dict) -> tuple[lis
                            "output_len": args.output_len, "vocab": vocab_size,
                            "concurrency": args.offline_concurrency, "shape": args.shape,
                            "tensor_parallel_size": args.tensor_parallel_size,
+                           "kv_cache_dtype": args.kv_cache_dtype, "isq": args.isq,
                            "hf_batches": [] if args.skip_hf else args.hf_batches, "hf_new_tokens": args.hf_new_tokens})
     timings["offline"] = time.perf_counter() - started
     log(f"offline {args.offline_concurrency}: {offline['output_tok_s']:.1f} output tok/s ({timings['offline']:.1f}s)")

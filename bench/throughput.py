@@ -125,6 +125,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, help="default: the backend's")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    ap.add_argument("--isq", metavar="TYPE", help="quantize the random weights in situ (q4k, gptq, fp8 ...)")
     ap.add_argument("--hf-batch", type=int, default=64)
     ap.add_argument("--hf-prompt-len", type=int, default=512)
     ap.add_argument("--hf-new-tokens", type=int, default=64)
@@ -149,7 +151,7 @@ def main() -> None:
         model=random_checkpoint(shape, dtype, device, seed=args.seed), backend=device, dtype=dtype,
         max_num_seqs=max_seqs, max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=2 * high,
         kv_cache_memory=None if device == "cuda" else 64 << 20, enforce_eager=args.enforce_eager,
-        seed=args.seed))
+        seed=args.seed, kv_cache_dtype=args.kv_cache_dtype, isq=args.isq))
     load_s = time.perf_counter() - started
     # Warm-up (compilation, autotuning, allocator): a small mixed batch, then the prefill run, which
     # draws prompts of every length the measured run has (fresh ones: no prefix-cache hits later).

@@ -4,8 +4,9 @@
 # "tests": the gpu-marked tests, file by file (up to ~9 min); "bench": latency, throughput and serving (~6 min);
 # "tp" (a machine of 2 or 4 GPUs): tensor parallelism against one GPU, Llama-3-8B shape (~5 min);
 # "tp70b" (4 GPUs): batch-1 latency of a Llama-3-70B shape at TP=4 and TP=2 (~5 min);
-# "quant": batch-1 latency of bf16 and in-situ quantized (q4k, q8_0, gptq, fp8) Llama-3-8B shapes, then the
-# low-bit matmul's tile sweep (issue 18; ~8 min, most of it Triton compiles; QUANT_LAYOUTS=q4_k,q8_0 narrows the sweep).
+# "quant" (issue 18): batch-1 latency of bf16 and in-situ quantized (q4k, q8_0, gptq, fp8) Llama-3-8B shapes, then
+# the low-bit matmul's tile sweep (~8 min, most of it Triton compiles; QUANT_LAYOUTS=q4_k,q8_0 narrows the sweep);
+# "kvfp8": 256 streams through cvserve with a 16-bit and an FP8 KV cache (~8 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
 # NVLink multicast stays off on the shared multi-GPU hosts (h200_setup.sh sets these too; the benchmarks pass them on)
@@ -88,7 +89,13 @@ quant)
     # the JSON is rewritten after every (layout, shape): a run cut by the timeout keeps what it measured
     run quant-sweep 300 python3 bench/quant_matmul_sweep.py --budget-s 240 ${QUANT_LAYOUTS:+--layouts "$QUANT_LAYOUTS"} \
         --json "$out/$day-h200-quant_matmul_sweep-$commit.json" ;;
+kvfp8)
+    # 256 streams through cvserve with a 16-bit and an FP8 KV cache (issue 18: FP8 KV >= 1.15x)
+    for kv in auto fp8; do
+        run serving-kv-$kv 280 python3 bench/serving.py --concurrency 256 --skip-hf --skip-offline \
+            --kv-cache-dtype $kv --json "$out/$day-h200-serving-kv_$kv-$commit.json"
+    done ;;
 *)
-    echo "usage: run_all.sh tests|bench|tp|tp70b|quant" >&2
+    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|kvfp8" >&2
     exit 2 ;;
 esac
