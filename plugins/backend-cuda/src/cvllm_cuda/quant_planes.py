@@ -23,6 +23,7 @@ factors are plain arrays [K / group, N].
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 
 import torch
@@ -56,7 +57,13 @@ class QuantLayout:
         return self.low_bits + self.high_bits
 
     def kernel_args(self) -> dict:
-        return {f.name.upper(): getattr(self, f.name) for f in fields(self)}
+        """The layout as the kernels' constexpr keyword arguments (the same dict every call: do not modify)."""
+        return _kernel_args(self)
+
+
+@functools.cache
+def _kernel_args(layout: QuantLayout) -> dict:
+    return {f.name.upper(): getattr(layout, f.name) for f in fields(layout)}
 
 
 @dataclass(slots=True)
@@ -72,6 +79,12 @@ class QuantWeight:
     m: torch.Tensor | None             # like d
     a: torch.Tensor | None             # int8 / uint8 [K / scale_group, N]
     b: torch.Tensor | None             # uint8 [K / scale_group, N]
+
+    def __post_init__(self):
+        # the kernels index the planes and factors with int32
+        if max(t.numel() for t in self.tensors().values()) >= 1 << 31:
+            raise ValueError(f"a {self.out_features} x {self.in_features} weight is too large for the plane kernels "
+                             f"(2**31 elements in one plane)")
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: t for name in ("low", "high", "d", "m", "a", "b") if (t := getattr(self, name)) is not None}

@@ -225,11 +225,11 @@ def _upcast(dtype: torch.dtype) -> bool:
 
 
 def _planes(weight: QuantWeight) -> tuple[torch.Tensor, ...]:
+    """The kernels' tensor arguments; an absent one is any tensor on the device (an unused pointer). QuantWeight
+    checked at construction that int32 indexes them."""
     low = weight.low
-    if max(t.numel() for t in weight.tensors().values()) >= 1 << 31:   # the kernels index the planes with int32
-        raise ValueError(f"a {weight.out_features} x {weight.in_features} weight is too large for one plane matmul")
-    pick = lambda t: low if t is None else t   # noqa: E731  (an unused pointer: any tensor on the device)
-    return low, pick(weight.high), weight.d, pick(weight.m), pick(weight.a), pick(weight.b)
+    return (low, weight.high if weight.high is not None else low, weight.d, weight.m if weight.m is not None else low,
+            weight.a if weight.a is not None else low, weight.b if weight.b is not None else low)
 
 
 @functools.cache
