@@ -141,13 +141,9 @@ class GGUFLinearMethod(LinearMethod):
         if layer.gguf_compute is None:
             self.process_weights_after_loading(layer)
         if layer.gguf_compute == "planes":
-            from cvllm_cuda.kernels.quant_matmul import quant_matmul
+            from cvllm_cuda.kernels.quant_matmul import quant_linear
 
-            out_features, in_features = layer.gguf_shape
-            out = quant_matmul(x.reshape(-1, in_features), layer.quant_weight)
-            if bias is not None:
-                out += bias.to(out.dtype)
-            return out.view(*x.shape[:-1], out_features)
+            return quant_linear(x, layer.quant_weight, bias)
         if layer.gguf_compute == "int4pack":
             out = int4pack_linear(x, layer.int4_weight, layer.int4_scales_zeros)
             if bias is not None:

@@ -222,16 +222,11 @@ class PackedLinearMethod(LinearMethod):
         if not layer.marlin_ready:
             self.process_weights_after_loading(layer)
         if layer.marlin_compute == "planes":
-            from cvllm_cuda.kernels.quant_matmul import quant_matmul
+            from cvllm_cuda.kernels.quant_matmul import quant_linear
 
-            weight = layer.quant_weight
-            rows = x.reshape(-1, weight.in_features)
             if layer.quant_perm is not None:   # act-order: the planes hold the inputs in group order
-                rows = rows.index_select(1, layer.quant_perm)
-            out = quant_matmul(rows, weight)
-            if bias is not None:
-                out += bias.to(out.dtype)
-            return out.view(*x.shape[:-1], weight.out_features)
+                x = x.index_select(-1, layer.quant_perm)
+            return quant_linear(x, layer.quant_weight, bias)
         weight = layer.weight
         if x.dtype == weight.dtype and (bias is None or bias.dtype == weight.dtype):
             return dense(x, weight, bias)
