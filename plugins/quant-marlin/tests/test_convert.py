@@ -52,3 +52,19 @@ def test_bad_input_is_refused(tmp_path, base, capsys):
     assert "4 or 8 bits" in capsys.readouterr().err
     assert main(["convert", str(base), str(base), "--to", "gptq"]) == 2
     assert "already holds a checkpoint" in capsys.readouterr().err
+
+
+def test_moe_experts_stay_float_so_the_copy_loads(tmp_path):
+    make_checkpoint(tmp_path / "moe", "qwen3_moe")
+    out = tmp_path / "moe-gptq"
+    assert main(["convert", str(tmp_path / "moe"), str(out), "--to", "gptq", "--group-size", "32"]) == 0
+    from safetensors import safe_open
+
+    with safe_open(str(next(out.glob("*.safetensors"))), framework="pt") as f:
+        names = list(f.keys())
+    assert any(".experts." in n and n.endswith(".weight") for n in names)
+    assert not any(".experts." in n and n.endswith(".qweight") for n in names)
+    assert any(n.endswith("self_attn.q_proj.qweight") for n in names)
+    from cvllm.testing.checkpoints import cvllm_greedy
+
+    assert len(cvllm_greedy(out, [[1, 2, 3]], 4, dtype="float32", num_kv_blocks=32)[0]) == 4
