@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cvllm import LLM, SamplingParams
+from cvllm import LLM
 from cvllm.checkpoint.base import CheckpointError
 from cvllm.layers.linear import ReplicatedLinear
-from cvllm.testing.checkpoints import cvllm_greedy, make_checkpoint
+from cvllm.testing.checkpoints import cvllm_greedy, greedy_logprobs, make_checkpoint
 from cvllm_fp8.config import FP8Config
 from cvllm_fp8.linear_method import FP8LinearMethod, _planes, dequantize, quantize_rows
 
@@ -88,16 +88,7 @@ def write_fp8(base, out, scheme: str, static: bool = False) -> None:
 
 
 def run(path, **options):
-    llm = LLM(str(path), dtype="float32", num_kv_blocks=32, **options)
-    try:
-        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-        layer = llm.llm_engine.runner.model.model.layers[0]
-        kinds = {type(layer.self_attn.qkv_proj.quant_method).__name__, type(layer.mlp.down_proj.quant_method).__name__}
-    finally:
-        llm.shutdown()
-    return [(list(o.outputs[0].token_ids), [e[t].logprob for e, t in zip(o.outputs[0].logprobs,
-                                                                      o.outputs[0].token_ids)]) for o in outputs], kinds
+    return greedy_logprobs(path, PROMPTS, 8, dtype="float32", num_kv_blocks=32, **options)
 
 
 @pytest.mark.parametrize("scheme, static", [("fp8-block", False), ("fp8-tensor", True), ("ct-channel", False),

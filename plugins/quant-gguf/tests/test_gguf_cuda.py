@@ -15,7 +15,7 @@ from cvllm.testing.requirements import import_or_skip
 import_or_skip("triton")  # a skip locally, an error under CI=true
 
 from cvllm.layers.linear import ReplicatedLinear  # noqa: E402
-from cvllm_gguf.linear_method import GGUFLinearMethod, kernels_enabled  # noqa: E402
+from cvllm_gguf.linear_method import GGUFLinearMethod  # noqa: E402
 from cvllm_gguf.planes import LAYOUTS, to_planes  # noqa: E402
 from cvllm_gguf.quant_types import GGMLType  # noqa: E402
 
@@ -29,13 +29,6 @@ def test_every_isq_type_has_a_plane_layout():
     from cvllm_gguf.isq import ISQ_TYPES
 
     assert set(ISQ_TYPES) <= set(LAYOUTS)
-
-
-def test_kernels_are_on_unless_turned_off(monkeypatch):
-    monkeypatch.delenv("CVLLM_GGUF_KERNELS", raising=False)
-    assert kernels_enabled()
-    monkeypatch.setenv("CVLLM_GGUF_KERNELS", "0")
-    assert not kernels_enabled()
 
 
 @pytest.mark.parametrize("qtype", [GGMLType.Q5_0, GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)

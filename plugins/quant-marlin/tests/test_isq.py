@@ -12,9 +12,8 @@ import torch
 from marlin_reference import write_float
 from safetensors.torch import load_file
 
-from cvllm import LLM, SamplingParams
 from cvllm.layers.linear import ReplicatedLinear
-from cvllm.testing.checkpoints import cvllm_greedy, make_checkpoint
+from cvllm.testing.checkpoints import cvllm_greedy, greedy_logprobs, make_checkpoint
 from cvllm_marlin.isq import GROUP_SIZES, RTNLinearMethod, _planes, decode_blocks, encode_blocks
 from cvllm_marlin.rtn import quantize_rtn
 
@@ -36,16 +35,7 @@ def rtn_checkpoint(tmp_path, **overrides):
 
 
 def run(path, **options):
-    llm = LLM(str(path), dtype="float32", num_kv_blocks=32, **options)
-    try:
-        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-        layer = llm.llm_engine.runner.model.model.layers[0]
-        kinds = {type(layer.self_attn.qkv_proj.quant_method).__name__, type(layer.mlp.down_proj.quant_method).__name__}
-    finally:
-        llm.shutdown()
-    return [(list(o.outputs[0].token_ids), [e[t].logprob for e, t in zip(o.outputs[0].logprobs,
-                                                                      o.outputs[0].token_ids)]) for o in outputs], kinds
+    return greedy_logprobs(path, PROMPTS, 8, dtype="float32", num_kv_blocks=32, **options)
 
 
 @pytest.mark.parametrize("name", ["gptq", "marlin"])

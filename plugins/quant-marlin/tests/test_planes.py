@@ -152,15 +152,6 @@ def test_unsupported_layers_keep_the_dequantized_path(fresh_log, caplog):
     assert any("different g_idx" in r for r in reasons) and any("multiples of 32" in r for r in reasons)
 
 
-def test_kernels_are_on_for_cuda_devices_unless_turned_off(monkeypatch):
-    import_or_skip("triton")
-    monkeypatch.delenv(linear_method.KERNELS_ENV, raising=False)
-    assert linear_method.plane_kernels_usable(torch.device("cuda"))
-    assert not linear_method.plane_kernels_usable(torch.device("cpu"))
-    monkeypatch.setenv(linear_method.KERNELS_ENV, "0")
-    assert not linear_method.plane_kernels_usable(torch.device("cuda"))
-
-
 K, WIDTHS = 128, [32, 48]   # a gate/up-like fused layer: two shards
 
 

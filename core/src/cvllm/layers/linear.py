@@ -8,12 +8,52 @@ lazy checkpoint tensor (``checkpoint/lazy.py``) is read only as far as this rank
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from cvllm.checkpoint.lazy import LazyTensor, lazy_aware, materialize
 from cvllm.distributed import all_reduce, divide, tp_rank, tp_size
 from cvllm.layers.quantization import LinearMethod, UnquantizedLinearMethod
+
+
+@dataclass(frozen=True, slots=True)
+class OutputShard:
+    """One checkpoint tensor's part of a linear layer's output rows on this tensor-parallel rank."""
+    shard_id: object   # the loader's shard id ("q", "k", "v"; 0, 1 ...); None for a layer of one tensor
+    offset: int        # first row of the part in this rank's weight
+    rows: int          # rows the part has on this rank
+    start: int         # first of those rows in the checkpoint tensor
+    total: int         # rows of the checkpoint tensor
+
+
+def output_shards(layer: nn.Module) -> list[OutputShard]:
+    """Where each checkpoint tensor's rows land in ``layer`` on this rank: the one description the layers' loaders
+    use, and quantization methods that keep per-shard data (scales, packed words, blocks of mixed types)."""
+    tp_size, tp_rank = getattr(layer, "tp_size", 1), getattr(layer, "tp_rank", 0)
+    if isinstance(layer, QKVParallelLinear):
+        q, kv = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+        kv_rank, kv_ranks = tp_rank // layer.kv_replicas, max(1, tp_size // layer.kv_replicas)
+        return [OutputShard("q", 0, q, tp_rank * q, q * tp_size), OutputShard("k", q, kv, kv_rank * kv, kv * kv_ranks),
+                OutputShard("v", q + kv, kv, kv_rank * kv, kv * kv_ranks)]
+    if isinstance(layer, MergedColumnParallelLinear):
+        shards, offset = [], 0
+        for i, size in enumerate(layer.output_sizes):
+            rows = size // tp_size
+            shards.append(OutputShard(i, offset, rows, tp_rank * rows, size))
+            offset += rows
+        return shards
+    rows = layer.output_size
+    column = getattr(layer, "tp_dim", None) == 0 and tp_size > 1
+    return [OutputShard(None, 0, rows, tp_rank * rows if column else 0, rows * tp_size if column else rows)]
+
+
+def output_shard(layer: nn.Module, shard_id: object) -> OutputShard:
+    for shard in output_shards(layer):
+        if shard.shard_id == shard_id:
+            return shard
+    raise ValueError(f"unknown shard {shard_id!r} for {type(layer).__name__}")
 
 
 def _check_shape(param: nn.Parameter, loaded: torch.Tensor | LazyTensor, what: str) -> None:
@@ -83,10 +123,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     @lazy_aware
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | LazyTensor, shard_id: int) -> None:
-        size = self.output_sizes[shard_id] // self.tp_size
-        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        loaded = loaded.narrow(0, self.tp_rank * size, size) if self.tp_size > 1 else loaded
-        target = param.data.narrow(0, offset, size)
+        shard = output_shard(self, shard_id)
+        loaded = loaded.narrow(0, shard.start, shard.rows) if self.tp_size > 1 else loaded
+        target = param.data.narrow(0, shard.offset, shard.rows)
         _check_shape(target, loaded, f"shard {shard_id}")
         target.copy_(materialize(loaded))
 
@@ -106,12 +145,10 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     @lazy_aware
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | LazyTensor, shard_id: str) -> None:
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+        shard = output_shard(self, shard_id)
         if self.tp_size > 1:
-            rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
-            loaded = loaded.narrow(0, rank * size, size)
-        target = param.data.narrow(0, offset, size)
+            loaded = loaded.narrow(0, shard.start, shard.rows)
+        target = param.data.narrow(0, shard.offset, shard.rows)
         _check_shape(target, loaded, f"{shard_id}_proj")
         target.copy_(materialize(loaded))
 

@@ -11,6 +11,8 @@ anything is materialised, so model files hold no quantization plumbing.
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -18,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from cvllm.backends.base import forward_backend
+
+logger = logging.getLogger(__name__)
 
 
 class LinearMethod:
@@ -83,4 +87,25 @@ def isq_quantizer(isq: str, installed) -> str:
     "isq-gptq" for ``--isq gptq``) where a plugin provides it, else the general "isq" one (the GGUF types)."""
     specific = f"isq-{isq.lower()}"
     return specific if specific in installed else "isq"
+
+
+QUANT_KERNELS_ENV = "CVLLM_QUANT_KERNELS"
+_kernels_missing: list[str] = []
+
+
+def plane_kernels_usable(device: torch.device) -> bool:
+    """Whether quantized layers on ``device`` compute with the CUDA backend's low-bit kernels
+    (``cvllm_cuda.kernels.quant_matmul``, every quantization plugin's): a CUDA device, ``CVLLM_QUANT_KERNELS`` not
+    "0", and the kernels importable. Without cvllm-cuda or triton (logged once) the layers load dequantized."""
+    if device.type != "cuda" or os.environ.get(QUANT_KERNELS_ENV, "1") == "0":
+        return False
+    try:
+        import cvllm_cuda.kernels.quant_matmul  # noqa: F401
+    except ImportError as exc:
+        if not _kernels_missing:
+            _kernels_missing.append(str(exc))
+            logger.warning("quantized layers on CUDA load dequantized: the low-bit kernels need cvllm-cuda and "
+                           "triton (%s)", exc)
+        return False
+    return True
 

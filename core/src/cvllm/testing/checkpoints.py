@@ -223,6 +223,26 @@ def hf_greedy(
     return outputs
 
 
+def greedy_logprobs(path, prompts: list[list[int]], max_tokens: int, **llm_options: Any
+                    ) -> tuple[list[tuple[list[int], list[float]]], set[str]]:
+    """Greedy continuations (``ignore_eos``) with each chosen token's logprob, and the class names of the
+    LinearMethods of the first decoder layer's linear layers (which quantization took the model)."""
+    from cvllm import LLM, SamplingParams
+    from cvllm.layers.linear import LinearBase
+
+    llm = LLM(str(path), **llm_options)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        layer = llm.llm_engine.runner.model.model.layers[0]
+        kinds = {type(m.quant_method).__name__ for m in layer.modules() if isinstance(m, LinearBase)}
+    finally:
+        llm.shutdown()
+    return [(list(o.outputs[0].token_ids), [e[t].logprob for e, t in zip(o.outputs[0].logprobs,
+                                                                      o.outputs[0].token_ids)])
+            for o in outputs], kinds
+
+
 def cvllm_greedy(path, prompts: list[list[int]], max_tokens: int, **llm_options: Any) -> list[list[int]]:
     """Greedy continuations (``ignore_eos``) of the prompts from an ``LLM`` built with ``llm_options``, which is
     shut down afterwards (tensor-parallel workers end with it)."""

@@ -98,6 +98,19 @@ class QuantWeight:
             name: moved.get(name) for name in ("low", "high", "d", "m", "a", "b")})
 
 
+def attach(layer: torch.nn.Module, weight: QuantWeight, prefix: str = "quant") -> None:
+    """Make ``weight`` a layer's compute form: its tensors become non-persistent buffers ``<prefix>_<name>`` (counted,
+    moved and listed like the weights), ``layer.<prefix>_weight`` the QuantWeight, ``layer.weight`` an empty buffer
+    (no float copy). The caller frees what the layer loaded and records its compute form."""
+    device = weight.low.device
+    for name, tensor in weight.tensors().items():
+        layer.register_buffer(f"{prefix}_{name}", tensor, persistent=False)
+    setattr(layer, f"{prefix}_weight", weight)
+    if "weight" in layer._parameters:
+        del layer._parameters["weight"]
+    layer.register_buffer("weight", torch.empty(0, device=device), persistent=False)
+
+
 def pack_plane(q: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8/int [N, K] values below 2**bits to the plane layout: int32 [K * bits / 32, N], element k of output
     feature n at bits ``(k % per_word) * bits`` of word [k // per_word, n] (GPTQ's qweight layout). Done a slice

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from functools import partial
 
 import torch
@@ -27,27 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from cvllm.checkpoint.lazy import LazyTensor, materialize
-from cvllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
-from cvllm.layers.quantization import LinearMethod
+from cvllm.layers.linear import output_shard, output_shards
+from cvllm.layers.quantization import LinearMethod, plane_kernels_usable
 from cvllm_fp8.config import FP8Config
 
 logger = logging.getLogger(__name__)
 
 E4M3_MAX = 448.0
-KERNELS_ENV = "CVLLM_QUANT_KERNELS"
-
-
-def shard_rows(layer: nn.Module, shard_id: object) -> int:
-    """Rows of the checkpoint tensor that loads into ``shard_id`` of ``layer`` (before any tensor-parallel split)."""
-    tp = getattr(layer, "tp_size", 1)
-    column = getattr(layer, "tp_dim", None) == 0
-    if isinstance(layer, QKVParallelLinear) and shard_id is not None:
-        if shard_id == "q":
-            return layer.num_heads * layer.head_dim * tp
-        return layer.num_kv_heads * layer.head_dim * max(1, tp // layer.kv_replicas)
-    if isinstance(layer, MergedColumnParallelLinear) and shard_id is not None:
-        return layer.output_sizes[shard_id]
-    return layer.output_size * (tp if column else 1)
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -92,8 +77,7 @@ class FP8LinearMethod(LinearMethod):
             setattr(layer, scale_name, scale)
         if self.config is not None and self.config.static_input:
             # the checkpoint's activation scales, one per shard: read so that they load, not used (W8A16)
-            shards = 3 if isinstance(layer, QKVParallelLinear) else \
-                len(layer.output_sizes) if isinstance(layer, MergedColumnParallelLinear) else 1
+            shards = len(output_shards(layer))
             input_scale = nn.Parameter(torch.empty(shards, dtype=torch.float32), requires_grad=False)
             input_scale.weight_loader = partial(self._input_scale_loader, layer)
             layer.input_scale = input_scale
@@ -103,7 +87,7 @@ class FP8LinearMethod(LinearMethod):
     def _scale_loader(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor | LazyTensor,
                       shard_id: object = None) -> None:
         scale = materialize(loaded).to(torch.float32)
-        rows = shard_rows(layer, shard_id)
+        rows = output_shard(layer, shard_id).total   # the checkpoint tensor's rows
         if scale.numel() == 1 or (self.config is not None and self.config.per_tensor):
             if scale.numel() != 1:
                 raise ValueError(f"a per-tensor scale has {scale.numel()} values")
@@ -143,8 +127,7 @@ class FP8LinearMethod(LinearMethod):
 
     def _input_scale_loader(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor | LazyTensor,
                             shard_id: object = None) -> None:
-        index = 0 if shard_id is None else (["q", "k", "v"].index(shard_id) if isinstance(shard_id, str)
-                                             else int(shard_id))
+        index = [shard.shard_id for shard in output_shards(layer)].index(shard_id)
         param.data[index] = materialize(loaded).to(torch.float32).reshape(-1)[0]
 
     # --- compute ------------------------------------------------------------------------------------------
@@ -155,12 +138,11 @@ class FP8LinearMethod(LinearMethod):
         name = layer.fp8_scale_name
         scale = (layer._parameters.pop(name) if name in layer._parameters else layer._buffers.pop(name)).data
         columns = self.columns or weight.shape[1]
-        planes = _planes(weight, scale, columns, self.layer_name) if _kernels_usable(weight.device) else None
+        planes = _planes(weight, scale, columns, self.layer_name) if plane_kernels_usable(weight.device) else None
         if planes is not None:
-            for name, tensor in planes.tensors().items():
-                layer.register_buffer(f"quant_{name}", tensor, persistent=False)
-            layer.quant_weight = planes
-            layer.register_buffer("weight", torch.empty(0, device=weight.device), persistent=False)
+            from cvllm_cuda.quant_planes import attach
+
+            attach(layer, planes)
             layer.fp8_compute = "planes"
             return
         dtype = self.dtype if self.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.bfloat16
@@ -195,20 +177,6 @@ def _planes(weight: torch.Tensor, scale: torch.Tensor, columns: int, where: str)
     layout = QuantLayout(8, 0, columns, columns, b_const=0, float8=True)
     return QuantWeight(layout, n, k, low=pack_plane(weight.view(torch.uint8), 8), high=None,
                        d=scale.t().contiguous(), m=None, a=None, b=None)
-
-
-def _kernels_usable(device: torch.device) -> bool:
-    if device.type != "cuda" or os.environ.get(KERNELS_ENV, "1") == "0":
-        return False
-    try:
-        import cvllm_cuda.kernels.quant_matmul  # noqa: F401
-    except ImportError as exc:
-        if "import" not in _warned:
-            _warned.add("import")
-            logger.warning("FP8 layers on CUDA load dequantized: the low-bit kernels need cvllm-cuda and triton (%s)",
-                           exc)
-        return False
-    return True
 
 
 _warned: set[str] = set()

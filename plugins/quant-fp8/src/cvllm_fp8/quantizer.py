@@ -9,40 +9,23 @@ parts is refused.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
 
 import torch
 
 from cvllm.checkpoint.base import Checkpoint, CheckpointError
+from cvllm.checkpoint.quantized import quantization_config, tensor_headers
 from cvllm.layers.quantization import LinearMethod, LinearMethodFactory
 from cvllm_fp8.config import FP8Config, FP8ConfigError, parse_compressed_tensors_config, parse_fp8_config
 from cvllm_fp8.linear_method import FP8LinearMethod
 
 
-def _quantization_config(checkpoint: Checkpoint) -> dict[str, Any]:
-    config = checkpoint.quant_config if isinstance(checkpoint.quant_config, dict) else \
-        checkpoint.config.get("quantization_config")
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{checkpoint.path}: quant_method {checkpoint.quant_method!r} but config.json has no "
-                              f"quantization_config object")
-    return config
-
-
 def fp8_modules(checkpoint: Checkpoint) -> set[str] | None:
     """Modules whose ``.weight`` is F8_E4M3 in the checkpoint's safetensors headers; None if unknown."""
-    path = Path(checkpoint.path)
-    if not path.is_dir():
+    headers = tensor_headers(checkpoint)
+    if headers is None:
         return None
-    from cvllm.checkpoint.hf_dir import weight_files
-    from cvllm.checkpoint.safetensors_files import check_safetensors_file
-
-    modules = set()
-    for file in weight_files(path):
-        for name, info in check_safetensors_file(file).items():
-            if name.endswith(".weight") and isinstance(info, dict) and info.get("dtype") == "F8_E4M3":
-                modules.add(name.removesuffix(".weight"))
-    return modules
+    return {name.removesuffix(".weight") for name, info in headers.items()
+            if name.endswith(".weight") and isinstance(info, dict) and info.get("dtype") == "F8_E4M3"}
 
 
 def _factory(checkpoint: Checkpoint, config: FP8Config) -> LinearMethodFactory:
@@ -68,7 +51,7 @@ def _factory(checkpoint: Checkpoint, config: FP8Config) -> LinearMethodFactory:
 
 def _parsed(checkpoint: Checkpoint, parse) -> FP8Config:
     try:
-        return parse(_quantization_config(checkpoint), f"{checkpoint.path}: quantization_config")
+        return parse(quantization_config(checkpoint), f"{checkpoint.path}: quantization_config")
     except FP8ConfigError as e:
         raise CheckpointError(str(e)) from None
 

@@ -6,7 +6,7 @@ The layer keeps the blocks exactly as the file stores them (``layer.qweight``: u
 On a CUDA device every quantized type (Q4_0 ... Q8_0, Q2_K ... Q6_K) is repacked once after loading into the CUDA
 backend's low-bit planes (``cvllm_gguf.planes``: the same integers and f16 scales, about the file's bytes) and the
 blocks are freed; every call computes from the planes with ``cvllm_cuda.kernels.quant_matmul`` (float32 sums;
-``gguf_compute == "planes"``), so GPU weight memory is about the file's size. ``CVLLM_GGUF_KERNELS=0`` turns this
+``gguf_compute == "planes"``), so GPU weight memory is about the file's size. ``CVLLM_QUANT_KERNELS=0`` turns this
 off (every layer dequantized to bf16 instead). The dequantized path below remains for F32/F16/BF16 layers, a
 row-parallel split off block boundaries (``gguf_columns``), and when cvllm-cuda's kernels cannot be imported.
 
@@ -23,7 +23,6 @@ on 2 cores with SmolLM2 shapes: dequantizing Q4_1 on every call ~208 ms a token,
 from __future__ import annotations
 
 import logging
-import os
 from functools import partial
 from typing import Literal
 
@@ -32,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cvllm.checkpoint.lazy import LazyTensor, lazy_aware, materialize
-from cvllm.layers.quantization import LinearMethod
+from cvllm.layers.quantization import LinearMethod, plane_kernels_usable
 from cvllm_gguf.dequant import dequantize
 from cvllm_gguf.int4pack import INT4PACK_TYPES, int4pack_linear, pack_q4_for_int4mm, packable
 from cvllm_gguf.quant_types import FLOAT_DTYPES, FORMATS, GGMLType, resolve_qtype, row_bytes
@@ -112,16 +111,13 @@ class GGUFLinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         out_features, in_features = layer.gguf_shape
         qweight = layer.qweight.data
-        if qweight.device.type == "cuda" and not getattr(layer, "gguf_columns", None) and kernels_enabled() \
-                and _planes_available(self.qtype):
+        if not getattr(layer, "gguf_columns", None) and plane_kernels_usable(qweight.device) \
+                and _has_planes(self.qtype):
+            from cvllm_cuda.quant_planes import attach
             from cvllm_gguf.planes import to_planes
 
-            planes = to_planes(qweight, self.qtype, in_features)
-            for name, tensor in planes.tensors().items():   # buffers: counted, moved and seen like the weights
-                layer.register_buffer(f"quant_{name}", tensor, persistent=False)
-            layer.quant_weight = planes
+            attach(layer, to_planes(qweight, self.qtype, in_features))
             layer.qweight.data = torch.empty(0, dtype=torch.uint8, device=qweight.device)   # the planes replace it
-            layer.weight = torch.empty(0, device=qweight.device)
             layer.gguf_compute = "planes"
             return
         if self.mode == "fast" and qweight.device.type == "cpu" and self.qtype in INT4PACK_TYPES \
@@ -154,29 +150,11 @@ class GGUFLinearMethod(LinearMethod):
         return out.to(x.dtype)
 
 
-KERNELS_ENV = "CVLLM_GGUF_KERNELS"
-
-
-def kernels_enabled() -> bool:
-    """The low-bit matmul kernels on CUDA; ``CVLLM_GGUF_KERNELS=0`` dequantizes every layer to bf16 instead."""
-    return os.environ.get(KERNELS_ENV, "1") != "0"
-
-
-def _planes_available(qtype: GGMLType) -> bool:
-    """Whether the CUDA backend's plane matmul computes with ``qtype``; False (once logged) without it or triton."""
+def _has_planes(qtype: GGMLType) -> bool:
+    """Whether ``qtype`` has a plane layout (imported only where cvllm-cuda is: plane_kernels_usable said so)."""
     from cvllm_gguf.planes import has_layout
 
-    if not has_layout(qtype):
-        return False
-    try:
-        import cvllm_cuda.kernels.quant_matmul  # noqa: F401
-    except ImportError as exc:
-        if "triton" not in _warned:
-            _warned.add("triton")
-            logger.warning("GGUF layers on CUDA load dequantized: the low-bit kernels need cvllm-cuda and triton "
-                           "(%s)", exc)
-        return False
-    return True
+    return has_layout(qtype)
 
 
 _warned: set = set()

@@ -17,22 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from cvllm.checkpoint.lazy import LazyTensor, lazy_aware, materialize
-from cvllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
-from cvllm.layers.quantization import LinearMethod
+from cvllm.layers.linear import output_shards
+from cvllm.layers.quantization import LinearMethod, plane_kernels_usable
 from cvllm_gguf.dequant import dequantize
-from cvllm_gguf.linear_method import Mode, _planes_available, kernels_enabled
+from cvllm_gguf.linear_method import Mode, _has_planes
 from cvllm_gguf.quant_types import FORMATS, GGMLType, row_bytes
-
-
-def part_rows(layer: nn.Module) -> list[tuple[object, int, int]]:
-    """(shard id, rows on this rank, index of this rank's slice in the checkpoint tensor) per part, in order."""
-    rank = getattr(layer, "tp_rank", 0)
-    if isinstance(layer, QKVParallelLinear):
-        q, kv = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
-        return [("q", q, rank), ("k", kv, rank // layer.kv_replicas), ("v", kv, rank // layer.kv_replicas)]
-    if isinstance(layer, MergedColumnParallelLinear):
-        return [(i, size // layer.tp_size, rank) for i, size in enumerate(layer.output_sizes)]
-    raise TypeError(f"{type(layer).__name__} is not a fused layer")
 
 
 class MixedGGUFLinearMethod(LinearMethod):
@@ -40,17 +29,17 @@ class MixedGGUFLinearMethod(LinearMethod):
         self.qtypes, self.mode = qtypes, mode
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
-        parts = part_rows(layer)
+        parts = output_shards(layer)
         if len(parts) != len(self.qtypes):
             raise ValueError(f"a {type(layer).__name__} of {len(parts)} parts given {len(self.qtypes)} GGML types")
-        layer.gguf_parts = []   # (shard id, qtype, rows, rank slice, byte offset, row bytes)
+        layer.gguf_parts = []   # (shard id, qtype, rows, first checkpoint row, byte offset, row bytes)
         offset = 0
-        for (shard, rows, index), qtype in zip(parts, self.qtypes):
+        for part, qtype in zip(parts, self.qtypes):
             if input_size % FORMATS[qtype].block_size:
                 raise ValueError(f"{input_size} inputs are not whole {qtype.name} blocks")
             width = row_bytes(qtype, input_size)
-            layer.gguf_parts.append((shard, qtype, rows, index, offset, width))
-            offset += rows * width
+            layer.gguf_parts.append((part.shard_id, qtype, part.rows, part.start, offset, width))
+            offset += part.rows * width
         qweight = nn.Parameter(torch.empty(offset, dtype=torch.uint8), requires_grad=False)
         qweight.weight_loader = lazy_aware(partial(self.weight_loader, layer))
         layer.qweight = qweight
@@ -63,12 +52,12 @@ class MixedGGUFLinearMethod(LinearMethod):
         part = next((p for p in layer.gguf_parts if p[0] == shard_id), None)
         if part is None:
             raise ValueError(f"unknown shard {shard_id!r}")
-        _, qtype, rows, index, offset, width = part
+        _, qtype, rows, start, offset, width = part
         if loaded.dim() != 2 or loaded.shape[1] != width or loaded.dtype != torch.uint8:
             raise ValueError(f"shard {shard_id!r}: expected {qtype.name} rows of {width} bytes, got "
                              f"{loaded.dtype} {tuple(loaded.shape)}")
         if loaded.shape[0] != rows:
-            loaded = loaded.narrow(0, index * rows, rows)
+            loaded = loaded.narrow(0, start, rows)
         param.data[offset:offset + rows * width].view(rows, width).copy_(materialize(loaded))
         layer.gguf_compute = None
 
@@ -80,14 +69,14 @@ class MixedGGUFLinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         _, in_features = layer.gguf_shape
         device = layer.qweight.device
-        if device.type == "cuda" and kernels_enabled() and all(_planes_available(t) for t in self.qtypes):
+        if plane_kernels_usable(device) and all(_has_planes(t) for t in self.qtypes):
+            from cvllm_cuda.quant_planes import attach
             from cvllm_gguf.planes import to_planes
 
             layer.quant_parts, start = [], 0
             for i, (qtype, rows, blocks) in enumerate(self._part_bytes(layer)):
                 planes = to_planes(blocks, qtype, in_features)
-                for name, tensor in planes.tensors().items():
-                    layer.register_buffer(f"quant_{i}_{name}", tensor, persistent=False)
+                attach(layer, planes, prefix=f"quant_{i}")
                 layer.quant_parts.append((start, planes))
                 start += rows
             layer.qweight.data = torch.empty(0, dtype=torch.uint8, device=device)

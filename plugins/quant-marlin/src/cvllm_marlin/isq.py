@@ -24,8 +24,7 @@ from torch import nn
 
 from cvllm.checkpoint.base import Checkpoint
 from cvllm.checkpoint.lazy import Box, LazyTensor, lazy_aware, materialize
-from cvllm.layers.quantization import LinearMethod, LinearMethodFactory
-from cvllm_marlin.linear_method import plane_kernels_usable
+from cvllm.layers.quantization import LinearMethod, LinearMethodFactory, plane_kernels_usable
 from cvllm_marlin.rtn import quantize_rtn
 
 logger = logging.getLogger(__name__)
@@ -114,12 +113,10 @@ class RTNLinearMethod(LinearMethod):
         blocks = layer._parameters.pop("weight")
         codes, scales, zeros = decode_blocks(blocks.data, self.group)
         out_features, in_features = layer.rtn_shape
-        planes = _planes(codes, scales, zeros, self.group) if plane_kernels_usable(blocks.device) else None
-        if planes is not None:
-            for name, tensor in planes.tensors().items():
-                layer.register_buffer(f"quant_{name}", tensor, persistent=False)
-            layer.quant_weight = planes
-            layer.register_buffer("weight", torch.empty(0, device=blocks.device), persistent=False)
+        if plane_kernels_usable(blocks.device):
+            from cvllm_cuda.quant_planes import attach
+
+            attach(layer, _planes(codes, scales, zeros, self.group))
             layer.rtn_compute = "planes"
             return
         groups = torch.arange(in_features, device=codes.device) // self.group
@@ -141,7 +138,7 @@ class RTNLinearMethod(LinearMethod):
 
 
 def _planes(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int):
-    """The CUDA backend's plane form of the blocks (plane_kernels_usable said its kernels import)."""
+    """The CUDA backend's plane form of the blocks."""
     from cvllm_cuda.quant_planes import QuantLayout, QuantWeight, pack_plane
 
     layout = QuantLayout(BITS, 0, group, group, b_mode=2, b_const=-1)

@@ -33,21 +33,19 @@ Either way the packed checkpoint tensors are released afterwards.
 from __future__ import annotations
 
 import logging
-import os
 from functools import partial
 
 import torch
 from torch import nn
 
 from cvllm.checkpoint.lazy import LazyTensor, lazy_aware, materialize
-from cvllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
-from cvllm.layers.quantization import LinearMethod, dense
+from cvllm.layers.linear import output_shard, output_shards
+from cvllm.layers.quantization import LinearMethod, dense, plane_kernels_usable
 from cvllm_marlin.config import AWQConfig, GPTQConfig
 from cvllm_marlin.packing import dequantize_awq, dequantize_gptq
 
 PACKED = ("qweight", "qzeros", "scales", "g_idx")
 # "0" keeps every layer dequantized on CUDA too (the plane kernels off)
-KERNELS_ENV = "CVLLM_QUANT_KERNELS"
 
 logger = logging.getLogger(__name__)
 
@@ -56,37 +54,8 @@ class ShardError(ValueError):
     """A tensor-parallel split this checkpoint's layout cannot be cut at."""
 
 
-def output_shards(layer: nn.Module) -> list[tuple[object, int, int]]:
-    """(shard id, offset, width) of each logical output of the layer on this rank: one (None) for a plain layer,
-    q/k/v or the merged outputs for fused ones."""
-    if isinstance(layer, QKVParallelLinear):
-        q, kv = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
-        return [("q", 0, q), ("k", q, kv), ("v", q + kv, kv)]
-    if isinstance(layer, MergedColumnParallelLinear):
-        widths = [size // layer.tp_size for size in layer.output_sizes]
-        return [(i, sum(widths[:i]), w) for i, w in enumerate(widths)]
-    return [(None, 0, layer.output_size)]
-
-
-def output_slice(layer: nn.Module, shard_id: object) -> tuple[int, int, int, int]:
-    """(offset in the layer, width, start in the checkpoint tensor, checkpoint width) of one output shard."""
-    tp_size, tp_rank = getattr(layer, "tp_size", 1), getattr(layer, "tp_rank", 0)
-    column = getattr(layer, "tp_dim", None) == 0 and tp_size > 1
-    for shard, offset, width in output_shards(layer):
-        if shard != shard_id:
-            continue
-        if isinstance(layer, QKVParallelLinear) and shard in ("k", "v"):
-            rank = tp_rank // layer.kv_replicas
-            total = width * tp_size if layer.kv_replicas == 1 else width * (tp_size // layer.kv_replicas)
-            return offset, width, rank * width, total
-        if column:
-            return offset, width, tp_rank * width, width * tp_size
-        return offset, width, 0, width
-    raise ValueError(f"unknown shard {shard_id!r} for {type(layer).__name__}")
-
-
 def shard_index(layer: nn.Module, shard_id: object) -> int:
-    return [shard for shard, _, _ in output_shards(layer)].index(shard_id)
+    return [shard.shard_id for shard in output_shards(layer)].index(shard_id)
 
 
 class PackedLinearMethod(LinearMethod):
@@ -124,11 +93,11 @@ class PackedLinearMethod(LinearMethod):
             groups, group_start = input_size // group, in_start // group
         if input_size % cfg.pack:
             raise ShardError(f"{where}: {input_size} input features per rank are not whole {cfg.pack}-row words")
-        for shard, _, width in output_shards(layer):
-            if width % cfg.pack and any(unit == cfg.pack for *_, unit in self.layout.values()):
-                what = "" if shard is None else f" shard {shard!r}"
-                raise ShardError(f"{where}{what}: {width} output features per rank are not whole {cfg.pack}-column "
-                                 f"words of the packed tensors")
+        for shard in output_shards(layer):
+            if shard.rows % cfg.pack and any(unit == cfg.pack for *_, unit in self.layout.values()):
+                what = "" if shard.shard_id is None else f" shard {shard.shard_id!r}"
+                raise ShardError(f"{where}{what}: {shard.rows} output features per rank are not whole "
+                                 f"{cfg.pack}-column words of the packed tensors")
         layer.marlin_plan = {"split": split, "in_start": in_start, "input_size": input_size, "full_in": full_in,
                              "groups": groups, "group_start": group_start, "total_groups": total_groups,
                              "output_size": output_size, "shards": len(output_shards(layer))}
@@ -174,10 +143,10 @@ class PackedLinearMethod(LinearMethod):
             if length != full:
                 loaded = loaded.narrow(in_dim, start, length)
         if out_dim is not None:
-            offset, width, start, full = output_slice(layer, shard_id)
-            _check_dim(loaded, out_dim, full // out_unit, name, "output")
-            loaded = loaded.narrow(out_dim, start // out_unit, width // out_unit)
-            target = target.narrow(out_dim, offset // out_unit, width // out_unit)
+            shard = output_shard(layer, shard_id)
+            _check_dim(loaded, out_dim, shard.total // out_unit, name, "output")
+            loaded = loaded.narrow(out_dim, shard.start // out_unit, shard.rows // out_unit)
+            target = target.narrow(out_dim, shard.offset // out_unit, shard.rows // out_unit)
         if tuple(loaded.shape) != tuple(target.shape):
             raise ValueError(f"{name}: checkpoint part of shape {tuple(loaded.shape)} != model shape "
                              f"{tuple(target.shape)}")
@@ -211,11 +180,10 @@ class PackedLinearMethod(LinearMethod):
 
     def use_planes(self, layer: nn.Module, planes) -> None:
         """Make ``planes`` (planes.Planes) the layer's compute form."""
-        for name, tensor in planes.weight.tensors().items():   # buffers: counted, moved and seen like weights
-            layer.register_buffer(f"quant_{name}", tensor, persistent=False)
+        from cvllm_cuda.quant_planes import attach
+
+        attach(layer, planes.weight)
         layer.register_buffer("quant_perm", planes.perm, persistent=False)
-        layer.quant_weight = planes.weight
-        layer.weight = torch.empty(0, device=planes.weight.low.device)
         layer.marlin_compute = "planes"
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -232,29 +200,6 @@ class PackedLinearMethod(LinearMethod):
             return dense(x, weight, bias)
         out = dense(x.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype))
         return out.to(x.dtype)
-
-
-def kernels_enabled() -> bool:
-    return os.environ.get(KERNELS_ENV, "1") != "0"
-
-
-def plane_kernels_usable(device: torch.device) -> bool:
-    """Whether layers on ``device`` compute with the plane kernels: CUDA, not turned off, and importable (a missing
-    cvllm-cuda or triton is logged once)."""
-    if device.type != "cuda" or not kernels_enabled():
-        return False
-    try:
-        import cvllm_cuda.kernels.quant_matmul  # noqa: F401
-    except ImportError as exc:
-        if not _warned:
-            _warned.append(exc)
-            logger.warning("GPTQ/AWQ layers on CUDA load dequantized: the low-bit kernels need cvllm-cuda and "
-                           "triton (%s)", exc)
-        return False
-    return True
-
-
-_warned: list[ImportError] = []
 
 
 def _check_dim(loaded: torch.Tensor | LazyTensor, dim: int, expected: int, name: str, what: str) -> None:
@@ -287,7 +232,8 @@ class GPTQLinearMethod(PackedLinearMethod):
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         cfg, plan = self.config, layer.marlin_plan
         parts = []
-        for index, (_, offset, width) in enumerate(output_shards(layer)):
+        for index, shard in enumerate(output_shards(layer)):
+            offset, width = shard.offset, shard.rows
             words = slice(offset // cfg.pack, (offset + width) // cfg.pack)
             try:
                 parts.append(dequantize_gptq(layer.qweight[:, offset:offset + width], layer.qzeros[:, words],

@@ -10,41 +10,22 @@ from the safetensors headers, nothing else); a fused layer whose parts disagree 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
 
 import torch
 
 from cvllm.checkpoint.base import Checkpoint, CheckpointError
+from cvllm.checkpoint.quantized import quantization_config, tensor_headers
 from cvllm.layers.quantization import LinearMethod, LinearMethodFactory
 from cvllm_marlin.config import QuantConfigError, modules_not_converted, parse_awq_config, parse_gptq_config
 from cvllm_marlin.linear_method import AWQLinearMethod, GPTQLinearMethod
 
 
-def quantization_config(checkpoint: Checkpoint) -> dict[str, Any]:
-    """The checkpoint's ``quantization_config`` dict: ``quant_config`` when a reader set one, else config.json's."""
-    config = checkpoint.quant_config if isinstance(checkpoint.quant_config, dict) else \
-        checkpoint.config.get("quantization_config")
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{checkpoint.path}: quant_method {checkpoint.quant_method!r} but config.json has no "
-                              f"quantization_config object")
-    return config
-
-
 def quantized_modules(checkpoint: Checkpoint) -> set[str] | None:
     """Module names that have a ``.qweight`` tensor in the checkpoint's safetensors headers; None if unknown."""
-    path = Path(checkpoint.path)
-    if not path.is_dir():
+    headers = tensor_headers(checkpoint)
+    if headers is None:
         return None
-    from cvllm.checkpoint.hf_dir import weight_files
-    from cvllm.checkpoint.safetensors_files import check_safetensors_file
-
-    modules = set()
-    for file in weight_files(path):
-        for name in check_safetensors_file(file):
-            if name.endswith(".qweight"):
-                modules.add(name.removesuffix(".qweight"))
-    return modules
+    return {name.removesuffix(".qweight") for name in headers if name.endswith(".qweight")}
 
 
 def _factory(checkpoint: Checkpoint, method_class, config, not_converted: list[str], dtype: torch.dtype) \
