@@ -74,12 +74,9 @@ def test_cpu_attention_reads_the_dequantized_cache():
     backend.write_kv(k, v, k_cache, v_cache, slots, scales=scales)
     k_deq = kv_fp8.quantize(k, scales[0]).float() * scales[0][:, None]
     assert torch.equal(k_cache.view(-1, kv_heads, dim)[:40].float() * scales[0][:, None], k_deq)
-    from cvllm.backends.cpu import _Scaled
-
     q = torch.randn(1, 1, heads, dim, generator=gen)
     tables, pos, lens = torch.tensor([[0, 1, 2]]), torch.tensor([[39]]), torch.tensor([40])
-    ours = paged_attention_reference(q, _Scaled(k_cache, scales[0]), _Scaled(v_cache, scales[1]), tables, pos, lens,
-                                     0.2, None, None)
+    ours = paged_attention_reference(q, k_cache, v_cache, tables, pos, lens, 0.2, None, None, kv_scales=scales)
     deq = (k_cache.float() * scales[0][:, None], v_cache.float() * scales[1][:, None])
     assert torch.equal(ours, paged_attention_reference(q, *deq, tables, pos, lens, 0.2, None, None))
 

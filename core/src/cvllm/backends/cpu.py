@@ -45,7 +45,8 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               block_tables: torch.Tensor, query_pos: torch.Tensor, kv_lens: torch.Tensor,
                               scale: float, sliding_window: int | None, soft_cap: float | None,
                               visible: torch.Tensor | None = None,
-                              past_end: torch.Tensor | None = None) -> torch.Tensor:
+                              past_end: torch.Tensor | None = None,
+                              kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention for ``B`` sequences of ``Lq`` queries each over their paged K/V, in fp32.
 
     q: [B, Lq, H, D]; block_tables: [B, nb]; query_pos: [B, Lq] absolute positions (-1 = padding);
@@ -58,19 +59,18 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     blocks = block_tables.reshape(-1).long()  # index_select with int64 ids: far cheaper than advanced indexing
     S = block_tables.shape[1] * k_cache.shape[1]
 
-    def gather(cache: torch.Tensor) -> torch.Tensor:
+    def gather(cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         """The sequences' keys or values as contiguous fp32 [B, Hkv, S, D]: cast and transpose in one copy,
         so the batched matmuls below fold (B, Hkv) into one batch dim without copying again."""
-        scale = getattr(cache, "kv_scale", None)   # an FP8 cache (_Scaled): stored value * scale
-        if scale is not None:   # gathered as bytes: torch has no index_select of float8
-            rows = cache.stored.view(torch.uint8).index_select(0, blocks).view(cache.stored.dtype)
+        if scale is not None:   # FP8, gathered as bytes: torch has no index_select of float8
+            rows = cache.view(torch.uint8).index_select(0, blocks).view(cache.dtype)
         else:
             rows = cache.index_select(0, blocks)
         rows = rows.view(B, S, Hkv, D).transpose(1, 2)
         out = torch.empty(rows.shape, dtype=torch.float32, device=rows.device).copy_(rows)
         return out if scale is None else out.mul_(scale.view(1, -1, 1, 1))   # [B, Hkv, S, D]: per KV head
 
-    k, v = gather(k_cache), gather(v_cache)
+    k, v = gather(k_cache, kv_scales and kv_scales[0]), gather(v_cache, kv_scales and kv_scales[1])
     # Keys past a sequence's length (the rest of its last block, padded table entries) are masked out of the
     # scores, but their values still meet a zero weight in the matmul, and 0 * NaN is NaN: the cache is never
     # zero-filled, so what lies there is whatever the memory held
@@ -87,13 +87,6 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         probs = probs.nan_to_num_(0.0)  # padded query rows see nothing (a decode row always sees itself)
     out = torch.matmul(probs.view(B, Hkv, G * Lq, S), v).view(B, Hkv, G, Lq, D)
     return out.permute(0, 3, 1, 2, 4).reshape(B, Lq, H, D).to(q.dtype)
-
-
-class _Scaled:
-    """An FP8 cache with its layer's scale, for paged_attention_reference (it reads shape and rows)."""
-
-    def __init__(self, stored: torch.Tensor, scale: torch.Tensor):
-        self.stored, self.kv_scale, self.shape = stored, scale, stored.shape
 
 
 class CpuBackend(Backend):
@@ -140,22 +133,22 @@ class CpuBackend(Backend):
         plan = ctx.backend_data
         assert isinstance(plan, _AttentionPlan), "the forward pass's ctx was not prepared (Backend.prepare)"
         args = (layer.scale, layer.sliding_window, layer.logits_soft_cap)
-        if kv_fp8.is_fp8(k_cache):   # the stored values times the layer's scales, in float32
-            k_cache, v_cache = _Scaled(k_cache, layer.k_scale), _Scaled(v_cache, layer.v_scale)
+        # an FP8 cache: the stored values times the layer's scales, in float32
+        scales = (layer.k_scale, layer.v_scale) if kv_fp8.is_fp8(k_cache) else None
         if plan.decode_only:  # every row decodes one token, in order: no gather or scatter of rows
             return paged_attention_reference(q[:, None], k_cache, v_cache, plan.decode_tables, plan.decode_positions,
                                              plan.decode_lens, *args, plan.visible(-1, layer.sliding_window),
-                                             plan.past_end(-1))[:, 0]
+                                             plan.past_end(-1), scales)[:, 0]
         out = torch.empty_like(q)
         if plan.decode_tokens is not None:
             # All single-token rows in one padded batch: gathers the blocks they use, one einsum.
             o = paged_attention_reference(q[plan.decode_tokens][:, None], k_cache, v_cache, plan.decode_tables,
                                           plan.decode_positions, plan.decode_lens, *args,
-                                          plan.visible(-1, layer.sliding_window), plan.past_end(-1))
+                                          plan.visible(-1, layer.sliding_window), plan.past_end(-1), scales)
             out[plan.decode_tokens] = o[:, 0]
         for i, (start, n, tables, positions, lens) in enumerate(plan.prefills):
             o = paged_attention_reference(q[None, start:start + n], k_cache, v_cache, tables, positions, lens, *args,
-                                          plan.visible(i, layer.sliding_window), plan.past_end(i))
+                                          plan.visible(i, layer.sliding_window), plan.past_end(i), scales)
             out[start:start + n] = o[0]
         return out
 

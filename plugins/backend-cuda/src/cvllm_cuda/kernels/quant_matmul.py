@@ -78,6 +78,20 @@ def _word_factors(d_ptr, m_ptr, a_ptr, b_ptr, first, cols, ok, N, SCALE_GROUP: t
 
 
 @triton.jit
+def _tile(low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, words, word_ok, cols, col_ok, N,
+          LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr, SUPER_GROUP: tl.constexpr,
+          A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr, HAS_M: tl.constexpr):
+    """A tile's words and factors [BLOCK_W, BLOCK_N] (``words`` [BLOCK_W], ``cols`` [BLOCK_N]), and each word's first
+    element [BLOCK_W, 1]: what every kernel here starts a K step with."""
+    ok = word_ok[:, None] & col_ok[None, :]
+    first = (words * (32 // LOW_BITS))[:, None]
+    low, high = _load_words(low_ptr, high_ptr, words[:, None], cols[None, :], ok, N, LOW_BITS, HIGH_BITS)
+    scale, offset = _word_factors(d_ptr, m_ptr, a_ptr, b_ptr, first, cols[None, :], ok, N, SCALE_GROUP,
+                                  SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
+    return first, low, high, scale, offset
+
+
+@triton.jit
 def _quant(low, high, first, S: tl.constexpr, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr,
            FLOAT8: tl.constexpr = False):
     """float32: the integer of element ``first + S`` of each word (exact, without a conversion instruction), or
@@ -110,17 +124,15 @@ def _gemv_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, 
     for w0 in tl.range(start, num_words, BLOCK_W, num_stages=STAGES):
         words = w0 + tl.arange(0, BLOCK_W)
         word_ok = words < num_words
-        ok = word_ok[:, None] & col_ok[None, :]
-        first = words * PER_WORD
-        low, high = _load_words(low_ptr, high_ptr, words[:, None], cols[None, :], ok, N, LOW_BITS, HIGH_BITS)
-        scale, offset = _word_factors(d_ptr, m_ptr, a_ptr, b_ptr, first[:, None], cols[None, :], ok, N,
-                                      SCALE_GROUP, SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
+        first, low, high, scale, offset = _tile(low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, words, word_ok, cols,
+                                                col_ok, N, LOW_BITS, HIGH_BITS, SCALE_GROUP, SUPER_GROUP, A_MODE,
+                                                B_MODE, B_CONST, HAS_M)
         # sum q * x over each word's elements, then one scale and one offset * sum(x) per word
         part = tl.zeros((BLOCK_W, BLOCK_N), dtype=tl.float32)
         x_sum = tl.zeros((BLOCK_W,), dtype=tl.float32)
         for S in tl.static_range(PER_WORD):
-            x = tl.load(x_ptr + first + S, mask=word_ok, other=0.0).to(tl.float32)
-            part += _quant(low, high, first[:, None], S, LOW_BITS, HIGH_BITS, FLOAT8) * x[:, None]
+            x = tl.load(x_ptr + words * PER_WORD + S, mask=word_ok, other=0.0).to(tl.float32)
+            part += _quant(low, high, first, S, LOW_BITS, HIGH_BITS, FLOAT8) * x[:, None]
             x_sum += x
         acc += part * scale + offset * x_sum[:, None]
     tl.store(out_ptr + tl.program_id(1) * N + cols, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=col_ok)
@@ -161,14 +173,12 @@ def _gemm_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, 
     for w0 in range(start, num_words, BLOCK_W):
         words = w0 + tl.arange(0, BLOCK_W)
         word_ok = words < num_words
-        ok = word_ok[:, None] & col_ok[None, :]
-        first = words * PER_WORD
-        low, high = _load_words(low_ptr, high_ptr, words[:, None], cols[None, :], ok, N, LOW_BITS, HIGH_BITS)
-        scale, offset = _word_factors(d_ptr, m_ptr, a_ptr, b_ptr, first[:, None], cols[None, :], ok, N,
-                                      SCALE_GROUP, SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
+        first, low, high, scale, offset = _tile(low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, words, word_ok, cols,
+                                                col_ok, N, LOW_BITS, HIGH_BITS, SCALE_GROUP, SUPER_GROUP, A_MODE,
+                                                B_MODE, B_CONST, HAS_M)
         for S in tl.static_range(PER_WORD):
-            x = tl.load(x_rows + (first + S)[None, :], mask=t_ok[:, None] & word_ok[None, :], other=0.0)
-            w = (_quant(low, high, first[:, None], S, LOW_BITS, HIGH_BITS, FLOAT8) * scale + offset).to(x.dtype)
+            x = tl.load(x_rows + (words * PER_WORD + S)[None, :], mask=t_ok[:, None] & word_ok[None, :], other=0.0)
+            w = (_quant(low, high, first, S, LOW_BITS, HIGH_BITS, FLOAT8) * scale + offset).to(x.dtype)
             if UPCAST:   # the same bf16-rounded operands multiplied as float32 (see _upcast)
                 acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
             elif IEEE:
@@ -190,15 +200,14 @@ def _dequantize_kernel(out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N
     PER_WORD: tl.constexpr = 32 // LOW_BITS
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     words = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-    ok = (words < K // PER_WORD)[:, None] & (cols < N)[None, :]
-    first = words * PER_WORD
-    low, high = _load_words(low_ptr, high_ptr, words[:, None], cols[None, :], ok, N, LOW_BITS, HIGH_BITS)
-    scale, offset = _word_factors(d_ptr, m_ptr, a_ptr, b_ptr, first[:, None], cols[None, :], ok, N, SCALE_GROUP,
-                                  SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
+    word_ok, col_ok = words < K // PER_WORD, cols < N
+    first, low, high, scale, offset = _tile(low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, words, word_ok, cols,
+                                            col_ok, N, LOW_BITS, HIGH_BITS, SCALE_GROUP, SUPER_GROUP, A_MODE, B_MODE,
+                                            B_CONST, HAS_M)
     for S in tl.static_range(PER_WORD):
-        w = _quant(low, high, first[:, None], S, LOW_BITS, HIGH_BITS, FLOAT8) * scale + offset
-        ptrs = out_ptr + (first + S).to(tl.int64)[:, None] * N + cols[None, :]
-        tl.store(ptrs, w.to(out_ptr.dtype.element_ty), mask=ok)
+        w = _quant(low, high, first, S, LOW_BITS, HIGH_BITS, FLOAT8) * scale + offset
+        ptrs = out_ptr + (first + S).to(tl.int64) * N + cols[None, :]
+        tl.store(ptrs, w.to(out_ptr.dtype.element_ty), mask=word_ok[:, None] & col_ok[None, :])
 
 
 # (BLOCK_N, BLOCK_W, num_warps[, stages]) of the GEMV, (BLOCK_N, BLOCK_W, num_warps, num_stages) of the GEMM and
