@@ -85,8 +85,9 @@ def build_engine(config: EngineConfig, imports_seconds: float | None = None) -> 
             BlockManager(num_blocks, config.block_size, config.enable_prefix_caching))
         engine = LLMEngine(config, checkpoint, backend, dtype, executor, scheduler)
         torch.manual_seed(config.seed)
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens), max_model_len %d, backend %s, dtype %s",
-                    num_blocks, config.block_size, num_blocks * config.block_size, max_model_len, backend.name, dtype)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens%s), max_model_len %d, backend %s, dtype %s",
+                    num_blocks, config.block_size, num_blocks * config.block_size,
+                    ", fp8" if config.kv_cache_dtype != "auto" else "", max_model_len, backend.name, dtype)
         logger.info("engine started in %s", phases.summary())
         return engine
     except BaseException:
