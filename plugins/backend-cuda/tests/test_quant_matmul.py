@@ -122,6 +122,22 @@ def test_k_split_into_parts_adds_up(t):
         torch.testing.assert_close(out.cpu(), ref.cpu(), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("name,layout", [("q4_k", LAYOUTS["q4_k"]), ("gptq4_g128", LAYOUTS["gptq4_g128"]),
+                                         ("q6_k", LAYOUTS["q6_k"]), ("q2_k", LAYOUTS["q2_k"]),
+                                         ("6-word groups", QuantLayout(4, 0, 48, 96, b_mode=2, b_const=-1)),
+                                         ("fp8 per channel", QuantLayout(8, 0, 768, 768, b_const=0, float8=True))])
+@pytest.mark.parametrize("block_w", [4, 8, 32])
+def test_gemv_tiles_of_whole_groups_parts_of_groups_or_single_words(name, layout, block_w):
+    """The GEMV shares factors over a scale group's words in a tile (group_words): groups smaller than, larger than
+    and not nesting with the tile."""
+    weight = random_weight(layout, 9, 768, DEVICE, seed=9)
+    x = torch.randn(1, 768, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    out = torch.empty(1, 9, device=DEVICE)
+    quant_gemv(x, weight, out, (16, block_w, 4), splits=2)
+    ref = x @ dequantize_planes(weight).T
+    torch.testing.assert_close(out.cpu(), ref.cpu(), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
 def test_gemm_config_may_set_block_m():
     weight = random_weight(LAYOUTS["q4_k"], 24, 256, DEVICE, seed=8)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(8)).to(DEVICE)
