@@ -4,6 +4,7 @@ float32, float16 and bfloat16. In Triton's interpreter without a GPU; compiled, 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -13,6 +14,7 @@ from cvllm.testing.requirements import import_or_skip
 
 import_or_skip("triton")
 
+from cvllm_cuda.kernels import quant_gemv_int8  # noqa: E402
 from cvllm_cuda.kernels.quant_matmul import (  # noqa: E402
     DEQUANT_CONFIGS,
     GEMM_CONFIGS,
@@ -174,3 +176,31 @@ def test_decode_matmul_is_captured_in_a_cuda_graph():
     torch.cuda.synchronize()
     ref = (x.float() @ dequantize_planes(weight).T)
     assert (out.float() - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("name", ["q4_k", "q4_0", "q8_0", "q2_k", "gptq4_g128"])
+@pytest.mark.parametrize("config", [None, (16, 8, 4)])
+def test_int8_activation_gemv_equals_the_rounded_reference(name, config):
+    """llama.cpp's numerics: x rounded to int8 per 32 inputs, integer dot products. Against dequantize-then-matmul
+    of the same rounded x (float32 sums in another order), and against the float x within the rounding's error."""
+    layout = dataclasses.replace(LAYOUTS.get(name) or QuantLayout(4, 0, 32, 32, b_const=-8), int8_activations=True)
+    weight = random_weight(layout, 21, 1024, DEVICE, seed=11)
+    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(11)).to(DEVICE)
+    x[0, 40:64] = 0.0   # an all-zero block of 32 has scale 0
+    assert quant_gemv_int8.applies(layout, 1024)
+    out = torch.full((1, 21), float("nan"), device=DEVICE)
+    quant_gemv_int8.quant_gemv_int8(x, weight, out, config)
+    w = dequantize_planes(weight).to(DEVICE)
+    ref = quant_gemv_int8.dequantized_activations(x) @ w.T
+    torch.testing.assert_close(out.cpu(), ref.cpu(), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    exact = x @ w.T
+    assert ((out - exact).abs().max() / exact.abs().max()).item() < 2e-2
+    torch.testing.assert_close(quant_matmul(x, weight).cpu(), out.cpu())   # the T=1 dispatch takes it
+
+
+def test_int8_activations_are_off_for_high_planes_fp8_and_the_switch(monkeypatch):
+    assert not quant_gemv_int8.applies(dataclasses.replace(LAYOUTS["q6_k"], int8_activations=True), 1024)
+    assert not quant_gemv_int8.applies(LAYOUTS["q4_k"], 1024)   # not set: GPTQ's W4A16, FP8
+    on = dataclasses.replace(LAYOUTS["q4_k"], int8_activations=True)
+    monkeypatch.setenv(quant_gemv_int8.ENV, "0")
+    assert not quant_gemv_int8.applies(on, 1024)

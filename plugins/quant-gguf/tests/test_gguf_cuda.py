@@ -15,6 +15,7 @@ from cvllm.testing.requirements import import_or_skip
 import_or_skip("triton")  # a skip locally, an error under CI=true
 
 from cvllm.layers.linear import ReplicatedLinear  # noqa: E402
+from cvllm_cuda.kernels import quant_gemv_int8  # noqa: E402
 from cvllm_gguf.linear_method import GGUFLinearMethod  # noqa: E402
 from cvllm_gguf.planes import LAYOUTS, to_planes  # noqa: E402
 from cvllm_gguf.quant_types import GGMLType  # noqa: E402
@@ -54,7 +55,10 @@ def test_planes_path_reshapes_and_adds_the_bias(qtype, make_rows, one_torch_thre
         layers[form] = layer.to(DEVICE)
     for shape in ((1, k), (2, 3, k), (4, 5, k)):
         x = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape))).to(DEVICE)
-        got, want = layers["planes"](x), layers["exact"](x)
+        # one row of a layout without a high plane: llama.cpp's int8 activations (quant_gemv_int8), the same rounding
+        one_row_int8 = x.numel() == k and quant_gemv_int8.applies(LAYOUTS[qtype], k)
+        got = layers["planes"](x)
+        want = layers["exact"](quant_gemv_int8.dequantized_activations(x) if one_row_int8 else x)
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
@@ -73,8 +77,11 @@ def _greedy(llm, prompts):
                                         "down_proj": GGMLType.Q6_K},
                                    {"v_proj": GGMLType.Q8_0, "up_proj": GGMLType.Q4_0}],   # mixed fused parts
                          ids=["mix1", "mix2", "mixed-parts"])
-def test_tiny_model_on_cuda_computes_from_planes_and_gives_the_cpu_exact_tokens(tmp_path, make_rows, types):
+def test_tiny_model_on_cuda_computes_from_planes_and_gives_the_cpu_exact_tokens(tmp_path, make_rows, types,
+                                                                                monkeypatch):
     from cvllm import LLM
+    # float activations: the CPU path's numbers (the default int8 ones are llama.cpp's, tested per kernel)
+    monkeypatch.setenv(quant_gemv_int8.ENV, "0")
     from cvllm_gguf.testing import write_tiny_llama
 
     path, _, _ = write_tiny_llama(tmp_path, make_rows, types=types)
@@ -96,9 +103,10 @@ def test_tiny_model_on_cuda_computes_from_planes_and_gives_the_cpu_exact_tokens(
     assert _greedy(cuda, prompts) == _greedy(cpu, prompts)
 
 
-def test_mixed_parts_each_computed_from_their_planes(make_rows, one_torch_thread):
+def test_mixed_parts_each_computed_from_their_planes(make_rows, one_torch_thread, monkeypatch):
     """A fused q/k/v of Q4_K, Q4_K and Q6_K parts (a Q4_K_M file's attention): one matmul per part into its
-    columns, against the exact dequantized stack, for every kernel path (1 row, a few, many)."""
+    columns, against the exact dequantized stack, for every kernel path (1 row, a few, many; float activations)."""
+    monkeypatch.setenv(quant_gemv_int8.ENV, "0")
     if not INTERPRET:
         pytest.skip("CPU tensors through Triton's interpreter; with a GPU the end-to-end gpu test covers this path")
     from cvllm.layers.linear import QKVParallelLinear

@@ -42,6 +42,9 @@ class QuantLayout:
     b_const: int = 1
     has_m: bool = False  # M from its own f16 per super group; else M = D
     float8: bool = False  # the low plane's bytes are FP8 e4m3 values, not integers (q * D, offset 0)
+    # the batch-1 GEMV may round the activations to int8 per 32 inputs and sum with integer dot products
+    # (kernels/quant_gemv_int8.py): llama.cpp's numerics for its formats (GGUF sets it), not GPTQ's W4A16
+    int8_activations: bool = False
 
     def __post_init__(self):
         if self.low_bits not in (2, 4, 8) or self.high_bits not in (0, 1, 2):
@@ -63,7 +66,7 @@ class QuantLayout:
 
 @functools.cache
 def _kernel_args(layout: QuantLayout) -> dict:
-    return {f.name.upper(): getattr(layout, f.name) for f in fields(layout)}
+    return {f.name.upper(): getattr(layout, f.name) for f in fields(layout) if f.name != "int8_activations"}
 
 
 @dataclass(slots=True)

@@ -20,17 +20,19 @@ from cvllm_cuda.quant_planes import QuantLayout, QuantWeight, pack_plane
 from cvllm_gguf.dequant import _bits, _f16, _k_scale_min, _split_bits
 from cvllm_gguf.quant_types import FORMATS, QK_K, GGMLType
 
+# int8_activations: the batch-1 GEMV rounds x to int8 per 32 inputs as llama.cpp's CUDA backend does (where the
+# kernel has that path: layouts without a high plane)
 LAYOUTS: dict[GGMLType, QuantLayout] = {
-    GGMLType.Q8_0: QuantLayout(8, 0, 32, 32, b_const=-128),
-    GGMLType.Q4_0: QuantLayout(4, 0, 32, 32, b_const=-8),
-    GGMLType.Q4_1: QuantLayout(4, 0, 32, 32, has_m=True),
-    GGMLType.Q5_0: QuantLayout(4, 1, 32, 32, b_const=-16),
-    GGMLType.Q5_1: QuantLayout(4, 1, 32, 32, has_m=True),
-    GGMLType.Q2_K: QuantLayout(2, 0, 16, QK_K, a_mode=2, b_mode=2, b_const=-1, has_m=True),
-    GGMLType.Q3_K: QuantLayout(2, 1, 16, QK_K, a_mode=1, b_mode=1, b_const=-4),
-    GGMLType.Q4_K: QuantLayout(4, 0, 32, QK_K, a_mode=2, b_mode=2, b_const=-1, has_m=True),
-    GGMLType.Q5_K: QuantLayout(4, 1, 32, QK_K, a_mode=2, b_mode=2, b_const=-1, has_m=True),
-    GGMLType.Q6_K: QuantLayout(4, 2, 16, QK_K, a_mode=1, b_mode=1, b_const=-32),
+    GGMLType.Q8_0: QuantLayout(8, 0, 32, 32, b_const=-128, int8_activations=True),
+    GGMLType.Q4_0: QuantLayout(4, 0, 32, 32, b_const=-8, int8_activations=True),
+    GGMLType.Q4_1: QuantLayout(4, 0, 32, 32, has_m=True, int8_activations=True),
+    GGMLType.Q5_0: QuantLayout(4, 1, 32, 32, b_const=-16, int8_activations=True),
+    GGMLType.Q5_1: QuantLayout(4, 1, 32, 32, has_m=True, int8_activations=True),
+    GGMLType.Q2_K: QuantLayout(2, 0, 16, QK_K, a_mode=2, b_mode=2, b_const=-1, has_m=True, int8_activations=True),
+    GGMLType.Q3_K: QuantLayout(2, 1, 16, QK_K, a_mode=1, b_mode=1, b_const=-4, int8_activations=True),
+    GGMLType.Q4_K: QuantLayout(4, 0, 32, QK_K, a_mode=2, b_mode=2, b_const=-1, has_m=True, int8_activations=True),
+    GGMLType.Q5_K: QuantLayout(4, 1, 32, QK_K, a_mode=2, b_mode=2, b_const=-1, has_m=True, int8_activations=True),
+    GGMLType.Q6_K: QuantLayout(4, 2, 16, QK_K, a_mode=1, b_mode=1, b_const=-32, int8_activations=True),
 }
 
 

@@ -392,7 +392,11 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor | None 
     if t == 0 or weight.out_features == 0:
         return out
     if t == 1:
-        quant_gemv(x, weight, out)
+        from cvllm_cuda.kernels import quant_gemv_int8  # (it builds on this module)
+        if quant_gemv_int8.applies(weight.layout, weight.in_features):
+            quant_gemv_int8.quant_gemv_int8(x, weight, out)
+        else:
+            quant_gemv(x, weight, out)
     elif t <= GEMM_MAX_ROWS:
         quant_gemm(x, weight, out)
     else:

@@ -1,0 +1,171 @@
+"""The batch-1 low-bit GEMV with int8 activations: llama.cpp's numerics for its formats (its CUDA backend rounds x
+to int8 per 32 inputs, "q8_1", before every quantized matrix-vector product; so do vLLM's GGUF kernels).
+
+Why: the float GEMV (quant_matmul._gemv_kernel) spends about four instructions per weight element (place the bits,
+or in the exponent, multiply-add, and its share of x), which on the H200 is more time than reading the 4-bit weight
+(bench/results/2026-12-02-h200-*: a load-only kernel of the same tiling takes ~60% of its time). With x in int8,
+one ``dp4a`` multiplies four weight bytes by four activation bytes and adds them to an int32: a word of eight
+4-bit weights is two masks, a shift and two ``dp4a``, under one instruction per element.
+
+- ``quantize_activations``: x [1, K] -> per 32 inputs d = max|x| / 127 and q = round(x / d) (half away from
+  zero), packed four per int32 in the order the weight words' bytes come out (below); per weight word, the sum
+  of its inputs ``d * sum(q)`` (the formats' offsets multiply it).
+- ``_gemv_int8_kernel``: a low-plane word of ``32 / bits`` elements masked with 0x0F0F0F0F (4-bit; 0x03030303
+  2-bit; the word itself 8-bit) at shift ``s * bits`` holds elements ``s, s + P, s + 2P, s + 3P`` (P = 8 / bits)
+  in its four bytes; the activation pack (word, s) holds the same elements' int8s. Per word
+  ``scale * d_x * sum(q_w q_x) + offset * sum(x)``, the float formula with x rounded.
+
+Only layouts without a high plane (Q4_0, Q4_1, Q4_K, Q2_K, Q8_0 and what sets ``int8_activations``); the rest
+keep the float GEMV. ``CVLLM_QUANT_INT8_ACTIVATIONS=0`` keeps every layout on the float GEMV (bit-comparable
+with the CPU path's dequantize-then-matmul). Triton's interpreter has no inline PTX: there ``dp4a`` is
+spelled out with shifts (the tests run that; the GPU tests run the instruction).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from cvllm_cuda.kernels import quant_matmul as qm
+from cvllm_cuda.kernels.pdl import options as pdl_options
+from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
+from cvllm_cuda.kernels.quant_matmul import _word_factors
+from cvllm_cuda.quant_planes import QuantLayout, QuantWeight
+
+BLOCK = 32   # inputs per activation scale
+ENV = "CVLLM_QUANT_INT8_ACTIVATIONS"
+
+
+def applies(layout: QuantLayout, in_features: int) -> bool:
+    """Whether the batch-1 product of a weight in ``layout`` takes this path."""
+    return (layout.int8_activations and not layout.high_bits and not layout.float8 and in_features % BLOCK == 0
+            and os.environ.get(ENV, "1") != "0")
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, packs_ptr, d_ptr, sums_ptr, K, LOW_BITS: tl.constexpr, BLOCKS: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    """BLOCKS blocks of 32 inputs per program: their scales, packs [K / 4] and word sums [K * LOW_BITS / 32]."""
+    wait_for_previous_kernel(USE_PDL)
+    PER_WORD: tl.constexpr = 32 // LOW_BITS
+    PHASES: tl.constexpr = 8 // LOW_BITS
+    blocks = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    ok = blocks < K // 32
+    x = tl.load(x_ptr + blocks[:, None] * 32 + tl.arange(0, 32)[None, :], mask=ok[:, None], other=0.0).to(
+        tl.float32)
+    d = tl.max(tl.abs(x), axis=1) / 127.0
+    inv = tl.where(d > 0, 1.0 / d, 0.0)
+    scaled = x * inv[:, None]
+    q = tl.where(scaled < 0, scaled - 0.5, scaled + 0.5).to(tl.int32)        # to int truncates: half away from 0
+    tl.store(d_ptr + blocks, d, mask=ok)
+    # element e of a word sits in byte e // PHASES of pack e % PHASES: [words, 4 bytes, PHASES]
+    q3 = tl.reshape(q, (BLOCKS * 32 // PER_WORD, 4, PHASES))
+    shifts = (tl.arange(0, 4) * 8)[None, :, None]
+    packs = tl.reduce((q3 & 0xFF) << shifts, 1, _bit_or)                       # [words, PHASES]
+    words = tl.program_id(0) * (BLOCKS * 32 // PER_WORD) + tl.arange(0, BLOCKS * 32 // PER_WORD)
+    word_ok = words < K // PER_WORD
+    tl.store(packs_ptr + words[:, None] * PHASES + tl.arange(0, PHASES)[None, :], packs, mask=word_ok[:, None])
+    word_d = tl.reshape(tl.broadcast_to(d[:, None], (BLOCKS, 32 // PER_WORD)), (BLOCKS * 32 // PER_WORD,))
+    word_sums = tl.sum(tl.reshape(q, (BLOCKS * 32 // PER_WORD, PER_WORD)), axis=1).to(tl.float32) * word_d
+    tl.store(sums_ptr + words, word_sums, mask=word_ok)
+
+
+@triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
+def _dot4(a, b, c, INTERPRET: tl.constexpr):
+    """c + the sum over the four bytes of the unsigned bytes of ``a`` times the signed bytes of ``b``."""
+    if INTERPRET:
+        for j in tl.static_range(4):
+            c += ((a >> (8 * j)) & 0xFF) * ((b << (24 - 8 * j)) >> 24)   # arithmetic shift: sign-extended
+        return c
+    else:
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K,
+                      SPLIT_WORDS,
+                      LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
+                      SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
+                      HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                      GROUP_WORDS: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
+    """The float GEMV's tiling and splits (quant_matmul._gemv_kernel), integer dot products per word."""
+    wait_for_previous_kernel(USE_PDL)
+    PER_WORD: tl.constexpr = 32 // LOW_BITS
+    PHASES: tl.constexpr = 8 // LOW_BITS
+    BYTE_MASK: tl.constexpr = 0x0F0F0F0F if LOW_BITS == 4 else 0x03030303 if LOW_BITS == 2 else -1
+    GROUPS: tl.constexpr = BLOCK_W // GROUP_WORDS
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols[None, :] < N
+    cols3 = cols[None, None, :]
+    start = tl.program_id(1) * SPLIT_WORDS
+    num_words = tl.minimum(K // PER_WORD, start + SPLIT_WORDS)
+    group_first = tl.arange(0, GROUPS) * GROUP_WORDS
+    tile_words = group_first[:, None, None] + tl.arange(0, GROUP_WORDS)[None, :, None]   # [GROUPS, GROUP_WORDS, 1]
+    acc = tl.zeros((GROUPS, GROUP_WORDS, BLOCK_N), dtype=tl.float32)
+    for w0 in range(start, num_words, BLOCK_W):
+        words = w0 + tile_words
+        word_ok = words < num_words
+        low = tl.load(low_ptr + words * N + cols3, mask=word_ok & (cols3 < N), other=0)
+        gwords = w0 + group_first
+        scale, offset = _word_factors(d_ptr, m_ptr, a_ptr, b_ptr, (gwords * PER_WORD)[:, None], cols[None, :],
+                                      (gwords < num_words)[:, None] & col_ok, N, SCALE_GROUP, SUPER_GROUP, A_MODE,
+                                      B_MODE, B_CONST, HAS_M)
+        dots = tl.zeros((GROUPS, GROUP_WORDS, BLOCK_N), dtype=tl.int32)
+        for s in tl.static_range(PHASES):
+            pack = tl.load(packs_ptr + words * PHASES + s, mask=word_ok, other=0)
+            dots = _dot4((low >> (s * LOW_BITS)) & BYTE_MASK, pack + tl.zeros_like(dots), dots, INTERPRET)
+        x_d = tl.load(xd_ptr + words * PER_WORD // 32, mask=word_ok, other=0.0)
+        x_sum = tl.load(xsum_ptr + words, mask=word_ok, other=0.0)
+        acc += (dots.to(tl.float32) * x_d) * scale[:, None, :] + offset[:, None, :] * x_sum
+    total = tl.sum(tl.sum(acc, axis=1), axis=0)
+    tl.store(out_ptr + tl.program_id(1) * N + cols, total.to(out_ptr.dtype.element_ty), mask=cols < N)
+
+
+QUANTIZE_BLOCKS = 8   # 32-input blocks per program of the activation quantizer
+
+
+def quantize_activations(x: torch.Tensor, low_bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [1, K] -> (packs int32 [K / 4], scales float32 [K / 32], word sums float32 [K * low_bits / 32])."""
+    k = x.shape[-1]
+    packs = torch.empty(k // 4, dtype=torch.int32, device=x.device)
+    scales = torch.empty(k // BLOCK, dtype=torch.float32, device=x.device)
+    sums = torch.empty(k * low_bits // 32, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(k // BLOCK, QUANTIZE_BLOCKS),)
+    _quantize_kernel[grid](x, packs, scales, sums, k, LOW_BITS=low_bits, BLOCKS=QUANTIZE_BLOCKS, num_warps=4,
+                           **pdl_options(x.device))
+    return packs, scales, sums
+
+
+def dequantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """The reference: the float32 values the kernel multiplies by (x rounded to int8 per 32 inputs)."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, BLOCK)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, blocks / torch.where(d > 0, d, 1), 0)
+    q = torch.where(q < 0, q - 0.5, q + 0.5).trunc()
+    return (q * d).reshape(x.shape)
+
+
+def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple | None = None,
+                    splits: int | None = None) -> None:
+    """out[0] = weight @ x[0] with x rounded to int8 per 32 inputs (x [1, K] and out [1, N], contiguous)."""
+    lay = weight.layout
+    block_n, block_w, warps, *_ = config or qm.GEMV_CONFIGS[lay.low_bits]
+    n, k = weight.out_features, weight.in_features
+    packs, scales, sums = quantize_activations(x, lay.low_bits)
+    splits, split_words = qm._split(qm._cdiv(n, block_n), k, lay.low_bits, block_w, x.device, splits)
+    target = out if splits == 1 else torch.empty((splits, n), dtype=torch.float32, device=x.device)
+    _gemv_int8_kernel[(qm._cdiv(n, block_n), splits)](
+        packs, scales, sums, target, *qm._planes(weight), n, k, split_words, **lay.kernel_args(), BLOCK_N=block_n,
+        BLOCK_W=block_w, GROUP_WORDS=qm.group_words(lay, block_w), INTERPRET=bool(triton.knobs.runtime.interpret),
+        num_warps=warps, **pdl_options(x.device))
+    if splits > 1:
+        qm._add_splits(target, out, splits, n)
