@@ -16,9 +16,9 @@ offset``, the layout's reference values exactly.
   accumulators, split over K the same way.
 - More rows (prefill): one kernel writes W^T in x's dtype, and cuBLAS multiplies.
 
-Measured on the H200 (bench/quant_matmul_sweep.py, bench/results/2026-12-02-h200-*): the GEMV is bound by its
-instructions per element, not by memory, at ~1.5 TB/s of 4-bit weights (gate_up 1.5x bf16's time), so batch-1
-decode of a Q4_K Llama-3-8B runs ~1.1x bf16, short of the memory-bound ~3x; packed bf16x2 arithmetic is next.
+Measured on the H200 (bench/quant_matmul_sweep.py, docs/benchmarks.md): the float GEMV's arithmetic (about four
+instructions per weight) is ~40% of its time, so a Q4_K Llama-3-8B decodes ~1.1x bf16 with it; GGUF layouts
+without a high plane take the int8-activation GEMV at batch 1 instead (quant_gemv_int8.py, ~1.4x bf16).
 
 Launches allocate only the output (and the split partial sums) and never read a value back to the host: they are
 captured in the decode CUDA graphs.
