@@ -9,10 +9,13 @@ with the weight. C is the checkpoint's column block, or all inputs for per-tenso
 ``--isq fp8`` quantizes each float shard as it arrives: one scale per output row, ``max |w| / 448`` (e4m3's largest
 finite value), the row divided by it and rounded to e4m3.
 
-After loading, on CUDA (``CVLLM_QUANT_KERNELS`` not "0", cvllm-cuda importable) the weight becomes an FP8 plane of
-the backend's low-bit layout and the Triton kernels compute with it (W8A16: activations stay in the engine's
-dtype; 1 byte a weight on the GPU); elsewhere it is dequantized once to the engine's dtype. Either way W = float(w)
-* scale, computed in float32 exactly as ``dequantize`` does.
+After loading, on CUDA (``CVLLM_QUANT_KERNELS`` not "0", cvllm-cuda importable), 1 byte a weight on the GPU:
+- one scale per row (per-tensor, per-channel, ``--isq fp8``) on a GPU with FP8 tensor cores: the e4m3 weight as
+  it is, ``cvllm_cuda.kernels.fp8_linear`` (a GEMV for one row of x, W8A16; ``torch._scaled_mm`` W8A8 with
+  per-token activation scales for more);
+- block scales (DeepSeek's 128 x 128): an FP8 plane of the backend's low-bit layout, the Triton kernels (W8A16).
+Elsewhere it is dequantized once to the engine's dtype. W8A16 computes W = float(w) * scale exactly as
+``dequantize`` does.
 """
 
 from __future__ import annotations
@@ -138,7 +141,16 @@ class FP8LinearMethod(LinearMethod):
         name = layer.fp8_scale_name
         scale = (layer._parameters.pop(name) if name in layer._parameters else layer._buffers.pop(name)).data
         columns = self.columns or weight.shape[1]
-        planes = _planes(weight, scale, columns, self.layer_name) if plane_kernels_usable(weight.device) else None
+        kernels = plane_kernels_usable(weight.device)
+        if kernels and self.columns is None:
+            from cvllm_cuda.kernels import fp8_linear
+
+            if fp8_linear.usable(weight):   # one scale per row: the e4m3 weight as it is, FP8 tensor cores
+                layer.register_buffer("weight", weight.contiguous(), persistent=False)
+                layer.register_buffer("fp8_row_scale", scale.reshape(-1).contiguous(), persistent=False)
+                layer.fp8_compute = "rows"
+                return
+        planes = _planes(weight, scale, columns, self.layer_name) if kernels else None
         if planes is not None:
             from cvllm_cuda.quant_planes import attach
 
@@ -152,6 +164,10 @@ class FP8LinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.fp8_compute is None:
             self.process_weights_after_loading(layer)
+        if layer.fp8_compute == "rows":
+            from cvllm_cuda.kernels.fp8_linear import fp8_linear
+
+            return fp8_linear(x, layer.weight, layer.fp8_row_scale, bias)
         if layer.fp8_compute == "planes":
             from cvllm_cuda.kernels.quant_matmul import quant_linear
 

@@ -42,9 +42,9 @@ DEFAULT_CONFIG = MatmulTile(block_n=4, block_k=1024, num_warps=2, num_stages=3)
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr,
+    x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr,
     N, K, stride_wn,
-    HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
@@ -64,6 +64,8 @@ def _gemv_kernel(
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
     y = tl.sum(acc, axis=1)
+    if HAS_SCALE:   # FP8 weights: one float32 scale per output row
+        y *= tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
@@ -84,12 +86,14 @@ def gemv_config(out_features: int, in_features: int, dtype: torch.dtype, device:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: MatmulTile | None = None) -> torch.Tensor:
+         config: MatmulTile | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for an ``x`` of one row (``[K]``, ``[1, K]``, ``[1, 1, K]`` ...) as a new
-    tensor of ``x``'s leading shape: a contiguous ``weight [N, K]`` (its rows may be strided) and x's dtype."""
+    tensor of ``x``'s leading shape: a contiguous ``weight [N, K]`` (its rows may be strided) and x's dtype.
+    ``scale`` (float32 [N]): an FP8 e4m3 weight's per-row scales, ``F.linear(x, weight * scale[:, None])``."""
     n, k = weight.shape
     assert x.shape[-1] == k and x.numel() == k, (x.shape, weight.shape)
-    assert weight.stride(1) == 1 and x.dtype == weight.dtype, (weight.stride(), x.dtype, weight.dtype)
+    fp8 = weight.dtype == torch.float8_e4m3fn and scale is not None
+    assert weight.stride(1) == 1 and (fp8 or x.dtype == weight.dtype), (weight.stride(), x.dtype, weight.dtype)
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     cfg = config or gemv_config(n, k, weight.dtype, weight.device)
     x = x.reshape(k)
@@ -97,8 +101,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x = x.contiguous()
     even = n % cfg.block_n == 0 and k % cfg.block_k == 0
     _gemv_kernel[(cdiv(n, cfg.block_n),)](
-        x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, EVEN=even, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        x, weight, bias if bias is not None else weight, scale if scale is not None else weight, out, n, k,
+        weight.stride(0), HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, EVEN=even, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(x.device),
     )
     return out
