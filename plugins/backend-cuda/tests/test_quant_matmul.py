@@ -140,26 +140,6 @@ def test_gemv_tiles_of_whole_groups_parts_of_groups_or_single_words(name, layout
     torch.testing.assert_close(out.cpu(), ref.cpu(), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("int8", [False, True])
-def test_split_gemv_adds_in_its_last_program_and_leaves_the_counters_at_zero(int8):
-    """Split over K, the program that finishes a column tile last adds the partials (no second kernel) and resets
-    the tile's counter: every later launch (a CUDA graph replays the same one) starts from zero again."""
-    from cvllm_cuda.kernels import quant_matmul as qm
-    layout = dataclasses.replace(LAYOUTS["q4_k"], int8_activations=int8)
-    weight = random_weight(layout, 40, 1024, DEVICE, seed=12)
-    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(12)).to(DEVICE)
-    gemv = quant_gemv_int8.quant_gemv_int8 if int8 else quant_gemv
-    first = torch.empty(1, 40, device=DEVICE)
-    gemv(x, weight, first, (16, 8, 4), splits=4)
-    for _ in range(2):
-        again = torch.full((1, 40), float("nan"), device=DEVICE)
-        gemv(x, weight, again, (16, 8, 4), splits=4)
-        torch.testing.assert_close(again, first, rtol=1e-6, atol=1e-6 * first.abs().max().item())
-    assert not qm._counters[first.device].any()
-    ref = (quant_gemv_int8.dequantized_activations(x) if int8 else x) @ dequantize_planes(weight).T
-    torch.testing.assert_close(first.cpu(), ref.cpu(), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
-
-
 def test_gemm_config_may_set_block_m():
     weight = random_weight(LAYOUTS["q4_k"], 24, 256, DEVICE, seed=8)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(8)).to(DEVICE)

@@ -32,7 +32,7 @@ import triton.language as tl
 from cvllm_cuda.kernels import quant_matmul as qm
 from cvllm_cuda.kernels.pdl import options as pdl_options
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
-from cvllm_cuda.kernels.quant_matmul import _word_factors, finish_split
+from cvllm_cuda.kernels.quant_matmul import _word_factors
 from cvllm_cuda.quant_planes import QuantLayout, QuantWeight
 
 BLOCK = 32   # inputs per activation scale
@@ -91,8 +91,8 @@ def _dot4(a, b, c, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, out_ptr, partial_ptr, counter_ptr, low_ptr, high_ptr, d_ptr,
-                      m_ptr, a_ptr, b_ptr, N, K, SPLIT_WORDS, SPLITS: tl.constexpr,
+def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K,
+                      SPLIT_WORDS,
                       LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
                       SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
                       HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
@@ -114,7 +114,7 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, out_ptr, partial_ptr, counter
     for w0 in range(start, num_words, BLOCK_W):
         words = w0 + tile_words
         word_ok = words < num_words
-        low = tl.load(low_ptr + words * N + cols3, mask=word_ok & (cols3 < N), other=0, eviction_policy="evict_first")
+        low = tl.load(low_ptr + words * N + cols3, mask=word_ok & (cols3 < N), other=0)
         gwords = w0 + group_first
         scale, offset = _word_factors(d_ptr, m_ptr, a_ptr, b_ptr, (gwords * PER_WORD)[:, None], cols[None, :],
                                       (gwords < num_words)[:, None] & col_ok, N, SCALE_GROUP, SUPER_GROUP, A_MODE,
@@ -126,7 +126,8 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, out_ptr, partial_ptr, counter
         x_d = tl.load(xd_ptr + words * PER_WORD // 32, mask=word_ok, other=0.0)
         x_sum = tl.load(xsum_ptr + words, mask=word_ok, other=0.0)
         acc += (dots.to(tl.float32) * x_d) * scale[:, None, :] + offset[:, None, :] * x_sum
-    finish_split(tl.sum(tl.sum(acc, axis=1), axis=0), out_ptr, partial_ptr, counter_ptr, cols, N, SPLITS)
+    total = tl.sum(tl.sum(acc, axis=1), axis=0)
+    tl.store(out_ptr + tl.program_id(1) * N + cols, total.to(out_ptr.dtype.element_ty), mask=cols < N)
 
 
 QUANTIZE_BLOCKS = 8   # 32-input blocks per program of the activation quantizer
@@ -161,8 +162,10 @@ def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, con
     n, k = weight.out_features, weight.in_features
     packs, scales, sums = quantize_activations(x, lay.low_bits)
     splits, split_words = qm._split(qm._cdiv(n, block_n), k, lay.low_bits, block_w, x.device, splits)
-    partials, counters = qm.split_buffers(splits, n, qm._cdiv(n, block_n), x.device) if splits > 1 else (out, out)
+    target = out if splits == 1 else torch.empty((splits, n), dtype=torch.float32, device=x.device)
     _gemv_int8_kernel[(qm._cdiv(n, block_n), splits)](
-        packs, scales, sums, out, partials, counters, *qm._planes(weight), n, k, split_words, SPLITS=splits,
-        **lay.kernel_args(), BLOCK_N=block_n, BLOCK_W=block_w, GROUP_WORDS=qm.group_words(lay, block_w),
-        INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=warps, **pdl_options(x.device))
+        packs, scales, sums, target, *qm._planes(weight), n, k, split_words, **lay.kernel_args(), BLOCK_N=block_n,
+        BLOCK_W=block_w, GROUP_WORDS=qm.group_words(lay, block_w), INTERPRET=bool(triton.knobs.runtime.interpret),
+        num_warps=warps, **pdl_options(x.device))
+    if splits > 1:
+        qm._add_splits(target, out, splits, n)

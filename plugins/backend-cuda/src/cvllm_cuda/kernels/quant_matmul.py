@@ -130,15 +130,13 @@ def _unit(low, high_at, S: tl.constexpr, LOW_BITS: tl.constexpr, HIGH_BITS: tl.c
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, out_ptr, partial_ptr, counter_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K,
-                 SPLIT_WORDS, SPLITS: tl.constexpr, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr,
-                 SCALE_GROUP: tl.constexpr,
+def _gemv_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K, SPLIT_WORDS,
+                 LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
                  SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
                  HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                  GROUP_WORDS: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (i, j) sums words j * SPLIT_WORDS .. (j + 1) * SPLIT_WORDS of output features i * BLOCK_N ...; with
-    more than one split the partial sums meet in ``partial`` and the last program of a column tile adds them
-    (``finish_split``).
+    more than one split, ``out`` is the float32 [splits, N] of the partial sums (``_sum_splits`` adds them).
 
     A tile is [BLOCK_W // GROUP_WORDS, GROUP_WORDS, BLOCK_N] words: GROUP_WORDS words share their factors (one
     scale group, or a part of one), loaded once per group and column. Per element: a shift, an or and a fused
@@ -161,13 +159,11 @@ def _gemv_kernel(x_ptr, out_ptr, partial_ptr, counter_ptr, low_ptr, high_ptr, d_
         words = w0 + tile_words
         word_ok = words < num_words
         ok = word_ok & (cols3 < N)
-        # the weights are read once per step: keep the activations and the KV blocks in L2 instead
-        low = tl.load(low_ptr + words * N + cols3, mask=ok, other=0, eviction_policy="evict_first")
+        low = tl.load(low_ptr + words * N + cols3, mask=ok, other=0)
         high_at = low
         if HIGH_BITS > 0:
             first = words * PER_WORD
-            high = tl.load(high_ptr + first // (32 // HIGH_BITS) * N + cols3, mask=ok, other=0,
-                           eviction_policy="evict_first")
+            high = tl.load(high_ptr + first // (32 // HIGH_BITS) * N + cols3, mask=ok, other=0)
             high_at = high >> (first % (32 // HIGH_BITS) * HIGH_BITS)
         # each group's factors, at its first word (a word never straddles a scale group)
         gwords = w0 + group_first
@@ -186,27 +182,8 @@ def _gemv_kernel(x_ptr, out_ptr, partial_ptr, counter_ptr, low_ptr, high_ptr, d_
             acc += part * scaled + offset[:, None, :] * x_sum
         else:
             acc += part * scaled + (offset[:, None, :] - scaled) * x_sum
-    finish_split(tl.sum(tl.sum(acc, axis=1), axis=0), out_ptr, partial_ptr, counter_ptr, cols, N, SPLITS)
-
-
-@triton.jit
-def finish_split(total, out_ptr, partial_ptr, counter_ptr, cols, N, SPLITS: tl.constexpr):
-    """Store a GEMV program's sums [BLOCK_N] for output features ``cols``. Split over K, each program stores its
-    float32 partial sums and counts itself done on its column tile's counter; the one that counts last adds the
-    partials, writes the output and sets the counter back to 0 for the next launch: no second kernel."""
-    ok = cols < N
-    if SPLITS == 1:
-        tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
-    else:
-        tl.store(partial_ptr + tl.program_id(1) * N + cols, total, mask=ok)
-        tl.debug_barrier()   # every thread's partial stored before the release below publishes them
-        done = tl.atomic_add(counter_ptr + tl.program_id(0), 1, sem="acq_rel")
-        if done == SPLITS - 1:
-            sums = tl.zeros_like(total)
-            for j in tl.static_range(SPLITS):   # through L2 (.cg): other SMs wrote them
-                sums += tl.load(partial_ptr + j * N + cols, mask=ok, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + cols, sums.to(out_ptr.dtype.element_ty), mask=ok)
-            tl.atomic_xchg(counter_ptr + tl.program_id(0), 0)
+    total = tl.sum(tl.sum(acc, axis=1), axis=0)
+    tl.store(out_ptr + tl.program_id(1) * N + cols, total.to(out_ptr.dtype.element_ty), mask=cols < N)
 
 
 @triton.jit
@@ -332,25 +309,14 @@ def quant_gemv(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: 
     block_n, block_w, warps, *stages = config or GEMV_CONFIGS[weight.layout.low_bits]
     n, k = weight.out_features, weight.in_features
     splits, split_words = _split(_cdiv(n, block_n), k, weight.layout.low_bits, block_w, x.device, splits)
-    partials, counters = split_buffers(splits, n, _cdiv(n, block_n), x.device) if splits > 1 else (out, out)
-    _gemv_kernel[(_cdiv(n, block_n), splits)](x, out, partials, counters, *_planes(weight), n, k, split_words,
-                                              SPLITS=splits, **weight.layout.kernel_args(), BLOCK_N=block_n,
-                                              BLOCK_W=block_w, GROUP_WORDS=group_words(weight.layout, block_w),
+    target = out if splits == 1 else torch.empty((splits, n), dtype=torch.float32, device=x.device)
+    _gemv_kernel[(_cdiv(n, block_n), splits)](x, target, *_planes(weight), n, k, split_words,
+                                              **weight.layout.kernel_args(), BLOCK_N=block_n, BLOCK_W=block_w,
+                                              GROUP_WORDS=group_words(weight.layout, block_w),
                                               STAGES=stages[0] if stages else 1, num_warps=warps,
                                               **pdl_options(x.device))
-
-
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def split_buffers(splits: int, n: int, tiles: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A split GEMV's float32 partial sums [splits, N] and its column tiles' done-counters: int32 zeros that every
-    launch leaves at zero, kept per device (allocated at the first eager call: the engine runs every decode shape
-    once before capturing it in a CUDA graph)."""
-    counters = _counters.get(device)
-    if counters is None or counters.numel() < tiles:
-        counters = _counters[device] = torch.zeros(max(tiles, 1 << 14), dtype=torch.int32, device=device)
-    return torch.empty((splits, n), dtype=torch.float32, device=device), counters
+    if splits > 1:
+        _add_splits(target, out, splits, n)
 
 
 def group_words(layout, block_w: int) -> int:
