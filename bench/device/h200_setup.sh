@@ -5,7 +5,9 @@
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || return 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site \
+# --upgrade: a machine still warm from an earlier call has the previous commit's packages there (pip keeps an
+# existing target directory otherwise, and the new code would not run)
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target /tmp/site \
     ./core ./plugins/models-llama ./plugins/models-qwen ./plugins/quant-gguf ./plugins/quant-marlin ./plugins/quant-fp8 \
     ./plugins/backend-cuda || return 1
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}

@@ -22,7 +22,7 @@ from cvllm_cuda.kernels.gemv import gemv
 from cvllm_cuda.kernels.pdl import options as pdl_options
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 
-E4M3_MAX = 448.0
+E4M3_MAX = tl.constexpr(448.0)   # (a Triton constant: the kernel reads it)
 
 
 def usable(weight: torch.Tensor) -> bool:
