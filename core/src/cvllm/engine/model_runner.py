@@ -131,7 +131,8 @@ class ModelRunner:
         self.decode_forward = self.decode_logits   # decode-only steps; the backend may wrap it (CUDA graphs)
 
     def kv_bytes_per_block(self) -> int:
-        per_token = sum(2 * torch.Size(layer.kv_cache_shape()).numel() for layer in self.attention_layers)
+        per_token = sum(layer.kv_cache_tensors() * torch.Size(layer.kv_cache_shape()).numel()
+                        for layer in self.attention_layers)
         return per_token * self.block_size * self.kv_cache_dtype.itemsize
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -141,7 +142,8 @@ class ModelRunner:
             # a slot past a sequence's length reach its output (masked loads; the CPU reference zeroes such values,
             # since 0 * NaN = NaN), which tests check with a cache full of NaN
             layer.k_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
-            layer.v_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
+            layer.v_cache = layer.k_cache if layer.kv_cache_tensors() == 1 else torch.empty(
+                shape, dtype=self.kv_cache_dtype, device=self.device)
             if kv_fp8.is_fp8(layer.k_cache):
                 kv_fp8.init_scales(layer, self.device)
         self.num_blocks = num_blocks

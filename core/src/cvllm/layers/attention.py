@@ -16,8 +16,10 @@ from cvllm.layers.rotary import RotaryEmbedding
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None, shared_kv: bool = False):
+        """``shared_kv``: V is K (MLA's latent: one cache tensor, ``v_cache is k_cache``, half the bytes)."""
         super().__init__()
+        self.shared_kv = shared_kv
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window  # position i attends j when i - j < window (HF's rule)
@@ -30,8 +32,12 @@ class Attention(nn.Module):
         self.v_scale: torch.Tensor | None = None
 
     def kv_cache_shape(self) -> tuple[int, ...]:
-        """Per-token shape of one of this layer's K and V caches (MLA layers declare a latent instead)."""
+        """Per-token shape of one of this layer's K and V caches."""
         return (self.num_kv_heads, self.head_dim)
+
+    def kv_cache_tensors(self) -> int:
+        """How many cache tensors of ``kv_cache_shape`` the layer has: K and V, or one shared (``shared_kv``)."""
+        return 1 if self.shared_kv else 2
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None,
                 rotary_emb: RotaryEmbedding | None = None) -> torch.Tensor:

@@ -107,7 +107,11 @@ class FusedMoE(nn.Module):
         self.expert_counts = torch.zeros(self.num_experts, dtype=torch.int64, device=self.w13_weight.device)
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        return self.forward_routed(hidden, *select_experts(router_logits, self.top_k, self.renormalize))
+
+    def forward_routed(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The experts' weighted sum for a routing the model chose itself (``[T, k]`` fp32 weights and int64 ids:
+        DeepSeek's grouped routing)."""
         if self.expert_counts is not None:
             # scatter_add, not bincount: bincount sizes its output from the largest id, a host sync on CUDA
             flat_ids = topk_ids.reshape(-1)

@@ -120,12 +120,15 @@ def _shared_copy(table: torch.Tensor, device: torch.device, dtype: torch.dtype) 
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotation (``rotate_half``) of the first ``rotary_dim`` features of each head."""
+    """Neox-style rotation (``rotate_half``) of the first ``rotary_dim`` features of each head; ``interleaved``:
+    GPT-J style, features (2i, 2i + 1) rotated as a pair (DeepSeek, GLM4), in torch ops (no backend kernel yet)."""
 
-    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, params: dict[str, Any]):
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, params: dict[str, Any],
+                 interleaved: bool = False):
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
+        self.interleaved = interleaved
         # A plain attribute, not a buffer: the model is built on the meta device and materialised
         # with to_empty(), which would leave a buffer uninitialised. Moved to the device on first use.
         self.table = _cos_sin_table(repr(sorted(params.items())), params, rotary_dim, max_position)  # fp32, CPU
@@ -133,6 +136,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos_sin = self.cos_sin_for(positions, q)
+        if self.interleaved:
+            return self._rotate_pairs(q, cos_sin[positions]), self._rotate_pairs(k, cos_sin[positions])
         backend = forward_backend()
         if backend is not None and backend.rotary is not None:  # the backend gathers cos/sin by position itself
             return backend.rotary(positions, q, k, cos_sin, self.head_dim)
@@ -177,6 +182,19 @@ class RotaryEmbedding(nn.Module):
         return rotated.reshape(shape)
 
 
+    def _rotate_pairs(self, x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        """(x[2i], x[2i+1]) -> (x[2i] cos - x[2i+1] sin, x[2i+1] cos + x[2i] sin): DeepSeek-V2's complex product,
+        kept interleaved (V3's transformers code writes the evens then the odds: the same dot products)."""
+        shape = x.shape
+        x = x.reshape(shape[0], -1, self.head_dim)
+        cos, sin = cos_sin[:, None].chunk(2, dim=-1)   # [T, 1, rotary_dim / 2]
+        even, odd = x[..., : self.rotary_dim:2], x[..., 1: self.rotary_dim:2]
+        rotated = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
+        if self.rotary_dim != self.head_dim:
+            rotated = torch.cat([rotated, x[..., self.rotary_dim:]], dim=-1)
+        return rotated.reshape(shape)
+
+
 def _side_by_side(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     """``[T, q + k]``, one view of both, when ``k``'s columns follow ``q``'s in the same rows of one buffer."""
     if q.dim() != 2 or k.dim() != 2 or q.stride() != k.stride() or q.stride(-1) != 1 or q.dtype != k.dtype:
@@ -187,8 +205,8 @@ def _side_by_side(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     return q.as_strided((q.shape[0], width), q.stride()) if adjacent and same_buffer else None
 
 
-def get_rope(head_dim: int, max_position: int, params: dict[str, Any]) -> RotaryEmbedding:
+def get_rope(head_dim: int, max_position: int, params: dict[str, Any], interleaved: bool = False) -> RotaryEmbedding:
     params = dict(params)
     params.setdefault("_max_position_embeddings", max_position)
     rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
-    return RotaryEmbedding(head_dim, rotary_dim, max_position, params)
+    return RotaryEmbedding(head_dim, rotary_dim, max_position, params, interleaved)

@@ -68,6 +68,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 # arch -> (transformers config class, model class, config defaults of the tiny model)
 MOE_CONFIG = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}  # as small as the MLPs
+# DeepSeek's multi-head latent attention at toy size: 4 heads, latent 32, rope 8 + nope 16 per head; 3 layers, the
+# first dense (first_k_dense_replace), 8 routed experts in 2 groups (the best group wins), one shared expert
+DEEPSEEK_CONFIG = {"num_hidden_layers": 3, "num_key_value_heads": 4, "kv_lora_rank": 32, "qk_rope_head_dim": 8,
+                   "qk_nope_head_dim": 16, "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2,
+                   "topk_group": 1, "routed_scaling_factor": 2.5}
 ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {}),
@@ -75,6 +81,10 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {**MOE_CONFIG, "shared_expert_intermediate_size": 48}),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {**MOE_CONFIG, "head_dim": 16}),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                    {**DEEPSEEK_CONFIG, "q_lora_rank": None, "topk_method": "group_limited_greedy"}),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    {**DEEPSEEK_CONFIG, "q_lora_rank": 24, "norm_topk_prob": True}),
 }
 
 
@@ -148,6 +158,9 @@ def randomize_norms_and_biases(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
             elif name.endswith(".bias"):
                 param.copy_(std * torch.randn(param.shape, generator=generator))
+        for name, buffer in model.named_buffers():   # DeepSeek-V3's routing bias, zeros as initialised
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
 
 
 def save_sharded(model: PreTrainedModel, dir: Path, shards: int) -> None:

@@ -1,0 +1,1 @@
+"""cvllm's DeepSeek-V2/V3 models (a plugin package: its entry point registers the architectures)."""

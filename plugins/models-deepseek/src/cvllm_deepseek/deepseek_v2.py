@@ -1,0 +1,139 @@
+"""DeepSeek-V2 (Lite, Chat) and DeepSeek-V3 / R1, as in transformers 5.24's modeling_deepseek_v2 / _v3.
+
+A decoder of multi-head latent attention (mla.py) and, from layer ``first_k_dense_replace`` on, a mixture of
+experts: ``n_routed_experts`` routed (routing.py: V2's softmax greedy or group-limited greedy, V3's sigmoid
+``noaux_tc`` with its correction bias), times ``routed_scaling_factor``, plus ``n_shared_experts`` always-on
+experts as one MLP. The first layers have a dense MLP of ``intermediate_size``. V2 rotates the rope dimensions
+as interleaved pairs; V3 too unless ``rope_interleave`` is false.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cvllm.config import ModelConfig
+from cvllm.layers import (
+    FusedMoE,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    ReplicatedLinear,
+    RMSNorm,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+    load_weights_with_experts,
+)
+from cvllm_deepseek.mla import DeepseekV2Attention
+from cvllm_deepseek.routing import route_v2, route_v3
+
+
+class DeepseekV2MLP(nn.Module):
+    def __init__(self, config: ModelConfig, intermediate_size: int, reduce_results: bool = True):
+        super().__init__()
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act '{config.hidden_act}' for DeepSeek (expected silu)")
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(intermediate_size, config.hidden_size)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DeepseekV2MoE(nn.Module):
+    def __init__(self, config: ModelConfig, version: int):
+        super().__init__()
+        self.config, self.version = config, version
+        experts = config.get("n_routed_experts") or config.get("num_local_experts")
+        self.gate = ReplicatedLinear(config.hidden_size, experts)   # the router, computed in float32
+        if version == 3:
+            self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(experts, dtype=torch.float32),
+                                                             requires_grad=False)
+        self.experts = FusedMoE(experts, config.num_experts_per_tok, config.hidden_size,
+                                config.moe_intermediate_size)
+        shared = config.get("n_shared_experts") or 0
+        self.shared_experts = DeepseekV2MLP(config, config.moe_intermediate_size * shared) if shared else None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        logits = F.linear(hidden.float(), self.gate.weight.float())
+        if self.version == 3:
+            weights, ids = route_v3(logits, self.gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
+                                    c.topk_group, bool(c.get("norm_topk_prob", True)), c.routed_scaling_factor)
+        else:
+            weights, ids = route_v2(logits, c.num_experts_per_tok, c.get("topk_method") or "greedy",
+                                    c.get("n_group"), c.get("topk_group"), c.get("routed_scaling_factor", 1.0))
+        out = self.experts.forward_routed(hidden, weights, ids)
+        return out if self.shared_experts is None else out + self.shared_experts(hidden)
+
+
+class DeepseekV2DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, version: int):
+        super().__init__()
+        interleaved = version == 2 or bool(config.get("rope_interleave", True))
+        self.self_attn = DeepseekV2Attention(config, interleaved)
+        dense = layer_idx < (config.get("first_k_dense_replace") or 0)
+        self.mlp = DeepseekV2MLP(config, config.intermediate_size) if dense else DeepseekV2MoE(config, version)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DeepseekV2Model(nn.Module):
+    def __init__(self, config: ModelConfig, version: int):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DeepseekV2DecoderLayer(config, i, version)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class DeepseekV2ForCausalLM(nn.Module):
+    version = 2
+    packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DeepseekV2Model(config, self.version)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.get("tie_word_embeddings", False):
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        tied = self.config.get("tie_word_embeddings", False)
+        # DeepSeek-V3/R1 checkpoints carry a multi-token-prediction layer after the last (num_nextn_predict_layers):
+        # speculative decoding's, unused here
+        last = self.config.num_hidden_layers
+        kept = ((n, t) for n, t in weights
+                if not (tied and n == "lm_head.weight") and not n.startswith(f"model.layers.{last}."))
+        return load_weights_with_experts(self, kept, self.packed_modules_mapping)
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    version = 3

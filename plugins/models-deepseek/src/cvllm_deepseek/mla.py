@@ -1,0 +1,93 @@
+"""Multi-head latent attention (DeepSeek-V2/V3), over a paged cache of the compressed latent.
+
+Per token the cache holds what the keys and values are made from, not the keys and values: the normalised
+latent ``c`` (``kv_lora_rank`` values) and the shared rotary key ``k_pe`` (``qk_rope_head_dim``), 576 values for
+DeepSeek-V3 against 2 x 128 heads x 192 of full K/V. Attention runs on it directly ("weight absorption"):
+``kv_b_proj`` makes head h's key ``W_UK[h] c`` and value ``W_UV[h] c``, so
+
+    q_nope . (W_UK[h] c) = (W_UK[h]^T q_nope) . c        and        sum_j p_j W_UV[h] c_j = W_UV[h] (sum_j p_j c_j)
+
+and each head's query becomes ``[W_UK[h]^T q_nope, q_pe]`` against the one "key" ``[c, k_pe]`` of every
+position: multi-query attention with head size ``kv_lora_rank + qk_rope_head_dim``, the cache its own values
+(``Attention(shared_kv=True)``: one tensor), the output's first ``kv_lora_rank`` features times ``W_UV[h]``.
+Same math as transformers' decompressed form; only the rounding order differs.
+
+Every step (prefill too) takes this form here: the backends' attention is plain MQA over the latent. A fused
+decode kernel for it on CUDA, and a decompressed prefill, are the next steps (issue 19 item 3).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cvllm.config import ModelConfig
+from cvllm.distributed import tp_size
+from cvllm.layers import Attention, ColumnParallelLinear, ReplicatedLinear, RMSNorm, RowParallelLinear, get_rope
+from cvllm.layers.rotary import _yarn_mscale
+
+
+def softmax_scale(config: ModelConfig) -> float:
+    """1 / sqrt(qk_head_dim), times YaRN's ``mscale(factor, mscale_all_dim)**2`` when the rope is scaled (as
+    transformers' yarn_apply_mscale)."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    rope = config.rope_parameters or {}
+    if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
+        mscale = _yarn_mscale(rope["factor"], rope["mscale_all_dim"])
+        scale *= mscale * mscale
+    return scale
+
+
+class DeepseekV2Attention(nn.Module):
+    def __init__(self, config: ModelConfig, interleaved_rope: bool):
+        super().__init__()
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        if heads % tp_size():
+            raise ValueError(f"{heads} attention heads do not split over {tp_size()} tensor-parallel ranks")
+        self.num_heads = heads // tp_size()
+        self.nope, self.rope = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.v_head_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
+        self.q_lora_rank = config.get("q_lora_rank")
+        bias = bool(config.get("attention_bias", False))
+        qk_head_dim = self.nope + self.rope
+        if self.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(hidden, heads * qk_head_dim)
+        else:
+            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, heads * qk_head_dim)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.kv_lora_rank + self.rope, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
+        # read as W_UK / W_UV by the absorbed attention, never called as a layer
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope + self.v_head_dim))
+        self.o_proj = RowParallelLinear(heads * self.v_head_dim, hidden, bias=bias)
+        self.rotary_emb = get_rope(self.rope, config.max_position_embeddings, config.rope_parameters or {},
+                                   interleaved=interleaved_rope)
+        self.attn = Attention(self.num_heads, self.kv_lora_rank + self.rope, softmax_scale(config), 1,
+                              shared_kv=True)
+
+    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, nope, c], W_UV [H, v, c]): views of kv_b_proj's weight."""
+        weight = self.kv_b_proj.weight
+        if weight.dim() != 2 or not weight.is_floating_point() or weight.dtype == torch.float8_e4m3fn:
+            raise NotImplementedError("MLA's weight absorption needs kv_b_proj in float (quantized: not yet)")
+        per_head = weight.view(self.num_heads, self.nope + self.v_head_dim, self.kv_lora_rank)
+        return per_head[:, : self.nope], per_head[:, self.nope:]
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        if self.q_lora_rank is None:
+            q = self.q_proj(hidden)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        q = q.view(tokens, self.num_heads, self.nope + self.rope)
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope], dim=-1)
+        latent = self.kv_a_layernorm(latent.contiguous())
+        q_pe, k_pe = self.rotary_emb(positions, q_pe.contiguous(), k_pe.contiguous())
+        w_uk, w_uv = self._absorbed()
+        q_latent = torch.einsum("thd,hdc->thc", q_nope, w_uk)
+        query = torch.cat([q_latent, q_pe.view(tokens, self.num_heads, self.rope)], dim=-1)
+        key = torch.cat([latent, k_pe.view(tokens, self.rope)], dim=-1)
+        out = self.attn(query, key, key).view(tokens, self.num_heads, -1)[..., : self.kv_lora_rank]
+        return self.o_proj(torch.einsum("thc,hvc->thv", out, w_uv).reshape(tokens, -1))
