@@ -16,10 +16,14 @@ from cvllm.layers.rotary import RotaryEmbedding
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None, logits_soft_cap: float | None = None, shared_kv: bool = False):
-        """``shared_kv``: V is K (MLA's latent: one cache tensor, ``v_cache is k_cache``, half the bytes)."""
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None, shared_kv: bool = False,
+                 value_dim: int | None = None):
+        """``shared_kv``: V is K (MLA's latent: one cache tensor, ``v_cache is k_cache``, half the bytes);
+        ``value_dim``: the output's features per head, the first ``value_dim`` of the values (MLA: the latent
+        without its rope part), all ``head_dim`` by default."""
         super().__init__()
         self.shared_kv = shared_kv
+        self.value_dim = value_dim or head_dim
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window  # position i attends j when i - j < window (HF's rule)
@@ -63,4 +67,6 @@ class Attention(nn.Module):
             else:
                 ctx.backend.write_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         out = ctx.backend.attention(q.view(-1, self.num_heads, self.head_dim), self.k_cache, self.v_cache, ctx, self)
-        return out.reshape(-1, self.num_heads * self.head_dim)
+        if out.shape[-1] != self.value_dim:   # a backend may return every feature of the values, or value_dim
+            out = out[..., : self.value_dim]
+        return out.reshape(-1, self.num_heads * self.value_dim)

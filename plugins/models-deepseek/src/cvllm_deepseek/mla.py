@@ -12,8 +12,10 @@ position: multi-query attention with head size ``kv_lora_rank + qk_rope_head_dim
 (``Attention(shared_kv=True)``: one tensor), the output's first ``kv_lora_rank`` features times ``W_UV[h]``.
 Same math as transformers' decompressed form; only the rounding order differs.
 
-Every step (prefill too) takes this form here: the backends' attention is plain MQA over the latent. A fused
-decode kernel for it on CUDA, and a decompressed prefill, are the next steps (issue 19 item 3).
+Every step (prefill too) takes this form: on the CPU the backend's attention is plain MQA over the latent (the
+rope part of its output dropped: ``value_dim``), on CUDA cvllm_cuda.kernels.mla_attention (the latent and rope
+parts loaded apart, the latents serving as keys and values). A decompressed prefill (less compute for long
+prompts) is a later step.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class DeepseekV2Attention(nn.Module):
         self.rotary_emb = get_rope(self.rope, config.max_position_embeddings, config.rope_parameters or {},
                                    interleaved=interleaved_rope)
         self.attn = Attention(self.num_heads, self.kv_lora_rank + self.rope, softmax_scale(config), 1,
-                              shared_kv=True)
+                              shared_kv=True, value_dim=self.kv_lora_rank)
 
     def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, nope, c], W_UV [H, v, c]): views of kv_b_proj's weight."""
@@ -89,5 +91,5 @@ class DeepseekV2Attention(nn.Module):
         q_latent = torch.einsum("thd,hdc->thc", q_nope, w_uk)
         query = torch.cat([q_latent, q_pe.view(tokens, self.num_heads, self.rope)], dim=-1)
         key = torch.cat([latent, k_pe.view(tokens, self.rope)], dim=-1)
-        out = self.attn(query, key, key).view(tokens, self.num_heads, -1)[..., : self.kv_lora_rank]
+        out = self.attn(query, key, key).view(tokens, self.num_heads, self.kv_lora_rank)
         return self.o_proj(torch.einsum("thc,hvc->thv", out, w_uv).reshape(tokens, -1))
