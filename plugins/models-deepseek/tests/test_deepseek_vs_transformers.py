@@ -116,3 +116,17 @@ def test_dropping_the_correction_bias_would_show(deepseek_checkpoint) -> None:
     prompt = prompts((30,), seed=12)[0]
     got, want = llm.llm_engine.prompt_logits([prompt])[0], hf_logits(model, prompt)
     assert (got.float().cpu() - want).abs().max().item() > 100 * LOGITS_RTOL * want.abs().max().item()
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_two_ranks_give_one_ranks_tokens(deepseek_checkpoint, expert_parallel) -> None:
+    """Tensor parallel over two CPU ranks (gloo): heads split (q_b, kv_b by head, o_proj by row), the latent
+    and the router replicated; experts sharded within each expert or, with expert parallelism, split whole."""
+    from cvllm.testing.checkpoints import cvllm_greedy
+
+    path, _ = deepseek_checkpoint("deepseek_v3")
+    batch = prompts((9, 21), seed=4)
+    options = dict(dtype="float32", num_kv_blocks=32)
+    one = cvllm_greedy(path, batch, 8, **options)
+    assert cvllm_greedy(path, batch, 8, tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
+                        **options) == one
