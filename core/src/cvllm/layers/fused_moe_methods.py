@@ -45,7 +45,8 @@ class UnquantizedFusedMoEMethod(FusedMoEMethod):
       the arithmetic of the grouped form: cheap for decode batches, where reading the weights is the cost.
 
     A decode-only forward on a backend with ``sync_free_decode`` (CUDA: graphs, async scheduling) takes the
-    padded form; everything else the grouped one. A fused grouped-GEMM kernel replaces both (issue 19)."""
+    padded form; everything else the grouped one. A backend with ``fused_moe`` (CUDA's grouped GEMM over the pairs
+    sorted by expert, cvllm_cuda/kernels/fused_moe.py) replaces both."""
 
     def create_weights(self, layer: FusedMoE, num_experts: int, hidden_size: int, intermediate_local: int,
                        dtype: torch.dtype) -> None:
@@ -57,6 +58,9 @@ class UnquantizedFusedMoEMethod(FusedMoEMethod):
     def apply(self, layer: FusedMoE, hidden: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
         ctx = current_forward_context()
+        if ctx is not None and ctx.backend.fused_moe is not None:   # the backend's grouped GEMM (CUDA)
+            return ctx.backend.fused_moe(hidden, layer.w13_weight, layer.w2_weight, topk_weights,
+                                         layer.placement.localize(topk_ids))
         if ctx is not None and ctx.is_decode_only and ctx.backend.sync_free_decode:
             return experts_padded(layer, hidden, topk_weights, topk_ids)
         return experts_grouped(layer, hidden, topk_weights, topk_ids)

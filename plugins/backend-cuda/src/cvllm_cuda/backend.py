@@ -8,6 +8,7 @@ size (graphs.py).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from collections.abc import Callable
@@ -61,6 +62,11 @@ class CudaBackend(Backend):
         # CVLLM_TRITON_MATMUL=0: every matmul through cuBLAS (an A/B switch for benchmarks, and a way out)
         self.linear = linear if os.environ.get("CVLLM_TRITON_MATMUL", "1") != "0" else None
         self.argmax = argmax   # the sampler's: torch's one-block-a-row reduction takes ~28 us at a 128k vocabulary
+        # MoE layers as a grouped GEMM over the routed pairs (CVLLM_FUSED_MOE=0: core's torch forms, for A/B runs)
+        if os.environ.get("CVLLM_FUSED_MOE", "1") != "0":
+            from cvllm_cuda.kernels.fused_moe import fused_moe
+
+            self.fused_moe = functools.partial(fused_moe, silu_and_mul=silu_and_mul)
 
     def memory(self) -> tuple[int, int]:
         return torch.cuda.mem_get_info(self.device)
