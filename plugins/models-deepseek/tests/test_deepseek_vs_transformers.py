@@ -130,3 +130,19 @@ def test_two_ranks_give_one_ranks_tokens(deepseek_checkpoint, expert_parallel) -
     one = cvllm_greedy(path, batch, 8, **options)
     assert cvllm_greedy(path, batch, 8, tensor_parallel_size=2, enable_expert_parallel=expert_parallel,
                         **options) == one
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_cuda_gives_transformers_tokens(deepseek_checkpoint, arch) -> None:
+    """On CUDA under graphs: the MLA kernel (rope 16: its smallest part) and the fused MoE."""
+    path, model = deepseek_checkpoint(arch, qk_rope_head_dim=16)
+    llm = LLM(model=str(path), backend="cuda", **ENGINE)
+    try:
+        layer = llm.llm_engine.runner.attention_layers[0]
+        assert layer.shared_kv and (layer.head_dim, layer.value_dim) == (48, 32)
+        batch = prompts((5, 11, 26, 40), seed=100)
+        assert greedy(llm, batch) == oracle(model, batch)
+    finally:
+        llm.shutdown()
