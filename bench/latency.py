@@ -130,7 +130,7 @@ def hf_generate_tok_s(shape: str, context: int, tokens: int, device: str, dtype:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tiny", action="store_true", help="CPU rehearsal on the tiny shape")
+    ap.add_argument("--tiny", action="store_true", help="CPU rehearsal on the tiny shape (or a --shape tiny-...)")
     ap.add_argument("--shape", default="llama3-8b")
     ap.add_argument("--contexts", default="1024,4096")
     ap.add_argument("--decode-tokens", type=int, default=128)
@@ -151,7 +151,7 @@ def main() -> None:
     if tp > 1 and args.no_tuned:
         ap.error("--no-tuned clears the tuned tiles in this process only, not in the other ranks")
     device = "cpu" if args.tiny else "cuda"
-    shape = "tiny" if args.tiny else args.shape
+    shape = args.shape if args.tiny and args.shape.startswith("tiny") else "tiny" if args.tiny else args.shape
     contexts = [64, 256] if args.tiny else [int(c) for c in args.contexts.split(",")]
     dtype = torch.bfloat16
     vocab = shape_config(shape, dtype)["vocab_size"]

@@ -1,4 +1,4 @@
-"""Llama/Qwen-shaped checkpoints with random weights, for benchmarks (never all zeros): written to disk
+"""Llama/Qwen/MoE/DeepSeek-shaped checkpoints with random weights, for benchmarks (never all zeros): written to disk
 (``write_random_llama``, through the real loader) or built in memory on the device (``random_checkpoint``:
 an 8B model in seconds, where writing and reading 16 GB of safetensors would take minutes).
 
@@ -46,12 +46,43 @@ SHAPES = {
                        rope_theta=1000000.0, max_position_embeddings=2048, rms_norm_eps=1e-6,
                        architecture="Qwen3ForCausalLM"),
 }
+# mixtures of experts (issue 19): Qwen3-30B-A3B (128 experts, top-8) and DeepSeek-V2-Lite (MLA, 64 experts,
+# top-6, 2 shared, the first layer dense), and their tiny rehearsals
+_QWEN3_MOE = dict(architecture="Qwen3MoeForCausalLM", norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+_DEEPSEEK_V2 = dict(architecture="DeepseekV2ForCausalLM", q_lora_rank=None, topk_method="greedy", n_group=1,
+                    topk_group=1, routed_scaling_factor=1.0, first_k_dense_replace=1)
+SHAPES |= {
+    "qwen3-30b-a3b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+                          rope_theta=1000000.0, max_position_embeddings=40960, rms_norm_eps=1e-6, num_experts=128,
+                          num_experts_per_tok=8, moe_intermediate_size=768, **_QWEN3_MOE),
+    "deepseek-v2-lite": dict(hidden_size=2048, intermediate_size=10944, num_hidden_layers=27, num_attention_heads=16,
+                             num_key_value_heads=16, vocab_size=102400, tie_word_embeddings=False, rope_theta=10000.0,
+                             max_position_embeddings=163840, rms_norm_eps=1e-6, kv_lora_rank=512,
+                             qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=64,
+                             num_experts_per_tok=6, n_shared_experts=2, moe_intermediate_size=1408,
+                             rope_scaling={"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                                           "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
+                                           "mscale_all_dim": 0.707},
+                             **_DEEPSEEK_V2),
+    "tiny-qwen3-moe": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True,
+                           rope_theta=1000000.0, max_position_embeddings=2048, rms_norm_eps=1e-6, num_experts=8,
+                           num_experts_per_tok=2, moe_intermediate_size=32, **_QWEN3_MOE),
+    "tiny-deepseek-v2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=4, vocab_size=512, tie_word_embeddings=True, rope_theta=10000.0,
+                             max_position_embeddings=2048, rms_norm_eps=1e-6, kv_lora_rank=32, qk_rope_head_dim=16,
+                             qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                             n_shared_experts=1, moe_intermediate_size=32, **_DEEPSEEK_V2),
+}
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+                "DeepseekV2ForCausalLM": "deepseek_v2"}
 
 
 def shape_config(shape: str, dtype: torch.dtype) -> dict:
     cfg = dict(SHAPES[shape])
     architecture = cfg.pop("architecture", "LlamaForCausalLM")
-    model_type = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}[architecture]
+    model_type = _MODEL_TYPES[architecture]
     return dict(cfg, architectures=[architecture], model_type=model_type, hidden_act="silu",
                 torch_dtype=str(dtype).removeprefix("torch."), bos_token_id=0, eos_token_id=0)
 
@@ -75,7 +106,8 @@ def random_tensors(cfg: dict, dtype: torch.dtype, device: str, seed: int) -> Ite
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim") or h // heads
-    qwen3 = cfg["architectures"][0] == "Qwen3ForCausalLM"
+    architecture = cfg["architectures"][0]
+    qwen3 = architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     g = torch.Generator(device=device).manual_seed(seed)
 
     def rand(*shape: int, std: float = 0.02) -> torch.Tensor:
@@ -90,18 +122,46 @@ def random_tensors(cfg: dict, dtype: torch.dtype, device: str, seed: int) -> Ite
         yield "lm_head.weight", rand(v, h)
     for n in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{n}."
-        yield p + "self_attn.q_proj.weight", rand(heads * d, h)
-        yield p + "self_attn.k_proj.weight", rand(kv_heads * d, h)
-        yield p + "self_attn.v_proj.weight", rand(kv_heads * d, h)
-        yield p + "self_attn.o_proj.weight", rand(h, heads * d)
+        if architecture == "DeepseekV2ForCausalLM":
+            yield from _mla_tensors(p, cfg, rand, ones)
+        else:
+            yield p + "self_attn.q_proj.weight", rand(heads * d, h)
+            yield p + "self_attn.k_proj.weight", rand(kv_heads * d, h)
+            yield p + "self_attn.v_proj.weight", rand(kv_heads * d, h)
+            yield p + "self_attn.o_proj.weight", rand(h, heads * d)
         if qwen3:
             yield p + "self_attn.q_norm.weight", ones(d)
             yield p + "self_attn.k_norm.weight", ones(d)
-        yield p + "mlp.gate_proj.weight", rand(i, h)
-        yield p + "mlp.up_proj.weight", rand(i, h)
-        yield p + "mlp.down_proj.weight", rand(h, i)
+        experts = cfg.get("num_experts") or cfg.get("n_routed_experts")
+        if experts and n >= cfg.get("first_k_dense_replace", 0):
+            moe_i = cfg["moe_intermediate_size"]
+            yield p + "mlp.gate.weight", rand(experts, h)
+            # stacked [E, out, in], a form the expert loader takes (as GGUF files hold them)
+            yield p + "mlp.experts.gate_proj.weight", rand(experts, moe_i, h)
+            yield p + "mlp.experts.up_proj.weight", rand(experts, moe_i, h)
+            yield p + "mlp.experts.down_proj.weight", rand(experts, h, moe_i)
+            if cfg.get("n_shared_experts"):
+                shared = moe_i * cfg["n_shared_experts"]
+                yield p + "mlp.shared_experts.gate_proj.weight", rand(shared, h)
+                yield p + "mlp.shared_experts.up_proj.weight", rand(shared, h)
+                yield p + "mlp.shared_experts.down_proj.weight", rand(h, shared)
+        else:
+            yield p + "mlp.gate_proj.weight", rand(i, h)
+            yield p + "mlp.up_proj.weight", rand(i, h)
+            yield p + "mlp.down_proj.weight", rand(h, i)
         yield p + "input_layernorm.weight", ones(h)
         yield p + "post_attention_layernorm.weight", ones(h)
+
+
+def _mla_tensors(p: str, cfg: dict, rand, ones) -> Iterator[tuple[str, torch.Tensor]]:
+    """DeepSeek-V2's multi-head latent attention (no q_lora, as V2-Lite)."""
+    h, heads, latent = cfg["hidden_size"], cfg["num_attention_heads"], cfg["kv_lora_rank"]
+    nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    yield p + "self_attn.q_proj.weight", rand(heads * (nope + rope), h)
+    yield p + "self_attn.kv_a_proj_with_mqa.weight", rand(latent + rope, h)
+    yield p + "self_attn.kv_a_layernorm.weight", ones(latent)
+    yield p + "self_attn.kv_b_proj.weight", rand(heads * (nope + v), latent)
+    yield p + "self_attn.o_proj.weight", rand(h, heads * v)
 
 
 def write_random_llama(path: Path, shape: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,

@@ -6,7 +6,8 @@
 # "tp70b" (4 GPUs): batch-1 latency of a Llama-3-70B shape at TP=4 and TP=2 (~5 min);
 # "quant" (issue 18): batch-1 latency of bf16 and in-situ quantized (q4k, q8_0, gptq, fp8) Llama-3-8B shapes, then
 # the low-bit matmul's tile sweep (~8 min, most of it Triton compiles; QUANT_LAYOUTS=q4_k,q8_0 narrows the sweep);
-# "kvfp8": 256 streams through cvserve with a 16-bit and an FP8 KV cache (~8 min).
+# "kvfp8": 256 streams through cvserve with a 16-bit and an FP8 KV cache (~8 min);
+# "moe" (issue 19): batch-1 latency of the Qwen3-30B-A3B and DeepSeek-V2-Lite shapes (~5 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
 # NVLink multicast stays off on the shared multi-GPU hosts (h200_setup.sh sets these too; the benchmarks pass them on)
@@ -37,7 +38,17 @@ tests)
     run gpu-tests-quant 150 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_quant_matmul.py \
         plugins/quant-gguf/tests/test_gguf_cuda.py plugins/quant-marlin/tests plugins/quant-fp8/tests --durations=3
     # the FP8 KV cache kernels: the same tests as in the interpreter, compiled (no gpu marker: they run on CPU too)
-    run gpu-tests-kv-fp8 90 python3 -m pytest -p no:cacheprovider -q $t/test_kv_fp8.py --durations=3 ;;
+    run gpu-tests-kv-fp8 90 python3 -m pytest -p no:cacheprovider -q $t/test_kv_fp8.py --durations=3
+    # issue 19: the MLA and fused-MoE kernels compiled, DeepSeek end to end on CUDA
+    run gpu-tests-moe 200 python3 -m pytest -p no:cacheprovider -q $t/test_mla_attention.py $t/test_fused_moe.py \
+        --durations=3
+    run gpu-tests-deepseek 150 python3 -m pytest -m gpu -p no:cacheprovider -q plugins/models-deepseek/tests ;;
+moe)
+    # issue 19: batch-1 decode of mixture-of-experts shapes, random bf16 weights drawn on the GPU (~5 min)
+    for s in qwen3-30b-a3b deepseek-v2-lite; do
+        run latency-$s 200 python3 bench/latency.py --shape $s --skip-hf --contexts 1024 --decode-tokens 128 \
+            --json "$out/$day-h200-latency-$s-$commit.json"
+    done ;;
 bench)
     run latency 150 python3 bench/latency.py --json "$out/$day-h200-latency-$commit.json"
     run throughput 150 python3 bench/throughput.py --json "$out/$day-h200-throughput-$commit.json"
@@ -96,6 +107,6 @@ kvfp8)
             --kv-cache-dtype $kv --json "$out/$day-h200-serving-kv_$kv-$commit.json"
     done ;;
 *)
-    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|kvfp8" >&2
+    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|kvfp8|moe" >&2
     exit 2 ;;
 esac
