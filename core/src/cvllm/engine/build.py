@@ -20,6 +20,7 @@ from cvllm.engine.llm_engine import LLMEngine
 from cvllm.engine.model_runner import ModelRunner, build_model
 from cvllm.engine.sampler import Sampler
 from cvllm.engine.scheduler import Scheduler, SchedulerConfig
+from cvllm.layers.expert_offload import offload_experts
 from cvllm.layers.kv_fp8 import kv_cache_torch_dtype
 from cvllm.startup import StartupPhases
 
@@ -50,8 +51,10 @@ def build_engine(config: EngineConfig, imports_seconds: float | None = None) -> 
 
         runner = build_tensor_parallel(checkpoint, backend, dtype, config)
     else:
-        runner = ModelRunner(build_model(checkpoint, backend, dtype, isq=config.isq), backend, config.block_size,
-                             dtype, kv_cache_torch_dtype(config.kv_cache_dtype, dtype))
+        model = build_model(checkpoint, backend, dtype, isq=config.isq)
+        offload_experts(model, config.num_experts_offload_per_rank, backend.device)
+        runner = ModelRunner(model, backend, config.block_size, dtype,
+                             kv_cache_torch_dtype(config.kv_cache_dtype, dtype))
     sampler = Sampler(backend.argmax)   # the backend's argmax kernel where it has one (None: torch's)
     executor = _executor(config, runner, sampler, backend, checkpoint.config.vocab_size)
     phases.mark("weights")
@@ -70,7 +73,8 @@ def build_engine(config: EngineConfig, imports_seconds: float | None = None) -> 
             logger.warning("max_model_len %d capped to %d: the KV pool holds only %d blocks",
                            max_model_len, num_blocks * config.block_size, num_blocks)
             max_model_len = num_blocks * config.block_size
-        if not config.enforce_eager and config.fake_step_ms is None:
+        # expert offload reads each step's routing back to the host: a graph could not replay that
+        if not config.enforce_eager and config.fake_step_ms is None and not config.num_experts_offload_per_rank:
             executor.capture_graphs(max_num_seqs, max_model_len)
         phases.mark("graphs")
         if backend.host_threads and "OMP_NUM_THREADS" not in os.environ \

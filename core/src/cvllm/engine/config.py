@@ -41,6 +41,8 @@ class EngineConfig:
     # MoE experts split whole over the tensor-parallel ranks (E / N each) instead of sharding each expert over them;
     # attention and dense MLPs stay tensor-parallel. No effect at tensor_parallel_size 1 (layers/expert_parallel.py)
     enable_expert_parallel: bool = False
+    # K experts of every MoE layer in host memory, copied in when routed (layers/expert_offload.py); no CUDA graphs
+    num_experts_offload_per_rank: int = 0
     async_scheduling: bool | None = None        # launch step N+1 before reading N's tokens; None: on except on CPU
     # Multi-node (tensor_parallel/multinode.py, node.py): this process is node 0's rank 0; other nodes run a launcher
     num_nodes: int = 1
@@ -56,6 +58,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.num_experts_offload_per_rank < 0:
+            raise ValueError(f"num_experts_offload_per_rank must be >= 0, got {self.num_experts_offload_per_rank}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
         if self.num_nodes < 1 or not 0 <= self.node_rank < self.num_nodes:

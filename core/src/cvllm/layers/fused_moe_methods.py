@@ -76,23 +76,40 @@ def _combine(hidden: torch.Tensor, out: torch.Tensor, weights: torch.Tensor,
 
 def experts_grouped(layer: FusedMoE, hidden: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor) -> torch.Tensor:
-    num_local = layer.num_local_experts
-    local_ids = layer.placement.localize(topk_ids).reshape(-1)       # [T * k], token-major; num_local: elsewhere
-    order = torch.argsort(local_ids, stable=True)                    # by expert; other ranks' pairs sort last
-    # one host sync per layer, to size the per-expert slices; the last count is the pairs other ranks run
-    counts = torch.bincount(local_ids, minlength=num_local + 1).tolist()[:num_local]
-    order = order[:sum(counts)]                                      # only the pairs this rank's experts run
-    token_of_pair = order // topk_ids.shape[1]
+    return grouped_experts(hidden, layer.w13_weight, layer.w2_weight, layer.act_fn, topk_weights,
+                           layer.placement.localize(topk_ids))
+
+
+def grouped_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act_fn: nn.Module,
+                    topk_weights: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+    """The grouped form over experts ``w13 [E, 2I, H]`` / ``w2 [E, H, I]``; ``local_ids [T, k]`` index them (E: an
+    expert held elsewhere, adding nothing)."""
+    num_local = w13.shape[0]
+    flat_ids = local_ids.reshape(-1)                                 # [T * k], token-major
+    order = torch.argsort(flat_ids, stable=True)                     # by expert; others' pairs sort last
+    # one host sync per layer, to size the per-expert slices; the last count is the pairs run elsewhere
+    counts = torch.bincount(flat_ids, minlength=num_local + 1).tolist()[:num_local]
+    order = order[:sum(counts)]                                      # only the pairs these experts run
+    token_of_pair = order // local_ids.shape[1]
     grouped = hidden[token_of_pair]                                  # [pairs here, H]
     out = torch.empty_like(grouped)
     start = 0
     for expert, count in enumerate(counts):                          # experts, never tokens
         if count:
             rows = slice(start, start + count)
-            gate_up = F.linear(grouped[rows], layer.w13_weight[expert])   # [n, 2 * I_local]
-            out[rows] = F.linear(layer.act_fn(gate_up), layer.w2_weight[expert])
+            gate_up = F.linear(grouped[rows], w13[expert])           # [n, 2 * I_local]
+            out[rows] = F.linear(act_fn(gate_up), w2[expert])
             start += count
     return _combine(hidden, out, topk_weights.reshape(-1)[order], token_of_pair)
+
+
+def run_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act_fn: nn.Module,
+                topk_weights: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+    """``grouped_experts``, or the backend's fused kernel where it has one."""
+    ctx = current_forward_context()
+    if ctx is not None and ctx.backend.fused_moe is not None:
+        return ctx.backend.fused_moe(hidden, w13, w2, topk_weights, local_ids)
+    return grouped_experts(hidden, w13, w2, act_fn, topk_weights, local_ids)
 
 
 def experts_padded(layer: FusedMoE, hidden: torch.Tensor, topk_weights: torch.Tensor,

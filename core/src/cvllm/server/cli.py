@@ -211,6 +211,7 @@ def _engine_config(ns: argparse.Namespace, model: str) -> EngineConfig:
         prefill_chunk_size=ns.prefill_chunk_size, enable_prefix_caching=not ns.disable_prefix_cache, seed=ns.seed,
         fake_step_ms=ns.fake_step_ms, enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling,
         enable_expert_parallel=ns.enable_expert_parallel, kv_cache_dtype=ns.kv_cache_dtype,
+        num_experts_offload_per_rank=ns.num_experts_offload_per_rank,
     )
     _log_multithread(ns)
     fields.update(_kv_memory(ns))

@@ -169,6 +169,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="vLLM's: MoE experts split whole over the tensor-parallel ranks (E / N each; N must divide E) "
                         "instead of each expert sharded over them; attention stays tensor-parallel (default: off)")
+    g.add_argument("--num-experts-offload-per-rank", type=int, default=0, metavar="K",
+                   help="candle-vllm's: K experts of every MoE layer in host memory, copied to the device when routed "
+                        "(for models whose experts do not fit; costs the copies and CUDA graphs; default: 0)")
     g.add_argument("--multithread", action="store_true",
                    help="candle-vllm's one-thread-per-device debug mode; accepted, but ranks run as processes "
                         "(the start-up log says why)")

@@ -26,6 +26,7 @@ from cvllm.engine.step_inputs import build_host_step, pack, to_device
 from cvllm.engine.tensor_parallel import messages, rendezvous
 from cvllm.engine.tensor_parallel.watchdog import DEATH_GRACE_S, WorkerWatch, stall_timeout_s
 from cvllm.engine.tensor_parallel.worker import WorkerSpec
+from cvllm.layers.expert_offload import offload_experts
 from cvllm.layers.kv_fp8 import kv_cache_torch_dtype
 from cvllm.layers.quantization import isq_quantizer
 from cvllm.registry import target_name
@@ -216,10 +217,12 @@ def build_tensor_parallel(checkpoint, backend, dtype: torch.dtype, config) -> Br
         device_ids=device_ids, dist_backend=dist_backend,
         init_method="", timeout_s=STARTUP_TIMEOUT_S,   # init_method: set by TensorParallelGroup
         enable_expert_parallel=config.enable_expert_parallel,
+        num_experts_offload_per_rank=config.num_experts_offload_per_rank,
         kv_cache_dtype=kv_cache_torch_dtype(config.kv_cache_dtype, dtype))
     group = TensorParallelGroup(spec, backend.device, config.master_addr, config.master_port)
     try:
         model = build_model(checkpoint, backend, dtype, isq=config.isq)
+        offload_experts(model, config.num_experts_offload_per_rank, backend.device)
         group.wait_ready(STARTUP_TIMEOUT_S)
     except BaseException:
         group.close()

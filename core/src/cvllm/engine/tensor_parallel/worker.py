@@ -36,6 +36,7 @@ class WorkerSpec:
     init_method: str            # tcp://host:port of rank 0's store (rendezvous.py)
     timeout_s: float
     enable_expert_parallel: bool = False   # MoE experts split whole over the ranks (cvllm.distributed)
+    num_experts_offload_per_rank: int = 0  # experts per MoE layer kept in host memory (layers/expert_offload.py)
     kv_cache_dtype: Any = None             # torch.dtype of the KV cache; None: dtype
 
 
@@ -89,6 +90,7 @@ def _build(spec: WorkerSpec, rank: int, local_rank: int, store):
     from cvllm.engine.model_runner import ModelRunner, build_model
     from cvllm.engine.tensor_parallel.messages import eager_init_device
     from cvllm.engine.tensor_parallel.rendezvous import joined_key
+    from cvllm.layers.expert_offload import offload_experts
     from cvllm.registry import load_target
 
     torch.set_num_threads(1)   # ranks share the host's cores; rank 0 keeps its own setting
@@ -105,6 +107,7 @@ def _build(spec: WorkerSpec, rank: int, local_rank: int, store):
     make_factory = load_target(spec.quantizer) if spec.quantizer else None
     model = build_model(spec.checkpoint, backend, spec.dtype, isq=spec.isq,
                         model_class=load_target(spec.model_class), make_factory=make_factory)
+    offload_experts(model, spec.num_experts_offload_per_rank, backend.device)
     return ModelRunner(model, backend, spec.block_size, spec.dtype, spec.kv_cache_dtype), backend
 
 
