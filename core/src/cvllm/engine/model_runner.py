@@ -101,6 +101,10 @@ def build_model(checkpoint: Checkpoint, backend, dtype: torch.dtype, isq: str | 
         raise CheckpointError(f"{checkpoint.path}: weights missing from the checkpoint: "
                               f"{', '.join(sorted(missing)[:8])}{' ...' if len(missing) > 8 else ''}")
     _process_after_loading(model)
+    for module in model.modules():   # a module that derives something from its loaded weights (MLA's absorption)
+        hook = getattr(module, "after_weights_loaded", None)
+        if callable(hook):
+            hook()
     logger.info("%s ready on %s in %.1f s, dtype %s", checkpoint.architecture, backend.name,
                 time.perf_counter() - started, dtype)
     return model.eval()

@@ -20,7 +20,6 @@ from cvllm.layers import (
     FusedMoE,
     MergedColumnParallelLinear,
     ParallelLMHead,
-    ReplicatedLinear,
     RMSNorm,
     RowParallelLinear,
     SiluAndMul,
@@ -44,15 +43,27 @@ class DeepseekV2MLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+class DeepseekRouter(nn.Module):
+    """The router's weight [E, H] (and V3's correction bias [E]): plain parameters, not a linear layer, so that no
+    quantization touches them (transformers computes the logits in float32; llama.cpp keeps ffn_gate_inp F32)."""
+
+    def __init__(self, hidden_size: int, experts: int, corrected: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, hidden_size), requires_grad=False)
+        # float32 whatever the model's dtype, as transformers keeps it: a rounded bias could change the choice
+        self.e_score_correction_bias = nn.Parameter(torch.empty(experts, dtype=torch.float32),
+                                                    requires_grad=False) if corrected else None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden.float(), self.weight.float())
+
+
 class DeepseekV2MoE(nn.Module):
     def __init__(self, config: ModelConfig, version: int):
         super().__init__()
         self.config, self.version = config, version
         experts = config.get("n_routed_experts") or config.get("num_local_experts")
-        self.gate = ReplicatedLinear(config.hidden_size, experts)   # the router, computed in float32
-        if version == 3:
-            self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(experts, dtype=torch.float32),
-                                                             requires_grad=False)
+        self.gate = DeepseekRouter(config.hidden_size, experts, corrected=version == 3)
         self.experts = FusedMoE(experts, config.num_experts_per_tok, config.hidden_size,
                                 config.moe_intermediate_size)
         shared = config.get("n_shared_experts") or 0
@@ -60,9 +71,9 @@ class DeepseekV2MoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         c = self.config
-        logits = F.linear(hidden.float(), self.gate.weight.float())
+        logits = self.gate(hidden)
         if self.version == 3:
-            weights, ids = route_v3(logits, self.gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
+            weights, ids = route_v3(logits, self.gate.e_score_correction_bias.float(), c.num_experts_per_tok, c.n_group,
                                     c.topk_group, bool(c.get("norm_topk_prob", True)), c.routed_scaling_factor)
         else:
             weights, ids = route_v2(logits, c.num_experts_per_tok, c.get("topk_method") or "greedy",

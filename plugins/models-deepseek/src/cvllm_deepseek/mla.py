@@ -68,11 +68,25 @@ class DeepseekV2Attention(nn.Module):
         self.attn = Attention(self.num_heads, self.kv_lora_rank + self.rope, softmax_scale(config), 1,
                               shared_kv=True, value_dim=self.kv_lora_rank)
 
-    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK [H, nope, c], W_UV [H, v, c]): views of kv_b_proj's weight."""
+    def after_weights_loaded(self) -> None:
+        """Called by build_model once every layer has its compute form. The absorbed attention multiplies by
+        kv_b_proj's weight itself, so a quantized kv_b_proj (FP8 DeepSeek-V3 checkpoints, --isq, GGUF) whose compute
+        form keeps no float weight gets one: the layer applied to the identity is W^T (~33 MB a layer for V3)."""
         weight = self.kv_b_proj.weight
-        if weight.dim() != 2 or not weight.is_floating_point() or weight.dtype == torch.float8_e4m3fn:
-            raise NotImplementedError("MLA's weight absorption needs kv_b_proj in float (quantized: not yet)")
+        expected = (self.num_heads * (self.nope + self.v_head_dim), self.kv_lora_rank)
+        if tuple(weight.shape) == expected and weight.dtype in (torch.float32, torch.float16, torch.bfloat16):
+            self.kv_b_weight = weight.data   # a plain reference (not a second parameter)
+            return
+        identity = torch.eye(self.kv_lora_rank, device=weight.device, dtype=self.kv_a_layernorm.weight.dtype)
+        with torch.no_grad():
+            self.register_buffer("kv_b_weight", self.kv_b_proj(identity).t().contiguous(), persistent=False)
+
+    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, nope, c], W_UV [H, v, c]): views of kv_b_proj's float weight."""
+        weight = getattr(self, "kv_b_weight", None)
+        if weight is None:
+            self.after_weights_loaded()
+            weight = self.kv_b_weight
         per_head = weight.view(self.num_heads, self.nope + self.v_head_dim, self.kv_lora_rank)
         return per_head[:, : self.nope], per_head[:, self.nope:]
 
