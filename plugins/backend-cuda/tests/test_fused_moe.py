@@ -56,3 +56,24 @@ def test_align_pairs_pads_each_expert_to_whole_blocks():
     assert by_expert == {0: [1, 5], 1: [6], 3: [0, 2, 4]}     # stable order inside a run; expert 2 has none
     assert (block_expert[len(by_expert):] == 4).all()         # the unused blocks find no expert
     assert sorted(int(p) for p in sorted_pairs if p < len(ids)) == [0, 1, 2, 4, 5, 6]   # pair 3 left out
+
+
+def test_block_per_pair_and_sorted_blocks_agree():
+    """The decode form (a block per pair, PAIR_BLOCKS_MAX) and the sorted one give the same sums, two pairs of
+    one expert included."""
+    from cvllm_cuda.kernels import fused_moe as module
+
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(3, 64, generator=gen)
+    w13, w2 = torch.randn(4, 64, 64, generator=gen) * 0.1, torch.randn(4, 64, 32, generator=gen) * 0.1
+    ids = torch.tensor([[0, 2], [2, 3], [1, 4]])      # expert 2 twice; 4: another rank's
+    weights = torch.rand(3, 2, generator=gen)
+    args = [t.to(DEVICE) for t in (hidden, w13, w2, weights, ids)]
+    per_pair = fused_moe(*args, silu_and_mul)
+    saved, module.PAIR_BLOCKS_MAX = module.PAIR_BLOCKS_MAX, 0
+    try:
+        sorted_form = fused_moe(*args, silu_and_mul)
+    finally:
+        module.PAIR_BLOCKS_MAX = saved
+    torch.testing.assert_close(per_pair, sorted_form)
+    torch.testing.assert_close(per_pair.cpu(), reference(hidden, w13, w2, weights, ids), rtol=1e-4, atol=1e-4)

@@ -7,7 +7,8 @@ so a CUDA graph captures it:
 1. ``align_pairs`` (torch ops on the device): the pairs sorted by local expert, each expert's run padded to a
    multiple of BLOCK_M with a "no pair" marker, and each BLOCK_M block's expert; a pair routed to an expert
    another rank holds (expert parallelism) is left out. Sized for the worst case (every expert's run padded), so
-   the shapes depend on the token count only; blocks past the used ones find no expert and return at once.
+   the shapes depend on the token count only; blocks past the used ones find no expert and return at once. Up to
+   PAIR_BLOCKS_MAX pairs (decode steps of a token or two) each pair is a block instead: nothing to sort.
 2. ``_moe_gemm`` for gate_up: block b multiplies the hidden rows of its pairs' tokens by its expert's
    ``w13 [2I, H]``: only the routed experts' weights are read (the torch path on CUDA ran every expert on every
    token so as not to sync: E / k times the reads at batch 1).
@@ -26,6 +27,22 @@ import triton.language as tl
 
 from cvllm_cuda.kernels import pdl
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
+
+# up to this many (token, expert) pairs, each pair is a block of its own: no sorting at all (a decode step of one
+# or two tokens: ~16 fewer launches a layer), at the price of reading an expert twice when two pairs share it
+PAIR_BLOCKS_MAX = 16
+_pair_blocks: dict[tuple, torch.Tensor] = {}
+
+
+def pair_blocks(pairs: int, block_m: int, device: torch.device) -> torch.Tensor:
+    """int32 [pairs * block_m]: block b holds pair b and then "no pair" markers (made once per size and device,
+    outside any CUDA graph: the engine runs each decode shape eagerly before capturing it)."""
+    key = (pairs, block_m, str(device))
+    if key not in _pair_blocks:
+        rows = torch.full((pairs, block_m), pairs, dtype=torch.int32, device=device)
+        rows[:, 0] = torch.arange(pairs, dtype=torch.int32, device=device)
+        _pair_blocks[key] = rows.reshape(-1)
+    return _pair_blocks[key]
 
 
 def align_pairs(local_ids: torch.Tensor, num_local: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,8 +124,12 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     num_local = w13.shape[0]
     if hidden.stride(1) != 1:
         hidden = hidden.contiguous()
-    block_m = 16 if tokens * top_k <= 8 * num_local else 64   # a few pairs an expert: the smallest tl.dot tile
-    sorted_pairs, block_expert = align_pairs(local_ids.reshape(-1), num_local, block_m)
+    pairs = tokens * top_k
+    block_m = 16 if pairs <= 8 * num_local else 64   # a few pairs an expert: the smallest tl.dot tile
+    if pairs <= PAIR_BLOCKS_MAX:   # a block per pair, its expert the pair's own (num_local: none here, skipped)
+        sorted_pairs, block_expert = pair_blocks(pairs, block_m, hidden.device), local_ids.reshape(-1)
+    else:
+        sorted_pairs, block_expert = align_pairs(local_ids.reshape(-1), num_local, block_m)
     weights = topk_weights.reshape(-1).float()
     gate_up = torch.empty((tokens * top_k, w13.shape[1]), dtype=hidden.dtype, device=hidden.device)
     _gemm(hidden, w13, gate_up, sorted_pairs, block_expert, weights, top_k, True, block_m)
