@@ -70,3 +70,18 @@ def test_mla_attention_deepseek_v3_shape_in_bf16(max_q):
     want = reference(q, cache, 512, qsl, lens, tables, 576 ** -0.5)
     err = ((got.float().cpu() - want).norm() / want.norm()).item()
     assert err < 1e-2, err
+
+
+def test_mla_attention_reads_an_fp8_cache_with_its_scales():
+    """e4m3 latents times their K scale in the scores and V scale in the output (split over the keys too)."""
+    latent, rope = 32, 16
+    q, cache, qsl, lens, tables = batch([3, 1], [20, 50], 4, latent, rope, seed=2)
+    k_scale, v_scale = torch.tensor([0.05]), torch.tensor([0.07])
+    stored = (cache.cpu() / 3).to(torch.float8_e4m3fn)            # values as an FP8 cache holds them
+    for splits in (1, 2):
+        got = mla_attention(q, stored.to(DEVICE), latent, qsl, lens, tables, 3, 0.2, num_splits=splits,
+                            kv_scales=(k_scale.to(DEVICE), v_scale.to(DEVICE)))
+        # the reference: scores from k_scale * stored, outputs from v_scale * stored
+        scores_side = reference(q, stored.float() * k_scale, latent, qsl, lens, tables, 0.2)
+        # outputs are v_scale / k_scale times the k-scaled latents' weighted sum, with the same weights
+        torch.testing.assert_close(got.float().cpu(), scores_side * (v_scale / k_scale), rtol=1e-5, atol=1e-5)

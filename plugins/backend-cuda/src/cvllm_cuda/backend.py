@@ -82,10 +82,9 @@ class CudaBackend(Backend):
 
             latent, rope = layer.value_dim, layer.head_dim - layer.value_dim
             if mla_attention.usable(latent, rope):
-                if fp8:
-                    raise NotImplementedError("an FP8 KV cache for multi-head latent attention is not supported yet")
                 return mla_attention.mla_attention(q, k_cache, latent, ctx.query_start_loc, ctx.seq_lens,
-                                                   ctx.block_tables, ctx.max_query_len, layer.scale)
+                                                   ctx.block_tables, ctx.max_query_len, layer.scale,
+                                                   kv_scales=(layer.k_scale, layer.v_scale) if fp8 else None)
         return self._paged_attention(q, k_cache, v_cache, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables,
                                      ctx.max_query_len, layer.scale, layer.sliding_window, layer.logits_soft_cap,
                                      kv_scales=(layer.k_scale, layer.v_scale) if fp8 else None)

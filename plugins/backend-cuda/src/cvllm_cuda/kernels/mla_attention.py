@@ -35,14 +35,16 @@ def usable(latent: int, rope: int) -> bool:
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _mla_kernel(
     q_ptr, cache_ptr, out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, num_seqs, scale,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr, num_seqs, scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_bt,
     NUM_HEADS: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DECODE_ONLY: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     tile, chunk, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if FP8:   # e4m3 latents: the K scale folds into the softmax scale, the V scale into the output
+        scale = scale * tl.load(k_scale_ptr)
     if DECODE_ONLY:
         seq = tile
         q_start = tl.load(query_start_loc_ptr + seq)
@@ -81,6 +83,8 @@ def _mla_kernel(
         row = cache_ptr + page * stride_cb + (keys % BLOCK_SIZE) * stride_cs
         latent = tl.load(row[None, :] + lat[:, None], mask=key_ok[None, :], other=0.0)           # [LATENT, N]
         k_rope = tl.load(row[None, :] + LATENT + rope[:, None], mask=key_ok[None, :], other=0.0)  # [ROPE, N]
+        if FP8:
+            latent, k_rope = latent.to(q_lat.dtype), k_rope.to(q_lat.dtype)
         s = tl.dot(q_lat, latent, input_precision=DOT_PRECISION)
         s = tl.dot(q_rope, k_rope, s, input_precision=DOT_PRECISION) * scale
         s = tl.where(key_ok[None, :], s, float("-inf"))
@@ -92,6 +96,8 @@ def _mla_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), tl.trans(latent), input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if FP8:
+        acc = acc * tl.load(v_scale_ptr)
     out_mask = head_ok[:, None]
     if NUM_SPLITS == 1:
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -106,14 +112,18 @@ def _mla_kernel(
 
 def mla_attention(q: torch.Tensor, cache: torch.Tensor, latent: int, query_start_loc: torch.Tensor,
                   seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int, scale: float,
-                  num_splits: int | None = None) -> torch.Tensor:
+                  num_splits: int | None = None,
+                  kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``q [T, H, latent + rope]`` over ``cache [num_blocks, block_size, 1, latent + rope]`` (varlen queries as
-    paged_attention takes them): ``[T, H, latent]``, each head's softmax-weighted sum of the latents."""
+    paged_attention takes them): ``[T, H, latent]``, each head's softmax-weighted sum of the latents. An FP8
+    cache (float8_e4m3fn) takes ``kv_scales``, its values' K and V scales (float32 [1] each)."""
     num_tokens, num_heads, width = q.shape
     _, block_size, kv_heads, cache_width = cache.shape
     rope = width - latent
     assert kv_heads == 1 and cache_width == width and usable(latent, rope), (q.shape, cache.shape, latent)
-    assert q.dtype == cache.dtype and q.stride(-1) == 1 and cache.stride(-1) == 1
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    assert fp8 == (kv_scales is not None), "an FP8 cache needs its scales (and only an FP8 cache)"
+    assert (q.dtype == cache.dtype or fp8) and q.stride(-1) == 1 and cache.stride(-1) == 1
     num_seqs = seq_lens.shape[0]
     out = torch.empty((num_tokens, num_heads, latent), dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
@@ -133,11 +143,13 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, latent: int, query_start
     tiles = num_seqs if decode else num_tokens + num_seqs
     launch = pdl.options(q.device)
     _mla_kernel[(tiles, chunks, splits)](
-        q, cache, out, part_max, part_sum, part_acc, query_start_loc, seq_lens, block_tables, num_seqs, float(scale),
+        q, cache, out, part_max, part_sum, part_acc, query_start_loc, seq_lens, block_tables,
+        *(kv_scales or (seq_lens, seq_lens)), num_seqs, float(scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), cache.stride(0), cache.stride(1),
         block_tables.stride(0), NUM_HEADS=num_heads, LATENT=latent, ROPE=rope, BLOCK_SIZE=block_size,
         BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, NUM_SPLITS=splits, DECODE_ONLY=decode,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2, **launch)
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8, num_warps=4, num_stages=2,
+        **launch)
     if splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
             out, part_max, part_sum, part_acc, out.stride(0), out.stride(1), HEAD_DIM=latent, BLOCK_D=latent,
