@@ -53,3 +53,8 @@ class GGUFArchitecture:
     llama3_rope_freqs: bool = False
     # GGUF tensor names (with "{bid}") that carry no model weight and are skipped
     ignored_tensors: tuple[str, ...] = ()
+    # "module:function" of the model plugin, called last as function(raw, value, tensors) -> raw for what the
+    # records above cannot say (DeepSeek: head sizes from two generations of keys, the routing by gating
+    # function, the architecture V2 or V3); value(key) reads a key without the "<arch>." prefix (None: absent),
+    # tensors maps GGUF tensor names to their shapes
+    config_hook: str | None = None

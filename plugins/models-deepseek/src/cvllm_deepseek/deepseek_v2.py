@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cvllm.checkpoint.lazy import materialize
 from cvllm.config import ModelConfig
 from cvllm.layers import (
     FusedMoE,
@@ -143,7 +144,24 @@ class DeepseekV2ForCausalLM(nn.Module):
         last = self.config.num_hidden_layers
         kept = ((n, t) for n, t in weights
                 if not (tied and n == "lm_head.weight") and not n.startswith(f"model.layers.{last}."))
-        return load_weights_with_experts(self, kept, self.packed_modules_mapping)
+        merged: set[str] = set()
+        loaded = load_weights_with_experts(self, self._gguf_forms(kept, merged), self.packed_modules_mapping)
+        return loaded | merged
+
+    def _gguf_forms(self, weights: Iterable[tuple[str, torch.Tensor]],
+                    merged: set[str]) -> Iterable[tuple[str, torch.Tensor]]:
+        """llama.cpp's spellings (gguf_adapter.py): k_b / v_b merged into kv_b_proj as they come (noted in
+        ``merged``), the correction bias as ``e_score_correction.bias``; the rest passes through."""
+        for name, tensor in weights:
+            module, _, part = name.rpartition(".self_attn.")
+            if part in ("k_b_proj", "v_b_proj", "k_b_proj.weight", "v_b_proj.weight"):
+                attn = self.get_submodule(f"{module}.self_attn")
+                attn.load_split_kv_b(part.removesuffix(".weight"), materialize(tensor))
+                merged.add(f"{module}.self_attn.kv_b_proj.weight")
+            elif name.endswith(".mlp.gate.e_score_correction.bias"):
+                yield name.replace("e_score_correction.bias", "e_score_correction_bias"), tensor
+            else:
+                yield name, tensor
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from cvllm.config import ModelConfig
-from cvllm.distributed import tp_size
+from cvllm.distributed import tp_rank, tp_size
 from cvllm.layers import Attention, ColumnParallelLinear, ReplicatedLinear, RMSNorm, RowParallelLinear, get_rope
 from cvllm.layers.rotary import _yarn_mscale
 
@@ -67,6 +67,17 @@ class DeepseekV2Attention(nn.Module):
                                    interleaved=interleaved_rope)
         self.attn = Attention(self.num_heads, self.kv_lora_rank + self.rope, softmax_scale(config), 1,
                               shared_kv=True, value_dim=self.kv_lora_rank)
+
+    def load_split_kv_b(self, part: str, tensor: torch.Tensor) -> None:
+        """llama.cpp's MLA files split kv_b_proj per head: ``k_b_proj`` [H, kv_lora, nope] (transposed) and
+        ``v_b_proj`` [H, v_head, kv_lora]. Each goes to its rows of this rank's heads in kv_b_proj's weight."""
+        first = tp_rank() * self.num_heads
+        heads = tensor[first:first + self.num_heads]
+        rows = self.kv_b_proj.weight.data.view(self.num_heads, self.nope + self.v_head_dim, self.kv_lora_rank)
+        if part == "k_b_proj":
+            rows[:, : self.nope].copy_(heads.transpose(1, 2))
+        else:
+            rows[:, self.nope:].copy_(heads)
 
     def after_weights_loaded(self) -> None:
         """Called by build_model once every layer has its compute form. The absorbed attention multiplies by

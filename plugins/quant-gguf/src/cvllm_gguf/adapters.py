@@ -167,4 +167,8 @@ def hf_config(arch_name: str, adapter: GGUFArchitecture, metadata: Callable[[str
         if metadata(gguf_key) is not None:
             raw[hf_key] = int(metadata(gguf_key))
     raw["dtype"] = _FLOAT_FILE_TYPES.get(metadata("general.file_type"), "bfloat16")
+    if adapter.config_hook:
+        from cvllm.registry import load_target
+
+        raw = load_target(adapter.config_hook)(raw, value, tensors)
     return raw
