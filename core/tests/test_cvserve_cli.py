@@ -98,6 +98,12 @@ def test_expert_parallelism_is_off_unless_asked(model_dir):
     assert build_server_args([*w, "--enable-expert-parallel"]).engine.enable_expert_parallel is True
 
 
+def test_expert_offload_flag(model_dir):
+    w = ["--w", str(model_dir)]
+    assert build_server_args(w).engine.num_experts_offload_per_rank == 0
+    assert build_server_args([*w, "--num-experts-offload-per-rank", "4"]).engine.num_experts_offload_per_rank == 4
+
+
 def test_devices_and_tensor_parallelism(model_dir):
     w = ["--w", str(model_dir)]
     assert build_server_args([*w, "--d", "0"]).engine.model == str(model_dir)
