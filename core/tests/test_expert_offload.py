@@ -73,3 +73,4 @@ def test_quantized_experts_are_refused():
         layer = FusedMoE(4, 2, 8, 8, method=Other())
     with pytest.raises(NotImplementedError, match="unquantized experts only"):
         offload_experts(torch.nn.ModuleList([layer]), 1, torch.device("cpu"))
+

@@ -231,3 +231,19 @@ def test_non_expert_tensors_still_load_by_name() -> None:
         loaded = load_weights_with_experts(model, [("mlp.gate.weight", router), *per_expert_tensors(expert_weights())])
     assert loaded == {"mlp.gate.weight", "mlp.experts.w13_weight", "mlp.experts.w2_weight"}
     assert torch.equal(model.mlp.gate.weight, router)
+
+
+def test_fp8_expert_weights_are_refused_not_cast(tmp_path):
+    """An FP8 MoE checkpoint's experts come with scales in other tensors: cast alone they would be wrong numbers."""
+    from safetensors.torch import load_file, save_file
+
+    from cvllm import LLM
+    from cvllm.testing.checkpoints import make_checkpoint
+
+    make_checkpoint(tmp_path, "qwen3_moe")
+    state = load_file(tmp_path / "model.safetensors")
+    name = next(n for n in state if ".experts.0.gate_proj.weight" in n)
+    state[name] = state[name].to(torch.float8_e4m3fn)
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="FP8 expert weights are not supported yet"):
+        LLM(str(tmp_path), dtype="float32", num_kv_blocks=32)

@@ -125,6 +125,10 @@ class FusedMoE(nn.Module):
         then up rows), "w2" (down). ``expert_id`` (global) None: ``loaded`` holds all experts stacked on dim 0.
         Experts another rank holds (expert parallelism) are skipped, stacked ones sliced to this rank's."""
         want_dims = 3 if expert_id is None else 2
+        if loaded.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and param.dtype != loaded.dtype:
+            # cast to the engine's dtype without its scales (a separate tensor) the values would be wrong
+            raise ValueError("FP8 expert weights are not supported yet (their scales would be dropped); the "
+                             "checkpoint's dense layers alone can be FP8")
         if loaded.dim() != want_dims:
             raise ValueError(f"expected a {want_dims}-D tensor, got shape {tuple(loaded.shape)}")
         if expert_id is None and loaded.shape[0] != self.num_experts:
