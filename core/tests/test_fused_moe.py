@@ -233,8 +233,8 @@ def test_non_expert_tensors_still_load_by_name() -> None:
     assert torch.equal(model.mlp.gate.weight, router)
 
 
-def test_fp8_expert_weights_are_refused_not_cast(tmp_path):
-    """An FP8 MoE checkpoint's experts come with scales in other tensors: cast alone they would be wrong numbers."""
+def test_an_fp8_expert_weight_without_its_scale_is_refused_not_cast(tmp_path):
+    """An FP8 expert weight is dequantized with its scale tensor; cast alone it would be wrong numbers."""
     from safetensors.torch import load_file, save_file
 
     from cvllm import LLM
@@ -245,5 +245,5 @@ def test_fp8_expert_weights_are_refused_not_cast(tmp_path):
     name = next(n for n in state if ".experts.0.gate_proj.weight" in n)
     state[name] = state[name].to(torch.float8_e4m3fn)
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match="FP8 expert weights are not supported yet"):
+    with pytest.raises(CheckpointError, match="FP8 expert tensors without their pair.*no scale"):
         LLM(str(tmp_path), dtype="float32", num_kv_blocks=32)

@@ -287,3 +287,21 @@ def test_isq_fp8_on_cuda_takes_the_row_form(tmp_path):
         print(f"isq fp8 on CUDA: {same}/{8 * len(PROMPTS)} greedy tokens equal to the CPU's")
     finally:
         cuda.shutdown()
+
+
+@pytest.mark.parametrize("scheme", ["fp8-block", "ct-channel"])
+def test_moe_checkpoint_experts_dequantized_at_load(tmp_path, scheme):
+    """An FP8 MoE checkpoint (Qwen3-MoE's FP8 releases): the dense projections FP8 layers, each expert's e4m3
+    weight dequantized with its scale as it loads (core's fp8_experts.py): the float checkpoint's tokens and
+    logprobs, bit for bit in float32, on one rank and (per-channel scales) two, expert parallel."""
+    make_checkpoint(tmp_path / "base", "qwen3_moe", norm_topk_prob=True)
+    write_fp8(tmp_path / "base", tmp_path / "fp8", scheme)
+    state = load_file(tmp_path / "fp8" / "model.safetensors")
+    assert state["model.layers.0.mlp.experts.3.down_proj.weight"].dtype == torch.float8_e4m3fn
+    ours, kinds = run(tmp_path / "fp8")
+    assert kinds == {"FP8LinearMethod", "UnquantizedLinearMethod"}   # the router stays float, as in the releases
+    assert ours == run(tmp_path / "fp8-float")[0]
+    if scheme == "ct-channel":   # (128-column blocks would not split over two ranks at this toy size)
+        two = cvllm_greedy(tmp_path / "fp8", PROMPTS, 8, dtype="float32", num_kv_blocks=32, tensor_parallel_size=2,
+                           enable_expert_parallel=True)
+        assert two == [tokens for tokens, _ in ours]

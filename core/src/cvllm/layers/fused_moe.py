@@ -32,7 +32,8 @@ Checkpoint forms ``load_weights_with_experts`` accepts (``<prefix>`` is the laye
 ``[E, out, in]`` (GGUF files), and transformers' in-memory fused form ``<prefix>.gate_up_proj [E, 2I, H]`` /
 ``<prefix>.down_proj [E, H, I]`` (``save_pretrained(save_original_format=False)``), with or without ``.weight``.
 With expert parallelism a stacked or fused tensor is sliced to this rank's experts and another rank's per-expert
-tensor is skipped unread; GGUF's quantized experts, dequantized at load into the stacked form, take the same path.
+tensor is skipped unread; GGUF's quantized experts, dequantized at load into the stacked form, take the same path,
+and so do FP8 checkpoints' per-expert e4m3 weights, each dequantized with its scale tensor (``fp8_experts.py``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from cvllm.checkpoint.lazy import materialize
 from cvllm.distributed import all_reduce, divide, expert_parallel, tp_rank, tp_size
 from cvllm.layers.activation import SiluAndMul
 from cvllm.layers.expert_parallel import ExpertPlacement
+from cvllm.layers.fp8_experts import FP8_DTYPES, with_fp8_experts_dequantized
 from cvllm.layers.fused_moe_methods import FusedMoEMethod, UnquantizedFusedMoEMethod
 from cvllm.weight_loading import load_weights_by_name
 
@@ -125,10 +127,10 @@ class FusedMoE(nn.Module):
         then up rows), "w2" (down). ``expert_id`` (global) None: ``loaded`` holds all experts stacked on dim 0.
         Experts another rank holds (expert parallelism) are skipped, stacked ones sliced to this rank's."""
         want_dims = 3 if expert_id is None else 2
-        if loaded.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and param.dtype != loaded.dtype:
-            # cast to the engine's dtype without its scales (a separate tensor) the values would be wrong
-            raise ValueError("FP8 expert weights are not supported yet (their scales would be dropped); the "
-                             "checkpoint's dense layers alone can be FP8")
+        if loaded.dtype in FP8_DTYPES and param.dtype != loaded.dtype:
+            # cast to the engine's dtype without its scales the values would be wrong: per-expert weights come
+            # dequantized (fp8_experts.py); a stacked FP8 tensor has no scale format to go by
+            raise ValueError("stacked FP8 expert weights are not supported (their scales would be dropped)")
         if loaded.dim() != want_dims:
             raise ValueError(f"expected a {want_dims}-D tensor, got shape {tuple(loaded.shape)}")
         if expert_id is None and loaded.shape[0] != self.num_experts:
@@ -198,5 +200,11 @@ def load_weights_with_experts(model: nn.Module, weights: Iterable[tuple[str, tor
             parts = {"w1": [0], "w3": [1], "w13": [0, 1], "w2": [0]}[shard]
             seen[local, parts] = True
 
+    def is_expert(name: str) -> bool:
+        match = _EXPERT_TENSOR.match(name)
+        return match is not None and match["module"] in layers
+
+    # FP8 MoE checkpoints: each e4m3 expert weight dequantized with its scale tensor (layers/fp8_experts.py)
+    weights = with_fp8_experts_dequantized(weights, is_expert) if layers else weights
     loaded = load_weights_by_name(model, non_expert_tensors(weights), packed_modules_mapping)
     return loaded | {name for name, seen in coverage.items() if bool(seen.all())}
