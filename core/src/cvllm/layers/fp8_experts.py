@@ -41,19 +41,22 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def with_fp8_experts_dequantized(weights: Iterable[tuple[str, torch.Tensor]],
-                                 is_expert: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``weights`` with each FP8 expert weight (``is_expert(name)``) replaced by its float32 value once its scale
-    has come, and the scales consumed; everything else passes through unchanged."""
+                                 expert_here: Callable[[str], bool | None]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights`` with each FP8 expert weight replaced by its float32 value once its scale has come, and the
+    scales consumed; everything else passes through unchanged. ``expert_here(name)``: None for a tensor that is
+    no expert weight, False for another rank's expert (expert parallelism: its weight and scale are dropped
+    unread), True for one of this rank's."""
     held: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         scale = _SCALE.match(name)
-        if scale and is_expert(f"{scale['weight']}.weight"):
-            key, part = f"{scale['weight']}.weight", "scale"
-        elif tensor.dtype in FP8_DTYPES and is_expert(name):
-            key, part = name, "weight"
-        else:
+        key = f"{scale['weight']}.weight" if scale else name
+        here = expert_here(key) if scale or tensor.dtype in FP8_DTYPES else None
+        if here is None:
             yield name, tensor
             continue
+        if not here:
+            continue
+        part = "scale" if scale else "weight"
         pair = held.setdefault(key, {})
         pair[part] = tensor
         if len(pair) == 2:

@@ -200,11 +200,14 @@ def load_weights_with_experts(model: nn.Module, weights: Iterable[tuple[str, tor
             parts = {"w1": [0], "w3": [1], "w13": [0, 1], "w2": [0]}[shard]
             seen[local, parts] = True
 
-    def is_expert(name: str) -> bool:
+    def expert_here(name: str) -> bool | None:
+        """None: not a per-expert weight of a layer; else whether this rank holds that expert."""
         match = _EXPERT_TENSOR.match(name)
-        return match is not None and match["module"] in layers
+        if match is None or match["module"] not in layers or match["expert"] is None:
+            return None
+        return layers[match["module"]].placement.local_id(int(match["expert"])) is not None
 
     # FP8 MoE checkpoints: each e4m3 expert weight dequantized with its scale tensor (layers/fp8_experts.py)
-    weights = with_fp8_experts_dequantized(weights, is_expert) if layers else weights
+    weights = with_fp8_experts_dequantized(weights, expert_here) if layers else weights
     loaded = load_weights_by_name(model, non_expert_tensors(weights), packed_modules_mapping)
     return loaded | {name for name, seen in coverage.items() if bool(seen.all())}
