@@ -134,6 +134,19 @@ def test_rotary_of_strided_q_and_k_is_bit_exact(generator, dtype, rope_case):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_interleaved_rotary_is_bit_exact(generator, dtype):
+    """GPT-J pairs (DeepSeek's 64 rope dimensions): the kernel's and RotaryEmbedding(interleaved)'s torch ops."""
+    rope = get_rope(64, 512, {"rope_type": "default", "rope_theta": 10000.0}, interleaved=True)
+    q = randn(generator, 5, 8 * 64, dtype=dtype, scale=4.0)
+    k = randn(generator, 5, 64, dtype=dtype, scale=4.0)
+    positions = torch.randint(0, 512, (5,), generator=generator).to(DEVICE)
+    cos_sin = rope.cos_sin_for(positions, q)
+    ref_q, ref_k = rope._rotate_pairs(q, cos_sin[positions]), rope._rotate_pairs(k, cos_sin[positions])
+    out_q, out_k = rotary(positions, q, k, cos_sin, 64, interleaved=True)
+    assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rope_case", sorted(ROPES))
 def test_rotary_write_kv_is_rotary_then_write_kv(generator, check_rotary_write_kv, dtype, rope_case):
     """One launch: q rotated, the rotated k and v stored at their slots (slot -1 stores nothing), the rest of the

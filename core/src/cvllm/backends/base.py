@@ -58,7 +58,8 @@ class Backend:
     #       may be None: ``weight * rms_norm(x)``, else ``(weight * rms_norm(x + residual), x + residual)``
     #   rotary(positions, q, k, cos_sin, head_dim) -> (q, k): RotaryEmbedding's neox rotation of every
     #       head of q [T, ...] and k (or None) by the rows ``positions`` of the table cos_sin
-    #       [max_position, rotary_dim] (cos ‖ sin, in the activations' dtype)
+    #       [max_position, rotary_dim] (cos ‖ sin, in the activations' dtype); an interleaved rotary (GPT-J
+    #       pairs 2i, 2i + 1) calls it with ``interleaved=True``
     #   rotary_write_kv(positions, q, k, v, cos_sin, head_dim, k_cache, v_cache, slot_mapping) -> q: the
     #       Attention layer's rotary(positions, q, k) then write_kv(k, v, ...) with the rotated k; returns the
     #       rotated q (layers/attention.py); an FP8 cache's call adds ``scales=(k_scale, v_scale)`` as write_kv's

@@ -121,7 +121,8 @@ def _shared_copy(table: torch.Tensor, device: torch.device, dtype: torch.dtype) 
 
 class RotaryEmbedding(nn.Module):
     """Neox-style rotation (``rotate_half``) of the first ``rotary_dim`` features of each head; ``interleaved``:
-    GPT-J style, features (2i, 2i + 1) rotated as a pair (DeepSeek, GLM4), in torch ops (no backend kernel yet)."""
+    GPT-J style, features (2i, 2i + 1) rotated as a pair (DeepSeek, GLM4); a backend's ``rotary`` kernel takes
+    ``interleaved=True`` for it."""
 
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, params: dict[str, Any],
                  interleaved: bool = False):
@@ -136,9 +137,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos_sin = self.cos_sin_for(positions, q)
-        if self.interleaved:
-            return self._rotate_pairs(q, cos_sin[positions]), self._rotate_pairs(k, cos_sin[positions])
         backend = forward_backend()
+        if self.interleaved:
+            if backend is not None and backend.rotary is not None:
+                return backend.rotary(positions, q, k, cos_sin, self.head_dim, interleaved=True)
+            return self._rotate_pairs(q, cos_sin[positions]), self._rotate_pairs(k, cos_sin[positions])
         if backend is not None and backend.rotary is not None:  # the backend gathers cos/sin by position itself
             return backend.rotary(positions, q, k, cos_sin, self.head_dim)
         cos, sin = self._lookup(positions)

@@ -1,4 +1,5 @@
-"""Neox-style rotary embedding of q and k in one Triton launch, cos/sin gathered by position in the kernel;
+"""Neox-style (or GPT-J-style, ``interleaved``) rotary embedding of q and k in one Triton launch, cos/sin gathered
+by position in the kernel;
 ``rotary_write_kv`` also stores the rotated keys and the values in the paged KV cache in that launch.
 
 ``cos_sin`` is the table ``RotaryEmbedding`` keeps on the device in the activations' dtype:
@@ -32,20 +33,24 @@ def _to_cache(value, scale, FP8: tl.constexpr):
 def _rotate_heads(
     src_row, src_stride_h, dst_row, dst_stride_h, cos, sin, first_head, num_heads, scale_ptr,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_TAIL: tl.constexpr, FP8: tl.constexpr = False,
+    BLOCK_TAIL: tl.constexpr, FP8: tl.constexpr = False, INTERLEAVED: tl.constexpr = False,
 ):
     """Rotates heads [first_head, first_head + BLOCK_H) of one token; ``src_row`` and ``dst_row`` point at
     the token's head 0, heads ``*_stride_h`` elements apart. FP8: ``dst_row`` is an FP8 cache and ``scale_ptr``
-    its per-head scales."""
+    its per-head scales. INTERLEAVED: the pairs are features (2i, 2i + 1) (GPT-J, DeepSeek), not (i, i + HALF)."""
     heads = first_head + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_HALF)
     mask = (heads < num_heads)[:, None] & (dims < HALF)[None, :]
-    src = src_row + heads[:, None] * src_stride_h + dims[None, :]
-    dst = dst_row + heads[:, None] * dst_stride_h + dims[None, :]
+    if INTERLEAVED:
+        first, second = dims * 2, dims * 2 + 1
+    else:
+        first, second = dims, dims + HALF
+    src = src_row + heads[:, None] * src_stride_h
+    dst = dst_row + heads[:, None] * dst_stride_h
     dtype = src_row.dtype.element_ty        # torch's roundings happen in the activations' dtype,
     out_dtype = dst_row.dtype.element_ty    # then the value is stored in the destination's (a KV cache's)
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(src + first[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + second[None, :], mask=mask, other=0.0).to(tl.float32)
     # products of two dtype values are exact in fp32; rounding each to the dtype, then the sum,
     # reproduces torch's (x * cos) + (rotate_half(x) * sin) with rotate_half's sign on sin
     x1_cos = (x1 * cos).to(dtype).to(tl.float32)
@@ -53,8 +58,8 @@ def _rotate_heads(
     x2_cos = (x2 * cos).to(dtype).to(tl.float32)
     x1_sin = (x1 * sin).to(dtype).to(tl.float32)
     scale = tl.load(scale_ptr + heads, mask=heads < num_heads, other=1.0) if FP8 else cos
-    tl.store(dst, _to_cache((x1_cos - x2_sin).to(dtype), scale, FP8).to(out_dtype), mask=mask)
-    tl.store(dst + HALF, _to_cache((x2_cos + x1_sin).to(dtype), scale, FP8).to(out_dtype), mask=mask)
+    tl.store(dst + first[None, :], _to_cache((x1_cos - x2_sin).to(dtype), scale, FP8).to(out_dtype), mask=mask)
+    tl.store(dst + second[None, :], _to_cache((x2_cos + x1_sin).to(dtype), scale, FP8).to(out_dtype), mask=mask)
     if BLOCK_TAIL > 0:  # partial rotary: the features past rotary_dim pass through
         tail = 2 * HALF + tl.arange(0, BLOCK_TAIL)
         tail_mask = (heads < num_heads)[:, None] & (tail < HEAD_DIM)[None, :]
@@ -71,7 +76,7 @@ def _rotary_kernel(
     block_size, stride_cb, stride_cs, stride_ch,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr, TO_CACHE: tl.constexpr, FP8: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    INTERLEAVED: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     # grid: (token, head block); the head blocks of q come first, then those of k, then (TO_CACHE) v's
@@ -87,7 +92,8 @@ def _rotary_kernel(
     t = token.to(tl.int64)
     if head_block < q_blocks:
         _rotate_heads(q_ptr + t * stride_qt, stride_qh, q_out_ptr + t * num_q_heads * HEAD_DIM, HEAD_DIM, cos, sin,
-                      head_block * BLOCK_H, num_q_heads, k_scale_ptr, HEAD_DIM, HALF, BLOCK_H, BLOCK_HALF, BLOCK_TAIL)
+                      head_block * BLOCK_H, num_q_heads, k_scale_ptr, HEAD_DIM, HALF, BLOCK_H, BLOCK_HALF, BLOCK_TAIL,
+                      False, INTERLEAVED)
     else:
         if TO_CACHE:  # k and v go to the token's slot of the paged caches [blocks, block_size, Hkv, D]
             slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -102,7 +108,7 @@ def _rotary_kernel(
         if head_block < q_blocks + k_blocks:
             _rotate_heads(k_ptr + t * stride_kt, stride_kh, k_out_ptr + out_row, out_stride_h, cos, sin,
                           (head_block - q_blocks) * BLOCK_H, stored_heads, k_scale_ptr, HEAD_DIM, HALF, BLOCK_H,
-                          BLOCK_HALF, BLOCK_TAIL, FP8)
+                          BLOCK_HALF, BLOCK_TAIL, FP8, INTERLEAVED)
         elif TO_CACHE:  # v is stored as it is
             heads = (head_block - q_blocks - k_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
             d = tl.arange(0, BLOCK_D)
@@ -121,15 +127,16 @@ def _heads_view(x: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, cos_sin: torch.Tensor,
-           head_dim: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+           head_dim: int, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotate every head of ``q`` and ``k`` (``[T, ...]``, ``head_dim`` features a head; ``k`` may be None)
-    by the angles of ``positions`` [T]: the first ``cos_sin.shape[1]`` features of each head, neox style.
+    by the angles of ``positions`` [T]: the first ``cos_sin.shape[1]`` features of each head, neox style
+    (``interleaved``: GPT-J style, features 2i and 2i + 1 a pair).
 
     ``q`` and ``k`` may be strided views (columns of a fused qkv output); the results are new contiguous
     tensors shaped like the inputs, in their dtype (``cos_sin`` is expected in that dtype too).
     """
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device) if k is not None else None
-    return _launch(positions, q, k, None, cos_sin, head_dim, k_out, None, None), k_out
+    return _launch(positions, q, k, None, cos_sin, head_dim, k_out, None, None, interleaved=interleaved), k_out
 
 
 def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -147,7 +154,8 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     return _launch(positions, q, k, v, cos_sin, head_dim, k_cache, v_cache, slot_mapping.contiguous(), scales)
 
 
-def _launch(positions, q, k, v, cos_sin, head_dim, k_out, v_cache, slot_mapping, scales=None) -> torch.Tensor:
+def _launch(positions, q, k, v, cos_sin, head_dim, k_out, v_cache, slot_mapping, scales=None,
+            interleaved: bool = False) -> torch.Tensor:
     """The rotated q; the rotated k goes to ``k_out``: a tensor shaped like k, or (with ``v_cache`` and
     ``slot_mapping``) the paged K cache, v then going to ``v_cache``."""
     rotary_dim = cos_sin.shape[1]
@@ -176,7 +184,7 @@ def _launch(positions, q, k, v, cos_sin, head_dim, k_out, v_cache, slot_mapping,
         v3.stride(1), cos_sin.stride(0), k_out.shape[1] if to_cache else 1, *cache_strides,
         HEAD_DIM=head_dim, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
         BLOCK_TAIL=next_power_of_2(head_dim - rotary_dim),  # 0 when the whole head rotates
-        BLOCK_D=next_power_of_2(head_dim), TO_CACHE=to_cache, FP8=scales is not None,
+        BLOCK_D=next_power_of_2(head_dim), TO_CACHE=to_cache, FP8=scales is not None, INTERLEAVED=interleaved,
         num_warps=4,
         enable_fp_fusion=False,  # no FMA contraction: the products round as torch's do
         **pdl.options(q.device),
