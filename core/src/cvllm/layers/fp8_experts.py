@@ -50,11 +50,11 @@ def with_fp8_experts_dequantized(weights: Iterable[tuple[str, torch.Tensor]],
     for name, tensor in weights:
         scale = _SCALE.match(name)
         key = f"{scale['weight']}.weight" if scale else name
-        here = expert_here(key) if scale or tensor.dtype in FP8_DTYPES else None
-        if here is None:
-            yield name, tensor
+        here = expert_here(key)   # by name only: another rank's tensor is not touched, not even its dtype
+        if scale and here is False:
             continue
-        if not here:
+        if here is None or (not scale and (not here or tensor.dtype not in FP8_DTYPES)):
+            yield name, tensor    # the layer's loader skips another rank's expert itself
             continue
         part = "scale" if scale else "weight"
         pair = held.setdefault(key, {})

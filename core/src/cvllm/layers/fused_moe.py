@@ -127,10 +127,6 @@ class FusedMoE(nn.Module):
         then up rows), "w2" (down). ``expert_id`` (global) None: ``loaded`` holds all experts stacked on dim 0.
         Experts another rank holds (expert parallelism) are skipped, stacked ones sliced to this rank's."""
         want_dims = 3 if expert_id is None else 2
-        if loaded.dtype in FP8_DTYPES and param.dtype != loaded.dtype:
-            # cast to the engine's dtype without its scales the values would be wrong: per-expert weights come
-            # dequantized (fp8_experts.py); a stacked FP8 tensor has no scale format to go by
-            raise ValueError("stacked FP8 expert weights are not supported (their scales would be dropped)")
         if loaded.dim() != want_dims:
             raise ValueError(f"expected a {want_dims}-D tensor, got shape {tuple(loaded.shape)}")
         if expert_id is None and loaded.shape[0] != self.num_experts:
@@ -140,6 +136,10 @@ class FusedMoE(nn.Module):
         experts = slice(None) if expert_id is None else self.placement.local_id(expert_id)
         if experts is None:   # another rank's expert: nothing of it is read here
             return
+        if loaded.dtype in FP8_DTYPES and param.dtype != loaded.dtype:
+            # cast to the engine's dtype without its scales the values would be wrong: per-expert weights come
+            # dequantized (fp8_experts.py); a stacked FP8 tensor has no scale format to go by
+            raise ValueError("stacked FP8 expert weights are not supported (their scales would be dropped)")
         if shard_id == "w13":
             gate, up = loaded.chunk(2, dim=-2)
             self.weight_loader(param, gate, "w1", expert_id)
