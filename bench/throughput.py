@@ -136,7 +136,7 @@ def main() -> None:
     ap.add_argument("--json", help="write the result file here")
     args = ap.parse_args()
     if args.tiny:
-        device, shape = "cpu", "tiny-qwen3"
+        device, shape = "cpu", args.shape if args.shape.startswith("tiny") else "tiny-qwen3"
         num, low, high, max_seqs = 8, 10, 40, 8
         hf_batch, hf_prompt, hf_new = 8, 32, 8
     else:

@@ -7,7 +7,7 @@
 # "quant" (issue 18): batch-1 latency of bf16 and in-situ quantized (q4k, q8_0, gptq, fp8) Llama-3-8B shapes, then
 # the low-bit matmul's tile sweep (~8 min, most of it Triton compiles; QUANT_LAYOUTS=q4_k,q8_0 narrows the sweep);
 # "kvfp8": 256 streams through cvserve with a 16-bit and an FP8 KV cache (~8 min);
-# "moe" (issue 19): batch-1 latency of the Qwen3-30B-A3B and DeepSeek-V2-Lite shapes (~5 min).
+# "moe" (issue 19): batch-1 latency and 64 streams of the Qwen3-30B-A3B and DeepSeek-V2-Lite shapes (~8 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
 # NVLink multicast stays off on the shared multi-GPU hosts (h200_setup.sh sets these too; the benchmarks pass them on)
@@ -44,10 +44,13 @@ tests)
         --durations=3
     run gpu-tests-deepseek 150 python3 -m pytest -m gpu -p no:cacheprovider -q plugins/models-deepseek/tests ;;
 moe)
-    # issue 19: batch-1 decode of mixture-of-experts shapes, random bf16 weights drawn on the GPU (~5 min)
+    # issue 19: batch-1 decode and 64 streams of 1024 in / 1024 out of mixture-of-experts shapes, random bf16 weights
+    # drawn on the GPU (~8 min)
     for s in qwen3-30b-a3b deepseek-v2-lite; do
-        run latency-$s 200 python3 bench/latency.py --shape $s --skip-hf --contexts 1024 --decode-tokens 128 \
+        run latency-$s 150 python3 bench/latency.py --shape $s --skip-hf --contexts 1024 --decode-tokens 128 \
             --json "$out/$day-h200-latency-$s-$commit.json"
+        run throughput64-$s 150 python3 bench/throughput.py --shape $s --skip-hf --num-requests 64 --min-len 1024 \
+            --max-len 1024 --max-num-seqs 64 --json "$out/$day-h200-throughput64-$s-$commit.json"
     done ;;
 bench)
     run latency 150 python3 bench/latency.py --json "$out/$day-h200-latency-$commit.json"
