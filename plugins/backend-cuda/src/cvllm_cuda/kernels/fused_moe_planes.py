@@ -1,0 +1,130 @@
+"""The fused MoE (kernels/fused_moe.py) over low-bit experts: each expert's weights in the plane layout of
+quant_planes.py (GGUF blocks, GPTQ groups, in-situ quantized), stacked on a leading expert dimension, and
+dequantized in the tile as the grouped GEMM reads them (the dot GEMM of quant_matmul.py with an expert per block).
+
+A Q4_K expert of Qwen3-30B-A3B is ~2.6 MB instead of 9.4 in bf16: a 4-bit file's experts stay ~4-bit on the GPU.
+``fused_moe_planes`` takes gate/up as parts (GGUF files may store gate and up in different types, like Q4_K_M's
+mixes), each a GEMM into its columns of the gate_up rows. The layers that hold such experts come next (issue 19):
+this is the kernel and its reference test.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from cvllm_cuda.kernels import pdl
+from cvllm_cuda.kernels.fused_moe import PAIR_BLOCKS_MAX, align_pairs, pair_blocks
+from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
+from cvllm_cuda.kernels.quant_matmul import _quant, _tile, _upcast
+from cvllm_cuda.quant_planes import QuantWeight
+
+_PLANES = ("low", "high", "d", "m", "a", "b")
+
+
+def stack_experts(experts: list[QuantWeight]) -> QuantWeight:
+    """One QuantWeight whose tensors have a leading expert dimension ([E, ...]): same layout and shape each."""
+    first = experts[0]
+    if any(e.layout != first.layout or (e.out_features, e.in_features) != (first.out_features, first.in_features)
+           for e in experts):
+        raise ValueError("experts of one layer must share their layout and shape")
+    stacked = {name: torch.stack([getattr(e, name) for e in experts]) if getattr(first, name) is not None else None
+               for name in _PLANES}
+    return QuantWeight(first.layout, first.out_features, first.in_features, **stacked)
+
+
+@triton.jit
+def _moe_planes_gemm(a_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, weights_ptr,
+                     low_ptr, high_ptr, d_ptr, m_ptr, fa_ptr, fb_ptr,
+                     stride_low, stride_high, stride_d, stride_m, stride_fa, stride_fb,
+                     N, K, P, stride_am, stride_om, col_offset,
+                     LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
+                     SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
+                     HAS_M: tl.constexpr, FLOAT8: tl.constexpr, NUM_LOCAL: tl.constexpr, TOP_K: tl.constexpr,
+                     ROWS_BY_TOKEN: tl.constexpr, SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    """out[pair, col_offset + n-tile] = a[row of pair] @ W[expert of the block]^T, W dequantized in the tile."""
+    wait_for_previous_kernel(USE_PDL)
+    PER_WORD: tl.constexpr = 32 // LOW_BITS
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert >= NUM_LOCAL:
+        return
+    pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_ok = pairs < P
+    rows = (pairs // TOP_K if ROWS_BY_TOKEN else pairs).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    e = expert.to(tl.int64)
+    low_ptr += e * stride_low
+    high_ptr += e * stride_high
+    d_ptr += e * stride_d
+    m_ptr += e * stride_m
+    fa_ptr += e * stride_fa
+    fb_ptr += e * stride_fb
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for w0 in range(0, K // PER_WORD, BLOCK_W):
+        words = w0 + tl.arange(0, BLOCK_W)
+        word_ok = words < K // PER_WORD
+        first, low, high, scale, offset = _tile(low_ptr, high_ptr, d_ptr, m_ptr, fa_ptr, fb_ptr, words, word_ok, cols,
+                                                col_ok, N, LOW_BITS, HIGH_BITS, SCALE_GROUP, SUPER_GROUP, A_MODE,
+                                                B_MODE, B_CONST, HAS_M)
+        for S in tl.static_range(PER_WORD):
+            x = tl.load(a_ptr + rows[:, None] * stride_am + (words * PER_WORD + S)[None, :],
+                        mask=pair_ok[:, None] & word_ok[None, :], other=0.0)
+            w = (_quant(low, high, first, S, LOW_BITS, HIGH_BITS, FLOAT8) * scale + offset).to(x.dtype)
+            if UPCAST:
+                acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+            elif IEEE:
+                acc = tl.dot(x, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w, acc)
+    out = acc.to(out_ptr.dtype.element_ty)
+    if SCALE_ROWS:   # as the torch path: the expert's output and the weight in the activations' dtype
+        out = out * tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0).to(out_ptr.dtype.element_ty)[:, None]
+    tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_om + col_offset + cols[None, :], out,
+             mask=pair_ok[:, None] & col_ok[None, :])
+
+
+def _gemm(a: torch.Tensor, weight: QuantWeight, out: torch.Tensor, col_offset: int, sorted_pairs: torch.Tensor,
+          block_expert: torch.Tensor, weights: torch.Tensor, top_k: int, rows_by_token: bool, block_m: int) -> None:
+    low = weight.low
+    tensors = [getattr(weight, name) if getattr(weight, name) is not None else low for name in _PLANES]
+    strides = [t.stride(0) if getattr(weight, name) is not None else 0 for name, t in zip(_PLANES, tensors)]
+    block_n, block_w = 64, 16
+    grid = (block_expert.shape[0], triton.cdiv(weight.out_features, block_n))
+    _moe_planes_gemm[grid](a, out, sorted_pairs, block_expert, weights, *tensors, *strides, weight.out_features,
+                           weight.in_features, out.shape[0], a.stride(0), out.stride(0), col_offset,
+                           **weight.layout.kernel_args(), NUM_LOCAL=low.shape[0], TOP_K=top_k,
+                           ROWS_BY_TOKEN=rows_by_token, SCALE_ROWS=not rows_by_token, BLOCK_M=block_m,
+                           BLOCK_N=block_n, BLOCK_W=block_w, IEEE=a.dtype == torch.float32, UPCAST=_upcast(a.dtype),
+                           num_warps=4, num_stages=2, **pdl.options(a.device))
+
+
+def fused_moe_planes(hidden: torch.Tensor, gate_up: list[QuantWeight], down: QuantWeight, topk_weights: torch.Tensor,
+                     local_ids: torch.Tensor, silu_and_mul) -> torch.Tensor:
+    """``fused_moe`` with stacked low-bit experts: ``gate_up`` the parts of each expert's [2I, H] rows in order
+    (one part, or gate then up), ``down`` [H, I]; ids local to this rank (E: another rank's expert)."""
+    tokens, top_k = local_ids.shape
+    num_local = down.low.shape[0]
+    if hidden.stride(1) != 1:
+        hidden = hidden.contiguous()
+    pairs = tokens * top_k
+    block_m = 16 if pairs <= 8 * num_local else 64
+    if pairs <= PAIR_BLOCKS_MAX:
+        sorted_pairs, block_expert = pair_blocks(pairs, block_m, hidden.device), local_ids.reshape(-1)
+    else:
+        sorted_pairs, block_expert = align_pairs(local_ids.reshape(-1), num_local, block_m)
+    weights = topk_weights.reshape(-1).float()
+    width = sum(part.out_features for part in gate_up)
+    rows = torch.empty((pairs, width), dtype=hidden.dtype, device=hidden.device)
+    offset = 0
+    for part in gate_up:
+        _gemm(hidden, part, rows, offset, sorted_pairs, block_expert, weights, top_k, True, block_m)
+        offset += part.out_features
+    inner = silu_and_mul(rows)
+    out = torch.zeros((pairs, down.out_features), dtype=hidden.dtype, device=hidden.device)
+    _gemm(inner, down, out, 0, sorted_pairs, block_expert, weights, top_k, False, block_m)
+    return out.view(tokens, top_k, -1).sum(dim=1)
