@@ -191,7 +191,10 @@ def main() -> None:
         tied = model.config.get("tie_word_embeddings")
         tensors = [*model.named_parameters(), *model.named_buffers()]
         held = {t.data_ptr(): t.untyped_storage().nbytes() for _, t in tensors if t.device.type == "cuda" and t.numel()}
-        weights = sum(t.numel() * t.element_size() for n, t in tensors
+        # a MoE step reads only the routed experts' weights: top_k of every E (at batch 1)
+        experts = model.config.get("num_experts") or model.config.get("n_routed_experts")
+        routed = model.config.get("num_experts_per_tok", 1) / experts if experts else 1.0
+        weights = sum(t.numel() * t.element_size() * (routed if ".experts." in n else 1.0) for n, t in tensors
                       if t.device.type == "cuda" and ("embed_tokens" not in n or tied))
         bandwidth = copy_bandwidth_tb_s()
         result["ceiling"] = {"copy_tb_s": bandwidth, "streamed_weight_gb": weights / 1e9,
