@@ -10,6 +10,7 @@ as interleaved pairs; V3 too unless ``rope_interleave`` is false.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -21,12 +22,11 @@ from cvllm.layers import (
     FusedMoE,
     MergedColumnParallelLinear,
     ParallelLMHead,
-    RMSNorm,
     RowParallelLinear,
     SiluAndMul,
-    VocabParallelEmbedding,
     load_weights_with_experts,
 )
+from cvllm.layers.decoder import DecoderStack, PreNormDecoderLayer
 from cvllm_deepseek.mla import DeepseekV2Attention
 from cvllm_deepseek.routing import route_v2, route_v3
 
@@ -83,40 +83,12 @@ class DeepseekV2MoE(nn.Module):
         return out if self.shared_experts is None else out + self.shared_experts(hidden)
 
 
-class DeepseekV2DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, version: int):
-        super().__init__()
-        interleaved = version == 2 or bool(config.get("rope_interleave", True))
-        self.self_attn = DeepseekV2Attention(config, interleaved)
-        dense = layer_idx < (config.get("first_k_dense_replace") or 0)
-        self.mlp = DeepseekV2MLP(config, config.intermediate_size) if dense else DeepseekV2MoE(config, version)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
-
-
-class DeepseekV2Model(nn.Module):
-    def __init__(self, config: ModelConfig, version: int):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DeepseekV2DecoderLayer(config, i, version)
-                                    for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+def make_layer(config: ModelConfig, layer_idx: int, version: int) -> PreNormDecoderLayer:
+    """Multi-head latent attention, and a dense MLP below ``first_k_dense_replace``, the MoE from there on."""
+    interleaved = version == 2 or bool(config.get("rope_interleave", True))
+    dense = layer_idx < (config.get("first_k_dense_replace") or 0)
+    mlp = DeepseekV2MLP(config, config.intermediate_size) if dense else DeepseekV2MoE(config, version)
+    return PreNormDecoderLayer(config, DeepseekV2Attention(config, interleaved), mlp)
 
 
 class DeepseekV2ForCausalLM(nn.Module):
@@ -126,7 +98,7 @@ class DeepseekV2ForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.model = DeepseekV2Model(config, self.version)
+        self.model = DecoderStack(config, partial(make_layer, version=self.version))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.get("tie_word_embeddings", False):
             self.lm_head.tie_to(self.model.embed_tokens)

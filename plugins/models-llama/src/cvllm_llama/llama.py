@@ -18,12 +18,11 @@ from cvllm.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
-    RMSNorm,
     RowParallelLinear,
     SiluAndMul,
-    VocabParallelEmbedding,
     get_rope,
 )
+from cvllm.layers.decoder import DecoderStack, PreNormDecoderLayer
 from cvllm.weight_loading import load_weights_by_name
 
 
@@ -62,38 +61,14 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: ModelConfig, layer_idx: int, sliding_window: int | None = None):
-        super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, sliding_window)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        super().__init__(config, LlamaAttention(config, layer_idx, sliding_window), LlamaMLP(config))
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderStack):
     def __init__(self, config: ModelConfig, sliding_window: int | None = None):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, sliding_window) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        super().__init__(config, lambda config, i: LlamaDecoderLayer(config, i, sliding_window))
 
 
 class LlamaForCausalLM(nn.Module):

@@ -9,7 +9,7 @@ MLP per layer.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -21,12 +21,11 @@ from cvllm.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
-    RMSNorm,
     RowParallelLinear,
     SiluAndMul,
-    VocabParallelEmbedding,
     get_rope,
 )
+from cvllm.layers.decoder import DecoderStack, PreNormDecoderLayer
 from cvllm.weight_loading import load_weights_by_name
 
 # transformers' Qwen2Config default, for configs that do not say
@@ -78,37 +77,9 @@ class Qwen2MLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
-class Qwen2DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module):
-        super().__init__()
-        self.self_attn = self_attn
-        self.mlp = mlp
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
-
-
-class Qwen2Model(nn.Module):
-    def __init__(self, config: ModelConfig, make_layer: Callable[[ModelConfig, int], nn.Module]):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(make_layer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+# the pre-norm decoder skeleton, core's (cvllm.layers.decoder), under the names the Qwen files use
+Qwen2DecoderLayer = PreNormDecoderLayer
+Qwen2Model = DecoderStack
 
 
 class Qwen2ForCausalLM(nn.Module):

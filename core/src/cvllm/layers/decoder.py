@@ -1,0 +1,58 @@
+"""The decoder skeleton most model families share: pre-norm layers with the residual carried beside the hidden
+state (so the backend's fused add + RMSNorm does both), between a token embedding and a final norm.
+
+    hidden, residual = input_layernorm(hidden [+ residual])
+    hidden = self_attn(positions, hidden)
+    hidden, residual = post_attention_layernorm(hidden + residual)
+    hidden = mlp(hidden)
+
+The attribute names are Hugging Face's (``input_layernorm``, ``self_attn``, ``post_attention_layernorm``, ``mlp``;
+``embed_tokens``, ``layers``, ``norm``), so checkpoints load by name. A family builds its own attention and MLP per
+layer and hands them in (plugins/models-deepseek uses it; Llama and Qwen keep their own copies of the same code).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from cvllm.config import ModelConfig
+from cvllm.layers.embedding import VocabParallelEmbedding
+from cvllm.layers.layernorm import RMSNorm
+
+
+class PreNormDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderStack(nn.Module):
+    """``embed_tokens``, the ``layers`` ``make_layer(config, index)`` builds, ``norm``."""
+
+    def __init__(self, config: ModelConfig, make_layer: Callable[[ModelConfig, int], nn.Module]):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(make_layer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
