@@ -18,6 +18,7 @@ from cvllm.engine.step_inputs import PreviousTokens, build_host_step, to_device
 from cvllm.forward_context import ForwardContext, forward_context
 from cvllm.layers import kv_fp8
 from cvllm.layers.attention import Attention
+from cvllm.layers.fused_moe import FusedMoE
 from cvllm.layers.quantization import attach_linear_methods, isq_quantizer
 from cvllm.progress import Progress
 
@@ -74,8 +75,18 @@ def attach_quantization(model: nn.Module, checkpoint: Checkpoint, dtype: torch.d
     if checkpoint.quant_method is None:
         return
     make_factory = make_factory or plugins.quantizers().get(checkpoint.quant_method)
-    changed = attach_linear_methods(model, make_factory(checkpoint, dtype))
-    logger.info("%s quantization: %d linear layers", checkpoint.quant_method, changed)
+    factory = make_factory(checkpoint, dtype)
+    changed = attach_linear_methods(model, factory)
+    # a factory may also give MoE layers a method (its ``moe_method(name, layer)``; None: the layer stays float)
+    moe_method = getattr(factory, "moe_method", None)
+    moe = 0
+    if moe_method is not None:
+        for name, module in model.named_modules():
+            if isinstance(module, FusedMoE) and (method := moe_method(name, module)) is not None:
+                module.set_moe_method(method)
+                moe += 1
+    logger.info("%s quantization: %d linear layers%s", checkpoint.quant_method, changed,
+                f", {moe} MoE layers" if moe else "")
 
 
 def build_model(checkpoint: Checkpoint, backend, dtype: torch.dtype, isq: str | None = None,

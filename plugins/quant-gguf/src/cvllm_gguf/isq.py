@@ -193,4 +193,11 @@ def isq_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMeth
     def method_for(layer: str, sources: Sequence[str]) -> LinearMethod:
         return ISQLinearMethod(requested, mode, layer, len(sources), progress)
 
+    def moe_method(layer: str, module: nn.Module):
+        """MoE experts are quantized too, once loaded (moe.py)."""
+        from cvllm_gguf.moe import ISQFusedMoEMethod
+
+        return ISQFusedMoEMethod(requested, layer_type)
+
+    method_for.moe_method = moe_method
     return method_for
