@@ -9,9 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from cvllm.testing.checkpoints import make_checkpoint
-from cvllm.testing.threads import one_torch_thread as _one_torch_thread
+# without a GPU the CUDA backend's low-bit kernels run in Triton's interpreter (read when they are first imported)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from cvllm.testing.checkpoints import make_checkpoint  # noqa: E402
+from cvllm.testing.threads import one_torch_thread as _one_torch_thread  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")   # everything the tests load is on disk
 
@@ -35,3 +40,9 @@ def deepseek_checkpoint(tmp_path_factory: pytest.TempPathFactory):
 def one_torch_thread() -> Iterator[None]:
     with _one_torch_thread():
         yield
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
+    # triton 3.6's interpreter converts 1-element arrays to ints the way numpy deprecated
+    config.addinivalue_line("filterwarnings", "ignore:Conversion of an array with ndim > 0:DeprecationWarning")

@@ -6,6 +6,8 @@ taken from gguf's TensorNameMap); float32, so cvllm's logits must match transfor
 
 from __future__ import annotations
 
+import os
+
 import gguf
 import pytest
 import torch
@@ -153,3 +155,23 @@ def test_a_q8_0_file_computes_from_its_blocks(tmp_path):
     got, want = llm.llm_engine.prompt_logits([prompt])[0].float().cpu(), hf_logits(model, prompt)
     diff = (got - want).abs().max().item()
     assert diff < 2e-5 * want.abs().max().item(), f"max |diff| {diff:.2e} of {want.abs().max():.1f}"
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors through Triton's interpreter")
+def test_kv_b_proj_in_low_bit_planes_is_absorbed_through_its_forward(tmp_path, monkeypatch):
+    """As on CUDA: every Q8_0 projection in low-bit planes (no float weight kept), kv_b_proj included, so the
+    absorption reads W back through the layer's own forward (MLA's after_weights_loaded): the same logits."""
+    pytest.importorskip("cvllm_cuda")
+    from cvllm_gguf import linear_method
+
+    model = tiny_model("deepseek_v3")
+    path = tmp_path / "q8.gguf"
+    write_gguf(path, model, split_kv_b=False, q8_0=True)
+    prompt = list(range(3, 40))
+    want = LLM(str(path), dtype="float32", num_kv_blocks=32).llm_engine.prompt_logits([prompt])[0].float().cpu()
+    monkeypatch.setattr(linear_method, "plane_kernels_usable", lambda device: True)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=32)
+    attn = llm.llm_engine.runner.model.model.layers[1].self_attn
+    assert attn.kv_b_proj.gguf_compute == "planes" and attn.kv_b_proj.weight.numel() == 0
+    got = llm.llm_engine.prompt_logits([prompt])[0].float().cpu()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())

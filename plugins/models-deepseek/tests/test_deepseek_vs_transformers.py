@@ -148,30 +148,6 @@ def test_cuda_gives_transformers_tokens(deepseek_checkpoint, arch) -> None:
         llm.shutdown()
 
 
-def test_a_quantized_kv_b_proj_is_read_back_through_its_own_forward(deepseek_checkpoint) -> None:
-    """A compute form without a float weight (CUDA's low-bit planes): the absorption takes kv_b_proj(identity)^T."""
-    path, _ = deepseek_checkpoint("deepseek_v3")
-    llm = LLM(model=str(path), **{**ENGINE, "num_kv_blocks": 8})
-    attn = llm.llm_engine.runner.model.model.layers[1].self_attn
-    weight = attn.kv_b_proj.weight.detach().clone()
-
-    class PlanesLike(torch.nn.Module):   # computes x @ W^T, holds no float weight
-        def __init__(self):
-            super().__init__()
-            self.register_buffer("packed", weight * 2)
-            self.weight = torch.empty(0)
-
-        def forward(self, x):
-            return x @ (self.packed / 2).T
-
-    attn.kv_b_proj = PlanesLike()
-    del attn.kv_b_weight
-    attn.after_weights_loaded()
-    torch.testing.assert_close(attn.kv_b_weight, weight)
-    w_uk, w_uv = attn._absorbed()
-    assert w_uk.shape == (4, 16, 32) and w_uv.shape == (4, 16, 32)
-
-
 def test_isq_quantizes_the_projections_not_the_router(deepseek_checkpoint) -> None:
     path, model = deepseek_checkpoint("deepseek_v3")
     llm = LLM(model=str(path), isq="q8_0", **{**ENGINE, "num_kv_blocks": 16})

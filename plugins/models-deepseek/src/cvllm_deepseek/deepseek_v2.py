@@ -50,13 +50,14 @@ class DeepseekRouter(nn.Module):
 
     def __init__(self, hidden_size: int, experts: int, corrected: bool):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(experts, hidden_size), requires_grad=False)
+        # float32 as transformers keeps it: the logits need no per-step cast of the weight
+        self.weight = nn.Parameter(torch.empty(experts, hidden_size, dtype=torch.float32), requires_grad=False)
         # float32 whatever the model's dtype, as transformers keeps it: a rounded bias could change the choice
         self.e_score_correction_bias = nn.Parameter(torch.empty(experts, dtype=torch.float32),
                                                     requires_grad=False) if corrected else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden.float(), self.weight.float())
+        return F.linear(hidden.float(), self.weight)
 
 
 class DeepseekV2MoE(nn.Module):
@@ -74,7 +75,7 @@ class DeepseekV2MoE(nn.Module):
         c = self.config
         logits = self.gate(hidden)
         if self.version == 3:
-            weights, ids = route_v3(logits, self.gate.e_score_correction_bias.float(), c.num_experts_per_tok, c.n_group,
+            weights, ids = route_v3(logits, self.gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
                                     c.topk_group, bool(c.get("norm_topk_prob", True)), c.routed_scaling_factor)
         else:
             weights, ids = route_v2(logits, c.num_experts_per_tok, c.get("topk_method") or "greedy",
