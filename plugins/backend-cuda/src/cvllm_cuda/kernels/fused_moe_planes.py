@@ -17,7 +17,7 @@ import triton.language as tl
 from cvllm_cuda.kernels import pdl
 from cvllm_cuda.kernels.fused_moe import PAIR_BLOCKS_MAX, align_pairs, pair_blocks
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
-from cvllm_cuda.kernels.quant_matmul import _quant, _tile, _upcast
+from cvllm_cuda.kernels.quant_tiles import quant_element, tile, upcast
 from cvllm_cuda.quant_planes import QuantWeight
 
 _PLANES = ("low", "high", "d", "m", "a", "b")
@@ -68,13 +68,13 @@ def _moe_planes_gemm(a_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, weights
     for w0 in range(0, K // PER_WORD, BLOCK_W):
         words = w0 + tl.arange(0, BLOCK_W)
         word_ok = words < K // PER_WORD
-        first, low, high, scale, offset = _tile(low_ptr, high_ptr, d_ptr, m_ptr, fa_ptr, fb_ptr, words, word_ok, cols,
+        first, low, high, scale, offset = tile(low_ptr, high_ptr, d_ptr, m_ptr, fa_ptr, fb_ptr, words, word_ok, cols,
                                                 col_ok, N, LOW_BITS, HIGH_BITS, SCALE_GROUP, SUPER_GROUP, A_MODE,
                                                 B_MODE, B_CONST, HAS_M)
         for S in tl.static_range(PER_WORD):
             x = tl.load(a_ptr + rows[:, None] * stride_am + (words * PER_WORD + S)[None, :],
                         mask=pair_ok[:, None] & word_ok[None, :], other=0.0)
-            w = (_quant(low, high, first, S, LOW_BITS, HIGH_BITS, FLOAT8) * scale + offset).to(x.dtype)
+            w = (quant_element(low, high, first, S, LOW_BITS, HIGH_BITS, FLOAT8) * scale + offset).to(x.dtype)
             if UPCAST:
                 acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
             elif IEEE:
@@ -99,7 +99,7 @@ def _gemm(a: torch.Tensor, weight: QuantWeight, out: torch.Tensor, col_offset: i
                            weight.in_features, out.shape[0], a.stride(0), out.stride(0), col_offset,
                            **weight.layout.kernel_args(), NUM_LOCAL=low.shape[0], TOP_K=top_k,
                            ROWS_BY_TOKEN=rows_by_token, SCALE_ROWS=not rows_by_token, BLOCK_M=block_m,
-                           BLOCK_N=block_n, BLOCK_W=block_w, IEEE=a.dtype == torch.float32, UPCAST=_upcast(a.dtype),
+                           BLOCK_N=block_n, BLOCK_W=block_w, IEEE=a.dtype == torch.float32, UPCAST=upcast(a.dtype),
                            num_warps=4, num_stages=2, **pdl.options(a.device))
 
 

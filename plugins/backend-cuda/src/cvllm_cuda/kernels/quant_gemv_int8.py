@@ -29,10 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
-from cvllm_cuda.kernels import quant_matmul as qm
 from cvllm_cuda.kernels.pdl import options as pdl_options
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
-from cvllm_cuda.kernels.quant_matmul import _word_factors
+from cvllm_cuda.kernels.quant_gemv import GEMV_CONFIGS
+from cvllm_cuda.kernels.quant_tiles import add_splits, group_words, kernel_tensors, split_k, word_factors
+from cvllm_cuda.kernels.sizes import cdiv
 from cvllm_cuda.quant_planes import QuantLayout, QuantWeight
 
 BLOCK = 32   # inputs per activation scale
@@ -116,7 +117,7 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, out_ptr, low_ptr, high_ptr, d
         word_ok = words < num_words
         low = tl.load(low_ptr + words * N + cols3, mask=word_ok & (cols3 < N), other=0)
         gwords = w0 + group_first
-        scale, offset = _word_factors(d_ptr, m_ptr, a_ptr, b_ptr, (gwords * PER_WORD)[:, None], cols[None, :],
+        scale, offset = word_factors(d_ptr, m_ptr, a_ptr, b_ptr, (gwords * PER_WORD)[:, None], cols[None, :],
                                       (gwords < num_words)[:, None] & col_ok, N, SCALE_GROUP, SUPER_GROUP, A_MODE,
                                       B_MODE, B_CONST, HAS_M)
         dots = tl.zeros((GROUPS, GROUP_WORDS, BLOCK_N), dtype=tl.int32)
@@ -158,14 +159,14 @@ def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, con
                     splits: int | None = None) -> None:
     """out[0] = weight @ x[0] with x rounded to int8 per 32 inputs (x [1, K] and out [1, N], contiguous)."""
     lay = weight.layout
-    block_n, block_w, warps, *_ = config or qm.GEMV_CONFIGS[lay.low_bits]
+    block_n, block_w, warps, *_ = config or GEMV_CONFIGS[lay.low_bits]
     n, k = weight.out_features, weight.in_features
     packs, scales, sums = quantize_activations(x, lay.low_bits)
-    splits, split_words = qm._split(qm._cdiv(n, block_n), k, lay.low_bits, block_w, x.device, splits)
+    splits, split_words = split_k(cdiv(n, block_n), k, lay.low_bits, block_w, x.device, splits)
     target = out if splits == 1 else torch.empty((splits, n), dtype=torch.float32, device=x.device)
-    _gemv_int8_kernel[(qm._cdiv(n, block_n), splits)](
-        packs, scales, sums, target, *qm._planes(weight), n, k, split_words, **lay.kernel_args(), BLOCK_N=block_n,
-        BLOCK_W=block_w, GROUP_WORDS=qm.group_words(lay, block_w), INTERPRET=bool(triton.knobs.runtime.interpret),
+    _gemv_int8_kernel[(cdiv(n, block_n), splits)](
+        packs, scales, sums, target, *kernel_tensors(weight), n, k, split_words, **lay.kernel_args(), BLOCK_N=block_n,
+        BLOCK_W=block_w, GROUP_WORDS=group_words(lay, block_w), INTERPRET=bool(triton.knobs.runtime.interpret),
         num_warps=warps, **pdl_options(x.device))
     if splits > 1:
-        qm._add_splits(target, out, splits, n)
+        add_splits(target, out, splits, n)

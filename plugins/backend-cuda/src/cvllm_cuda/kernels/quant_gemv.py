@@ -1,0 +1,123 @@
+"""The batch-1 low-bit GEMV on float activations (``quant_matmul`` calls it for one row of x; layouts that allow it
+take quant_gemv_int8.py instead).
+
+Each program owns BLOCK_N output features and walks K in tiles of quant_tiles.py, summing ``q * x`` per word and
+applying the scale group's factors once (``scale * sum(q x) + offset * sum(x)``); one reduction at the end. When
+the output features alone make too few programs to fill the GPU (a 4096-row weight is 128 tiles of 32), K is split
+over programs too and a second small kernel adds the float32 partial sums.
+
+Measured on the H200 (bench/quant_matmul_sweep.py, docs/benchmarks.md): its arithmetic (about four instructions per
+weight) is ~40% of its time; a Q4_K Llama-3-8B decodes ~1.1x bf16 with it, ~1.4x with the int8-activation GEMV.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from cvllm_cuda.kernels.pdl import options as pdl_options
+from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
+from cvllm_cuda.kernels.quant_tiles import add_splits, group_words, kernel_tensors, split_k, word_factors
+from cvllm_cuda.kernels.sizes import cdiv
+from cvllm_cuda.quant_planes import QuantWeight
+
+# (BLOCK_N, BLOCK_W, num_warps[, stages]) by low-plane bits; set from bench/quant_matmul_sweep.py
+GEMV_CONFIGS = {2: (32, 32, 4), 4: (32, 32, 4), 8: (32, 32, 4)}
+
+
+@triton.jit
+def _unit(low, high_at, S: tl.constexpr, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, FLOAT8: tl.constexpr):
+    """float32 ``1 + q / 2**bits`` for element S of each word: q's bits moved to the top of a float's mantissa under
+    the exponent of 1.0 (one shift and one masked or: no conversion, no subtraction; exact), or the FP8 value
+    (FLOAT8). ``high_at``: the high-plane word shifted so that element 0's high bits are its lowest."""
+    if FLOAT8:
+        return ((low >> (S * 8)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    top: tl.constexpr = 23 - LOW_BITS - HIGH_BITS       # where q's lowest bit goes
+    shift: tl.constexpr = top - S * LOW_BITS
+    if shift >= 0:
+        moved = low << shift
+    else:
+        moved = low >> -shift                           # arithmetic shift: the mask drops the copied sign bits
+    v = (moved & (((1 << LOW_BITS) - 1) << top)) | 0x3F800000
+    if HIGH_BITS > 0:
+        high_shift: tl.constexpr = top + LOW_BITS - S * HIGH_BITS
+        if high_shift >= 0:
+            high = high_at << high_shift
+        else:
+            high = high_at >> -high_shift
+        v = v | (high & (((1 << HIGH_BITS) - 1) << (top + LOW_BITS)))
+    return v.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K, SPLIT_WORDS,
+                 LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
+                 SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
+                 HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                 GROUP_WORDS: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (i, j) sums words j * SPLIT_WORDS .. (j + 1) * SPLIT_WORDS of output features i * BLOCK_N ...; with
+    more than one split, ``out`` is the float32 [splits, N] of the partial sums (``sum_splits_kernel`` adds them).
+
+    A tile is [BLOCK_W // GROUP_WORDS, GROUP_WORDS, BLOCK_N] words: GROUP_WORDS words share their factors (one
+    scale group, or a part of one), loaded once per group and column. Per element: a shift, an or and a fused
+    multiply-add of ``1 + q / 2**bits`` with x; per word, ``sum (1 + q/2**bits) x = sum x + sum(q x) / 2**bits``
+    turns into the weights' sum with one more multiply-add: ``scale * sum(q x) + offset * sum(x)``."""
+    wait_for_previous_kernel(USE_PDL)
+    PER_WORD: tl.constexpr = 32 // LOW_BITS
+    GROUPS: tl.constexpr = BLOCK_W // GROUP_WORDS
+    UNIT: tl.constexpr = 1.0 if FLOAT8 else float(1 << (LOW_BITS + HIGH_BITS))
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols[None, :] < N
+    cols3 = cols[None, None, :]
+    start = tl.program_id(1) * SPLIT_WORDS
+    num_words = tl.minimum(K // PER_WORD, start + SPLIT_WORDS)
+    group_first = tl.arange(0, GROUPS) * GROUP_WORDS                                 # [GROUPS]
+    tile_words = group_first[:, None, None] + tl.arange(0, GROUP_WORDS)[None, :, None]   # [GROUPS, GROUP_WORDS, 1]
+    acc = tl.zeros((GROUPS, GROUP_WORDS, BLOCK_N), dtype=tl.float32)
+    # STAGES > 1: Triton's software pipelining issues the next tiles' loads while this one computes
+    for w0 in tl.range(start, num_words, BLOCK_W, num_stages=STAGES):
+        words = w0 + tile_words
+        word_ok = words < num_words
+        ok = word_ok & (cols3 < N)
+        low = tl.load(low_ptr + words * N + cols3, mask=ok, other=0)
+        high_at = low
+        if HIGH_BITS > 0:
+            first = words * PER_WORD
+            high = tl.load(high_ptr + first // (32 // HIGH_BITS) * N + cols3, mask=ok, other=0)
+            high_at = high >> (first % (32 // HIGH_BITS) * HIGH_BITS)
+        # each group's factors, at its first word (a word never straddles a scale group)
+        gwords = w0 + group_first
+        scale, offset = word_factors(d_ptr, m_ptr, a_ptr, b_ptr, (gwords * PER_WORD)[:, None], cols[None, :],
+                                      (gwords < num_words)[:, None] & col_ok, N, SCALE_GROUP, SUPER_GROUP, A_MODE,
+                                      B_MODE, B_CONST, HAS_M)
+        part = tl.zeros((GROUPS, GROUP_WORDS, BLOCK_N), dtype=tl.float32)
+        x_sum = tl.zeros((GROUPS, GROUP_WORDS, 1), dtype=tl.float32)
+        for S in tl.static_range(PER_WORD):
+            x = tl.load(x_ptr + words * PER_WORD + S, mask=word_ok, other=0.0).to(tl.float32)
+            part += _unit(low, high_at, S, LOW_BITS, HIGH_BITS, FLOAT8) * x
+            x_sum += x
+        # part = sum(x) + sum(q x) / UNIT per word (FP8: sum(q x))
+        scaled = (scale * UNIT)[:, None, :]
+        if FLOAT8:
+            acc += part * scaled + offset[:, None, :] * x_sum
+        else:
+            acc += part * scaled + (offset[:, None, :] - scaled) * x_sum
+    total = tl.sum(tl.sum(acc, axis=1), axis=0)
+    tl.store(out_ptr + tl.program_id(1) * N + cols, total.to(out_ptr.dtype.element_ty), mask=cols < N)
+
+
+def quant_gemv(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple | None = None,
+               splits: int | None = None) -> None:
+    """out[0] = weight @ x[0] (x [1, K] and out [1, N], contiguous)."""
+    block_n, block_w, warps, *stages = config or GEMV_CONFIGS[weight.layout.low_bits]
+    n, k = weight.out_features, weight.in_features
+    splits, split_words = split_k(cdiv(n, block_n), k, weight.layout.low_bits, block_w, x.device, splits)
+    target = out if splits == 1 else torch.empty((splits, n), dtype=torch.float32, device=x.device)
+    _gemv_kernel[(cdiv(n, block_n), splits)](x, target, *kernel_tensors(weight), n, k, split_words,
+                                              **weight.layout.kernel_args(), BLOCK_N=block_n, BLOCK_W=block_w,
+                                              GROUP_WORDS=group_words(weight.layout, block_w),
+                                              STAGES=stages[0] if stages else 1, num_warps=warps,
+                                              **pdl_options(x.device))
+    if splits > 1:
+        add_splits(target, out, splits, n)

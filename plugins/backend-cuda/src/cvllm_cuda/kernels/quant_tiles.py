@@ -1,0 +1,155 @@
+"""What the low-bit plane kernels share (quant_matmul.py's GEMM, quant_gemv.py, quant_gemv_int8.py,
+fused_moe_planes.py): loading a tile of plane words and their factors, one element of each word as a float, and the
+host side of splitting K over programs.
+
+A tile is words [BLOCK_W, BLOCK_N] (a word holds 32 / low_bits consecutive input features of one output feature;
+consecutive output features are contiguous, so a warp's loads are wide). Element S of every word is one shift and
+mask (plus the high plane's bits), made a float without a conversion instruction (``q | 0x4B000000`` is the float
+2**23 + q; subtracting 2**23 is exact), then scaled: ``q * scale + offset``, the layout's reference values exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from cvllm_cuda.kernels import gpu
+from cvllm_cuda.kernels.pdl import options as pdl_options
+from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
+from cvllm_cuda.kernels.sizes import cdiv
+from cvllm_cuda.quant_planes import QuantWeight
+
+# the split kernels divide K until there are about this many programs per SM
+PROGRAMS_PER_SM = 4
+
+
+@triton.jit
+def load_words(low_ptr, high_ptr, words, cols, ok, N, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr):
+    """The low-plane words [BLOCK_W, BLOCK_N] at word indices ``words`` ([BLOCK_W, 1]) of output features ``cols``
+    ([1, BLOCK_N]), and for each the high-plane word holding its elements' high bits (``low`` again without one)."""
+    low = tl.load(low_ptr + words * N + cols, mask=ok, other=0)
+    if HIGH_BITS > 0:
+        first = words * (32 // LOW_BITS)
+        high = tl.load(high_ptr + first // (32 // HIGH_BITS) * N + cols, mask=ok, other=0)
+    else:
+        high = low
+    return low, high
+
+
+@triton.jit
+def word_factors(d_ptr, m_ptr, a_ptr, b_ptr, first, cols, ok, N, SCALE_GROUP: tl.constexpr,
+                  SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
+                  HAS_M: tl.constexpr):
+    """scale and offset (float32 [BLOCK_W, BLOCK_N]) of the words whose first elements are ``first``
+    ([BLOCK_W, 1]): a word never straddles a scale group."""
+    d = tl.load(d_ptr + first // SUPER_GROUP * N + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_M:
+        m = tl.load(m_ptr + first // SUPER_GROUP * N + cols, mask=ok, other=0.0).to(tl.float32)
+    else:
+        m = d
+    if A_MODE == 0:
+        scale = d
+        a = d
+    else:
+        a = tl.load(a_ptr + first // SCALE_GROUP * N + cols, mask=ok, other=0).to(tl.float32)
+        scale = d * a
+    if B_MODE == 0:
+        offset = m * B_CONST
+    elif B_MODE == 1:
+        offset = m * (a * B_CONST)
+    else:
+        b = tl.load(b_ptr + first // SCALE_GROUP * N + cols, mask=ok, other=0).to(tl.float32)
+        offset = m * (b * B_CONST)
+    return scale, offset
+
+
+@triton.jit
+def tile(low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, words, word_ok, cols, col_ok, N,
+          LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr, SUPER_GROUP: tl.constexpr,
+          A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr, HAS_M: tl.constexpr):
+    """A tile's words and factors [BLOCK_W, BLOCK_N] (``words`` [BLOCK_W], ``cols`` [BLOCK_N]), and each word's first
+    element [BLOCK_W, 1]: what every kernel here starts a K step with."""
+    ok = word_ok[:, None] & col_ok[None, :]
+    first = (words * (32 // LOW_BITS))[:, None]
+    low, high = load_words(low_ptr, high_ptr, words[:, None], cols[None, :], ok, N, LOW_BITS, HIGH_BITS)
+    scale, offset = word_factors(d_ptr, m_ptr, a_ptr, b_ptr, first, cols[None, :], ok, N, SCALE_GROUP,
+                                  SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
+    return first, low, high, scale, offset
+
+
+@triton.jit
+def quant_element(low, high, first, S: tl.constexpr, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr,
+           FLOAT8: tl.constexpr = False):
+    """float32: the integer of element ``first + S`` of each word (exact, without a conversion instruction), or
+    its FP8 e4m3 value (FLOAT8)."""
+    q = (low >> (S * LOW_BITS)) & ((1 << LOW_BITS) - 1)
+    if FLOAT8:
+        return q.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if HIGH_BITS > 0:
+        shift = (first % (32 // HIGH_BITS) + S) * HIGH_BITS
+        q = q | (((high >> shift) & ((1 << HIGH_BITS) - 1)) << LOW_BITS)
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def sum_splits_kernel(partial_ptr, out_ptr, N, SPLITS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_previous_kernel(USE_PDL)
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(SPLITS):
+        total += tl.load(partial_ptr + j * N + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def upcast(dtype: torch.dtype) -> bool:
+    """Triton 3.6's interpreter computes ``tl.dot`` of bfloat16 operands wrongly: there the bf16-rounded tiles are
+    multiplied as float32, the same products."""
+    return dtype == torch.bfloat16 and bool(triton.knobs.runtime.interpret)
+
+
+def kernel_tensors(weight: QuantWeight) -> tuple[torch.Tensor, ...]:
+    """The kernels' tensor arguments; an absent one is any tensor on the device (an unused pointer). QuantWeight
+    checked at construction that int32 indexes them."""
+    low = weight.low
+    return (low, weight.high if weight.high is not None else low, weight.d, weight.m if weight.m is not None else low,
+            weight.a if weight.a is not None else low, weight.b if weight.b is not None else low)
+
+
+def k_splits(programs: int, k: int, low_bits: int, block_w: int, device: torch.device) -> int:
+    """How many parts to split K into: enough programs to fill the GPU about PROGRAMS_PER_SM times over (a 4096-row
+    weight in 32-row tiles is 128 programs, fewer than the H200's 132 SMs), each still a few K steps long."""
+    if device.type != "cuda":
+        return 1 if k < 1024 else 2   # the interpreter: both paths
+    steps = cdiv(k * low_bits // 32, block_w)
+    return max(1, min(cdiv(PROGRAMS_PER_SM * gpu.num_sms(gpu.device_index(device)), programs), steps // 4, 16))
+
+
+def group_words(layout, block_w: int) -> int:
+    """Words of a GEMV tile that share factors: a scale group's words when whole groups fit a tile, the tile when it
+    fits in a group, else 1 (factors per word)."""
+    words = layout.scale_group * layout.low_bits // 32
+    if block_w % words == 0:
+        return words
+    return block_w if words % block_w == 0 else 1
+
+
+def split_k(programs: int, k: int, low_bits: int, block_w: int, device: torch.device,
+           splits: int | None) -> tuple[int, int]:
+    """(splits, words per split), the words a whole number of K steps."""
+    words = k * low_bits // 32
+    if splits is None:
+        splits = k_splits(programs, k, low_bits, block_w, device)
+    split_words = cdiv(cdiv(words, splits), block_w) * block_w
+    return cdiv(words, split_words), split_words
+
+
+def add_splits(partials: torch.Tensor, out: torch.Tensor, splits: int, n: int) -> None:
+    """out [T, N] (rows of any stride) = the sum of partials [splits, T, N] (float32)."""
+    t = out.shape[0] if out.dim() == 2 else 1
+    target = out if out.is_contiguous() else torch.empty((t, n), dtype=out.dtype, device=out.device)
+    sum_splits_kernel[(cdiv(t * n, 1024),)](partials, target, t * n, SPLITS=splits, BLOCK=1024, num_warps=4,
+                                       **pdl_options(out.device))
+    if target is not out:
+        out.copy_(target)
