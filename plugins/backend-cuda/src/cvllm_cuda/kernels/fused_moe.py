@@ -45,6 +45,16 @@ def pair_blocks(pairs: int, block_m: int, device: torch.device) -> torch.Tensor:
     return _pair_blocks[key]
 
 
+def pair_layout(local_ids: torch.Tensor, num_local: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(pairs by block, each block's expert, BLOCK_M) for routing ``local_ids [T, k]``: a block per pair up to
+    PAIR_BLOCKS_MAX pairs (its expert the pair's own; num_local: none here, skipped), else align_pairs."""
+    pairs = local_ids.numel()
+    block_m = 16 if pairs <= 8 * num_local else 64   # a few pairs an expert: the smallest tl.dot tile
+    if pairs <= PAIR_BLOCKS_MAX:
+        return pair_blocks(pairs, block_m, local_ids.device), local_ids.reshape(-1), block_m
+    return *align_pairs(local_ids.reshape(-1), num_local, block_m), block_m
+
+
 def align_pairs(local_ids: torch.Tensor, num_local: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``local_ids`` int64 [P] (a pair's expert on this rank; ``num_local``: another rank's) -> (the pairs in
     expert order, padded per expert to whole blocks with P, int32 [max_blocks * block_m]; each block's expert,
@@ -124,12 +134,7 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     num_local = w13.shape[0]
     if hidden.stride(1) != 1:
         hidden = hidden.contiguous()
-    pairs = tokens * top_k
-    block_m = 16 if pairs <= 8 * num_local else 64   # a few pairs an expert: the smallest tl.dot tile
-    if pairs <= PAIR_BLOCKS_MAX:   # a block per pair, its expert the pair's own (num_local: none here, skipped)
-        sorted_pairs, block_expert = pair_blocks(pairs, block_m, hidden.device), local_ids.reshape(-1)
-    else:
-        sorted_pairs, block_expert = align_pairs(local_ids.reshape(-1), num_local, block_m)
+    sorted_pairs, block_expert, block_m = pair_layout(local_ids, num_local)
     weights = topk_weights.reshape(-1).float()
     gate_up = torch.empty((tokens * top_k, w13.shape[1]), dtype=hidden.dtype, device=hidden.device)
     _gemm(hidden, w13, gate_up, sorted_pairs, block_expert, weights, top_k, True, block_m)

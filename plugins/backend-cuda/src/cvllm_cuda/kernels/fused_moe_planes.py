@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from cvllm_cuda.kernels import pdl
-from cvllm_cuda.kernels.fused_moe import PAIR_BLOCKS_MAX, align_pairs, pair_blocks
+from cvllm_cuda.kernels.fused_moe import pair_layout
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.quant_tiles import quant_element, tile, upcast
 from cvllm_cuda.quant_planes import QuantWeight
@@ -112,11 +112,7 @@ def fused_moe_planes(hidden: torch.Tensor, gate_up: list[QuantWeight], down: Qua
     if hidden.stride(1) != 1:
         hidden = hidden.contiguous()
     pairs = tokens * top_k
-    block_m = 16 if pairs <= 8 * num_local else 64
-    if pairs <= PAIR_BLOCKS_MAX:
-        sorted_pairs, block_expert = pair_blocks(pairs, block_m, hidden.device), local_ids.reshape(-1)
-    else:
-        sorted_pairs, block_expert = align_pairs(local_ids.reshape(-1), num_local, block_m)
+    sorted_pairs, block_expert, block_m = pair_layout(local_ids, num_local)
     weights = topk_weights.reshape(-1).float()
     width = sum(part.out_features for part in gate_up)
     rows = torch.empty((pairs, width), dtype=hidden.dtype, device=hidden.device)
