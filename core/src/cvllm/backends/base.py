@@ -69,12 +69,15 @@ class Backend:
     #   fused_moe(hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], local_ids [T, k]) -> [T, H]:
     #       UnquantizedFusedMoEMethod's weighted sum of the experts (silu), ids local to this rank (E: another
     #       rank's expert, adding nothing), without reading anything back to the host (CUDA: a grouped GEMM)
+    #   route_experts(logits [T, E], bias (float32 [E]) or None, rule) -> (float32 [T, k], int64 [T, k]): a MoE
+    #       router's top-k choice by a layers/moe_routing.TopkRouting rule (its route_topk), best expert first
     #   argmax(x [B, V]) -> int64 [B]: ``x.argmax(dim=-1)`` (first index of the max; NaN ranks highest), for
     #       the sampler (the engine hands it over; no forward pass is in progress when it samples)
     argmax: Callable[[Tensor], Tensor] | None = None
     fused_add_rms_norm: Callable[[Tensor, Tensor | None, Tensor, float], Tensor | tuple[Tensor, Tensor]] | None = None
     fused_moe: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
     linear: Callable[[Tensor, Tensor, Tensor | None], Tensor] | None = None
+    route_experts: Callable[[Tensor, Tensor | None, Any], tuple[Tensor, Tensor]] | None = None
     rotary: Callable[[Tensor, Tensor, Tensor | None, Tensor, int], tuple[Tensor, Tensor | None]] | None = None
     rotary_write_kv: RotaryWriteKv | None = None
     silu_and_mul: Callable[[Tensor], Tensor] | None = None

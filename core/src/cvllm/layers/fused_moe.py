@@ -2,8 +2,9 @@
 
 Three pieces, so that faster kernels and other parallel layouts plug in without model changes:
 
-- ``select_experts(router_logits, top_k, renormalize)``: softmax over the router logits in fp32, top-k,
-  optional renormalisation of the k weights (Hugging Face's Qwen2/3-MoE, Mixtral routing).
+- the routing (``moe_routing.TopkRouting``): softmax over the router logits in fp32, top-k, optional
+  renormalisation of the k weights (Hugging Face's Qwen2/3-MoE, Mixtral); DeepSeek's rules call
+  ``forward_routed`` with their own.
 - a ``FusedMoEMethod`` (``fused_moe_methods.py``, like the linear methods of ``quantization.py``) that creates
   the expert weights and applies them: ``apply(layer, hidden, topk_weights, topk_ids)``. The reference method
   groups the (token, expert) pairs by expert and runs one matmul pair per expert that has tokens; a backend or
@@ -51,16 +52,14 @@ from cvllm.layers.activation import SiluAndMul
 from cvllm.layers.expert_parallel import ExpertPlacement
 from cvllm.layers.fp8_experts import FP8_DTYPES, with_fp8_experts_dequantized
 from cvllm.layers.fused_moe_methods import FusedMoEMethod, UnquantizedFusedMoEMethod
+from cvllm.layers.moe_routing import TopkRouting, route_topk
 from cvllm.weight_loading import load_weights_by_name
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[T, E]`` logits -> (``[T, k]`` fp32 weights, ``[T, k]`` int64 expert ids), best expert first."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-    return topk_weights, topk_ids
+    """``[T, E]`` logits -> (``[T, k]`` fp32 weights, ``[T, k]`` int64 expert ids), best expert first: softmax,
+    top-k (the torch reference of layers/moe_routing.py)."""
+    return route_topk(router_logits, None, TopkRouting(top_k, renormalize=renormalize))
 
 
 _ACTIVATIONS = {"silu": SiluAndMul}
@@ -77,6 +76,7 @@ class FusedMoE(nn.Module):
         if activation not in _ACTIVATIONS:
             raise ValueError(f"unsupported MoE activation '{activation}' (supported: {', '.join(_ACTIVATIONS)})")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.routing = TopkRouting(top_k, renormalize=renormalize)
         self.hidden_size, self.reduce_results = hidden_size, reduce_results
         rank, self.tp_size = tp_rank(), tp_size()   # tp_size: both layouts end in an all-reduce over the ranks
         if expert_parallel() and self.tp_size > 1:
@@ -109,7 +109,7 @@ class FusedMoE(nn.Module):
         self.expert_counts = torch.zeros(self.num_experts, dtype=torch.int64, device=self.w13_weight.device)
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        return self.forward_routed(hidden, *select_experts(router_logits, self.top_k, self.renormalize))
+        return self.forward_routed(hidden, *self.routing(router_logits))
 
     def forward_routed(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """The experts' weighted sum for a routing the model chose itself (``[T, k]`` fp32 weights and int64 ids:

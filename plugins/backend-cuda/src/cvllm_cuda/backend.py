@@ -62,9 +62,13 @@ class CudaBackend(Backend):
         # CVLLM_TRITON_MATMUL=0: every matmul through cuBLAS (an A/B switch for benchmarks, and a way out)
         self.linear = linear if os.environ.get("CVLLM_TRITON_MATMUL", "1") != "0" else None
         self.argmax = argmax   # the sampler's: torch's one-block-a-row reduction takes ~28 us at a 128k vocabulary
-        # MoE layers as a grouped GEMM over the routed pairs (CVLLM_FUSED_MOE=0: core's torch forms, for A/B runs)
+        # MoE layers: the router's choice in one launch and a grouped GEMM over the routed pairs
+        # (CVLLM_FUSED_MOE=0: core's torch forms, for A/B runs)
         if os.environ.get("CVLLM_FUSED_MOE", "1") != "0":
             from cvllm_cuda.kernels.fused_moe import fused_moe
+            from cvllm_cuda.kernels.moe_routing import route_experts
+
+            self.route_experts = route_experts
 
             self.fused_moe = functools.partial(fused_moe, silu_and_mul=silu_and_mul)
 

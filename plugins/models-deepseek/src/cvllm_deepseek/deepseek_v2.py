@@ -28,7 +28,7 @@ from cvllm.layers import (
 )
 from cvllm.layers.decoder import DecoderStack, PreNormDecoderLayer
 from cvllm_deepseek.mla import DeepseekV2Attention
-from cvllm_deepseek.routing import route_v2, route_v3
+from cvllm_deepseek.routing import deepseek_routing
 
 
 class DeepseekV2MLP(nn.Module):
@@ -63,7 +63,7 @@ class DeepseekRouter(nn.Module):
 class DeepseekV2MoE(nn.Module):
     def __init__(self, config: ModelConfig, version: int):
         super().__init__()
-        self.config, self.version = config, version
+        self.routing = deepseek_routing(config, version)
         experts = config.get("n_routed_experts") or config.get("num_local_experts")
         self.gate = DeepseekRouter(config.hidden_size, experts, corrected=version == 3)
         self.experts = FusedMoE(experts, config.num_experts_per_tok, config.hidden_size,
@@ -72,14 +72,7 @@ class DeepseekV2MoE(nn.Module):
         self.shared_experts = DeepseekV2MLP(config, config.moe_intermediate_size * shared) if shared else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        c = self.config
-        logits = self.gate(hidden)
-        if self.version == 3:
-            weights, ids = route_v3(logits, self.gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
-                                    c.topk_group, bool(c.get("norm_topk_prob", True)), c.routed_scaling_factor)
-        else:
-            weights, ids = route_v2(logits, c.num_experts_per_tok, c.get("topk_method") or "greedy",
-                                    c.get("n_group"), c.get("topk_group"), c.get("routed_scaling_factor", 1.0))
+        weights, ids = self.routing(self.gate(hidden), self.gate.e_score_correction_bias)
         out = self.experts.forward_routed(hidden, weights, ids)
         return out if self.shared_experts is None else out + self.shared_experts(hidden)
 
