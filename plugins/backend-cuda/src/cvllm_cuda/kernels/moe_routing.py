@@ -33,7 +33,8 @@ def _exp(x, LIBDEVICE_EXP: tl.constexpr):
 def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, stride_lt, scaling,
                   TOP_K: tl.constexpr, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
                   N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_TOP2: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, USE_PDL: tl.constexpr):
+                  BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
+                  USE_PDL: tl.constexpr):
     wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
