@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from cvllm_cuda.kernels import pdl
+from cvllm_cuda.kernels.moe_gemv import PAIR_GEMV_MAX, moe_gemv
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 
 # up to this many (token, expert) pairs, each pair is a block of its own: no sorting at all (a decode step of one
@@ -134,6 +135,8 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     num_local = w13.shape[0]
     if hidden.stride(1) != 1:
         hidden = hidden.contiguous()
+    if tokens * top_k <= PAIR_GEMV_MAX:   # a decode step of a token or two: two expert GEMVs (moe_gemv.py)
+        return moe_gemv(hidden, w13, w2, topk_weights, local_ids)
     sorted_pairs, block_expert, block_m = pair_layout(local_ids, num_local)
     weights = topk_weights.reshape(-1).float()
     gate_up = torch.empty((tokens * top_k, w13.shape[1]), dtype=hidden.dtype, device=hidden.device)
