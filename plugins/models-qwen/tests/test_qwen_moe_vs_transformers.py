@@ -8,6 +8,7 @@ and getting norm_topk_prob wrong would show.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -61,7 +62,7 @@ def test_moe_layers_and_routing_follow_the_config(case, harness) -> None:
     experts = moe_layers(harness.llm(checkpoint))
     assert sorted(experts) == MOE_LAYERS[name]
     for layer in experts.values():
-        assert (layer.num_experts, layer.top_k, layer.renormalize) == (8, 2, config.norm_topk_prob)
+        assert (layer.num_experts, layer.top_k, layer.routing.renormalize) == (8, 2, config.norm_topk_prob)
 
 
 def test_prompt_logits_match_and_use_several_experts(case, harness) -> None:
@@ -94,7 +95,7 @@ def test_wrong_renormalisation_would_show(qwen_checkpoint, harness, name: str) -
     llm = harness.llm(checkpoint)
     prompts = harness.prompts((30,), seed=12)
     for layer in moe_layers(llm).values():
-        layer.renormalize = not layer.renormalize
+        layer.routing = dataclasses.replace(layer.routing, renormalize=not layer.routing.renormalize)
     assert harness.max_logits_diff(llm, checkpoint.model, prompts) > 100 * harness.LOGITS_ATOL
 
 

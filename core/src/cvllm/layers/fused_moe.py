@@ -75,7 +75,7 @@ class FusedMoE(nn.Module):
         super().__init__()
         if activation not in _ACTIVATIONS:
             raise ValueError(f"unsupported MoE activation '{activation}' (supported: {', '.join(_ACTIVATIONS)})")
-        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.num_experts, self.top_k = num_experts, top_k
         self.routing = TopkRouting(top_k, renormalize=renormalize)
         self.hidden_size, self.reduce_results = hidden_size, reduce_results
         rank, self.tp_size = tp_rank(), tp_size()   # tp_size: both layouts end in an all-reduce over the ranks
