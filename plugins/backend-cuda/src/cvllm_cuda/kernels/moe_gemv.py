@@ -6,7 +6,7 @@ over the k pairs as three more launches. Here, for up to PAIR_GEMV_MAX pairs:
 
 1. ``_gate_up_gemv``: program (pair, tile) computes BLOCK_N rows of the expert's gate and the same rows of its
    up projection, and stores ``silu(gate) * up`` for them: the activation in the epilogue, no [P, 2I] buffer.
-2. ``_down_gemv``: program (token, tile) walks the token's k pairs, each pair's BLOCK_N output features times
+2. ``_down_gemv``: program (token, tile) computes BLOCK_N output features of each of the token's k pairs, times
    its routing weight, and stores their sum: no per-pair output, no second reduction.
 
 The roundings are the grouped GEMM's (torch's): each matmul output to the activations' dtype, silu to the dtype
@@ -15,6 +15,8 @@ A pair routed to another rank's expert (id >= E_local) adds nothing.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -70,44 +72,61 @@ def _gate_up_gemv(x_ptr, w_ptr, ids_ptr, out_ptr, I, K, stride_xt, stride_we, st
 
 @triton.jit
 def _down_gemv(inner_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, H, I, stride_we, stride_wn,
-               NUM_LOCAL: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               USE_PDL: tl.constexpr):
+               NUM_LOCAL: tl.constexpr, TOP_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """Each step loads the same BLOCK_N rows of all k experts at once ([BLOCK_P, BLOCK_N, BLOCK_K]): k times the
+    bytes in flight of a pair-at-a-time loop, which left the GPU waiting on small loads."""
     wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < H
+    slots = tl.arange(0, BLOCK_P)
+    pairs = token * TOP_K + slots
+    experts = tl.load(ids_ptr + pairs, mask=slots < TOP_K, other=NUM_LOCAL)
+    here = experts < NUM_LOCAL            # not another rank's expert, not a padding slot
     cols = tl.arange(0, BLOCK_K)
+    w_ptrs = (w_ptr + tl.where(here, experts, 0).to(tl.int64)[:, None, None] * stride_we
+              + rows.to(tl.int64)[None, :, None] * stride_wn + cols[None, None, :])
+    x_ptrs = inner_ptr + pairs.to(tl.int64)[:, None] * I + cols[None, :]
+    w_ok = here[:, None, None] & row_ok[None, :, None]
+    acc = tl.zeros((BLOCK_P, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(0, I, BLOCK_K):
+        k_ok = k + cols < I
+        w = tl.load(w_ptrs + k, mask=w_ok & k_ok[None, None, :], other=0.0, eviction_policy="evict_first")
+        x = tl.load(x_ptrs + k, mask=here[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[:, None, :]
     dtype = out_ptr.dtype.element_ty
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        pair = token * TOP_K + j
-        expert = tl.load(ids_ptr + pair)
-        here = expert < NUM_LOCAL
-        w_ptrs = (w_ptr + tl.where(here, expert, 0).to(tl.int64) * stride_we
-                  + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :])
-        x_ptrs = inner_ptr + pair.to(tl.int64) * I + cols
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k in range(0, I, BLOCK_K):
-            k_ok = (k + cols < I) & here
-            w = tl.load(w_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptrs + k, mask=k_ok, other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        y = tl.sum(acc, axis=1).to(dtype).to(tl.float32)
-        weight = tl.load(weights_ptr + pair).to(dtype).to(tl.float32)
-        total += (y * weight).to(dtype).to(tl.float32)   # exact in float32, then rounded as torch's product
-    tl.store(out_ptr + token.to(tl.int64) * H + rows, total.to(dtype), mask=row_ok)
+    y = tl.sum(acc, axis=2).to(dtype).to(tl.float32)                                  # [BLOCK_P, BLOCK_N]
+    weight = tl.load(weights_ptr + pairs, mask=here, other=0.0).to(dtype).to(tl.float32)
+    products = (y * weight[:, None]).to(dtype).to(tl.float32)   # exact in float32, rounded as torch's product
+    tl.store(out_ptr + token.to(tl.int64) * H + rows, tl.sum(products, axis=0).to(dtype), mask=row_ok)
 
 
-def _block_k(k: int) -> int:
-    """The K step: the largest power of two up to 1024 that divides k (no masks), else 1024 masked."""
-    step = 1024
+@dataclass(frozen=True, slots=True)
+class GemvTiles:
+    """Rows per program and the largest K step of each kernel (bench/moe_gemv_sweep.py measures others)."""
+    gate_up_n: int = 2      # gate rows (and as many up rows) a program
+    gate_up_k: int = 1024
+    gate_up_warps: int = 4
+    down_n: int = 2         # output features a program, of each of the k experts
+    down_k: int = 256
+    down_warps: int = 4
+
+
+DEFAULT_TILES = GemvTiles()
+
+
+def _block_k(k: int, largest: int) -> int:
+    """The K step: the largest power of two up to ``largest`` that divides k (no masks), else ``largest`` masked
+    (at most k's next power of two)."""
+    step = largest
     while step > 64 and k % step:
         step //= 2
-    return step if k % step == 0 else min(1024, next_power_of_2(k))
+    return step if k % step == 0 else min(largest, next_power_of_2(k))
 
 
 def moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-             local_ids: torch.Tensor) -> torch.Tensor:
+             local_ids: torch.Tensor, tiles: GemvTiles = DEFAULT_TILES) -> torch.Tensor:
     """fused_moe's result for ``local_ids.numel() <= PAIR_GEMV_MAX`` pairs (shapes as there; hidden contiguous)."""
     tokens, top_k = local_ids.shape
     num_local, two_i, hidden_size = w13.shape
@@ -115,16 +134,17 @@ def moe_gemv(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     assert w13.stride(2) == 1 and w2.stride(2) == 1 and hidden.stride(1) == 1
     ids = local_ids.reshape(-1)
     inner = torch.empty((tokens * top_k, inter), dtype=hidden.dtype, device=hidden.device)
-    block_k = _block_k(hidden_size)
-    _gate_up_gemv[(ids.shape[0], cdiv(inter, 2))](
+    block_n, block_k = tiles.gate_up_n, _block_k(hidden_size, tiles.gate_up_k)
+    _gate_up_gemv[(ids.shape[0], cdiv(inter, block_n))](
         hidden, w13, ids, inner, inter, hidden_size, hidden.stride(0), w13.stride(0), w13.stride(1),
-        inter * w13.stride(1),
-        NUM_LOCAL=num_local, TOP_K=top_k, EVEN=inter % 2 == 0 and hidden_size % block_k == 0, BLOCK_N=2,
-        BLOCK_K=block_k, LIBDEVICE_EXP=_LIBDEVICE_EXP, num_warps=4, num_stages=3, enable_fp_fusion=False,
+        inter * w13.stride(1), NUM_LOCAL=num_local, TOP_K=top_k,
+        EVEN=inter % block_n == 0 and hidden_size % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
+        LIBDEVICE_EXP=_LIBDEVICE_EXP, num_warps=tiles.gate_up_warps, num_stages=3, enable_fp_fusion=False,
         **pdl.options(hidden.device))
     out = torch.empty((tokens, hidden_size), dtype=hidden.dtype, device=hidden.device)
-    _down_gemv[(tokens, cdiv(hidden_size, 2))](
+    _down_gemv[(tokens, cdiv(hidden_size, tiles.down_n))](
         inner, w2, ids, topk_weights.reshape(-1), out, hidden_size, inter, w2.stride(0), w2.stride(1),
-        NUM_LOCAL=num_local, TOP_K=top_k, BLOCK_N=2, BLOCK_K=_block_k(inter), num_warps=2, num_stages=3,
-        enable_fp_fusion=False, **pdl.options(hidden.device))
+        NUM_LOCAL=num_local, TOP_K=top_k, BLOCK_P=next_power_of_2(top_k), BLOCK_N=tiles.down_n,
+        BLOCK_K=_block_k(inter, tiles.down_k), num_warps=tiles.down_warps, num_stages=3, enable_fp_fusion=False,
+        **pdl.options(hidden.device))
     return out
