@@ -56,46 +56,49 @@ def tiles_to_try():
         yield GemvTiles(down_n=dn, down_k=dk, down_warps=dw)
 
 
+def sweep(name: str, results: list) -> None:
+    hidden_size, inter, experts, top_k = SHAPES[name]
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    w13 = [torch.randn(experts, 2 * inter, hidden_size, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
+           for _ in range(LAYERS)]
+    w2 = [torch.randn(experts, hidden_size, inter, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
+          for _ in range(LAYERS)]
+    hidden = torch.randn(1, hidden_size, device=dev, dtype=torch.bfloat16, generator=gen)
+    ids = [torch.randperm(experts, device=dev, generator=gen)[:top_k].view(1, top_k) for _ in range(LAYERS)]
+    weights = torch.rand(1, top_k, device=dev, generator=gen)
+    routed_bytes = top_k * 3 * inter * hidden_size * 2
+
+    def layers(fn):
+        return lambda: [fn(hidden, w13[i], w2[i], weights, ids[i]) for i in range(LAYERS)]
+
+    saved = grouped.PAIR_GEMV_MAX
+    grouped.PAIR_GEMV_MAX = 0
+    try:
+        us = graph_us(layers(lambda *a: grouped.fused_moe(*a, silu_and_mul=silu_and_mul)), LAYERS)
+    finally:
+        grouped.PAIR_GEMV_MAX = saved
+    print(f"{name}: grouped GEMM {us:.1f} us/layer ({routed_bytes / us / 1e6:.2f} TB/s)")
+    results.append({"shape": name, "kernel": "grouped", "us": us})
+    timed = []
+    for tiles in tiles_to_try():
+        us = graph_us(layers(lambda *a, t=tiles: moe_gemv(*a, tiles=t)), LAYERS)
+        timed.append((us, tiles))
+        results.append({"shape": name, "kernel": "gemv", "tiles": repr(tiles), "us": us})
+    timed.sort(key=lambda item: item[0])
+    for us, tiles in timed[:6]:
+        print(f"{name}: {us:6.1f} us/layer ({routed_bytes / us / 1e6:.2f} TB/s)  {tiles}")
+    print(f"{name}: default {next(us for us, t in timed if t == GemvTiles()):.1f} us/layer")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--json")
     args = ap.parse_args()
-    dev = torch.device("cuda")
     results = []
     for name in args.shapes.split(","):
-        hidden_size, inter, experts, top_k = SHAPES[name]
-        gen = torch.Generator(device=dev).manual_seed(0)
-        w13 = [torch.randn(experts, 2 * inter, hidden_size, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
-               for _ in range(LAYERS)]
-        w2 = [torch.randn(experts, hidden_size, inter, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
-              for _ in range(LAYERS)]
-        hidden = torch.randn(1, hidden_size, device=dev, dtype=torch.bfloat16, generator=gen)
-        ids = [torch.randperm(experts, device=dev, generator=gen)[:top_k].view(1, top_k) for _ in range(LAYERS)]
-        weights = torch.rand(1, top_k, device=dev, generator=gen)
-        routed_bytes = top_k * 3 * inter * hidden_size * 2
-
-        def layers(fn):
-            return lambda: [fn(hidden, w13[i], w2[i], weights, ids[i]) for i in range(LAYERS)]
-
-        saved = grouped.PAIR_GEMV_MAX
-        grouped.PAIR_GEMV_MAX = 0
-        try:
-            us = graph_us(layers(lambda *a: grouped.fused_moe(*a, silu_and_mul=silu_and_mul)), LAYERS)
-        finally:
-            grouped.PAIR_GEMV_MAX = saved
-        print(f"{name}: grouped GEMM {us:.1f} us/layer ({routed_bytes / us / 1e6:.2f} TB/s)")
-        results.append({"shape": name, "kernel": "grouped", "us": us})
-        timed = []
-        for tiles in tiles_to_try():
-            us = graph_us(layers(lambda *a, t=tiles: moe_gemv(*a, tiles=t)), LAYERS)
-            timed.append((us, tiles))
-            results.append({"shape": name, "kernel": "gemv", "tiles": tiles.__repr__(), "us": us})
-        timed.sort(key=lambda item: item[0])
-        for us, tiles in timed[:6]:
-            print(f"{name}: {us:6.1f} us/layer ({routed_bytes / us / 1e6:.2f} TB/s)  {tiles}")
-        print(f"{name}: default {next(us for us, t in timed if t == GemvTiles()):.1f} us/layer")
-        del w13, w2
+        sweep(name, results)
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:

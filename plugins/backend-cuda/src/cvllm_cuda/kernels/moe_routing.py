@@ -111,7 +111,7 @@ def route_experts(logits: torch.Tensor, bias: torch.Tensor | None, rule) -> tupl
         N_GROUP=rule.n_group, TOPK_GROUP=rule.topk_group, GROUP_TOP2=rule.group_score == "top2",
         BLOCK_E=next_power_of_2(num_experts), BLOCK_G=next_power_of_2(rule.n_group),
         BLOCK_K=next_power_of_2(rule.top_k), LIBDEVICE_EXP=_LIBDEVICE_EXP,
-        num_warps=1 if num_experts <= 256 else 4,   # k argmax passes: within a warp, shuffles only enable_fp_fusion=False,
+        num_warps=1 if num_experts <= 256 else 4, enable_fp_fusion=False,   # argmax within a warp: shuffles only
         **pdl.options(logits.device),
     )
     return weights, ids
