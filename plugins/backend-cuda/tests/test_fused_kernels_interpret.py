@@ -163,6 +163,39 @@ def test_rotary_write_kv_is_rotary_then_write_kv(generator, check_rotary_write_k
     check_rotary_write_kv(positions, q, k, v, rope, head_dim, cache, slots)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rope_case", ["full_64", "llama3_80"])
+def test_rotary_write_kv_with_qk_norm_is_norm_then_rotary(generator, dtype, rope_case):
+    """Qwen3's per-head q_norm / k_norm inside the rotary launch: RMSNorm's torch code on each head, then the rotary
+    kernel and write_kv; fp16 equal up to the order of the sum of squares (a last-bit flip, rarely)."""
+    from cvllm_cuda.kernels.kv_cache import write_kv
+
+    head_dim, params = ROPES[rope_case]
+    rope = get_rope(head_dim, 512, params)
+    tokens, num_heads, num_kv_heads, block_size, num_blocks = 6, 6, 2, 4, 5
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = randn(generator, tokens, q_size + 2 * kv_size, dtype=dtype, scale=4.0).split(
+        [q_size, kv_size, kv_size], dim=-1)
+    q_norm, k_norm = make_norm(generator, head_dim, dtype), make_norm(generator, head_dim, dtype)
+    positions = torch.randint(0, 512, (tokens,), generator=generator).to(DEVICE)
+    slots = torch.tensor([3, 17, -1, 0, 9, -1], device=DEVICE)
+    cache = randn(generator, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    normed_q = q_norm(q.reshape(tokens, num_heads, head_dim)).reshape(tokens, q_size)
+    normed_k = k_norm(k.reshape(tokens, num_kv_heads, head_dim)).reshape(tokens, kv_size)
+    ref_q, ref_k = rotary(positions, normed_q, normed_k, rope.cos_sin, head_dim)
+    ref_cache = cache.clone()
+    write_kv(ref_k.view(tokens, num_kv_heads, head_dim), v.reshape(tokens, num_kv_heads, head_dim), ref_cache[0],
+             ref_cache[1], slots)
+    out_q = rotary_write_kv(positions, q, k, v, rope.cos_sin, head_dim, cache[0], cache[1], slots,
+                            qk_norm=(q_norm.weight, k_norm.weight, q_norm.eps))
+    if dtype == torch.float16:
+        assert_ulp_close(out_q, ref_q, MAX_ULP[dtype], MAX_MISMATCH_FRACTION[dtype])
+        assert_ulp_close(cache, ref_cache, MAX_ULP[dtype], MAX_MISMATCH_FRACTION[dtype])
+    else:   # fp32: torch's rsqrt an ulp off here and there; the rotation's differences then count many ulps
+        torch.testing.assert_close(out_q, ref_q, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cache, ref_cache, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # exp(100) = inf, as meant
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(9, 2 * 300), (2, 3, 2 * 1100)])

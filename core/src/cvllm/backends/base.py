@@ -63,6 +63,8 @@ class Backend:
     #   rotary_write_kv(positions, q, k, v, cos_sin, head_dim, k_cache, v_cache, slot_mapping) -> q: the
     #       Attention layer's rotary(positions, q, k) then write_kv(k, v, ...) with the rotated k; returns the
     #       rotated q (layers/attention.py); an FP8 cache's call adds ``scales=(k_scale, v_scale)`` as write_kv's
+    #       and one with per-head norms (Qwen3) ``qk_norm=(q_weight, k_weight, eps)``: RMSNorm over each head of q
+    #       and k before the rotation (q_norm and k_norm share eps)
     #   silu_and_mul(x [..., 2I]) -> [..., I]: SiluAndMul (layers/activation.py)
     #   linear(x, weight, bias): ``F.linear`` of an unquantized linear layer and of the LM head
     #       (layers/quantization.dense), for a backend with its own matmul for some shapes (CUDA: Triton GEMVs)

@@ -11,6 +11,7 @@ from torch import nn
 
 from cvllm.forward_context import get_forward_context
 from cvllm.layers import kv_fp8
+from cvllm.layers.layernorm import RMSNorm
 from cvllm.layers.rotary import RotaryEmbedding
 
 
@@ -44,17 +45,30 @@ class Attention(nn.Module):
         return 1 if self.shared_kv else 2
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None,
-                rotary_emb: RotaryEmbedding | None = None) -> torch.Tensor:
+                rotary_emb: RotaryEmbedding | None = None,
+                qk_norm: tuple[RMSNorm, RMSNorm] | None = None) -> torch.Tensor:
         """Attention of this step's tokens; with ``rotary_emb``, q and k are rotated by ``positions`` first
-        (here, so that a backend can rotate the keys on their way into the cache: one kernel, not two)."""
+        (here, so that a backend can rotate the keys on their way into the cache: one kernel, not two).
+        ``qk_norm``: RMSNorms over each head of q and of k before the rotation (Qwen3), fused into the same
+        kernel where the backend can."""
         ctx = get_forward_context()
         fp8 = kv_fp8.is_fp8(self.k_cache)
         scales = (self.k_scale, self.v_scale) if fp8 else None
         fused = ctx.backend.rotary_write_kv if rotary_emb is not None else None
-        if fp8 and self.kv_scales_pending and not ctx.is_decode_only:
+        calibrating = fp8 and self.kv_scales_pending and not ctx.is_decode_only
+        norm_fused = (qk_norm is not None and fused is not None and not calibrating
+                      and all(norm._fusable for norm in qk_norm) and rotary_emb.rotary_dim == self.head_dim)
+        if qk_norm is not None and not norm_fused:
+            q_norm, k_norm = qk_norm
+            q = q_norm(q.reshape(-1, self.num_heads, self.head_dim)).reshape(q.shape)
+            k = k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim)).reshape(k.shape)
+        if calibrating:
             kv_fp8.calibrate(self, k, v)   # the first prefill this layer sees sets its scales (kv_fp8.py)
         if fused is not None:
             extra = {"scales": scales} if fp8 else {}
+            if norm_fused:
+                q_norm, k_norm = qk_norm
+                extra["qk_norm"] = (q_norm.weight, k_norm.weight, q_norm.eps)
             q = fused(positions, q, k, v, rotary_emb.cos_sin_for(positions, q), self.head_dim,
                       self.k_cache, self.v_cache, ctx.slot_mapping, **extra)
         else:

@@ -20,10 +20,8 @@ class Qwen3Attention(Qwen2Attention):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))     # [T, H, D]: normalise each head
-        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
-        return self.o_proj(self.attn(q.reshape(-1, self.q_size), k.reshape(-1, self.kv_size), v, positions,
-                                     self.rotary_emb))
+        # each head of q and k normalised before rotary: in the rotary kernel where the backend has one
+        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb, qk_norm=(self.q_norm, self.k_norm)))
 
 
 class Qwen3ForCausalLM(Qwen2ForCausalLM):

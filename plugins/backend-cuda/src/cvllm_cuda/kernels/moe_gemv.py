@@ -105,12 +105,16 @@ def _down_gemv(inner_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, H, I, stride_we,
 @dataclass(frozen=True, slots=True)
 class GemvTiles:
     """Rows per program and the largest K step of each kernel (bench/moe_gemv_sweep.py measures others)."""
-    gate_up_n: int = 2      # gate rows (and as many up rows) a program
-    gate_up_k: int = 1024
-    gate_up_warps: int = 4
+    gate_up_n: int = 1      # gate rows (and as many up rows) a program
+    gate_up_k: int = 512
+    gate_up_warps: int = 2
     down_n: int = 2         # output features a program, of each of the k experts
-    down_k: int = 256
+    down_k: int = 128
     down_warps: int = 4
+
+
+# the best of each kernel's sweep on an H200, for Qwen3-30B-A3B and DeepSeek-V2-Lite alike (gate_up 29.2 -> 27.0
+# and 33.3 -> 30.7 us a layer; down 29.2 -> 25.0 and 33.2; bench/results/2026-12-02-h200-moe_gemv_sweep-7227f80.json)
 
 
 DEFAULT_TILES = GemvTiles()

@@ -31,13 +31,15 @@ def _to_cache(value, scale, FP8: tl.constexpr):
 
 @triton.jit
 def _rotate_heads(
-    src_row, src_stride_h, dst_row, dst_stride_h, cos, sin, first_head, num_heads, scale_ptr,
+    src_row, src_stride_h, dst_row, dst_stride_h, cos, sin, first_head, num_heads, scale_ptr, norm_ptr, eps,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_TAIL: tl.constexpr, FP8: tl.constexpr = False, INTERLEAVED: tl.constexpr = False,
+    BLOCK_TAIL: tl.constexpr, FP8: tl.constexpr = False, INTERLEAVED: tl.constexpr = False, NORM: tl.constexpr = False,
 ):
     """Rotates heads [first_head, first_head + BLOCK_H) of one token; ``src_row`` and ``dst_row`` point at
     the token's head 0, heads ``*_stride_h`` elements apart. FP8: ``dst_row`` is an FP8 cache and ``scale_ptr``
-    its per-head scales. INTERLEAVED: the pairs are features (2i, 2i + 1) (GPT-J, DeepSeek), not (i, i + HALF)."""
+    its per-head scales. INTERLEAVED: the pairs are features (2i, 2i + 1) (GPT-J, DeepSeek), not (i, i + HALF).
+    NORM: each head first goes through RMSNorm with weight ``norm_ptr`` [HEAD_DIM] (Qwen3's q_norm / k_norm; the
+    whole head rotates), rounded as RMSNorm's torch code and the fused norm kernel (rms_norm.py) round it."""
     heads = first_head + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_HALF)
     mask = (heads < num_heads)[:, None] & (dims < HALF)[None, :]
@@ -51,6 +53,14 @@ def _rotate_heads(
     out_dtype = dst_row.dtype.element_ty    # then the value is stored in the destination's (a KV cache's)
     x1 = tl.load(src + first[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + second[None, :], mask=mask, other=0.0).to(tl.float32)
+    if NORM:   # F.rms_norm in fp32 (IEEE division and square root), rounded; times the weight, rounded
+        sum_sq = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+        mean_sq = tl.math.div_rn(sum_sq, tl.full(sum_sq.shape, HEAD_DIM, tl.float32))
+        rstd = tl.math.div_rn(tl.full(sum_sq.shape, 1.0, tl.float32), tl.math.sqrt_rn(mean_sq + eps))[:, None]
+        w1 = tl.load(norm_ptr + first, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(norm_ptr + second, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
+        x1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     # products of two dtype values are exact in fp32; rounding each to the dtype, then the sum,
     # reproduces torch's (x * cos) + (rotate_half(x) * sin) with rotate_half's sign on sin
     x1_cos = (x1 * cos).to(dtype).to(tl.float32)
@@ -71,12 +81,12 @@ def _rotate_heads(
 @triton.jit
 def _rotary_kernel(
     positions_ptr, cos_sin_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, slot_ptr, k_scale_ptr,
-    v_scale_ptr,
+    v_scale_ptr, q_norm_ptr, k_norm_ptr, eps,
     num_q_heads, num_k_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
     block_size, stride_cb, stride_cs, stride_ch,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr, TO_CACHE: tl.constexpr, FP8: tl.constexpr,
-    INTERLEAVED: tl.constexpr, USE_PDL: tl.constexpr,
+    INTERLEAVED: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     # grid: (token, head block); the head blocks of q come first, then those of k, then (TO_CACHE) v's
@@ -92,8 +102,8 @@ def _rotary_kernel(
     t = token.to(tl.int64)
     if head_block < q_blocks:
         _rotate_heads(q_ptr + t * stride_qt, stride_qh, q_out_ptr + t * num_q_heads * HEAD_DIM, HEAD_DIM, cos, sin,
-                      head_block * BLOCK_H, num_q_heads, k_scale_ptr, HEAD_DIM, HALF, BLOCK_H, BLOCK_HALF, BLOCK_TAIL,
-                      False, INTERLEAVED)
+                      head_block * BLOCK_H, num_q_heads, k_scale_ptr, q_norm_ptr, eps, HEAD_DIM, HALF, BLOCK_H,
+                      BLOCK_HALF, BLOCK_TAIL, False, INTERLEAVED, NORM)
     else:
         if TO_CACHE:  # k and v go to the token's slot of the paged caches [blocks, block_size, Hkv, D]
             slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -107,8 +117,8 @@ def _rotary_kernel(
             out_stride_h = HEAD_DIM
         if head_block < q_blocks + k_blocks:
             _rotate_heads(k_ptr + t * stride_kt, stride_kh, k_out_ptr + out_row, out_stride_h, cos, sin,
-                          (head_block - q_blocks) * BLOCK_H, stored_heads, k_scale_ptr, HEAD_DIM, HALF, BLOCK_H,
-                          BLOCK_HALF, BLOCK_TAIL, FP8, INTERLEAVED)
+                          (head_block - q_blocks) * BLOCK_H, stored_heads, k_scale_ptr, k_norm_ptr, eps, HEAD_DIM,
+                          HALF, BLOCK_H, BLOCK_HALF, BLOCK_TAIL, FP8, INTERLEAVED, NORM)
         elif TO_CACHE:  # v is stored as it is
             heads = (head_block - q_blocks - k_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
             d = tl.arange(0, BLOCK_D)
@@ -141,25 +151,28 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, cos
 
 def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     cos_sin: torch.Tensor, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None
-                    ) -> torch.Tensor:
+                    slot_mapping: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
     """``rotary(positions, q, k)`` then ``write_kv(k, v, ..., scales)`` of the rotated k, in one launch: the rotated
     keys go straight to their cache slots (slot -1: nothing stored) and never to a tensor of their own.
     Returns the rotated ``q`` (a new contiguous tensor). Caches: ``[num_blocks, block_size, Hkv, D]``; FP8 caches
-    take their per-head ``scales`` (K's, V's) as write_kv does."""
+    take their per-head ``scales`` (K's, V's) as write_kv does. ``qk_norm`` (q's and k's RMSNorm weights [D], eps):
+    each head of q and k normalised first (Qwen3), for a rotary over the whole head."""
     assert v.shape == k.shape and v.stride(-1) == 1 and slot_mapping.shape == (q.shape[0],), (v.shape, k.shape)
     assert k_cache.shape[2] * k_cache.shape[3] == k.shape[-1] and k_cache.shape[3] == head_dim, k_cache.shape
     assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride() and k_cache.stride(-1) == 1
     assert (k_cache.dtype == torch.float8_e4m3fn) == (scales is not None), "an FP8 cache needs its scales"
-    return _launch(positions, q, k, v, cos_sin, head_dim, k_cache, v_cache, slot_mapping.contiguous(), scales)
+    return _launch(positions, q, k, v, cos_sin, head_dim, k_cache, v_cache, slot_mapping.contiguous(), scales,
+                   qk_norm=qk_norm)
 
 
 def _launch(positions, q, k, v, cos_sin, head_dim, k_out, v_cache, slot_mapping, scales=None,
-            interleaved: bool = False) -> torch.Tensor:
+            interleaved: bool = False, qk_norm=None) -> torch.Tensor:
     """The rotated q; the rotated k goes to ``k_out``: a tensor shaped like k, or (with ``v_cache`` and
     ``slot_mapping``) the paged K cache, v then going to ``v_cache``."""
     rotary_dim = cos_sin.shape[1]
     assert rotary_dim % 2 == 0 and rotary_dim <= head_dim, (rotary_dim, head_dim)
+    assert qk_norm is None or rotary_dim == head_dim, "the fused q/k norm needs the whole head rotated"
     assert positions.shape == (q.shape[0],) and cos_sin.stride(-1) == 1, (positions.shape, q.shape)
     positions = positions.contiguous()
     q3 = _heads_view(q, head_dim)
@@ -180,12 +193,13 @@ def _launch(positions, q, k, v, cos_sin, head_dim, k_out, v_cache, slot_mapping,
     _rotary_kernel[grid](
         positions, cos_sin, q3, k3, v3, q_out, k_out if k_out is not None else q_out,
         v_cache if to_cache else q_out, slot_mapping if to_cache else positions, *(scales or (positions, positions)),
+        *(qk_norm or (positions, positions, 0.0)),
         num_q_heads, num_k_heads, q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1), v3.stride(0),
         v3.stride(1), cos_sin.stride(0), k_out.shape[1] if to_cache else 1, *cache_strides,
         HEAD_DIM=head_dim, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
         BLOCK_TAIL=next_power_of_2(head_dim - rotary_dim),  # 0 when the whole head rotates
         BLOCK_D=next_power_of_2(head_dim), TO_CACHE=to_cache, FP8=scales is not None, INTERLEAVED=interleaved,
-        num_warps=4,
+        NORM=qk_norm is not None, num_warps=4,
         enable_fp_fusion=False,  # no FMA contraction: the products round as torch's do
         **pdl.options(q.device),
     )
