@@ -182,11 +182,12 @@ def test_rotary_write_kv_with_qk_norm_is_norm_then_rotary(generator, dtype, rope
     cache = randn(generator, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
     normed_q = q_norm(q.reshape(tokens, num_heads, head_dim)).reshape(tokens, q_size)
     normed_k = k_norm(k.reshape(tokens, num_kv_heads, head_dim)).reshape(tokens, kv_size)
-    ref_q, ref_k = rotary(positions, normed_q, normed_k, rope.cos_sin, head_dim)
+    cos_sin = rope.cos_sin_for(positions, q)   # the table on q's device, in its dtype
+    ref_q, ref_k = rotary(positions, normed_q, normed_k, cos_sin, head_dim)
     ref_cache = cache.clone()
     write_kv(ref_k.view(tokens, num_kv_heads, head_dim), v.reshape(tokens, num_kv_heads, head_dim), ref_cache[0],
              ref_cache[1], slots)
-    out_q = rotary_write_kv(positions, q, k, v, rope.cos_sin, head_dim, cache[0], cache[1], slots,
+    out_q = rotary_write_kv(positions, q, k, v, cos_sin, head_dim, cache[0], cache[1], slots,
                             qk_norm=(q_norm.weight, k_norm.weight, q_norm.eps))
     if dtype == torch.float16:
         assert_ulp_close(out_q, ref_q, MAX_ULP[dtype], MAX_MISMATCH_FRACTION[dtype])
