@@ -32,7 +32,13 @@ from cvllm.testing import (
     hf_greedy,
     hf_logits,
 )
-from cvllm.testing.checkpoints import BASE_CONFIG, EOS_TOKEN_ID, PAD_TOKEN_ID, randomize_norms_and_biases
+from cvllm.testing.checkpoints import (
+    BASE_CONFIG,
+    EOS_TOKEN_ID,
+    PAD_TOKEN_ID,
+    cvllm_greedy,
+    randomize_norms_and_biases,
+)
 
 LOGITS_ATOL = 1e-4
 MIN_GREEDY_MARGIN = 1e-3  # the oracle's top-1 must beat its top-2 by this much at each greedy step
@@ -317,17 +323,36 @@ def test_greedy_tokens_equal_transformers_on_cuda_with_graphs(case: GGUFCase) ->
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert [list(out.outputs[0].token_ids) for out in outputs] == want
     assert llm.llm_engine.runner.decode_forward.replays > 0, "no decode step replayed a CUDA graph"
+    if case.quantized:   # Q8_0 experts computed from their low-bit planes, no float copy (cvllm_gguf/moe.py)
+        assert all(layer.quant_method.planes is not None and layer.w13_weight.numel() == 0
+                   for layer in fused_moe_layers(llm))
 
 
 def test_bf16_engine_dequantizes_experts_to_bf16(tmp_path, caplog) -> None:
+    """Quantized experts load as their blocks; without the CUDA kernels (here) each is then dequantized once to
+    the engine's dtype: the file's numbers."""
     model = tiny_model("qwen3moe")
     path = tmp_path / "tiny-qwen3moe-Q8_0.gguf"
     stored = write_gguf(path, "qwen3moe", model, quantized=True)
     with caplog.at_level(logging.INFO, logger="cvllm_gguf.checkpoint"):
         llm = LLM(model=str(path), dtype="bfloat16", num_kv_blocks=32)
-    assert f"{path.name}: 6 stacked expert tensors (Q8_0) are dequantized to bfloat16 at load" in caplog.text
+    assert f"{path.name}: 6 stacked expert tensors (Q8_0) stay in their blocks" in caplog.text
     layer = fused_moe_layers(llm)[1]
     gate_up = torch.cat([stored["model.layers.1.mlp.experts.gate_proj.weight"],
                          stored["model.layers.1.mlp.experts.up_proj.weight"]], 1)
     assert layer.w13_weight.dtype == torch.bfloat16 and torch.equal(layer.w13_weight, gate_up.bfloat16())
     assert torch.equal(layer.w2_weight, stored["model.layers.1.mlp.experts.down_proj.weight"].bfloat16())
+
+
+def test_quantized_experts_over_two_ranks(tmp_path, caplog) -> None:
+    """Two CPU ranks (gloo) on a Q8_0 Qwen3-MoE file: with expert parallelism each rank loads its whole experts'
+    blocks; with tensor parallelism (experts split on the intermediate dimension) they are dequantized at load,
+    said in the log. Both give one rank's greedy tokens."""
+    path = tmp_path / "tiny-qwen3moe-Q8_0.gguf"
+    write_gguf(path, "qwen3moe", tiny_model("qwen3moe"), quantized=True)
+    prompts = random_prompts((5, 14), seed=GREEDY_SEED)
+    want = cvllm_greedy(path, prompts, 6, num_kv_blocks=32)
+    assert cvllm_greedy(path, prompts, 6, num_kv_blocks=32, tensor_parallel_size=2, enable_expert_parallel=True) == want
+    with caplog.at_level(logging.WARNING, logger="cvllm_gguf.checkpoint"):
+        assert cvllm_greedy(path, prompts, 6, num_kv_blocks=32, tensor_parallel_size=2) == want
+    assert "are dequantized at load: tensor parallelism splits each expert" in caplog.text

@@ -126,6 +126,8 @@ class FusedMoE(nn.Module):
         """Copy one checkpoint tensor into ``param``. ``shard_id``: "w1" (gate), "w3" (up), "w13" (gate rows
         then up rows), "w2" (down). ``expert_id`` (global) None: ``loaded`` holds all experts stacked on dim 0.
         Experts another rank holds (expert parallelism) are skipped, stacked ones sliced to this rank's."""
+        if self.quant_method.load_weight(self, param, loaded, shard_id, expert_id):
+            return
         want_dims = 3 if expert_id is None else 2
         if loaded.dim() != want_dims:
             raise ValueError(f"expected a {want_dims}-D tensor, got shape {tuple(loaded.shape)}")

@@ -25,6 +25,12 @@ class FusedMoEMethod:
         """``num_experts``: the experts this rank holds (``layer.num_local_experts``)."""
         raise NotImplementedError
 
+    def load_weight(self, layer: FusedMoE, param: torch.Tensor, loaded: torch.Tensor, shard_id: str,
+                    expert_id: int | None) -> bool:
+        """Load a checkpoint tensor this method stores in its own form (GGUF blocks): True when done, False (the
+        default) for the layer's float loader (FusedMoE.weight_loader's arguments)."""
+        return False
+
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         pass
 

@@ -9,11 +9,13 @@ Opening reads only the header and metadata: the HF config comes from the model p
 2. The weight iterator yields those modules' weights as raw blocks, ``<module>.qweight`` (uint8
    rows, q/k rows un-permuted as bytes), and every other tensor (embeddings, norms, an untied LM
    head, float linears) dequantized to float32 under its HF name.
-3. Stacked expert tensors (3-D ``ffn_*_exps``, [experts, out, in]) go to ``FusedMoE``, which takes
-   plain tensors: they are dequantized at load, to float32 on the exact path (a float32 engine) and
-   to the engine's dtype otherwise, and yielded under the module name without ``.weight``
-   (``model.layers.0.mlp.experts.gate_proj``), the stacked form FusedMoE's loader takes. This costs
-   the memory of unquantized experts; a GPU kernel that reads the blocks will replace it.
+3. Stacked expert tensors (3-D ``ffn_*_exps``, [experts, out, in]) go to ``FusedMoE`` under the module
+   name without ``.weight`` (``model.layers.0.mlp.experts.gate_proj``), the stacked form its loader takes.
+   The quantizer's ``moe_method`` keeps a layer's quantized experts in their blocks (raw uint8
+   [experts, rows, row bytes], moe.GGUFExpertsMethod: low-bit planes on CUDA, dequantized once elsewhere)
+   where gate and up share a type and the experts are not split on the intermediate dimension (tensor
+   parallelism without expert parallelism); other experts are dequantized at load, to float32 on the
+   exact path (a float32 engine) and to the engine's dtype otherwise.
 
 Each tensor is yielded lazy (``lazy_weights.py``): a tensor-parallel rank's loaders narrow it to the rank's
 shard, and only that part of the file is copied, un-permuted and dequantized; world size 1 reads each whole.
@@ -29,18 +31,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from cvllm import plugins
 from cvllm.checkpoint.base import Checkpoint, CheckpointError
 from cvllm.checkpoint.lazy import LazyTensor
 from cvllm.config import ConfigError, model_config_from_dict
+from cvllm.layers.fused_moe_methods import FusedMoEMethod
 from cvllm.layers.quantization import LinearMethod, LinearMethodFactory
 from cvllm.sampling_params import SamplingParams
 from cvllm_gguf.adapters import expand_blocks, hf_config, tensor_names
 from cvllm_gguf.dequant import dequantize
-from cvllm_gguf.lazy_weights import blocks, dequantized
+from cvllm_gguf.lazy_weights import blocks, dequantized, stacked_blocks
 from cvllm_gguf.linear_method import GGUFLinearMethod
 from cvllm_gguf.mixed import MixedGGUFLinearMethod
+from cvllm_gguf.moe import GGUFExpertsMethod
 from cvllm_gguf.quant_types import FLOAT_DTYPES, GGMLType
 from cvllm_gguf.reader import GGUFFile, TensorInfo, open_gguf_files
 
@@ -76,6 +81,8 @@ class GGUFQuantConfig:
     path: Path
     weight_types: dict[str, GGMLType]  # HF module name -> GGML type of its ".weight"
     quantized_modules: set[str] = field(default_factory=set)  # filled by the linear-method factory
+    expert_types: dict[str, GGMLType] = field(default_factory=dict)  # stacked experts' module name -> GGML type
+    quantized_experts: set[str] = field(default_factory=set)  # those loading as blocks (the factory's moe_method)
     dtype: torch.dtype | None = None  # the engine's, set by the linear-method factory; None: float32
 
 
@@ -108,7 +115,8 @@ def open_gguf_checkpoint(path: str | Path) -> Checkpoint:
     _check_embedding_rows(path, located, config.vocab_size)
     weights = _plan_weights(path, arch_name, adapter, located, config)
     quant = GGUFQuantConfig(path, {w.hf_name.removesuffix(".weight"): w.info.qtype
-                                   for w in weights if w.hf_name.endswith(".weight")})
+                                   for w in weights if w.hf_name.endswith(".weight")},
+                            expert_types={w.hf_name: w.info.qtype for w in weights if w.stacked})
     tokenizer, stop_ids = _tokenizer(meta)
     return Checkpoint(
         path=path,
@@ -176,16 +184,17 @@ def _plan_weights(path: Path, arch_name: str, adapter: Any, located: dict[str, t
 
 def iterate_weights(weights: list[GGUFWeight],
                     quant: GGUFQuantConfig) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
-    stacked = [w for w in weights if w.stacked]
-    if stacked:
-        expert_dtype = quant.dtype or torch.float32
-        types = ", ".join(sorted({w.info.qtype.name for w in stacked}))
-        logger.info("%s: %d stacked expert tensors (%s) are dequantized to %s at load: FusedMoE computes on "
-                    "plain tensors (no kernel reads GGML blocks of experts yet)", quant.path.name, len(stacked),
-                    types, str(expert_dtype).removeprefix("torch."))
+    expert_dtype = quant.dtype or torch.float32
+    for kept, what in ((True, "stay in their blocks"), (False, f"are dequantized to {expert_dtype} at load")):
+        stacked = [w for w in weights if w.stacked and (w.hf_name in quant.quantized_experts) == kept]
+        if stacked:
+            types = ", ".join(sorted({w.info.qtype.name for w in stacked}))
+            logger.info("%s: %d stacked expert tensors (%s) %s", quant.path.name, len(stacked), types,
+                        what.replace("torch.", ""))
     for weight in weights:
         if weight.stacked:
-            yield weight.hf_name, dequantized(weight, expert_dtype)
+            kept = weight.hf_name in quant.quantized_experts
+            yield weight.hf_name, stacked_blocks(weight) if kept else dequantized(weight, expert_dtype)
             continue
         module, _, suffix = weight.hf_name.rpartition(".")
         if suffix == "weight" and module in quant.quantized_modules:
@@ -219,6 +228,21 @@ def gguf_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMet
         quant.quantized_modules.update(types)
         return GGUFLinearMethod(next(iter(types.values())), mode)
 
+    def moe_method(name: str, module: nn.Module) -> FusedMoEMethod | None:
+        """A FusedMoE layer's quantized experts stay in their blocks (moe.py), or None: dequantized at load."""
+        stems = [f"{name}.{proj}" for proj in ("gate_proj", "up_proj", "down_proj")]
+        gate, up, down = (quant.expert_types.get(stem) for stem in stems)
+        if None in (gate, up, down) or {gate, up, down} & set(FLOAT_DTYPES):
+            return None
+        if gate != up or module.shard_size > 1:
+            why = (f"gate {gate.name} and up {up.name} differ" if gate != up
+                   else "tensor parallelism splits each expert (--enable-expert-parallel keeps them whole)")
+            logger.warning("%s: the experts of '%s' are dequantized at load: %s", quant.path.name, name, why)
+            return None
+        quant.quantized_experts.update(stems)
+        return GGUFExpertsMethod(gate, down)
+
+    method_for.moe_method = moe_method
     return method_for
 
 

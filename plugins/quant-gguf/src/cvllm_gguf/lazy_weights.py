@@ -3,8 +3,9 @@ only that shard's bytes are copied out of the file mapping, un-permuted and dequ
 
 - ``blocks``: a quantized linear's raw blocks, uint8 [rows, bytes_per_row]. Its layer narrows it on rows
   (column-parallel) or on whole blocks of a row (row-parallel, aligned): either is a slice of the mapping.
-- ``dequantized``: everything loaded as floats (embeddings, norms, float linears, stacked experts). A part reads
-  its rows and the blocks that cover its columns, and dequantizes only those.
+- ``stacked_blocks``: a MoE layer's stacked experts kept quantized, uint8 [experts, rows, bytes_per_row].
+- ``dequantized``: everything loaded as floats (embeddings, norms, float linears, other stacked experts). A part
+  reads its rows and the blocks that cover its columns, and dequantizes only those.
 
 q/k rows that llama.cpp permuted are read in un-permuted order (row indices), so a rank's heads are its own rows
 and nothing else. 1-D tensors (norms, biases) are small and read whole, as before.
@@ -36,6 +37,20 @@ def blocks(weight) -> torch.Tensor | LazyTensor:
     return LazyTensor((info.shape[0], info.row_bytes), torch.uint8, read)
 
 
+def stacked_blocks(weight) -> LazyTensor:
+    """The raw blocks of stacked experts (a 3-D ``GGUFWeight``), uint8 [experts, rows, bytes_per_row]: a part reads
+    only its experts' rows (expert parallelism)."""
+    info = weight.info
+    num_experts, per_expert = weight.shape[0], weight.shape[1]
+
+    def read(box: Box) -> torch.Tensor:
+        (expert, experts), (row, rows), (byte, nbytes) = box
+        flat = _expert_rows(expert, experts, row, rows, per_expert)
+        return weight.file.read(info, flat, slice(byte, byte + nbytes)).view(experts, rows, nbytes)
+
+    return LazyTensor((num_experts, per_expert, info.row_bytes), torch.uint8, read)
+
+
 def dequantized(weight, dtype: torch.dtype = torch.float32) -> torch.Tensor | LazyTensor:
     """A ``GGUFWeight`` as a ``dtype`` tensor of its Hugging Face shape: 2-D, or 3-D stacked experts (which
     ``dequantize_stacked`` converts one expert at a time, so the float32 intermediate is never the whole stack)."""
@@ -56,16 +71,19 @@ def dequantized(weight, dtype: torch.dtype = torch.float32) -> torch.Tensor | La
             values = dequantize(raw, info.qtype, (rows, width), info.name).to(dtype)
         else:   # stacked experts: the file's rows are [experts * rows_per_expert]
             (expert, experts), (row, rows) = lead
-            per_expert = shape[1]
-            if rows == per_expert:
-                flat = slice(expert * per_expert, (expert + experts) * per_expert)
-            else:
-                flat = (np.arange(expert, expert + experts)[:, None] * per_expert + np.arange(row, row + rows)).ravel()
-            raw = weight.file.read(info, flat, byte_range)
+            raw = weight.file.read(info, _expert_rows(expert, experts, row, rows, shape[1]), byte_range)
             values = dequantize_stacked(raw, info.qtype, (experts, rows, width), dtype, info.name)
         return values.narrow(-1, column - first * fmt.block_size, columns)
 
     return LazyTensor(shape, dtype, read)
+
+
+def _expert_rows(expert: int, experts: int, row: int, rows: int, per_expert: int) -> slice | np.ndarray:
+    """The file rows of rows [row, row + rows) of experts [expert, expert + experts): the file holds stacked
+    experts as [experts * per_expert] rows."""
+    if rows == per_expert:
+        return slice(expert * per_expert, (expert + experts) * per_expert)
+    return (np.arange(expert, expert + experts)[:, None] * per_expert + np.arange(row, row + rows)).ravel()
 
 
 def _raw_whole(weight) -> torch.Tensor:
