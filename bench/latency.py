@@ -145,27 +145,35 @@ def main() -> None:
                     help="split the model over N ranks (GPUs; processes with gloo under --tiny)")
     ap.add_argument("--isq", metavar="TYPE",
                     help="quantize the random weights in situ as they load (q4k, q8_0 ...): the quantized decode path")
+    ap.add_argument("--model", metavar="PATH",
+                    help="a checkpoint (directory or GGUF file, e.g. bench/random_gguf.py's) instead of random weights "
+                    "of --shape; its shape is named after the file")
     ap.add_argument("--json")
     args = ap.parse_args()
     tp = args.tensor_parallel_size
+    if args.model and not args.skip_hf:
+        ap.error("--model needs --skip-hf (the transformers reference draws random weights of --shape)")
     if tp > 1 and args.no_tuned:
         ap.error("--no-tuned clears the tuned tiles in this process only, not in the other ranks")
     device = "cpu" if args.tiny else "cuda"
     shape = args.shape if args.tiny and args.shape.startswith("tiny") else "tiny" if args.tiny else args.shape
     contexts = [64, 256] if args.tiny else [int(c) for c in args.contexts.split(",")]
     dtype = torch.bfloat16
-    vocab = shape_config(shape, dtype)["vocab_size"]
+    if args.model:
+        shape = Path(args.model).name
 
     if args.no_tuned:
         from cvllm_cuda.kernels.paged_attention import SPARSE_DECODE_CONFIGS, TUNED_CONFIGS
         TUNED_CONFIGS.clear()
         SPARSE_DECODE_CONFIGS.clear()
     started = time.perf_counter()
-    engine = build_engine(EngineConfig(model=random_checkpoint(shape, dtype, device), backend=device, dtype=dtype,
+    model = args.model or random_checkpoint(shape, dtype, device)
+    engine = build_engine(EngineConfig(model=model, backend=device, dtype=dtype,
                                        max_num_seqs=4, max_model_len=max(contexts) + args.decode_tokens + 16,
                                        kv_cache_memory=8 << 30 if device == "cuda" else 64 << 20,
                                        enforce_eager=args.enforce_eager, tensor_parallel_size=tp, isq=args.isq))
     load_s = time.perf_counter() - started
+    vocab = engine.runner.model.config.vocab_size
     result: dict = {"bench": "latency", "shape": shape, "device": torch.cuda.get_device_name() if device == "cuda"
                     else "cpu", "dtype": "bfloat16", "isq": args.isq, "enforce_eager": args.enforce_eager,
                     "tuned_attention": not args.no_tuned, "tensor_parallel_size": tp, "load_s": load_s,
