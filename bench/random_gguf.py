@@ -1,8 +1,8 @@
 """A GGUF file of random quantized weights in a model shape of random_checkpoint.py (no tokenizer): what a
 quantized file of that size costs to load, to hold and to decode, without downloading one.
 
-    python bench/random_gguf.py /tmp/qwen3-30b-a3b-q4_k.gguf --shape qwen3-30b-a3b      # ~17 GB, ~1 min
-    python bench/latency.py --model /tmp/qwen3-30b-a3b-q4_k.gguf --skip-hf --contexts 1024
+    python bench/random_gguf.py qwen3-30b-a3b-q4_k.gguf --shape qwen3-30b-a3b      # ~17 GB, ~1 min
+    python bench/latency.py --model qwen3-30b-a3b-q4_k.gguf --skip-hf --contexts 1024
 
 Every matrix is Q4_K (blocks of random 4-bit values and 6-bit scales under small f16 super-scales, the router
 float32 as llama.cpp keeps it), norms are ones. Only the qwen3moe architecture (the issue's shape) is written.
