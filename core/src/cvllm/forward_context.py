@@ -30,7 +30,8 @@ class ForwardContext:
     is_decode_only: bool
     block_size: int = 0               # tokens per KV block (0: not said, for a context that no attention reads)
     backend_data: Any = None          # what Backend.prepare derives from the above, once per forward pass
-    rope_cache: dict = field(default_factory=dict)  # rotary cos/sin looked up once per forward (layers/rotary.py)
+    # what layers work out once per forward pass and share: rotary cos/sin (layers/rotary.py), MLA's prefill split
+    per_step: dict = field(default_factory=dict)
 
 
 _context: ForwardContext | None = None

@@ -164,12 +164,12 @@ class RotaryEmbedding(nn.Module):
         pass rotates by the same positions, so inside one the lookup is made once and shared."""
         ctx = current_forward_context()
         key = (id(self.cos_sin), id(positions))
-        if ctx is not None and key in ctx.rope_cache:
-            return ctx.rope_cache[key][2:]
+        if ctx is not None and key in ctx.per_step:
+            return ctx.per_step[key][2:]
         cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [T, rotary_dim/2] each
         cos, sin = torch.cat([cos, cos], dim=-1)[:, None], torch.cat([-sin, sin], dim=-1)[:, None]
         if ctx is not None:  # the tensors are kept with their key, so neither id can be reused meanwhile
-            ctx.rope_cache[key] = (self.cos_sin, positions, cos, sin)
+            ctx.per_step[key] = (self.cos_sin, positions, cos, sin)
         return cos, sin
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -12,10 +12,10 @@ position: multi-query attention with head size ``kv_lora_rank + qk_rope_head_dim
 (``Attention(shared_kv=True)``: one tensor), the output's first ``kv_lora_rank`` features times ``W_UV[h]``.
 Same math as transformers' decompressed form; only the rounding order differs.
 
-Every step (prefill too) takes this form: on the CPU the backend's attention is plain MQA over the latent (the
-rope part of its output dropped: ``value_dim``), on CUDA cvllm_cuda.kernels.mla_attention (the latent and rope
-parts loaded apart, the latents serving as keys and values). A decompressed prefill (less compute for long
-prompts) is a later step.
+Decode steps take this form: on the CPU the backend's attention is plain MQA over the latent (the rope part of
+its output dropped: ``value_dim``), on CUDA cvllm_cuda.kernels.mla_attention (the latent and rope parts loaded
+apart, the latents serving as keys and values). Prompts and long chunks take the decompressed form, keys and
+values made from the cached latents (mla_prefill.py: less compute once a sequence has more than ~170 new tokens).
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ from torch import nn
 
 from cvllm.config import ModelConfig
 from cvllm.distributed import tp_rank, tp_size
+from cvllm.forward_context import current_forward_context, forward_context
 from cvllm.layers import Attention, ColumnParallelLinear, ReplicatedLinear, RMSNorm, RowParallelLinear, get_rope
 from cvllm.layers.rotary import _yarn_mscale
+from cvllm_deepseek import mla_prefill
 
 
 def softmax_scale(config: ModelConfig) -> float:
@@ -112,9 +114,31 @@ class DeepseekV2Attention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent.contiguous())
         q_pe, k_pe = self.rotary_emb(positions, q_pe.contiguous(), k_pe.contiguous())
+        q_pe = q_pe.view(tokens, self.num_heads, self.rope)
         w_uk, w_uv = self._absorbed()
-        q_latent = torch.einsum("thd,hdc->thc", q_nope, w_uk)
-        query = torch.cat([q_latent, q_pe.view(tokens, self.num_heads, self.rope)], dim=-1)
         key = torch.cat([latent, k_pe.view(tokens, self.rope)], dim=-1)
+        ctx = current_forward_context()
+        split = None if ctx is None else mla_prefill.split_step(ctx, self)
+        if split is None:
+            return self.o_proj(self._absorbed_attention(q_nope, q_pe, key, w_uk, w_uv).reshape(tokens, -1))
+        # long prompts and chunks decompressed (mla_prefill.py), the other sequences in the absorbed form
+        cache = self.attn.k_cache
+        cached = key.view(tokens, 1, -1)
+        ctx.backend.write_kv(cached, cached, cache, cache, ctx.slot_mapping)   # every token's latent, once
+        out = torch.empty(tokens, self.num_heads, self.v_head_dim, dtype=key.dtype, device=key.device)
+        if split.absorbed is not None:
+            sub, rows = split.absorbed
+            with forward_context(sub):
+                out[rows] = self._absorbed_attention(q_nope[rows], q_pe[rows], key[rows], w_uk, w_uv)
+        for seq in split.decompress:
+            rows = slice(ctx.query_start_loc_cpu[seq], ctx.query_start_loc_cpu[seq + 1])
+            out[rows] = mla_prefill.decompressed_attention(self, ctx, seq, q_nope[rows], q_pe[rows])
+        return self.o_proj(out.reshape(tokens, -1))
+
+    def _absorbed_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, key: torch.Tensor, w_uk: torch.Tensor,
+                            w_uv: torch.Tensor) -> torch.Tensor:
+        """The absorbed form over the latent cache (writing ``key``, the tokens' latents): [T, H, v_head_dim]."""
+        tokens = q_nope.shape[0]
+        query = torch.cat([torch.einsum("thd,hdc->thc", q_nope, w_uk), q_pe], dim=-1)
         out = self.attn(query, key, key).view(tokens, self.num_heads, self.kv_lora_rank)
-        return self.o_proj(torch.einsum("thc,hvc->thv", out, w_uv).reshape(tokens, -1))
+        return torch.einsum("thc,hvc->thv", out, w_uv)
