@@ -24,6 +24,7 @@ def test_which_sequences_decompress(monkeypatch):
     """DeepSeek-V3's dimensions: a prompt and a chunk of more than ~170 tokens decompress; a decode, a short chunk
     over a long context and anything of an FP8 cache stay absorbed."""
     monkeypatch.setattr(mla_prefill, "sub_context", lambda ctx, seqs: ("sub", seqs))
+    monkeypatch.setattr(mla_prefill, "_SWITCH", None)   # the default: on where the cache is not on a GPU
     assert mla_prefill.split_step(fake_step([1, 1], [900, 40]), V3_DIMS) is None
     split = mla_prefill.split_step(fake_step([1, 40, 100, 300], [5000, 40, 10000, 10000]), V3_DIMS)
     assert split.decompress == [1, 3] and split.absorbed == ("sub", [0, 2])
@@ -34,6 +35,7 @@ def test_which_sequences_decompress(monkeypatch):
 
 
 def test_decompressed_prefill_gives_the_absorbed_numbers(deepseek_checkpoint, monkeypatch):
+    monkeypatch.setattr(mla_prefill, "_SWITCH", "1")   # on whatever the device
     path, _ = deepseek_checkpoint("deepseek_v3")
     generator = torch.Generator().manual_seed(5)
     batch = [torch.randint(3, 200, (n,), generator=generator).tolist() for n in (37, 5, 61)]

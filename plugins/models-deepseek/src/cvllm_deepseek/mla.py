@@ -14,8 +14,9 @@ Same math as transformers' decompressed form; only the rounding order differs.
 
 Decode steps take this form: on the CPU the backend's attention is plain MQA over the latent (the rope part of
 its output dropped: ``value_dim``), on CUDA cvllm_cuda.kernels.mla_attention (the latent and rope parts loaded
-apart, the latents serving as keys and values). Prompts and long chunks take the decompressed form, keys and
-values made from the cached latents (mla_prefill.py: less compute once a sequence has more than ~170 new tokens).
+apart, the latents serving as keys and values). Prompts and long chunks can take the decompressed form, keys and
+values made from the cached latents (mla_prefill.py: less compute once a sequence has more than ~170 new tokens;
+by default off a GPU only, where it is not yet the faster one).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ absorbed form.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -27,6 +28,12 @@ from torch.nn.attention.bias import causal_lower_right
 
 from cvllm.forward_context import ForwardContext
 from cvllm.layers import kv_fp8
+
+# On CUDA the absorbed Triton kernel is faster for now: DeepSeek-V2-Lite's TTFT at 1k / 4k tokens was 49.6 / 163.5 ms
+# absorbed, 64.3 / 219.4 decompressed (torch's SDPA: keys of 192 against values of 128 with a bottom-right causal
+# mask leave it its slower kernels; bench/results/2026-12-02-h200-latency-deepseek-v2-lite-*8249fc2.json). So by
+# default the decompressed form runs where the cache is not on a GPU; CVLLM_MLA_DECOMPRESS=1 / 0: always / never.
+_SWITCH = os.environ.get("CVLLM_MLA_DECOMPRESS")
 
 
 @dataclass(slots=True)
@@ -44,7 +51,9 @@ def split_step(ctx: ForwardContext, layer) -> PrefillSplit | None:
 
 
 def _split(ctx: ForwardContext, layer) -> PrefillSplit | None:
-    if ctx.is_decode_only or kv_fp8.is_fp8(layer.attn.k_cache):
+    cache = layer.attn.k_cache
+    enabled = cache.device.type != "cuda" if _SWITCH is None else _SWITCH != "0"
+    if ctx.is_decode_only or kv_fp8.is_fp8(cache) or not enabled:
         return None
     made = layer.kv_lora_rank * (layer.nope + layer.v_head_dim)     # a key and value made, per head
     saved = (2 * layer.kv_lora_rank + layer.rope) - (layer.nope + layer.rope + layer.v_head_dim)  # per pair
