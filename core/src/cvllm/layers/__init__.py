@@ -10,7 +10,7 @@ from cvllm.layers.fused_moe import (
     load_weights_with_experts,
     select_experts,
 )
-from cvllm.layers.layernorm import RMSNorm
+from cvllm.layers.layernorm import LayerNorm, RMSNorm
 from cvllm.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -21,7 +21,8 @@ from cvllm.layers.linear import (
 from cvllm.layers.rotary import RotaryEmbedding, get_rope
 
 __all__ = [
-    "Attention", "ColumnParallelLinear", "FusedMoE", "FusedMoEMethod", "GeluAndMul", "MergedColumnParallelLinear",
+    "Attention", "ColumnParallelLinear", "FusedMoE", "FusedMoEMethod", "GeluAndMul", "LayerNorm",
+    "MergedColumnParallelLinear",
     "ParallelLMHead",
     "QKVParallelLinear", "RMSNorm", "ReplicatedLinear", "RotaryEmbedding", "RowParallelLinear", "SiluAndMul",
     "UnquantizedFusedMoEMethod", "VocabParallelEmbedding", "get_rope", "load_weights_with_experts", "select_experts",

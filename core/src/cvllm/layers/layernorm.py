@@ -38,3 +38,22 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with a weight and (by default) a bias, as ``nn.LayerNorm`` computes it (``F.layer_norm`` in the
+    input's dtype: the same kernel transformers calls), with RMSNorm's optional fused residual add (Phi-2,
+    StableLM, GPT-NeoX style models)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(hidden_size), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``."""
+        if residual is not None:
+            x = x + residual
+        out = F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+        return out if residual is None else (out, x)

@@ -14,9 +14,11 @@ from cvllm.testing.checkpoints import (
     make_checkpoint,
     published_spelling,
     randomize_norms_and_biases,
+    register_tiny_architecture,
     save_sharded,
     tiny_config,
 )
+from cvllm.testing.threads import one_torch_thread
 from cvllm.testing.tokenizer import (
     CHATML_TEMPLATE,
     SPECIAL_TOKENS,
@@ -37,7 +39,9 @@ __all__ = [
     "hf_logits",
     "make_checkpoint",
     "published_spelling",
+    "one_torch_thread",
     "randomize_norms_and_biases",
+    "register_tiny_architecture",
     "save_sharded",
     "tiny_config",
     "write_tiny_tokenizer",

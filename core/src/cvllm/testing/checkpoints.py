@@ -88,6 +88,12 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
+def register_tiny_architecture(arch: str, config_class: str, model_class: str, **defaults: Any) -> None:
+    """Make ``arch`` known to tiny_config / make_checkpoint: a model plugin's tests add their own families
+    (transformers' config and model class names, and the config values of the tiny model over BASE_CONFIG)."""
+    ARCHITECTURES[arch] = (config_class, model_class, defaults)
+
+
 def tiny_config(arch: str = "llama", **overrides: Any):
     """The transformers config of a tiny model of `arch`, eager attention, fp32."""
     import transformers
