@@ -164,6 +164,29 @@ def test_rotary_write_kv_is_rotary_then_write_kv(generator, check_rotary_write_k
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_interleaved_rotary_write_kv_is_interleaved_rotary_then_write_kv(generator, dtype):
+    """GLM4's partial GPT-J-pair rotary through the fused launch: the same bits as the interleaved rotary kernel
+    (bit-exact to RotaryEmbedding(interleaved) above), then write_kv."""
+    from cvllm_cuda.kernels.kv_cache import write_kv
+
+    rope = get_rope(64, 512, {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                    interleaved=True)
+    tokens, num_heads, num_kv_heads, block_size, num_blocks = 6, 4, 2, 4, 5
+    q, k, v = randn(generator, tokens, (num_heads + 2 * num_kv_heads) * 64, dtype=dtype, scale=4.0).split(
+        [num_heads * 64, num_kv_heads * 64, num_kv_heads * 64], dim=-1)
+    positions = torch.randint(0, 512, (tokens,), generator=generator).to(DEVICE)
+    slots = torch.tensor([3, 17, -1, 0, 9, -1], device=DEVICE)
+    cache = randn(generator, 2, num_blocks, block_size, num_kv_heads, 64, dtype=dtype)
+    cos_sin = rope.cos_sin_for(positions, q)
+    ref_q, ref_k = rotary(positions, q, k, cos_sin, 64, interleaved=True)
+    ref_cache = cache.clone()
+    write_kv(ref_k.view(tokens, num_kv_heads, 64), v.reshape(tokens, num_kv_heads, 64), ref_cache[0], ref_cache[1],
+             slots)
+    out_q = rotary_write_kv(positions, q, k, v, cos_sin, 64, cache[0], cache[1], slots, interleaved=True)
+    assert torch.equal(out_q, ref_q) and torch.equal(cache, ref_cache)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rope_case", ["full_64", "llama3_80"])
 def test_rotary_write_kv_with_qk_norm_is_norm_then_rotary(generator, dtype, rope_case):
     """Qwen3's per-head q_norm / k_norm inside the rotary launch: RMSNorm's torch code on each head, then the rotary

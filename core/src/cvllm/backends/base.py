@@ -64,7 +64,7 @@ class Backend:
     #       Attention layer's rotary(positions, q, k) then write_kv(k, v, ...) with the rotated k; returns the
     #       rotated q (layers/attention.py); an FP8 cache's call adds ``scales=(k_scale, v_scale)`` as write_kv's
     #       and one with per-head norms (Qwen3) ``qk_norm=(q_weight, k_weight, eps)``: RMSNorm over each head of q
-    #       and k before the rotation (q_norm and k_norm share eps)
+    #       and k before the rotation (q_norm and k_norm share eps); an interleaved rotary adds ``interleaved=True``
     #   silu_and_mul(x [..., 2I]) -> [..., I]: SiluAndMul (layers/activation.py)
     #   linear(x, weight, bias): ``F.linear`` of an unquantized linear layer and of the LM head
     #       (layers/quantization.dense), for a backend with its own matmul for some shapes (CUDA: Triton GEMVs)

@@ -66,6 +66,8 @@ class Attention(nn.Module):
             kv_fp8.calibrate(self, k, v)   # the first prefill this layer sees sets its scales (kv_fp8.py)
         if fused is not None:
             extra = {"scales": scales} if fp8 else {}
+            if rotary_emb.interleaved:   # GPT-J pairs (GLM4): the kernel's other pairing
+                extra["interleaved"] = True
             if norm_fused:
                 q_norm, k_norm = qk_norm
                 extra["qk_norm"] = (q_norm.weight, k_norm.weight, q_norm.eps)

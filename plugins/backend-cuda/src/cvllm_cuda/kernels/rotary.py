@@ -152,18 +152,19 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, cos
 def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     cos_sin: torch.Tensor, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                    interleaved: bool = False) -> torch.Tensor:
     """``rotary(positions, q, k)`` then ``write_kv(k, v, ..., scales)`` of the rotated k, in one launch: the rotated
     keys go straight to their cache slots (slot -1: nothing stored) and never to a tensor of their own.
     Returns the rotated ``q`` (a new contiguous tensor). Caches: ``[num_blocks, block_size, Hkv, D]``; FP8 caches
     take their per-head ``scales`` (K's, V's) as write_kv does. ``qk_norm`` (q's and k's RMSNorm weights [D], eps):
-    each head of q and k normalised first (Qwen3), for a rotary over the whole head."""
+    each head of q and k normalised first (Qwen3), for a rotary over the whole head. ``interleaved``: GPT-J pairs."""
     assert v.shape == k.shape and v.stride(-1) == 1 and slot_mapping.shape == (q.shape[0],), (v.shape, k.shape)
     assert k_cache.shape[2] * k_cache.shape[3] == k.shape[-1] and k_cache.shape[3] == head_dim, k_cache.shape
     assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride() and k_cache.stride(-1) == 1
     assert (k_cache.dtype == torch.float8_e4m3fn) == (scales is not None), "an FP8 cache needs its scales"
     return _launch(positions, q, k, v, cos_sin, head_dim, k_cache, v_cache, slot_mapping.contiguous(), scales,
-                   qk_norm=qk_norm)
+                   interleaved=interleaved, qk_norm=qk_norm)
 
 
 def _launch(positions, q, k, v, cos_sin, head_dim, k_out, v_cache, slot_mapping, scales=None,
