@@ -1,4 +1,4 @@
-"""Rotary position embeddings: default, linear, dynamic NTK, llama3, YaRN; partial rotary.
+"""Rotary position embeddings: default, linear, dynamic NTK, llama3, YaRN, LongRoPE; partial rotary.
 
 The inverse frequencies follow transformers' ``modeling_rope_utils`` formulas so logits match it.
 cos/sin are tabulated once per position (fp32) and looked up by position: no per-step trig.
@@ -66,6 +66,28 @@ def _yarn_inv_freq(p: dict[str, Any], dim: int, max_position: int) -> tuple[torc
     return inv_freq, float(attention_factor)
 
 
+def _longrope_angles(p: dict[str, Any], dim: int, positions: torch.Tensor,
+                     max_position: int) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3): ``short_factor`` for positions below ``original_max_position_embeddings``, ``long_factor``
+    from there on. transformers picks one set for a whole sequence (long once it is longer than the original
+    context); a per-position choice, as vLLM makes it, gives a position the same angles in every sequence, which
+    chunked prefill and prefix caching need. The cos/sin scale is transformers' attention factor."""
+    max_position = p.get("_max_position_embeddings", max_position)   # the config's, as transformers reads it
+    original = p.get("original_max_position_embeddings") or max_position
+    factor = p.get("factor") or max_position / original
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    if len(p["short_factor"]) != dim // 2 or len(p["long_factor"]) != dim // 2:
+        raise ValueError(f"longrope: short_factor and long_factor need {dim // 2} values each (rotary dim {dim}), "
+                         f"got {len(p['short_factor'])} and {len(p['long_factor'])}")
+    base_freq = p["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    short = 1.0 / (torch.tensor(p["short_factor"], dtype=torch.float32) * base_freq)
+    long = 1.0 / (torch.tensor(p["long_factor"], dtype=torch.float32) * base_freq)
+    inv_freq = torch.where((positions < original)[:, None], short[None, :], long[None, :])  # [P, dim/2]
+    return positions[:, None] * inv_freq, float(attention_factor)
+
+
 def rope_frequencies(params: dict[str, Any], dim: int, max_position: int) -> torch.Tensor:
     """Per-position angles ``[max_position, dim // 2]`` (fp32) and the cos/sin scale, as a pair."""
     rope_type = params.get("rope_type", "default")
@@ -90,8 +112,11 @@ def rope_frequencies(params: dict[str, Any], dim: int, max_position: int) -> tor
         exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
         inv_freq = (1.0 / (bases.float()[:, None] ** exponents[None, :]))  # [P, dim/2]
         return positions[:, None] * inv_freq, scale
+    elif rope_type == "longrope":
+        return _longrope_angles(params, dim, positions, max_position)
     else:
-        raise ValueError(f"unsupported rope_type '{rope_type}' (supported: default, linear, dynamic, llama3, yarn)")
+        raise ValueError(f"unsupported rope_type '{rope_type}' "
+                         "(supported: default, linear, dynamic, llama3, yarn, longrope)")
     return positions[:, None] * inv_freq[None, :], scale
 
 

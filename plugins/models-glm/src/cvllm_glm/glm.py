@@ -1,0 +1,124 @@
+"""GLM-4 (glm-4-9b as transformers' modeling_glm holds it), built from cvllm's parallel layers.
+
+A Llama-shaped pre-norm decoder with three GLM traits: the rotary turns only the first ``partial_rotary_factor``
+(0.5 unless the config says) of each head's features, as GPT-J-style pairs (2i, 2i + 1); q/k/v carry biases
+(``attention_bias``, true unless the config says), o_proj none; the MLP's gate and up projections are stored as
+one ``gate_up_proj`` tensor, gate rows first. GLM-4-0414 (glm4.py) reuses all of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from cvllm.config import ModelConfig
+from cvllm.distributed import tp_size
+from cvllm.layers import (
+    Attention,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    SiluAndMul,
+    get_rope,
+)
+from cvllm.layers.decoder import DecoderStack, PreNormDecoderLayer
+from cvllm.weight_loading import load_weights_by_name
+
+# transformers' GlmConfig / Glm4Config default, for configs that name no partial_rotary_factor
+DEFAULT_PARTIAL_ROTARY_FACTOR = 0.5
+
+
+def glm_rope_parameters(config: ModelConfig) -> dict[str, Any]:
+    return {"partial_rotary_factor": DEFAULT_PARTIAL_ROTARY_FACTOR, **config.rope_parameters}
+
+
+class GlmAttention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        hidden, head_dim = config.hidden_size, config.head_dim
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, config.num_attention_heads, config.num_key_value_heads,
+                                          bias=bool(config.get("attention_bias", True)))
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, hidden, bias=False)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        self.rotary_emb = get_rope(head_dim, config.max_position_embeddings, glm_rope_parameters(config),
+                                   interleaved=True)
+        self.attn = Attention(self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # Rotated here, not by self.attn: Attention's fused rotate-and-write-KV kernel (rotary_write_kv) is called
+        # without an interleaved flag and would turn neox halves; RotaryEmbedding's own path honours the pairs.
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class GlmMLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act '{config.hidden_act}' for GLM (expected silu)")
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter])
+        self.down_proj = RowParallelLinear(inter, config.hidden_size)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+# the tensors of gate_up_proj whose rows are its output features: float weights, GGUF's raw blocks (one row each)
+SPLIT_SUFFIXES = (".weight", ".qweight")
+
+
+def split_gate_up(weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+    """The checkpoint's fused ``mlp.gate_up_proj`` as its gate and up halves, which MergedColumnParallelLinear
+    loads as shards 0 and 1: under tensor parallelism each rank then takes its rows of both halves (a lazy tensor's
+    ``chunk`` reads nothing)."""
+    for name, tensor in weights:
+        if ".mlp.gate_up_proj." in name and name.endswith(SPLIT_SUFFIXES):
+            gate, up = tensor.chunk(2, dim=0)
+            yield name.replace(".gate_up_proj.", ".gate_proj."), gate
+            yield name.replace(".gate_up_proj.", ".up_proj."), up
+        else:
+            yield name, tensor
+
+
+class GlmForCausalLM(nn.Module):
+    # The checkpoint's tensors that pack into one layer: q/k/v only. gate_up_proj is one tensor there (GGUF's ffn_up
+    # too), so a quantizer looks its weights up under that name.
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+    }
+    # what loading places, once split_gate_up has cut gate_up_proj in two
+    loading_mapping = {**packed_modules_mapping, "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        if config.num_key_value_heads % tp_size() and tp_size() % config.num_key_value_heads:
+            raise ValueError("num_key_value_heads must divide or be divisible by the tensor-parallel size")
+        self.config = config
+        self.model = DecoderStack(config, self.make_layer)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.get("tie_word_embeddings", False):
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        return PreNormDecoderLayer(config, GlmAttention(config), GlmMLP(config))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        tied = self.config.get("tie_word_embeddings", False)
+        weights = ((n, t) for n, t in split_gate_up(weights) if not (tied and n == "lm_head.weight"))
+        return load_weights_by_name(self, weights, self.loading_mapping)

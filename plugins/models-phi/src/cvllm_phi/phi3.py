@@ -1,0 +1,150 @@
+"""Phi-3, Phi-3.5 and Phi-4-mini, as in Hugging Face's modeling_phi3, built from cvllm's parallel layers.
+
+Llama's pre-norm layer (RMSNorm, SiLU-gated MLP, no biases) with the checkpoints' fused ``qkv_proj`` and
+``gate_up_proj`` tensors, which loading splits into the q/k/v and gate/up shards the parallel layers take (so
+tensor parallelism shards them as it does Llama's). Partial rotary (``partial_rotary_factor``: Phi-4-mini),
+sliding-window attention on every layer when the config has a ``sliding_window`` (as transformers applies it),
+tied embeddings (Phi-4-mini), and LongRoPE.
+
+LongRoPE (rope type ``longrope``; ``su`` and, as transformers' Phi3Config reads them, ``yarn`` are older names)
+rotates positions below ``original_max_position_embeddings`` with ``short_factor`` and positions from there on
+with ``long_factor``, cos/sin scaled by transformers' attention factor (core's ``rotary.py``). Where this differs
+from transformers: transformers picks one set of factors for a whole sequence, the long one for every position
+as soon as the sequence is longer than the original context (its forward pass switches on the pass's last
+position, and its ``generate`` drops the cache and recomputes the whole sequence with the long factors when a
+generation grows past the switch). Hence:
+
+- a sequence (prompt plus generation) of at most ``original_max_position_embeddings`` tokens gives transformers'
+  logits and greedy tokens;
+- a longer one does not: positions below the switch keep their short angles here (in the cache too), where
+  transformers rotates them with the long factors. Positions from the switch on have the same angles in both,
+  but they attend to keys rotated differently. This is vLLM's choice: a position's angles never depend on the
+  rest of the sequence, which keeps chunked prefill, prefix caching and preemption exact and needs no recompute
+  at the switch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from cvllm.checkpoint.base import CheckpointError
+from cvllm.config import ModelConfig
+from cvllm.distributed import tp_size
+from cvllm.layers import (
+    Attention,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    SiluAndMul,
+    get_rope,
+)
+from cvllm.layers.decoder import DecoderStack, PreNormDecoderLayer
+from cvllm.weight_loading import load_weights_by_name
+
+# Phi3Config's default, for a longrope config that names no original context
+DEFAULT_ORIGINAL_MAX_POSITION = 4096
+
+
+def phi3_rope_parameters(config: ModelConfig) -> dict[str, Any]:
+    """The config's rope parameters as transformers' Phi3 reads them: the older names of longrope, and the
+    top-level ``original_max_position_embeddings`` (where published configs keep it) before rope_scaling's."""
+    params = dict(config.rope_parameters)
+    if params["rope_type"] in ("su", "yarn"):
+        params["rope_type"] = "longrope"
+    if params["rope_type"] == "longrope":
+        original = config.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+        params["original_max_position_embeddings"] = original or DEFAULT_ORIGINAL_MAX_POSITION
+    return params
+
+
+class Phi3Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        hidden, head_dim = config.hidden_size, config.head_dim
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, config.num_attention_heads, config.num_key_value_heads)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, hidden)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        self.rotary_emb = get_rope(head_dim, config.max_position_embeddings, phi3_rope_parameters(config))
+        self.attn = Attention(self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads,
+                              sliding_window=config.get("sliding_window"))
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb))
+
+
+class Phi3MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act '{config.hidden_act}' for Phi-3 (expected silu)")
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter])
+        self.down_proj = RowParallelLinear(inter, config.hidden_size)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class Phi3ForCausalLM(nn.Module):
+    # the shards loading cuts the fused checkpoint tensors into (split_fused), and where each one goes
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        if config.num_key_value_heads % tp_size() and tp_size() % config.num_key_value_heads:
+            raise ValueError("num_key_value_heads must divide or be divisible by the tensor-parallel size")
+        self.config = config
+        self.model = DecoderStack(config, self.make_layer)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.get("tie_word_embeddings", False):
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        return PreNormDecoderLayer(config, Phi3Attention(config), Phi3MLP(config))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def split_fused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The fused ``qkv_proj`` / ``gate_up_proj`` tensors as q/k/v and gate/up row blocks under the names the
+        packed mapping knows. ``narrow`` reads nothing, so a lazy tensor is still read only as far as a rank's
+        shard."""
+        c = self.config
+        q, kv, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
+        blocks = {".qkv_proj.": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
+                  ".gate_up_proj.": (("gate_proj", inter), ("up_proj", inter))}
+        for name, tensor in weights:
+            fused = next((key for key in blocks if key in name), None)
+            if fused is None:
+                yield name, tensor
+                continue
+            total = sum(rows for _, rows in blocks[fused])
+            if tensor.shape[0] != total:
+                raise CheckpointError(f"'{name}' has {tensor.shape[0]} rows; the config says {total} "
+                                      f"({' + '.join(f'{part} {rows}' for part, rows in blocks[fused])})")
+            start = 0
+            for part, rows in blocks[fused]:
+                yield name.replace(fused, f".{part}."), tensor.narrow(0, start, rows)
+                start += rows
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        tied = self.config.get("tie_word_embeddings", False)
+        weights = ((n, t) for n, t in weights if not (tied and n == "lm_head.weight"))
+        return load_weights_by_name(self, self.split_fused(weights), self.packed_modules_mapping)
