@@ -8,7 +8,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 # --upgrade: a machine still warm from an earlier call has the previous commit's packages there (pip keeps an
 # existing target directory otherwise, and the new code would not run)
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target /tmp/site \
-    ./core ./plugins/models-llama ./plugins/models-qwen ./plugins/models-deepseek ./plugins/models-phi ./plugins/models-glm \
+    ./core ./plugins/models-llama ./plugins/models-qwen ./plugins/models-deepseek ./plugins/models-phi ./plugins/models-gemma ./plugins/models-glm \
     ./plugins/models-stablelm ./plugins/quant-gguf ./plugins/quant-marlin ./plugins/quant-fp8 \
     ./plugins/backend-cuda || return 1
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}

@@ -12,9 +12,9 @@ import json
 from typing import Any
 
 import pytest
-from cvllm_glm.glm import glm_rope_parameters
 
 from cvllm.layers import get_rope
+from cvllm_glm.glm import glm_rope_parameters
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

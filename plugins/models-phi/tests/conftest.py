@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 import torch
-from cvllm_phi import plugin
 
 from cvllm import plugins
 from cvllm.testing.checkpoints import TOKENIZER_VOCAB_SIZE, make_checkpoint, register_tiny_architecture
 from cvllm.testing.threads import one_torch_thread as _one_torch_thread
+from cvllm_phi import plugin
 
 # Everything the tests load is on disk; nothing may reach for the hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

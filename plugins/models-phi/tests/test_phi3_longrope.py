@@ -17,9 +17,9 @@ import json
 from typing import Any
 
 import pytest
-from cvllm_phi.phi3 import phi3_rope_parameters
 
 from cvllm.layers import get_rope
+from cvllm_phi.phi3 import phi3_rope_parameters
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
