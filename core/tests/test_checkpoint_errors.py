@@ -82,9 +82,29 @@ def test_missing_config_json(tmp_path):
 
 def test_no_weight_files(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
-    (tmp_path / "pytorch_model.bin").write_bytes(b"")
-    with pytest.raises(CheckpointError, match=r"no \*\.safetensors weight files.*pytorch_model\.bin"):
+    (tmp_path / "training_args.bin").write_bytes(b"")   # not a weight file
+    with pytest.raises(CheckpointError, match=r"no weight files \(\*\.safetensors, or pytorch_model\*\.bin\)"):
         open_hf_checkpoint(tmp_path)
+
+
+def test_bad_pytorch_bin_files_are_named(tmp_path):
+    """A truncated .bin and one whose pickle would run code (refused by weights_only) each name the file."""
+    import pickle
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    weights = tmp_path / "pytorch_model.bin"
+    weights.write_bytes(b"PK\x03\x04 truncated")
+    with pytest.raises(CheckpointError, match=r"pytorch_model\.bin: truncated or not a PyTorch weights file"):
+        list(open_hf_checkpoint(tmp_path).weight_iterator())
+
+    class RunsCode:
+        def __reduce__(self):
+            return (print, ("unpickled",))
+
+    with open(weights, "wb") as f:
+        pickle.dump({"x": RunsCode()}, f, protocol=2)
+    with pytest.raises(CheckpointError, match=r"pytorch_model\.bin: refused: not plain tensors"):
+        list(open_hf_checkpoint(tmp_path).weight_iterator())
 
 
 def test_unknown_architecture_lists_the_registered_ones(tmp_path):

@@ -129,6 +129,28 @@ def test_download_only_when_asked(hf_cache, monkeypatch, tmp_path):
     assert calls == [("org/name", True, None), ("org/name", False, "v2")]
 
 
+def test_a_repo_of_pytorch_bin_weights(hf_cache, monkeypatch, tmp_path):
+    """Cached .bin weights serve as they are; with --download a repo without safetensors gets its .bin files in a
+    second, narrower fetch."""
+    import huggingface_hub
+
+    snapshot = cache_repo(hf_cache, "org/old", {"config.json": "{}", "pytorch_model.bin": "x"})
+    assert Path(build_server_args(["--m", "org/old"]).engine.model) == snapshot
+    calls = []
+    fetched = tmp_path / "fetched"
+    fetched.mkdir()
+
+    def fake_snapshot_download(repo_id, **kwargs):
+        calls.append(kwargs["allow_patterns"])
+        if "pytorch_model*.bin" in kwargs["allow_patterns"]:
+            (fetched / "pytorch_model.bin").write_text("x")
+        return str(fetched)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    assert Path(build_server_args(["--m", "org/older", "--download"]).engine.model) == fetched
+    assert len(calls) == 2 and "*.safetensors" in calls[0] and calls[1] == ["pytorch_model*.bin"]
+
+
 @pytest.fixture
 def fake_serve(monkeypatch):
     """Stands in for cvllm.server.run (real or not yet written) and records what it was given."""

@@ -13,6 +13,8 @@ from pathlib import Path
 # What a model directory needs: config, weights, tokenizer and chat template. Leaves out
 # duplicate PyTorch/TF/GGUF weights that many repos carry next to the safetensors.
 SNAPSHOT_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt", "*.tiktoken"]
+# an older repo's PyTorch weights, fetched only when it has no safetensors (a repo often has both: never twice)
+BIN_PATTERNS = ["pytorch_model*.bin"]
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -55,6 +57,9 @@ def resolve(repo_id: str, filename: str | None = None, *, download: bool = False
         else:
             path = snapshot_download(repo_id, revision=revision, cache_dir=_cache_dir(),
                                      allow_patterns=SNAPSHOT_PATTERNS, local_files_only=not download)
+            if download and not _has_weights(Path(path)):
+                path = snapshot_download(repo_id, revision=revision, cache_dir=_cache_dir(),
+                                         allow_patterns=BIN_PATTERNS)
     except (LocalEntryNotFoundError, OfflineModeIsEnabled) as exc:
         if hasattr(exc, "snapshot_path"):  # IncompleteSnapshotError (huggingface_hub >= 1.x): an interrupted download
             hint = "pass --download to complete it" if not download else "the hub could not be reached to complete it"
@@ -74,9 +79,13 @@ def resolve(repo_id: str, filename: str | None = None, *, download: bool = False
     except HFValidationError as exc:
         raise HubError(f"'{repo_id}' is not a valid repo id: {exc}") from None
     path = Path(path)
-    if not filename and not any(path.glob("*.safetensors")):
+    if not filename and not _has_weights(path):
         # A snapshot can exist with only config.json in it (another tool fetched just that).
         hint = "pass --download to fetch the weights" if not download else \
-            "the repo has no safetensors weights; name a weight file with --f (e.g. a .gguf)"
+            "the repo has no safetensors or pytorch_model*.bin weights; name a weight file with --f (e.g. a .gguf)"
         raise HubError(f"the cached copy of '{repo_id}' has no *.safetensors weights: {hint}")
     return path
+
+
+def _has_weights(snapshot: Path) -> bool:
+    return any(snapshot.glob("*.safetensors")) or any(snapshot.glob("pytorch_model*.bin"))

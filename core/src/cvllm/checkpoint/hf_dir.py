@@ -1,7 +1,8 @@
 """The built-in checkpoint reader: a Hugging Face model directory.
 
-config.json, one ``model.safetensors`` or shards listed in ``model.safetensors.index.json``,
-tokenizer.json + tokenizer_config.json, generation_config.json.
+config.json, one ``model.safetensors`` or shards listed in ``model.safetensors.index.json`` (or, with no
+safetensors, PyTorch ``pytorch_model*.bin`` files: pytorch_bin.py), tokenizer.json + tokenizer_config.json,
+generation_config.json.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from functools import partial
 from pathlib import Path
 
 from cvllm.checkpoint.base import Checkpoint, CheckpointError
+from cvllm.checkpoint.pytorch_bin import bin_files, iterate_bins
 from cvllm.checkpoint.safetensors_files import iterate_safetensors
 from cvllm.config import load_json, model_config_from_dict
 
@@ -17,6 +19,7 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def weight_files(path: Path) -> list[Path]:
+    """The directory's safetensors files, or else its PyTorch ``.bin`` files (pytorch_bin.py)."""
     index = path / INDEX_FILE
     if index.exists():
         weight_map = load_json(index, "safetensors index").get("weight_map")
@@ -27,11 +30,9 @@ def weight_files(path: Path) -> list[Path]:
         if missing:
             raise CheckpointError(f"{index}: lists shards that are not in {path}: {', '.join(missing)}")
         return files
-    files = sorted(path.glob("*.safetensors"))
+    files = sorted(path.glob("*.safetensors")) or bin_files(path)
     if not files:
-        bins = sorted(p.name for p in path.glob("*.bin"))
-        hint = f" (found {', '.join(bins)}: PyTorch pickles are not loaded; convert to safetensors)" if bins else ""
-        raise CheckpointError(f"{path}: no *.safetensors weight files{hint}")
+        raise CheckpointError(f"{path}: no weight files (*.safetensors, or pytorch_model*.bin)")
     return files
 
 
@@ -55,7 +56,7 @@ def open_hf_checkpoint(path: str | Path) -> Checkpoint:
     return Checkpoint(
         path=path,
         config=config,
-        weight_iterator=partial(iterate_safetensors, files),
+        weight_iterator=partial(iterate_bins if files[0].suffix == ".bin" else iterate_safetensors, files),
         tokenizer=tokenizer,
         generation_config=generation_config,
         quant_method=quant.get("quant_method"),
