@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from cvllm.testing.checkpoints import make_checkpoint  # noqa: E402
+from cvllm.testing import checkpoint_factory  # noqa: E402
 from cvllm.testing.threads import one_torch_thread as _one_torch_thread  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")   # everything the tests load is on disk
@@ -24,16 +23,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")   # everything the tests load is on
 @pytest.fixture(scope="session")
 def deepseek_checkpoint(tmp_path_factory: pytest.TempPathFactory):
     """``deepseek_checkpoint(arch, **config_overrides)`` -> (path, the transformers model), cached."""
-    built: dict[str, tuple[Path, Any]] = {}
+    checkpoints = checkpoint_factory(tmp_path_factory)
 
-    def build(arch: str, **kwargs: Any) -> tuple[Path, Any]:
-        key = json.dumps([arch, kwargs], sort_keys=True)
-        if key not in built:
-            path = tmp_path_factory.mktemp(f"{arch}-{len(built)}")
-            built[key] = (path, make_checkpoint(path, arch, **kwargs))
-        return built[key]
+    def get(arch: str, **kwargs: Any) -> tuple[Path, Any]:
+        checkpoint = checkpoints(arch, **kwargs)
+        return checkpoint.path, checkpoint.model
 
-    return build
+    return get
 
 
 @pytest.fixture(scope="module", autouse=True)

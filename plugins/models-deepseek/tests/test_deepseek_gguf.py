@@ -15,6 +15,7 @@ import torch
 from cvllm import LLM
 from cvllm.testing import hf_logits
 from cvllm.testing.checkpoints import TOKENIZER_VOCAB_SIZE, randomize_norms_and_biases, tiny_config
+from cvllm_gguf.testing import add_common_hyperparameters, write_file
 
 LAYER_TENSORS = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -70,12 +71,7 @@ def converter_tensors(model, split_kv_b: bool) -> dict[str, torch.Tensor]:
 def write_gguf(path, model, split_kv_b: bool, q8_0: bool = False) -> None:
     c = model.config
     writer = gguf.GGUFWriter(path, "deepseek2")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
+    add_common_hyperparameters(writer, c)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
     writer.add_rope_dimension_count(c.qk_rope_head_dim)
@@ -112,10 +108,7 @@ def write_gguf(path, model, split_kv_b: bool, q8_0: bool = False) -> None:
                               raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
             writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_file(writer)
 
 
 @pytest.mark.parametrize("arch, split_kv_b", [("deepseek_v2", False), ("deepseek_v2", True), ("deepseek_v3", True),

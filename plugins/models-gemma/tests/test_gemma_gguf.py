@@ -9,7 +9,6 @@ The tiny byte-level BPE stands in for Gemma's SentencePiece vocabulary: the prom
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,17 +16,15 @@ import pytest
 import torch
 
 from cvllm import LLM, plugins
-from cvllm.testing import SPECIAL_TOKENS, build_tiny_tokenizer, greedy_margins, hf_greedy, hf_logits
-from cvllm.testing.checkpoints import EOS_TOKEN_ID, PAD_TOKEN_ID, randomize_norms_and_biases, tiny_config
+from cvllm.testing import PAD_TOKEN_ID, hf_logits, randomize_norms_and_biases, tiny_config
 from cvllm_gemma.gguf_adapter import query_scale_as_llama_cpp
 from cvllm_gemma.layers import GemmaRMSNorm
 
 gguf = pytest.importorskip("gguf")
-pytest.importorskip("cvllm_gguf")   # the GGUF plugin opens .gguf files; this one only declares the family
+# the GGUF plugin opens .gguf files (this one only declares the family); its testing module writes them
+gguf_testing = pytest.importorskip("cvllm_gguf.testing")
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-LOGITS_ATOL = 1e-4
-MIN_GREEDY_MARGIN = 1e-3
 NEW_TOKENS = 12
 # global layers with linear rope scaling (the 4B-27B models'), local ones at llama.cpp's fixed base
 GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
@@ -60,28 +57,9 @@ def gguf_name(arch: str, name: str) -> str:
     return f"blk.{block}.{tensor}.{suffix}"
 
 
-def add_tokenizer(writer) -> None:
-    spec = json.loads(build_tiny_tokenizer().to_str())
-    by_id = {i: token for token, i in spec["model"]["vocab"].items()}
-    tokens = [by_id[i] for i in range(len(by_id))]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL
-                            for t in tokens])
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
-    writer.add_bos_token_id(PAD_TOKEN_ID)
-    writer.add_eos_token_id(EOS_TOKEN_ID)
-
-
 def add_hyperparameters(writer, arch: str, config) -> None:
     """What Gemma{,2,3}Model.set_gguf_parameters write."""
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    gguf_testing.add_common_hyperparameters(writer, config)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
@@ -101,7 +79,8 @@ def write_gguf(path: Path, arch: str, model) -> None:
     writer = gguf.GGUFWriter(path, arch)
     add_hyperparameters(writer, arch, model.config)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    add_tokenizer(writer)
+    gguf_testing.add_tiny_tokenizer(writer)
+    writer.add_bos_token_id(PAD_TOKEN_ID)
     for name, value in model.state_dict().items():
         if name == "lm_head.weight":
             continue   # tied: the converter skips it
@@ -109,10 +88,7 @@ def write_gguf(path: Path, arch: str, model) -> None:
         if name.endswith("norm.weight"):
             array = array + 1   # as the converter: the norm's whole scale
         writer.add_tensor(gguf_name(arch, name), array.numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    gguf_testing.write_file(writer)
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -159,24 +135,16 @@ def test_model_as_transformers_builds_it(case, fp32_llm) -> None:
                            for t in model.config.layer_types]
 
 
-def test_prompt_logits_equal_transformers(case, fp32_llm) -> None:
+def test_prompt_logits_equal_transformers(case, fp32_llm, harness) -> None:
     prompts = [[3 + (i * 37 + n) % 500 for i in range(n)] for n in (6, 19, 37)]
     for prompt, logits in zip(prompts, fp32_llm.llm_engine.prompt_logits(prompts), strict=True):
         diff = (logits.float().cpu() - hf_logits(case[2], prompt)).abs().max().item()
-        assert diff < LOGITS_ATOL, f"{case[0]}: prompt of {len(prompt)} tokens: max |diff| {diff:.2e}"
+        assert diff < harness.LOGITS_ATOL, f"{case[0]}: prompt of {len(prompt)} tokens: max |diff| {diff:.2e}"
 
 
-def test_greedy_tokens_equal_transformers(case, fp32_llm) -> None:
-    from cvllm import SamplingParams
-
-    generator = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(len(SPECIAL_TOKENS), 512, (n,), generator=generator).tolist() for n in (5, 14, 27)]
-    want = hf_greedy(case[2], prompts, NEW_TOKENS)
-    for prompt, tokens in zip(prompts, want):  # a near-tie would make the comparison a coin toss
-        assert min(greedy_margins(case[2], prompt, tokens)) > MIN_GREEDY_MARGIN
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    outputs = fp32_llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    assert [list(out.outputs[0].token_ids) for out in outputs] == want
+def test_greedy_tokens_equal_transformers(case, fp32_llm, harness) -> None:
+    prompts = harness.prompts((5, 14, 27), seed=5)
+    assert harness.greedy(fp32_llm, prompts, NEW_TOKENS) == harness.oracle_greedy(case[2], prompts, NEW_TOKENS)
 
 
 @functools.cache

@@ -10,19 +10,24 @@ must equal transformers' on the weights the file holds.
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import gguf
-import numpy as np
 import pytest
 import torch
 
 from cvllm import LLM, plugins
-from cvllm.testing import SPECIAL_TOKENS, build_tiny_tokenizer, hf_logits
-from cvllm.testing.checkpoints import BASE_CONFIG, EOS_TOKEN_ID, PAD_TOKEN_ID, randomize_norms_and_biases
+from cvllm.testing import PAD_TOKEN_ID, hf_logits
+from cvllm.testing.checkpoints import BASE_CONFIG, randomize_norms_and_biases
+from cvllm_gguf.testing import (
+    add_common_hyperparameters,
+    add_tensor,
+    add_tiny_tokenizer,
+    hf_to_gguf_name,
+    write_file,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 CASES: dict[str, dict[str, Any]] = {
@@ -35,7 +40,6 @@ LAYER_TENSORS = {   # HF module -> llama.cpp tensor, written out here independen
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
 }
-GLOBAL_TENSORS = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
 def tiny_model(case: str):
@@ -48,46 +52,20 @@ def tiny_model(case: str):
     return model
 
 
-def gguf_name(name: str) -> str:
-    module, _, suffix = name.rpartition(".")
-    if module in GLOBAL_TENSORS:
-        return f"{GLOBAL_TENSORS[module]}.{suffix}"
-    _, _, block, rest = module.split(".", 3)
-    return f"blk.{block}.{LAYER_TENSORS[rest]}.{suffix}"
-
-
-def add_tokenizer(writer: gguf.GGUFWriter) -> None:
-    """The tiny byte-level BPE, as llama.cpp's _set_vocab_gpt2 writes one (pre-tokenizer "qwen2": the GGUF
-    plugin's tokenizer knows no "glm4" yet)."""
-    spec = json.loads(build_tiny_tokenizer().to_str())
-    by_id = {i: token for token, i in spec["model"]["vocab"].items()}
-    tokens = [by_id[i] for i in range(len(by_id))]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL for t in tokens])
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
-    writer.add_eos_token_id(EOS_TOKEN_ID)
-    writer.add_pad_token_id(PAD_TOKEN_ID)
-
-
 def write_gguf(path: Path, model, quantized: bool) -> dict[str, torch.Tensor]:
     """Writes the model as a GGUF; returns the float values the file holds, under HF names."""
     config = model.config
     writer = gguf.GGUFWriter(path, "glm4")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    add_common_hyperparameters(writer, config)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     writer.add_rope_dimension_count(int(config.head_dim * config.rope_parameters["partial_rotary_factor"]))
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if quantized else gguf.LlamaFileType.ALL_F32)
-    add_tokenizer(writer)
+    # pre-tokenizer "qwen2": the GGUF plugin's tokenizer knows no "glm4" yet
+    add_tiny_tokenizer(writer, pre="qwen2")
+    writer.add_pad_token_id(PAD_TOKEN_ID)
     stored = {}
     for name, value in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
@@ -95,13 +73,8 @@ def write_gguf(path: Path, model, quantized: bool) -> dict[str, torch.Tensor]:
         array = value.detach().float().numpy()
         keep_float = not quantized or array.ndim < 2 or name.endswith("norm.weight")
         qtype = gguf.GGMLQuantizationType.F32 if keep_float else gguf.GGMLQuantizationType.Q8_0
-        data = gguf.quants.quantize(array, qtype)
-        writer.add_tensor(gguf_name(name), data, raw_dtype=qtype)
-        stored[name] = torch.from_numpy(gguf.quants.dequantize(data, qtype).astype(np.float32)).view(value.shape)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        stored[name] = add_tensor(writer, hf_to_gguf_name(name, LAYER_TENSORS), array, qtype)
+    write_file(writer)
     return stored
 
 

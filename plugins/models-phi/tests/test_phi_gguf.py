@@ -10,7 +10,6 @@ refused with an error.
 from __future__ import annotations
 
 import copy
-import json
 from typing import Any
 
 import numpy as np
@@ -19,11 +18,11 @@ import torch
 
 from cvllm import LLM, plugins
 from cvllm.checkpoint.base import CheckpointError
-from cvllm.testing import SPECIAL_TOKENS, build_tiny_tokenizer, hf_logits, randomize_norms_and_biases, tiny_config
-from cvllm.testing.checkpoints import EOS_TOKEN_ID, PAD_TOKEN_ID
+from cvllm.testing import PAD_TOKEN_ID, hf_logits, randomize_norms_and_biases, tiny_config
 
 gguf = pytest.importorskip("gguf")
 gguf_plugin = pytest.importorskip("cvllm_gguf.plugin")
+gguf_testing = pytest.importorskip("cvllm_gguf.testing")
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -66,38 +65,10 @@ def tiny_model(arch: str, **overrides: Any):
     return model
 
 
-def gguf_name(name: str) -> str:
-    module, _, suffix = name.rpartition(".")
-    if module in GLOBAL_TENSORS:
-        return f"{GLOBAL_TENSORS[module]}.{suffix}"
-    _, _, block, rest = module.split(".", 3)
-    return f"blk.{block}.{LAYER_TENSORS[rest]}.{suffix}"
-
-
-def add_tokenizer(writer) -> None:
-    spec = json.loads(build_tiny_tokenizer().to_str())
-    by_id = {i: token for token, i in spec["model"]["vocab"].items()}
-    tokens = [by_id[i] for i in range(len(by_id))]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL
-                            for t in tokens])
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
-    writer.add_bos_token_id(PAD_TOKEN_ID)
-    writer.add_eos_token_id(EOS_TOKEN_ID)
-    writer.add_add_bos_token(False)
-
-
 def add_hyperparameters(writer, arch: str, config) -> None:
     """What convert_hf_to_gguf's Phi2Model / Phi3MiniModel write."""
     head_dim = config.hidden_size // config.num_attention_heads
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    gguf_testing.add_common_hyperparameters(writer, config)
     writer.add_rope_dimension_count(int(head_dim * config.rope_parameters["partial_rotary_factor"]))
     if arch == "phi2":
         writer.add_layer_norm_eps(config.layer_norm_eps)
@@ -114,21 +85,19 @@ def write_gguf(path, arch: str, model, quantized: bool, extra_tensors: dict[str,
     writer = gguf.GGUFWriter(path, arch)
     add_hyperparameters(writer, arch, model.config)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if quantized else gguf.LlamaFileType.ALL_F32)
-    add_tokenizer(writer)
+    gguf_testing.add_tiny_tokenizer(writer)
+    writer.add_bos_token_id(PAD_TOKEN_ID)
+    writer.add_add_bos_token(False)
     stored = {}
     for name, value in model.state_dict().items():
         array = value.detach().float().numpy()
         quantize = quantized and array.ndim == 2 and "layernorm" not in name and "norm." not in name
         qtype = gguf.GGMLQuantizationType.Q8_0 if quantize else gguf.GGMLQuantizationType.F32
-        data = gguf.quants.quantize(array, qtype)
-        writer.add_tensor(gguf_name(name), data, raw_dtype=qtype)
-        stored[name] = torch.from_numpy(gguf.quants.dequantize(data, qtype).astype(np.float32)).view(value.shape)
+        tensor = gguf_testing.hf_to_gguf_name(name, LAYER_TENSORS, GLOBAL_TENSORS)
+        stored[name] = gguf_testing.add_tensor(writer, tensor, array, qtype)
     for name, array in (extra_tensors or {}).items():
         writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    gguf_testing.write_file(writer)
     return stored
 
 
@@ -171,13 +140,12 @@ def test_weights_load_as_the_file_holds_them(case) -> None:
         assert kept == {"self_attn.o_proj", "mlp.down_proj"}
 
 
-def test_prompt_logits_equal_transformers(case) -> None:
+def test_prompt_logits_equal_transformers(case, harness) -> None:
     arch, _, _, _, oracle, llm = case
-    generator = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (6, 19, 37)]
+    prompts = harness.prompts((6, 19, 37), seed=3)
     for prompt, logits in zip(prompts, llm.llm_engine.prompt_logits(prompts), strict=True):
         diff = (logits.float().cpu() - hf_logits(oracle, prompt)).abs().max().item()
-        assert diff < 1e-4, f"{arch}: prompt of {len(prompt)} tokens: max |diff| {diff:.2e}"
+        assert diff < harness.LOGITS_ATOL, f"{arch}: prompt of {len(prompt)} tokens: max |diff| {diff:.2e}"
 
 
 def test_greedy_tokens_equal_transformers(case, harness) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,9 +25,7 @@ import torch
 from cvllm import LLM, SamplingParams, plugins
 from cvllm.testing import (
     CHATML_TEMPLATE,
-    SPECIAL_TOKENS,
     build_tiny_tokenizer,
-    greedy_margins,
     hf_greedy,
     hf_logits,
 )
@@ -39,9 +36,14 @@ from cvllm.testing.checkpoints import (
     cvllm_greedy,
     randomize_norms_and_biases,
 )
+from cvllm_gguf.testing import (
+    add_common_hyperparameters,
+    add_tensor,
+    add_tiny_tokenizer,
+    hf_to_gguf_name,
+    write_file,
+)
 
-LOGITS_ATOL = 1e-4
-MIN_GREEDY_MARGIN = 1e-3  # the oracle's top-1 must beat its top-2 by this much at each greedy step
 NEW_TOKENS = 12
 GREEDY_SEED = 5  # its prompts keep every oracle far from a near-tie, in every case
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -65,7 +67,6 @@ LAYER_TENSORS = {
     "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
 }
-GLOBAL_TENSORS = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
 def tiny_model(arch: str):
@@ -116,14 +117,6 @@ def transformers_state(model, values: dict[str, torch.Tensor]) -> dict[str, torc
     return state
 
 
-def gguf_name(name: str) -> str:
-    module, _, suffix = name.rpartition(".")
-    if module in GLOBAL_TENSORS:
-        return f"{GLOBAL_TENSORS[module]}.{suffix}"
-    _, _, block, rest = module.split(".", 3)
-    return f"blk.{block}.{LAYER_TENSORS[rest]}.{suffix}"
-
-
 def stored_type(name: str, array: np.ndarray, quantized: bool) -> gguf.GGMLQuantizationType:
     """convert_hf_to_gguf's choice: 1-D tensors, norms and the router stay F32, the rest takes the file type."""
     if not quantized or array.ndim < 2 or name.endswith("_norm.weight") or ".ffn_gate_inp." in name:
@@ -138,29 +131,15 @@ def tiny_tokenizer():
 
 def add_tokenizer(writer: gguf.GGUFWriter) -> None:
     """The tiny byte-level BPE as llama.cpp's _set_vocab_gpt2 writes a Qwen vocabulary."""
-    spec = json.loads(tiny_tokenizer().to_str())
-    by_id = {i: token for token, i in spec["model"]["vocab"].items()}
-    tokens = [by_id[i] for i in range(len(by_id))]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL
-                            for t in tokens])
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
+    add_tiny_tokenizer(writer, pre="qwen2")
     writer.add_bos_token_id(PAD_TOKEN_ID)
-    writer.add_eos_token_id(EOS_TOKEN_ID)
     writer.add_pad_token_id(PAD_TOKEN_ID)
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHATML_TEMPLATE)
 
 
 def add_hyperparameters(writer: gguf.GGUFWriter, arch: str, config) -> None:
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    add_common_hyperparameters(writer, config)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if "head_dim" in CASES[arch][1]:  # the converter writes head_dim when config.json has it
@@ -185,21 +164,10 @@ def write_gguf(path, arch: str, model, quantized: bool) -> dict[str, torch.Tenso
         array = value.detach().float().numpy()
         if quantized and name.endswith("shared_expert_gate.weight"):
             array = array.reshape(-1)  # as older converters squeezed it: a 1-D [hidden] the loader must lift
-        qtype = stored_type(gguf_name(name), array, quantized)
-        data = gguf.quants.quantize(array, qtype)
-        writer.add_tensor(gguf_name(name), data, raw_dtype=qtype)
-        stored[name] = torch.from_numpy(gguf.quants.dequantize(data, qtype).astype(np.float32)).view(value.shape)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        tensor = hf_to_gguf_name(name, LAYER_TENSORS)
+        stored[name] = add_tensor(writer, tensor, array, stored_type(tensor, array, quantized)).view(value.shape)
+    write_file(writer)
     return stored
-
-
-def random_prompts(lengths: tuple[int, ...], seed: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(len(SPECIAL_TOKENS), BASE_CONFIG["vocab_size"], (n,), generator=generator).tolist()
-            for n in lengths]
 
 
 @dataclass(slots=True)
@@ -293,30 +261,25 @@ def test_weights_load_as_the_file_holds_them(case: GGUFCase, fp32_llm: LLM) -> N
         assert torch.equal(layer.w2_weight, case.stored[f"{stem}.down_proj.weight"])
 
 
-def test_prompt_logits_equal_transformers(case: GGUFCase, fp32_llm: LLM) -> None:
-    prompts = random_prompts((6, 19, 37), seed=3)
+def test_prompt_logits_equal_transformers(case: GGUFCase, fp32_llm: LLM, harness) -> None:
+    prompts = harness.prompts((6, 19, 37), seed=3)
     for prompt, logits in zip(prompts, fp32_llm.llm_engine.prompt_logits(prompts), strict=True):
         want = hf_logits(case.oracle, prompt)
         diff = (logits.float().cpu() - want).abs().max().item()
-        assert diff < LOGITS_ATOL, f"{case.arch}: prompt of {len(prompt)} tokens: max |diff| {diff:.2e}"
+        assert diff < harness.LOGITS_ATOL, f"{case.arch}: prompt of {len(prompt)} tokens: max |diff| {diff:.2e}"
 
 
-def test_greedy_tokens_equal_transformers(case: GGUFCase, fp32_llm: LLM) -> None:
-    prompts = random_prompts((5, 14, 27), seed=GREEDY_SEED)
-    want = hf_greedy(case.oracle, prompts, NEW_TOKENS)
-    for prompt, tokens in zip(prompts, want):  # a near-tie would make the comparison a coin toss
-        assert min(greedy_margins(case.oracle, prompt, tokens)) > MIN_GREEDY_MARGIN
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    outputs = fp32_llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    assert [list(out.outputs[0].token_ids) for out in outputs] == want
+def test_greedy_tokens_equal_transformers(case: GGUFCase, fp32_llm: LLM, harness) -> None:
+    prompts = harness.prompts((5, 14, 27), seed=GREEDY_SEED)
+    assert harness.greedy(fp32_llm, prompts, NEW_TOKENS) == harness.oracle_greedy(case.oracle, prompts, NEW_TOKENS)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_greedy_tokens_equal_transformers_on_cuda_with_graphs(case: GGUFCase) -> None:
+def test_greedy_tokens_equal_transformers_on_cuda_with_graphs(case: GGUFCase, harness) -> None:
     """The GGUF files (dense and MoE, F32 and Q8_0) on the CUDA backend with its defaults (graphs, async
     scheduling) but fp32, greedy against transformers on the weights the file holds."""
-    prompts = random_prompts((5, 14, 27), seed=GREEDY_SEED)
+    prompts = harness.prompts((5, 14, 27), seed=GREEDY_SEED)
     want = hf_greedy(case.oracle, prompts, NEW_TOKENS)
     llm = LLM(model=str(case.path), backend="cuda", dtype="float32", max_num_seqs=8)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -344,13 +307,13 @@ def test_bf16_engine_dequantizes_experts_to_bf16(tmp_path, caplog) -> None:
     assert torch.equal(layer.w2_weight, stored["model.layers.1.mlp.experts.down_proj.weight"].bfloat16())
 
 
-def test_quantized_experts_over_two_ranks(tmp_path, caplog) -> None:
+def test_quantized_experts_over_two_ranks(tmp_path, caplog, harness) -> None:
     """Two CPU ranks (gloo) on a Q8_0 Qwen3-MoE file: with expert parallelism each rank loads its whole experts'
     blocks; with tensor parallelism (experts split on the intermediate dimension) they are dequantized at load,
     said in the log. Both give one rank's greedy tokens."""
     path = tmp_path / "tiny-qwen3moe-Q8_0.gguf"
     write_gguf(path, "qwen3moe", tiny_model("qwen3moe"), quantized=True)
-    prompts = random_prompts((5, 14), seed=GREEDY_SEED)
+    prompts = harness.prompts((5, 14), seed=GREEDY_SEED)
     want = cvllm_greedy(path, prompts, 6, num_kv_blocks=32)
     assert cvllm_greedy(path, prompts, 6, num_kv_blocks=32, tensor_parallel_size=2, enable_expert_parallel=True) == want
     with caplog.at_level(logging.WARNING, logger="cvllm_gguf.checkpoint"):

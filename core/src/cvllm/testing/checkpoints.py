@@ -154,6 +154,30 @@ def make_checkpoint(
     return model
 
 
+# How config.json names a partial rotary fraction: "hub" as GLM's and StableLM's checkpoints are published (a
+# top-level partial_rotary_factor, rope_theta, no rope_scaling), "v5" as transformers 5 writes it (inside
+# rope_parameters), "absent" not at all (the loader must then take the architecture's default).
+ROTARY_SPELLINGS = ("hub", "v5", "absent")
+
+
+def make_partial_rotary_checkpoint(dir: Path, arch: str, rotary: str = "hub", **kwargs: Any) -> PreTrainedModel:
+    """``make_checkpoint`` for an architecture whose config has ``partial_rotary_factor``, spelled as ``rotary``
+    (one of ROTARY_SPELLINGS) says."""
+    if rotary not in ROTARY_SPELLINGS:
+        raise ValueError(f"rotary must be one of {ROTARY_SPELLINGS}, not {rotary!r}")
+    model = make_checkpoint(dir, arch, spelling="v5" if rotary == "v5" else "published", **kwargs)
+    if rotary != "v5":
+        config_path = Path(dir) / "config.json"
+        raw = json.loads(config_path.read_text())
+        scaling = dict(raw.get("rope_scaling") or {})   # the published spelling left the fraction in here
+        factor = scaling.pop("partial_rotary_factor")
+        if rotary == "hub":
+            raw["partial_rotary_factor"] = factor
+        raw["rope_scaling"] = None if set(scaling) <= {"rope_type"} else scaling
+        config_path.write_text(json.dumps(raw, indent=2))
+    return model
+
+
 def randomize_norms_and_biases(model: torch.nn.Module, seed: int) -> None:
     """HF initializes norm weights to 1 and biases to 0: a loader that skipped them would pass."""
     generator = torch.Generator().manual_seed(seed + 1)
