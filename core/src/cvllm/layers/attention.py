@@ -66,7 +66,7 @@ class Attention(nn.Module):
             kv_fp8.calibrate(self, k, v)   # the first prefill this layer sees sets its scales (kv_fp8.py)
         if fused is not None:
             extra = {"scales": scales} if fp8 else {}
-            if rotary_emb.interleaved:   # GPT-J pairs (GLM4): the kernel's other pairing
+            if getattr(rotary_emb, "interleaved", False):   # GPT-J pairs (GLM4): the kernel's other pairing
                 extra["interleaved"] = True
             if norm_fused:
                 q_norm, k_norm = qk_norm
