@@ -24,12 +24,14 @@ from cvllm.layers.layernorm import RMSNorm
 
 
 class PreNormDecoderLayer(nn.Module):
+    norm_class = RMSNorm   # a subclass's own norm, built as norm_class(hidden_size, rms_norm_eps) (Gemma's 1 + w)
+
     def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module):
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
         if residual is None:
@@ -44,11 +46,14 @@ class PreNormDecoderLayer(nn.Module):
 class DecoderStack(nn.Module):
     """``embed_tokens``, the ``layers`` ``make_layer(config, index)`` builds, ``norm``."""
 
+    norm_class = RMSNorm                        # as PreNormDecoderLayer's
+    embedding_class = VocabParallelEmbedding    # built as embedding_class(vocab_size, hidden_size)
+
     def __init__(self, config: ModelConfig, make_layer: Callable[[ModelConfig, int], nn.Module]):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = self.embedding_class(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(make_layer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None

@@ -8,7 +8,7 @@ each choosing its own layers (``make_layer``) and final logit soft-cap.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -17,47 +17,23 @@ from cvllm.checkpoint import materialize
 from cvllm.config import ModelConfig
 from cvllm.distributed import tp_size
 from cvllm.layers import ParallelLMHead
+from cvllm.layers.decoder import DecoderStack, PreNormDecoderLayer
 from cvllm.weight_loading import load_weights_by_name
 from cvllm_gemma.gguf_adapter import NORM_SHIFT
 from cvllm_gemma.layers import GemmaAttention, GemmaMLP, GemmaRMSNorm, GemmaScaledEmbedding, soft_cap
 
 
-class GemmaDecoderLayer(nn.Module):
-    """Pre-norm, the residual carried beside the hidden state:
-    ``h, r = input_layernorm(h + r); h = self_attn(h); h, r = post_attention_layernorm(h + r); h = mlp(h)``."""
+class GemmaDecoderLayer(PreNormDecoderLayer):
+    """Pre-norm, the residual carried beside the hidden state, with Gemma's (1 + w) RMSNorms."""
 
-    def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module):
-        super().__init__()
-        self.self_attn = self_attn
-        self.mlp = mlp
-        self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+    norm_class = GemmaRMSNorm
 
 
-class GemmaModel(nn.Module):
+class GemmaModel(DecoderStack):
     """``embed_tokens`` (scaled), the ``layers`` that ``make_layer(config, index)`` builds, ``norm``."""
 
-    def __init__(self, config: ModelConfig, make_layer: Callable[[ModelConfig, int], nn.Module]):
-        super().__init__()
-        self.embed_tokens = GemmaScaledEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(make_layer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+    norm_class = GemmaRMSNorm
+    embedding_class = GemmaScaledEmbedding
 
 
 class GemmaForCausalLM(nn.Module):
