@@ -8,18 +8,20 @@ state (so the backend's fused add + RMSNorm does both), between a token embeddin
 
 The attribute names are Hugging Face's (``input_layernorm``, ``self_attn``, ``post_attention_layernorm``, ``mlp``;
 ``embed_tokens``, ``layers``, ``norm``), so checkpoints load by name. A family builds its own attention and MLP per
-layer and hands them in (plugins/models-deepseek uses it; Llama and Qwen keep their own copies of the same code).
+layer and hands them in; ``DecoderOnlyForCausalLM`` is the LM shell around it (plugins/models-deepseek, -gemma,
+-phi, -glm and -stablelm use them; Llama and Qwen keep their own copies of the same code).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
 from cvllm.config import ModelConfig
-from cvllm.layers.embedding import VocabParallelEmbedding
+from cvllm.distributed import tp_size
+from cvllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from cvllm.layers.layernorm import RMSNorm
 
 
@@ -61,3 +63,38 @@ class DecoderStack(nn.Module):
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+
+class DecoderOnlyForCausalLM(nn.Module):
+    """The causal-LM shell around a decoder: ``model`` (``make_model``: a DecoderStack of ``make_layer``'s layers by
+    default), ``lm_head`` tied to the token embedding where the config says, ``forward`` and ``compute_logits``.
+    A family supplies ``make_layer`` (or ``make_model``) and ``load_weights``; ``untied`` drops a tied
+    checkpoint's lm_head copy."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        kv_heads, ranks = config.num_key_value_heads, tp_size()
+        if kv_heads % ranks and ranks % kv_heads:
+            raise ValueError(f"{kv_heads} KV heads neither divide nor are divided by {ranks} tensor-parallel ranks")
+        self.config = config
+        self.model = self.make_model(config)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.get("tie_word_embeddings", False):
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def make_model(self, config: ModelConfig) -> nn.Module:
+        return DecoderStack(config, self.make_layer)
+
+    def make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def untied(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors without ``lm_head.weight`` when the head is tied (some files repeat it)."""
+        tied = self.config.get("tie_word_embeddings", False)
+        return ((name, tensor) for name, tensor in weights if not (tied and name == "lm_head.weight"))

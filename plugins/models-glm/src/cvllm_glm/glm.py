@@ -15,17 +15,15 @@ import torch
 from torch import nn
 
 from cvllm.config import ModelConfig
-from cvllm.distributed import tp_size
 from cvllm.layers import (
     Attention,
     MergedColumnParallelLinear,
-    ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     SiluAndMul,
     get_rope,
 )
-from cvllm.layers.decoder import DecoderStack, PreNormDecoderLayer
+from cvllm.layers.decoder import DecoderOnlyForCausalLM, PreNormDecoderLayer
 from cvllm.weight_loading import load_weights_by_name
 
 # transformers' GlmConfig / Glm4Config default, for configs that name no partial_rotary_factor
@@ -88,7 +86,7 @@ def split_gate_up(weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any
             yield name, tensor
 
 
-class GlmForCausalLM(nn.Module):
+class GlmForCausalLM(DecoderOnlyForCausalLM):
     # The checkpoint's tensors that pack into one layer: q/k/v only. gate_up_proj is one tensor there (GGUF's ffn_up
     # too), so a quantizer looks its weights up under that name.
     packed_modules_mapping = {
@@ -99,26 +97,8 @@ class GlmForCausalLM(nn.Module):
     # what loading places, once split_gate_up has cut gate_up_proj in two
     loading_mapping = {**packed_modules_mapping, "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        if config.num_key_value_heads % tp_size() and tp_size() % config.num_key_value_heads:
-            raise ValueError("num_key_value_heads must divide or be divisible by the tensor-parallel size")
-        self.config = config
-        self.model = DecoderStack(config, self.make_layer)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if config.get("tie_word_embeddings", False):
-            self.lm_head.tie_to(self.model.embed_tokens)
-
     def make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
         return PreNormDecoderLayer(config, GlmAttention(config), GlmMLP(config))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        tied = self.config.get("tie_word_embeddings", False)
-        weights = ((n, t) for n, t in split_gate_up(weights) if not (tied and n == "lm_head.weight"))
-        return load_weights_by_name(self, weights, self.loading_mapping)
+        return load_weights_by_name(self, self.untied(split_gate_up(weights)), self.loading_mapping)

@@ -33,17 +33,15 @@ from torch import nn
 
 from cvllm.checkpoint.base import CheckpointError
 from cvllm.config import ModelConfig
-from cvllm.distributed import tp_size
 from cvllm.layers import (
     Attention,
     MergedColumnParallelLinear,
-    ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     SiluAndMul,
     get_rope,
 )
-from cvllm.layers.decoder import DecoderStack, PreNormDecoderLayer
+from cvllm.layers.decoder import DecoderOnlyForCausalLM, PreNormDecoderLayer
 from cvllm.weight_loading import load_weights_by_name
 
 # Phi3Config's default, for a longrope config that names no original context
@@ -93,7 +91,7 @@ class Phi3MLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
-class Phi3ForCausalLM(nn.Module):
+class Phi3ForCausalLM(DecoderOnlyForCausalLM):
     # the shards loading cuts the fused checkpoint tensors into (split_fused), and where each one goes
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
@@ -103,24 +101,8 @@ class Phi3ForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        if config.num_key_value_heads % tp_size() and tp_size() % config.num_key_value_heads:
-            raise ValueError("num_key_value_heads must divide or be divisible by the tensor-parallel size")
-        self.config = config
-        self.model = DecoderStack(config, self.make_layer)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if config.get("tie_word_embeddings", False):
-            self.lm_head.tie_to(self.model.embed_tokens)
-
     def make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
         return PreNormDecoderLayer(config, Phi3Attention(config), Phi3MLP(config))
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
 
     def split_fused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The fused ``qkv_proj`` / ``gate_up_proj`` tensors as q/k/v and gate/up row blocks under the names the
@@ -145,6 +127,4 @@ class Phi3ForCausalLM(nn.Module):
                 start += rows
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        tied = self.config.get("tie_word_embeddings", False)
-        weights = ((n, t) for n, t in weights if not (tied and n == "lm_head.weight"))
-        return load_weights_by_name(self, self.split_fused(weights), self.packed_modules_mapping)
+        return load_weights_by_name(self, self.split_fused(self.untied(weights)), self.packed_modules_mapping)

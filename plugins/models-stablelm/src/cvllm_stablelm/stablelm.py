@@ -20,18 +20,18 @@ from torch import nn
 
 from cvllm.checkpoint.lazy import materialize
 from cvllm.config import ModelConfig
-from cvllm.distributed import tp_rank, tp_size
+from cvllm.distributed import tp_rank
 from cvllm.layers import (
     Attention,
     LayerNorm,
     MergedColumnParallelLinear,
-    ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     SiluAndMul,
     VocabParallelEmbedding,
     get_rope,
 )
+from cvllm.layers.decoder import DecoderOnlyForCausalLM
 from cvllm.weight_loading import load_weights_by_name
 
 # transformers' StableLmConfig default, for configs that name no partial_rotary_factor
@@ -156,7 +156,7 @@ def split_stacked_head_norms(weights: Iterable[tuple[str, torch.Tensor]]) -> Ite
             yield name, tensor
 
 
-class StableLmForCausalLM(nn.Module):
+class StableLmForCausalLM(DecoderOnlyForCausalLM):
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -165,23 +165,8 @@ class StableLmForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        if config.num_key_value_heads % tp_size() and tp_size() % config.num_key_value_heads:
-            raise ValueError("num_key_value_heads must divide or be divisible by the tensor-parallel size")
-        self.config = config
-        self.model = StableLmModel(config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if config.get("tie_word_embeddings", False):
-            self.lm_head.tie_to(self.model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
+    def make_model(self, config: ModelConfig) -> nn.Module:
+        return StableLmModel(config)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        tied = self.config.get("tie_word_embeddings", False)
-        weights = ((n, t) for n, t in split_stacked_head_norms(weights) if not (tied and n == "lm_head.weight"))
-        return load_weights_by_name(self, weights, self.packed_modules_mapping)
+        return load_weights_by_name(self, self.untied(split_stacked_head_norms(weights)), self.packed_modules_mapping)
