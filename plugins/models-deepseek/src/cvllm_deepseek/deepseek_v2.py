@@ -10,7 +10,6 @@ as interleaved pairs; V3 too unless ``rope_interleave`` is false.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -21,12 +20,11 @@ from cvllm.config import ModelConfig
 from cvllm.layers import (
     FusedMoE,
     MergedColumnParallelLinear,
-    ParallelLMHead,
     RowParallelLinear,
     SiluAndMul,
     load_weights_with_experts,
 )
-from cvllm.layers.decoder import DecoderStack, PreNormDecoderLayer
+from cvllm.layers.decoder import DecoderOnlyForCausalLM, PreNormDecoderLayer
 from cvllm_deepseek.mla import DeepseekV2Attention
 from cvllm_deepseek.routing import deepseek_routing
 
@@ -85,31 +83,18 @@ def make_layer(config: ModelConfig, layer_idx: int, version: int) -> PreNormDeco
     return PreNormDecoderLayer(config, DeepseekV2Attention(config, interleaved), mlp)
 
 
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(DecoderOnlyForCausalLM):
     version = 2
     packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.config = config
-        self.model = DecoderStack(config, partial(make_layer, version=self.version))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if config.get("tie_word_embeddings", False):
-            self.lm_head.tie_to(self.model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
+    def make_layer(self, config: ModelConfig, layer_idx: int) -> PreNormDecoderLayer:
+        return make_layer(config, layer_idx, self.version)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        tied = self.config.get("tie_word_embeddings", False)
         # DeepSeek-V3/R1 checkpoints carry a multi-token-prediction layer after the last (num_nextn_predict_layers):
         # speculative decoding's, unused here
         last = self.config.num_hidden_layers
-        kept = ((n, t) for n, t in weights
-                if not (tied and n == "lm_head.weight") and not n.startswith(f"model.layers.{last}."))
+        kept = ((n, t) for n, t in self.untied(weights) if not n.startswith(f"model.layers.{last}."))
         merged: set[str] = set()
         loaded = load_weights_with_experts(self, self._gguf_forms(kept, merged), self.packed_modules_mapping)
         return loaded | merged
