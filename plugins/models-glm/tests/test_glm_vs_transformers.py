@@ -99,17 +99,27 @@ def test_wrong_rotary_would_show(glm_checkpoint, harness, wrong: str) -> None:
     assert harness.max_logits_diff(llm, checkpoint.model, prompts) < harness.LOGITS_ATOL
 
 
-def test_fused_rotate_and_write_kv_is_not_used(glm_checkpoint, harness) -> None:
-    """A backend's rotary_write_kv turns neox halves (Attention passes it no interleaved flag): GLM must rotate
-    its pairs before handing q and k to Attention, on every backend."""
+def test_fused_rotate_and_write_kv_gets_the_pairs(glm_checkpoint, harness) -> None:
+    """A backend's rotary_write_kv (CUDA's fused rotate-and-write-KV) is told to turn GPT-J pairs: a stand-in that
+    rotates only when told so, then writes the cache, gives transformers' logits."""
     checkpoint = _checkpoint(glm_checkpoint, "glm4")
     llm = harness.llm(checkpoint)
+    backend = llm.llm_engine.runner.backend
+    rope = next(m for m in llm.llm_engine.runner.model.modules() if hasattr(m, "rotary_emb")).rotary_emb
+    calls = []
 
-    def neox_only(*args, **kwargs):
-        raise AssertionError("GLM's interleaved rotary went to the neox-only fused kernel")
+    def pairs_only(positions, q, k, v, cos_sin, head_dim, k_cache, v_cache, slot_mapping, interleaved=False):
+        assert interleaved, "GLM's rotary reached the fused kernel without interleaved=True"
+        calls.append(1)
+        q, k = rope(positions, q, k)
+        heads = k_cache.shape[2]
+        backend.write_kv(k.reshape(-1, heads, head_dim), v.reshape(-1, heads, head_dim), k_cache, v_cache,
+                         slot_mapping)
+        return q
 
-    llm.llm_engine.runner.backend.rotary_write_kv = neox_only
+    backend.rotary_write_kv = pairs_only
     assert harness.max_logits_diff(llm, checkpoint.model, harness.prompts((9,), seed=3)) < harness.LOGITS_ATOL
+    assert calls
 
 
 def test_chunked_prefill(glm_checkpoint, harness) -> None:

@@ -49,10 +49,8 @@ class GlmAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        # Rotated here, not by self.attn: Attention's fused rotate-and-write-KV kernel (rotary_write_kv) is called
-        # without an interleaved flag and would turn neox halves; RotaryEmbedding's own path honours the pairs.
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        # rotated by Attention: with GPT-J pairs in the backend's fused rotate-and-write-KV kernel where it has one
+        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb))
 
 
 class GlmMLP(nn.Module):

@@ -228,6 +228,8 @@ def gguf_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMet
         quant.quantized_modules.update(types)
         return GGUFLinearMethod(next(iter(types.values())), mode)
 
+    warned: set[str] = set()   # one warning per reason, not one per MoE layer
+
     def moe_method(name: str, module: nn.Module) -> FusedMoEMethod | None:
         """A FusedMoE layer's quantized experts stay in their blocks (moe.py), or None: dequantized at load."""
         stems = [f"{name}.{proj}" for proj in ("gate_proj", "up_proj", "down_proj")]
@@ -237,7 +239,9 @@ def gguf_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMet
         if gate != up or module.shard_size > 1:
             why = (f"gate {gate.name} and up {up.name} differ" if gate != up
                    else "tensor parallelism splits each expert (--enable-expert-parallel keeps them whole)")
-            logger.warning("%s: the experts of '%s' are dequantized at load: %s", quant.path.name, name, why)
+            if why not in warned:
+                warned.add(why)
+                logger.warning("%s: experts (from '%s' on) are dequantized at load: %s", quant.path.name, name, why)
             return None
         quant.quantized_experts.update(stems)
         return GGUFExpertsMethod(gate, down)

@@ -2,7 +2,9 @@
 
 ``fused_moe`` computes what core's UnquantizedFusedMoEMethod computes (layers/fused_moe_methods.py: each pair's
 ``down(silu(gate) * up)`` times its routing weight, summed per token) in four launches of work and no host sync,
-so a CUDA graph captures it:
+so a CUDA graph captures it. Decode steps of up to PAIR_GEMV_MAX pairs take moe_gemv.py's two expert GEMVs
+instead (no padded tl.dot tiles, silu and the sum over k fused); the grouped GEMM below serves larger batches, and
+its block-per-pair form (PAIR_BLOCKS_MAX) the low-bit experts of fused_moe_planes.py:
 
 1. ``align_pairs`` (torch ops on the device): the pairs sorted by local expert, each expert's run padded to a
    multiple of BLOCK_M with a "no pair" marker, and each BLOCK_M block's expert; a pair routed to an expert
