@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument("--cprofile", action="store_true", help="prefill phase: cProfile the host instead")
     ap.add_argument("--timeline", action="store_true",
                     help="also time the step boundary with CUDA events (bench/step_timeline.py)")
+    ap.add_argument("--isq", metavar="TYPE", help="quantize the random weights in situ as they load (q4k, gptq, ...)")
     ap.add_argument("--sync-debug", action="store_true",
                     help="also run a few steps under torch's sync debug mode and list where the host waited")
     args = ap.parse_args()
@@ -95,7 +96,7 @@ def main() -> None:
     vocab = shape_config(shape, dtype)["vocab_size"]
     engine = build_engine(EngineConfig(model=random_checkpoint(shape, dtype, device), backend=device, dtype=dtype,
                                        max_num_seqs=batch, max_model_len=context + 64 + 3 * args.steps,
-                                       max_num_batched_tokens=8192))
+                                       max_num_batched_tokens=8192, isq=args.isq))
     g = torch.Generator().manual_seed(0)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])

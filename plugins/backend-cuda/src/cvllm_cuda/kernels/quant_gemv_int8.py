@@ -37,6 +37,8 @@ from cvllm_cuda.kernels.sizes import cdiv
 from cvllm_cuda.quant_planes import QuantLayout, QuantWeight
 
 BLOCK = 32   # inputs per activation scale
+# (BLOCK_N, BLOCK_W, num_warps[, stages]) by low-plane bits; the float GEMV's until swept for this kernel
+INT8_GEMV_CONFIGS = dict(GEMV_CONFIGS)
 ENV = "CVLLM_QUANT_INT8_ACTIVATIONS"
 
 
@@ -97,7 +99,8 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, out_ptr, low_ptr, high_ptr, d
                       LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
                       SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
                       HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                      GROUP_WORDS: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
+                      GROUP_WORDS: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr,
+                      USE_PDL: tl.constexpr):
     """The float GEMV's tiling and splits (quant_matmul._gemv_kernel), integer dot products per word."""
     wait_for_previous_kernel(USE_PDL)
     PER_WORD: tl.constexpr = 32 // LOW_BITS
@@ -112,7 +115,9 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, out_ptr, low_ptr, high_ptr, d
     group_first = tl.arange(0, GROUPS) * GROUP_WORDS
     tile_words = group_first[:, None, None] + tl.arange(0, GROUP_WORDS)[None, :, None]   # [GROUPS, GROUP_WORDS, 1]
     acc = tl.zeros((GROUPS, GROUP_WORDS, BLOCK_N), dtype=tl.float32)
-    for w0 in range(start, num_words, BLOCK_W):
+    # STAGES > 1: the next tiles' loads are issued while this one computes (enough bytes in flight per SM is what
+    # a memory-bound GEMV needs)
+    for w0 in tl.range(start, num_words, BLOCK_W, num_stages=STAGES):
         words = w0 + tile_words
         word_ok = words < num_words
         low = tl.load(low_ptr + words * N + cols3, mask=word_ok & (cols3 < N), other=0)
@@ -159,14 +164,14 @@ def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, con
                     splits: int | None = None) -> None:
     """out[0] = weight @ x[0] with x rounded to int8 per 32 inputs (x [1, K] and out [1, N], contiguous)."""
     lay = weight.layout
-    block_n, block_w, warps, *_ = config or GEMV_CONFIGS[lay.low_bits]
+    block_n, block_w, warps, *stages = config or INT8_GEMV_CONFIGS[lay.low_bits]
     n, k = weight.out_features, weight.in_features
     packs, scales, sums = quantize_activations(x, lay.low_bits)
     splits, split_words = split_k(cdiv(n, block_n), k, lay.low_bits, block_w, x.device, splits)
     target = out if splits == 1 else torch.empty((splits, n), dtype=torch.float32, device=x.device)
     _gemv_int8_kernel[(cdiv(n, block_n), splits)](
         packs, scales, sums, target, *kernel_tensors(weight), n, k, split_words, **lay.kernel_args(), BLOCK_N=block_n,
-        BLOCK_W=block_w, GROUP_WORDS=group_words(lay, block_w), INTERPRET=bool(triton.knobs.runtime.interpret),
-        num_warps=warps, **pdl_options(x.device))
+        BLOCK_W=block_w, GROUP_WORDS=group_words(lay, block_w), STAGES=stages[0] if stages else 1,
+        INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=warps, **pdl_options(x.device))
     if splits > 1:
         add_splits(target, out, splits, n)
