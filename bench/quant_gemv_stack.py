@@ -83,7 +83,7 @@ def replay_us(fn, layers: int) -> float:
 def gemv_configs(spec: str | None):
     if spec:
         return [tuple(int(v) for v in c.split(",")) for c in spec.split(";")]
-    return [c for c in itertools.product((16, 32, 64), (32, 64, 128), (4, 8), (1, 2, 3))
+    return [c for c in itertools.product((16, 32, 64), (32, 64, 128), (4, 8), (1, 3))
             if 4 <= c[0] * c[1] / (c[2] * 32) <= 32]
 
 
