@@ -24,6 +24,9 @@ from cvllm_cuda.quant_planes import QuantWeight
 
 # (BLOCK_N, BLOCK_W, num_warps[, stages]) by low-plane bits; set from bench/quant_matmul_sweep.py
 GEMV_CONFIGS = {2: (32, 32, 4), 4: (32, 32, 4), 8: (32, 32, 4)}
+# K is split until about this many programs per SM: GPTQ-4bit g128 Llama-3-8B layers 85.7 us at 4, 76.6 at 16
+# (bench/quant_gemv_stack.py, a stack of layers in one CUDA graph, H200)
+GEMV_PROGRAMS_PER_SM = 16
 
 
 @triton.jit
@@ -112,7 +115,8 @@ def quant_gemv(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: 
     """out[0] = weight @ x[0] (x [1, K] and out [1, N], contiguous)."""
     block_n, block_w, warps, *stages = config or GEMV_CONFIGS[weight.layout.low_bits]
     n, k = weight.out_features, weight.in_features
-    splits, split_words = split_k(cdiv(n, block_n), k, weight.layout.low_bits, block_w, x.device, splits)
+    splits, split_words = split_k(cdiv(n, block_n), k, weight.layout.low_bits, block_w, x.device, splits,
+                                  GEMV_PROGRAMS_PER_SM)
     target = out if splits == 1 else torch.empty((splits, n), dtype=torch.float32, device=x.device)
     _gemv_kernel[(cdiv(n, block_n), splits)](x, target, *kernel_tensors(weight), n, k, split_words,
                                               **weight.layout.kernel_args(), BLOCK_N=block_n, BLOCK_W=block_w,

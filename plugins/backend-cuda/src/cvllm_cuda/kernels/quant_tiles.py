@@ -117,13 +117,14 @@ def kernel_tensors(weight: QuantWeight) -> tuple[torch.Tensor, ...]:
             weight.a if weight.a is not None else low, weight.b if weight.b is not None else low)
 
 
-def k_splits(programs: int, k: int, low_bits: int, block_w: int, device: torch.device) -> int:
-    """How many parts to split K into: enough programs to fill the GPU about PROGRAMS_PER_SM times over (a 4096-row
-    weight in 32-row tiles is 128 programs, fewer than the H200's 132 SMs), each still a few K steps long."""
+def k_splits(programs: int, k: int, low_bits: int, block_w: int, device: torch.device,
+             programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+    """How many parts to split K into: enough programs to fill the GPU about ``programs_per_sm`` times over (a
+    4096-row weight in 32-row tiles is 128 programs, fewer than the H200's 132 SMs), each still a few K steps long."""
     if device.type != "cuda":
         return 1 if k < 1024 else 2   # the interpreter: both paths
     steps = cdiv(k * low_bits // 32, block_w)
-    return max(1, min(cdiv(PROGRAMS_PER_SM * gpu.num_sms(gpu.device_index(device)), programs), steps // 4, 16))
+    return max(1, min(cdiv(programs_per_sm * gpu.num_sms(gpu.device_index(device)), programs), steps // 4, 16))
 
 
 def group_words(layout, block_w: int) -> int:
@@ -136,11 +137,11 @@ def group_words(layout, block_w: int) -> int:
 
 
 def split_k(programs: int, k: int, low_bits: int, block_w: int, device: torch.device,
-           splits: int | None) -> tuple[int, int]:
+           splits: int | None, programs_per_sm: int = PROGRAMS_PER_SM) -> tuple[int, int]:
     """(splits, words per split), the words a whole number of K steps."""
     words = k * low_bits // 32
     if splits is None:
-        splits = k_splits(programs, k, low_bits, block_w, device)
+        splits = k_splits(programs, k, low_bits, block_w, device, programs_per_sm)
     split_words = cdiv(cdiv(words, splits), block_w) * block_w
     return cdiv(words, split_words), split_words
 
