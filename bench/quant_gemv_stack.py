@@ -24,7 +24,6 @@ import torch
 
 from cvllm_cuda.kernels import quant_gemv_int8, quant_tiles
 from cvllm_cuda.kernels.quant_gemv import quant_gemv
-from cvllm_cuda.kernels.quant_gemv_quad import interleave_blocks, quad_gemv
 from cvllm_cuda.kernels.sizes import cdiv
 from cvllm_cuda.quant_planes import QuantLayout, QuantWeight
 
@@ -88,47 +87,12 @@ def gemv_configs(spec: str | None):
             if 4 <= c[0] * c[1] / (c[2] * 32) <= 32]
 
 
-def quad_configs(spec: str | None, bits: int):
-    """(BLOCK_N, BLOCK_B, num_warps, prefetch) of quant_gemv_quad.py."""
-    if spec:
-        return [tuple(int(v) for v in c.split(",")) for c in spec.split(";")]
-    return [c for c in itertools.product((32, 64, 128), (2, 4, 8), (4, 8), (0, 1))
-            if 4 <= c[0] * c[1] * bits / (c[2] * 32) <= 32]
-
-
-def quad_sweep(name: str, layers: list, xs: dict, outs: dict, args, started: float) -> dict:
-    """The block-interleaved GEMV (an experiment) on the same stack: its low planes interleaved in place."""
-    bits = LAYOUTS[name].low_bits
-    quads = [{s: interleave_blocks(w.low, bits) for s, w in layer.items()} for layer in layers]
-    rows = {}
-    for cfg in quad_configs(args.quad_configs, bits):
-        for pps in (int(p) for p in args.pps.split(",")):
-            if time.perf_counter() - started > args.budget_s:
-                break
-            bn, bb, warps, prefetch = cfg
-
-            def stack(bn=bn, bb=bb, warps=warps, prefetch=prefetch, pps=pps):
-                for layer, quad in zip(layers, quads):
-                    for s, (n, k) in SHAPES.items():
-                        w = layer[s]
-                        splits = max(1, min(cdiv(pps * 132, cdiv(n, bn)), k // 32 // bb // 4, 16))
-                        quad_gemv(xs[k], w, quad[s], outs[n], bn, bb, warps, splits, bool(prefetch))
-            try:
-                rows[f"quad {cfg} pps {pps}"] = replay_us(stack, len(layers))
-            except Exception as exc:
-                print(f"  {name} quad {cfg} pps {pps}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
-    return rows
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layouts", default="q4_k,q8_0,gptq4_g128")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--configs", help='"BN,BW,WARPS,STAGES;..." (default: a grid)')
     ap.add_argument("--pps", default="4,8,16", help="programs per SM the K split aims at")
-    ap.add_argument("--quad", action="store_true", help="also the block-interleaved GEMV (quant_gemv_quad.py)")
-    ap.add_argument("--quad-configs", help='"BN,BB,WARPS,PREFETCH;..." (default: a grid)')
-    ap.add_argument("--skip-planes", action="store_true", help="only the block-interleaved GEMV")
     ap.add_argument("--budget-s", type=float, default=420)
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -156,7 +120,7 @@ def main() -> None:
         nbytes = sum(w.nbytes() for w in layers[0].values())
         kernel = quant_gemv_int8.quant_gemv_int8 if layout.int8_activations else quant_gemv
         rows = {}
-        for cfg in [] if args.skip_planes else gemv_configs(args.configs):
+        for cfg in gemv_configs(args.configs):
             for pps in (int(p) for p in args.pps.split(",")):
                 if time.perf_counter() - started > args.budget_s:
                     break
@@ -172,8 +136,6 @@ def main() -> None:
                     print(f"  {name} {cfg} pps {pps}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
                     continue
                 rows[f"{cfg} pps {pps}"] = us
-        if args.quad and layout.int8_activations:
-            rows.update(quad_sweep(name, layers, xs, outs, args, started))
         best = sorted(rows.items(), key=lambda kv: kv[1])
         results["planes"][name] = {"bytes_per_layer": nbytes, "us_per_layer": rows}
         default = quant_gemv_int8.INT8_GEMV_CONFIGS if layout.int8_activations else None

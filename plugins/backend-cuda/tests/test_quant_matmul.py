@@ -179,23 +179,26 @@ def test_decode_matmul_is_captured_in_a_cuda_graph():
 
 
 @pytest.mark.parametrize("name", ["q4_k", "q4_0", "q8_0", "q2_k", "gptq4_g128"])
-@pytest.mark.parametrize("config", [None, (16, 8, 4)])
-def test_int8_activation_gemv_equals_the_rounded_reference(name, config):
+@pytest.mark.parametrize("config,n", [(None, 21), ((16, 8, 4), 21), ((16, 8, 4), 48), ((16, 32, 4), 32)])
+def test_int8_activation_gemv_equals_the_rounded_reference(name, config, n):
     """llama.cpp's numerics: x rounded to int8 per 32 inputs, integer dot products. Against dequantize-then-matmul
-    of the same rounded x (float32 sums in another order), and against the float x within the rounding's error."""
+    of the same rounded x (float32 sums in another order), and against the float x within the rounding's error.
+    Output features a multiple of the tile (n 48, 32) take the kernel's unmasked form; the 4-bit and 8-bit GGUF
+    groups (one activation block) add their words' products as integers, GPTQ's and Q2_K's per word."""
     layout = dataclasses.replace(LAYOUTS.get(name) or QuantLayout(4, 0, 32, 32, b_const=-8), int8_activations=True)
-    weight = random_weight(layout, 21, 1024, DEVICE, seed=11)
+    weight = random_weight(layout, n, 1024, DEVICE, seed=11)
     x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(11)).to(DEVICE)
     x[0, 40:64] = 0.0   # an all-zero block of 32 has scale 0
     assert quant_gemv_int8.applies(layout, 1024)
-    out = torch.full((1, 21), float("nan"), device=DEVICE)
+    out = torch.full((1, n), float("nan"), device=DEVICE)
     quant_gemv_int8.quant_gemv_int8(x, weight, out, config)
     w = dequantize_planes(weight).to(DEVICE)
     ref = quant_gemv_int8.dequantized_activations(x) @ w.T
     torch.testing.assert_close(out.cpu(), ref.cpu(), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     exact = x @ w.T
     assert ((out - exact).abs().max() / exact.abs().max()).item() < 2e-2
-    torch.testing.assert_close(quant_matmul(x, weight).cpu(), out.cpu())   # the T=1 dispatch takes it
+    # the T=1 dispatch takes it (its own tiles: the same sums in another order)
+    torch.testing.assert_close(quant_matmul(x, weight).cpu(), out.cpu(), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
 def test_int8_activations_are_off_for_high_planes_fp8_and_the_switch(monkeypatch):

@@ -32,7 +32,7 @@ import triton.language as tl
 from cvllm_cuda.kernels.pdl import options as pdl_options
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.quant_gemv import GEMV_CONFIGS
-from cvllm_cuda.kernels.quant_tiles import add_splits, group_words, kernel_tensors, split_k, word_factors
+from cvllm_cuda.kernels.quant_tiles import add_splits, group_words, kernel_tensors, load_masked, split_k, word_factors
 from cvllm_cuda.kernels.sizes import cdiv
 from cvllm_cuda.quant_planes import QuantLayout, QuantWeight
 
@@ -51,9 +51,10 @@ def applies(layout: QuantLayout, in_features: int) -> bool:
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, packs_ptr, d_ptr, sums_ptr, K, LOW_BITS: tl.constexpr, BLOCKS: tl.constexpr,
-                     USE_PDL: tl.constexpr):
-    """BLOCKS blocks of 32 inputs per program: their scales, packs [K / 4] and word sums [K * LOW_BITS / 32]."""
+def _quantize_kernel(x_ptr, packs_ptr, d_ptr, sums_ptr, block_sums_ptr, K, LOW_BITS: tl.constexpr,
+                     BLOCKS: tl.constexpr, USE_PDL: tl.constexpr):
+    """BLOCKS blocks of 32 inputs per program: their scales, packs [K / 4], word sums [K * LOW_BITS / 32] and block
+    sums [K / 32]."""
     wait_for_previous_kernel(USE_PDL)
     PER_WORD: tl.constexpr = 32 // LOW_BITS
     PHASES: tl.constexpr = 8 // LOW_BITS
@@ -66,6 +67,7 @@ def _quantize_kernel(x_ptr, packs_ptr, d_ptr, sums_ptr, K, LOW_BITS: tl.constexp
     scaled = x * inv[:, None]
     q = tl.where(scaled < 0, scaled - 0.5, scaled + 0.5).to(tl.int32)        # to int truncates: half away from 0
     tl.store(d_ptr + blocks, d, mask=ok)
+    tl.store(block_sums_ptr + blocks, tl.sum(q, axis=1).to(tl.float32) * d, mask=ok)
     # element e of a word sits in byte e // PHASES of pack e % PHASES: [words, 4 bytes, PHASES]
     q3 = tl.reshape(q, (BLOCKS * 32 // PER_WORD, 4, PHASES))
     shifts = (tl.arange(0, 4) * 8)[None, :, None]
@@ -96,44 +98,64 @@ def _dot4(a, b, c, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K,
-                      SPLIT_WORDS,
+def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr,
+                      b_ptr, N, K, SPLIT_WORDS,
                       LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
                       SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
                       HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                      GROUP_WORDS: tl.constexpr, STAGES: tl.constexpr, INTERPRET: tl.constexpr,
-                      USE_PDL: tl.constexpr):
-    """The float GEMV's tiling and splits (quant_matmul._gemv_kernel), integer dot products per word."""
+                      GROUP_WORDS: tl.constexpr, STAGES: tl.constexpr, EVEN: tl.constexpr,
+                      INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
+    """The float GEMV's tiling and splits (quant_matmul._gemv_kernel), integer dot products per word. Where a factor
+    group is one activation block (32 inputs: Q4_0, Q4_1, Q4_K, Q8_0), the group's word products are added as
+    integers and turned into a float once per group and column, not once per word."""
     wait_for_previous_kernel(USE_PDL)
     PER_WORD: tl.constexpr = 32 // LOW_BITS
     PHASES: tl.constexpr = 8 // LOW_BITS
     BYTE_MASK: tl.constexpr = 0x0F0F0F0F if LOW_BITS == 4 else 0x03030303 if LOW_BITS == 2 else -1
     GROUPS: tl.constexpr = BLOCK_W // GROUP_WORDS
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols[None, :] < N
     cols3 = cols[None, None, :]
     start = tl.program_id(1) * SPLIT_WORDS
     num_words = tl.minimum(K // PER_WORD, start + SPLIT_WORDS)
     group_first = tl.arange(0, GROUPS) * GROUP_WORDS
     tile_words = group_first[:, None, None] + tl.arange(0, GROUP_WORDS)[None, :, None]   # [GROUPS, GROUP_WORDS, 1]
-    acc = tl.zeros((GROUPS, GROUP_WORDS, BLOCK_N), dtype=tl.float32)
-    # STAGES > 1: the next tiles' loads are issued while this one computes (enough bytes in flight per SM is what
-    # a memory-bound GEMV needs)
+    ONE_BLOCK: tl.constexpr = GROUP_WORDS * PER_WORD == 32
+    acc = tl.zeros((GROUPS, 1 if ONE_BLOCK else GROUP_WORDS, BLOCK_N), dtype=tl.float32)
+    # pointers advanced a tile at a time (recomputing them from the word index was a quarter of the loop's
+    # instructions); EVEN: every tile in bounds, no masks
+    low_ptrs = low_ptr + (start + tile_words) * N + cols3                       # [GROUPS, GROUP_WORDS, BLOCK_N]
+    pack_ptrs = packs_ptr + (start + tile_words) * PHASES                       # [GROUPS, GROUP_WORDS, 1]
+    # STAGES > 1: the next tiles' loads are issued while this one computes
     for w0 in tl.range(start, num_words, BLOCK_W, num_stages=STAGES):
         words = w0 + tile_words
-        word_ok = words < num_words
-        low = tl.load(low_ptr + words * N + cols3, mask=word_ok & (cols3 < N), other=0)
-        gwords = w0 + group_first
-        scale, offset = word_factors(d_ptr, m_ptr, a_ptr, b_ptr, (gwords * PER_WORD)[:, None], cols[None, :],
-                                      (gwords < num_words)[:, None] & col_ok, N, SCALE_GROUP, SUPER_GROUP, A_MODE,
-                                      B_MODE, B_CONST, HAS_M)
+        gwords = (w0 + group_first)[:, None, None]
+        if EVEN:
+            word_ok = None
+            group_ok = None
+        else:
+            word_ok = words < num_words
+            group_ok = (gwords < num_words) & (cols3 < N)
+        low = load_masked(low_ptrs, None if EVEN else word_ok & (cols3 < N), 0)
+        # the factors loaded as [GROUPS, 1, BLOCK_N], in the tile's own layout: loaded [GROUPS, BLOCK_N] they would
+        # be moved through shared memory every step, a barrier that stalls all the program's warps
+        scale, offset = word_factors(d_ptr, m_ptr, a_ptr, b_ptr, gwords * PER_WORD, cols3, group_ok, N, SCALE_GROUP,
+                                      SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
         dots = tl.zeros((GROUPS, GROUP_WORDS, BLOCK_N), dtype=tl.int32)
         for s in tl.static_range(PHASES):
-            pack = tl.load(packs_ptr + words * PHASES + s, mask=word_ok, other=0)
+            pack = load_masked(pack_ptrs + s, word_ok, 0)
             dots = _dot4((low >> (s * LOW_BITS)) & BYTE_MASK, pack + tl.zeros_like(dots), dots, INTERPRET)
-        x_d = tl.load(xd_ptr + words * PER_WORD // 32, mask=word_ok, other=0.0)
-        x_sum = tl.load(xsum_ptr + words, mask=word_ok, other=0.0)
-        acc += (dots.to(tl.float32) * x_d) * scale[:, None, :] + offset[:, None, :] * x_sum
+        if ONE_BLOCK:   # (a sum over axis 1 stays in each thread: the tile's layout keeps a group's words there)
+            block = gwords // GROUP_WORDS
+            block_ok = None if EVEN else gwords < num_words
+            x_d = load_masked(xd_ptr + block, block_ok, 0.0)
+            x_sum = load_masked(xblock_sum_ptr + block, block_ok, 0.0)
+            acc += tl.sum(dots, axis=1, keep_dims=True).to(tl.float32) * (x_d * scale) + offset * x_sum
+        else:
+            x_d = load_masked(xd_ptr + words * PER_WORD // 32, word_ok, 0.0)
+            x_sum = load_masked(xsum_ptr + words, word_ok, 0.0)
+            acc += (dots.to(tl.float32) * x_d) * scale + offset * x_sum
+        low_ptrs += BLOCK_W * N
+        pack_ptrs += BLOCK_W * PHASES
     total = tl.sum(tl.sum(acc, axis=1), axis=0)
     tl.store(out_ptr + tl.program_id(1) * N + cols, total.to(out_ptr.dtype.element_ty), mask=cols < N)
 
@@ -141,16 +163,18 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, out_ptr, low_ptr, high_ptr, d
 QUANTIZE_BLOCKS = 8   # 32-input blocks per program of the activation quantizer
 
 
-def quantize_activations(x: torch.Tensor, low_bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [1, K] -> (packs int32 [K / 4], scales float32 [K / 32], word sums float32 [K * low_bits / 32])."""
+def quantize_activations(x: torch.Tensor, low_bits: int) -> tuple[torch.Tensor, ...]:
+    """x [1, K] -> (packs int32 [K / 4], scales float32 [K / 32], word sums float32 [K * low_bits / 32], block sums
+    float32 [K / 32])."""
     k = x.shape[-1]
     packs = torch.empty(k // 4, dtype=torch.int32, device=x.device)
     scales = torch.empty(k // BLOCK, dtype=torch.float32, device=x.device)
     sums = torch.empty(k * low_bits // 32, dtype=torch.float32, device=x.device)
+    block_sums = torch.empty(k // BLOCK, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(k // BLOCK, QUANTIZE_BLOCKS),)
-    _quantize_kernel[grid](x, packs, scales, sums, k, LOW_BITS=low_bits, BLOCKS=QUANTIZE_BLOCKS, num_warps=4,
-                           **pdl_options(x.device))
-    return packs, scales, sums
+    _quantize_kernel[grid](x, packs, scales, sums, block_sums, k, LOW_BITS=low_bits, BLOCKS=QUANTIZE_BLOCKS,
+                           num_warps=4, **pdl_options(x.device))
+    return packs, scales, sums, block_sums
 
 
 def dequantized_activations(x: torch.Tensor) -> torch.Tensor:
@@ -168,12 +192,13 @@ def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, con
     lay = weight.layout
     block_n, block_w, warps, *stages = config or INT8_GEMV_CONFIGS[lay.low_bits]
     n, k = weight.out_features, weight.in_features
-    packs, scales, sums = quantize_activations(x, lay.low_bits)
+    activations = quantize_activations(x, lay.low_bits)
     splits, split_words = split_k(cdiv(n, block_n), k, lay.low_bits, block_w, x.device, splits)
     target = out if splits == 1 else torch.empty((splits, n), dtype=torch.float32, device=x.device)
     _gemv_int8_kernel[(cdiv(n, block_n), splits)](
-        packs, scales, sums, target, *kernel_tensors(weight), n, k, split_words, **lay.kernel_args(), BLOCK_N=block_n,
+        *activations, target, *kernel_tensors(weight), n, k, split_words, **lay.kernel_args(), BLOCK_N=block_n,
         BLOCK_W=block_w, GROUP_WORDS=group_words(lay, block_w), STAGES=stages[0] if stages else 1,
+        EVEN=n % block_n == 0 and (k * lay.low_bits // 32) % split_words == 0,
         INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=warps, **pdl_options(x.device))
     if splits > 1:
         add_splits(target, out, splits, n)

@@ -38,28 +38,37 @@ def load_words(low_ptr, high_ptr, words, cols, ok, N, LOW_BITS: tl.constexpr, HI
 
 
 @triton.jit
+def load_masked(ptr, ok, other):
+    """``tl.load`` under mask ``ok``, or unmasked where ``ok`` is None (tiles known to be in bounds)."""
+    if ok is None:
+        return tl.load(ptr)
+    else:
+        return tl.load(ptr, mask=ok, other=other)
+
+
+@triton.jit
 def word_factors(d_ptr, m_ptr, a_ptr, b_ptr, first, cols, ok, N, SCALE_GROUP: tl.constexpr,
                   SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
                   HAS_M: tl.constexpr):
     """scale and offset (float32 [BLOCK_W, BLOCK_N]) of the words whose first elements are ``first``
-    ([BLOCK_W, 1]): a word never straddles a scale group."""
-    d = tl.load(d_ptr + first // SUPER_GROUP * N + cols, mask=ok, other=0.0).to(tl.float32)
+    ([BLOCK_W, 1]): a word never straddles a scale group. ``ok`` None: every load in bounds (no masks)."""
+    d = load_masked(d_ptr + first // SUPER_GROUP * N + cols, ok, 0.0).to(tl.float32)
     if HAS_M:
-        m = tl.load(m_ptr + first // SUPER_GROUP * N + cols, mask=ok, other=0.0).to(tl.float32)
+        m = load_masked(m_ptr + first // SUPER_GROUP * N + cols, ok, 0.0).to(tl.float32)
     else:
         m = d
     if A_MODE == 0:
         scale = d
         a = d
     else:
-        a = tl.load(a_ptr + first // SCALE_GROUP * N + cols, mask=ok, other=0).to(tl.float32)
+        a = load_masked(a_ptr + first // SCALE_GROUP * N + cols, ok, 0).to(tl.float32)
         scale = d * a
     if B_MODE == 0:
         offset = m * B_CONST
     elif B_MODE == 1:
         offset = m * (a * B_CONST)
     else:
-        b = tl.load(b_ptr + first // SCALE_GROUP * N + cols, mask=ok, other=0).to(tl.float32)
+        b = load_masked(b_ptr + first // SCALE_GROUP * N + cols, ok, 0).to(tl.float32)
         offset = m * (b * B_CONST)
     return scale, offset
 
