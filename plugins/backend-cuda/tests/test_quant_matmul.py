@@ -129,13 +129,15 @@ def test_k_split_into_parts_adds_up(t):
                                          ("6-word groups", QuantLayout(4, 0, 48, 96, b_mode=2, b_const=-1)),
                                          ("fp8 per channel", QuantLayout(8, 0, 768, 768, b_const=0, float8=True))])
 @pytest.mark.parametrize("block_w", [4, 8, 32])
-def test_gemv_tiles_of_whole_groups_parts_of_groups_or_single_words(name, layout, block_w):
+@pytest.mark.parametrize("n,warps", [(9, 4), (32, 1)])
+def test_gemv_tiles_of_whole_groups_parts_of_groups_or_single_words(name, layout, block_w, n, warps):
     """The GEMV shares factors over a scale group's words in a tile (group_words): groups smaller than, larger than
-    and not nesting with the tile."""
-    weight = random_weight(layout, 9, 768, DEVICE, seed=9)
+    and not nesting with the tile; N a multiple of the tile (the unmasked form) and one warp (a group's words in one
+    thread: their sum taken every step, quant_tiles.groups_in_thread)."""
+    weight = random_weight(layout, n, 768, DEVICE, seed=9)
     x = torch.randn(1, 768, generator=torch.Generator().manual_seed(9)).to(DEVICE)
-    out = torch.empty(1, 9, device=DEVICE)
-    quant_gemv(x, weight, out, (16, block_w, 4), splits=2)
+    out = torch.empty(1, n, device=DEVICE)
+    quant_gemv(x, weight, out, (16, block_w, warps), splits=2)
     ref = x @ dequantize_planes(weight).T
     torch.testing.assert_close(out.cpu(), ref.cpu(), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 

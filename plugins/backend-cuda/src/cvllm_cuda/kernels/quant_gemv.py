@@ -18,7 +18,16 @@ import triton.language as tl
 
 from cvllm_cuda.kernels.pdl import options as pdl_options
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
-from cvllm_cuda.kernels.quant_tiles import add_splits, group_words, kernel_tensors, split_k, word_factors
+from cvllm_cuda.kernels.quant_tiles import (
+    add_splits,
+    even_tiles,
+    group_words,
+    groups_in_thread,
+    kernel_tensors,
+    load_masked,
+    split_k,
+    word_factors,
+)
 from cvllm_cuda.kernels.sizes import cdiv
 from cvllm_cuda.quant_planes import QuantWeight
 
@@ -29,8 +38,22 @@ GEMV_CONFIGS = {2: (32, 32, 4), 4: (32, 32, 4), 8: (32, 32, 4)}
 GEMV_PROGRAMS_PER_SM = 16
 
 
+# the bits of float 1.0, passed as an argument: as a constant, ptxas splits ``(w & MASK) | 0x3F800000`` into two
+# instructions (a SASS LOP3 takes one immediate); from a register it is one
+ONE_BITS = 0x3F800000
+
+
 @triton.jit
-def _unit(low, high_at, S: tl.constexpr, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, FLOAT8: tl.constexpr):
+def _and_or(word, MASK: tl.constexpr, one_bits):
+    """``(word & MASK) | one_bits`` in one ``lop3``."""
+    return tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
+                                     [word, tl.full(word.shape, MASK, tl.int32), one_bits + tl.zeros_like(word)],
+                                     dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _unit(low, high_at, S: tl.constexpr, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, FLOAT8: tl.constexpr,
+          INTERPRET: tl.constexpr = True, one_bits=0x3F800000):
     """float32 ``1 + q / 2**bits`` for element S of each word: q's bits moved to the top of a float's mantissa under
     the exponent of 1.0 (one shift and one masked or: no conversion, no subtraction; exact), or the FP8 value
     (FLOAT8). ``high_at``: the high-plane word shifted so that element 0's high bits are its lowest."""
@@ -42,7 +65,10 @@ def _unit(low, high_at, S: tl.constexpr, LOW_BITS: tl.constexpr, HIGH_BITS: tl.c
         moved = low << shift
     else:
         moved = low >> -shift                           # arithmetic shift: the mask drops the copied sign bits
-    v = (moved & (((1 << LOW_BITS) - 1) << top)) | 0x3F800000
+    if HIGH_BITS > 0 or INTERPRET:
+        v = (moved & (((1 << LOW_BITS) - 1) << top)) | 0x3F800000
+    else:
+        v = _and_or(moved, ((1 << LOW_BITS) - 1) << top, one_bits)
     if HIGH_BITS > 0:
         high_shift: tl.constexpr = top + LOW_BITS - S * HIGH_BITS
         if high_shift >= 0:
@@ -54,11 +80,12 @@ def _unit(low, high_at, S: tl.constexpr, LOW_BITS: tl.constexpr, HIGH_BITS: tl.c
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K, SPLIT_WORDS,
+def _gemv_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K, SPLIT_WORDS, one_bits,
                  LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
                  SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
                  HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                 GROUP_WORDS: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr):
+                 GROUP_WORDS: tl.constexpr, GROUP_SUM: tl.constexpr, STAGES: tl.constexpr, EVEN: tl.constexpr,
+                 INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (i, j) sums words j * SPLIT_WORDS .. (j + 1) * SPLIT_WORDS of output features i * BLOCK_N ...; with
     more than one split, ``out`` is the float32 [splits, N] of the partial sums (``sum_splits_kernel`` adds them).
 
@@ -71,41 +98,56 @@ def _gemv_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, 
     GROUPS: tl.constexpr = BLOCK_W // GROUP_WORDS
     UNIT: tl.constexpr = 1.0 if FLOAT8 else float(1 << (LOW_BITS + HIGH_BITS))
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols[None, :] < N
     cols3 = cols[None, None, :]
     start = tl.program_id(1) * SPLIT_WORDS
     num_words = tl.minimum(K // PER_WORD, start + SPLIT_WORDS)
     group_first = tl.arange(0, GROUPS) * GROUP_WORDS                                 # [GROUPS]
     tile_words = group_first[:, None, None] + tl.arange(0, GROUP_WORDS)[None, :, None]   # [GROUPS, GROUP_WORDS, 1]
-    acc = tl.zeros((GROUPS, GROUP_WORDS, BLOCK_N), dtype=tl.float32)
+    # a group's words share their factors: with GROUP_SUM (the tile's layout keeps a group's words in one thread,
+    # quant_tiles.groups_in_thread) their products are summed before the factors apply, once per group and column
+    acc = tl.zeros((GROUPS, 1 if GROUP_SUM else GROUP_WORDS, BLOCK_N), dtype=tl.float32)
+    # pointers advanced a tile at a time; EVEN: every tile in bounds, no masks (as in quant_gemv_int8.py)
+    low_ptrs = low_ptr + (start + tile_words) * N + cols3
+    x_ptrs = x_ptr + (start + tile_words) * PER_WORD
     # STAGES > 1: Triton's software pipelining issues the next tiles' loads while this one computes
     for w0 in tl.range(start, num_words, BLOCK_W, num_stages=STAGES):
         words = w0 + tile_words
-        word_ok = words < num_words
-        ok = word_ok & (cols3 < N)
-        low = tl.load(low_ptr + words * N + cols3, mask=ok, other=0)
+        gwords = (w0 + group_first)[:, None, None]
+        if EVEN:
+            word_ok = None
+            ok = None
+            group_ok = None
+        else:
+            word_ok = words < num_words
+            ok = word_ok & (cols3 < N)
+            group_ok = (gwords < num_words) & (cols3 < N)
+        low = load_masked(low_ptrs, ok, 0)
         high_at = low
         if HIGH_BITS > 0:
             first = words * PER_WORD
-            high = tl.load(high_ptr + first // (32 // HIGH_BITS) * N + cols3, mask=ok, other=0)
+            high = load_masked(high_ptr + first // (32 // HIGH_BITS) * N + cols3, ok, 0)
             high_at = high >> (first % (32 // HIGH_BITS) * HIGH_BITS)
-        # each group's factors, at its first word (a word never straddles a scale group)
-        gwords = w0 + group_first
-        scale, offset = word_factors(d_ptr, m_ptr, a_ptr, b_ptr, (gwords * PER_WORD)[:, None], cols[None, :],
-                                      (gwords < num_words)[:, None] & col_ok, N, SCALE_GROUP, SUPER_GROUP, A_MODE,
-                                      B_MODE, B_CONST, HAS_M)
+        # each group's factors, at its first word (a word never straddles a scale group), loaded [GROUPS, 1, BLOCK_N]
+        # in the tile's layout (no shared-memory round trip)
+        scale, offset = word_factors(d_ptr, m_ptr, a_ptr, b_ptr, gwords * PER_WORD, cols3, group_ok, N, SCALE_GROUP,
+                                      SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
         part = tl.zeros((GROUPS, GROUP_WORDS, BLOCK_N), dtype=tl.float32)
         x_sum = tl.zeros((GROUPS, GROUP_WORDS, 1), dtype=tl.float32)
         for S in tl.static_range(PER_WORD):
-            x = tl.load(x_ptr + words * PER_WORD + S, mask=word_ok, other=0.0).to(tl.float32)
-            part += _unit(low, high_at, S, LOW_BITS, HIGH_BITS, FLOAT8) * x
+            x = load_masked(x_ptrs + S, word_ok, 0.0).to(tl.float32)
+            part += _unit(low, high_at, S, LOW_BITS, HIGH_BITS, FLOAT8, INTERPRET, one_bits) * x
             x_sum += x
-        # part = sum(x) + sum(q x) / UNIT per word (FP8: sum(q x))
-        scaled = (scale * UNIT)[:, None, :]
+        # part = sum(x) + sum(q x) / UNIT per word (FP8: sum(q x)), summed over the group's words
+        if GROUP_SUM:
+            part = tl.sum(part, axis=1, keep_dims=True)
+            x_sum = tl.sum(x_sum, axis=1, keep_dims=True)
+        scaled = scale * UNIT
         if FLOAT8:
-            acc += part * scaled + offset[:, None, :] * x_sum
+            acc += part * scaled + offset * x_sum
         else:
-            acc += part * scaled + (offset[:, None, :] - scaled) * x_sum
+            acc += part * scaled + (offset - scaled) * x_sum
+        low_ptrs += BLOCK_W * N
+        x_ptrs += BLOCK_W * PER_WORD
     total = tl.sum(tl.sum(acc, axis=1), axis=0)
     tl.store(out_ptr + tl.program_id(1) * N + cols, total.to(out_ptr.dtype.element_ty), mask=cols < N)
 
@@ -118,10 +160,12 @@ def quant_gemv(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: 
     splits, split_words = split_k(cdiv(n, block_n), k, weight.layout.low_bits, block_w, x.device, splits,
                                   GEMV_PROGRAMS_PER_SM)
     target = out if splits == 1 else torch.empty((splits, n), dtype=torch.float32, device=x.device)
-    _gemv_kernel[(cdiv(n, block_n), splits)](x, target, *kernel_tensors(weight), n, k, split_words,
-                                              **weight.layout.kernel_args(), BLOCK_N=block_n, BLOCK_W=block_w,
-                                              GROUP_WORDS=group_words(weight.layout, block_w),
-                                              STAGES=stages[0] if stages else 1, num_warps=warps,
-                                              **pdl_options(x.device))
+    lay = weight.layout
+    gw = group_words(lay, block_w)
+    _gemv_kernel[(cdiv(n, block_n), splits)](
+        x, target, *kernel_tensors(weight), n, k, split_words, ONE_BITS, **lay.kernel_args(), BLOCK_N=block_n,
+        BLOCK_W=block_w, GROUP_WORDS=gw, GROUP_SUM=groups_in_thread(block_n, block_w, gw, warps),
+        STAGES=stages[0] if stages else 1, EVEN=even_tiles(n, k, lay.low_bits, block_n, split_words),
+        INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=warps, **pdl_options(x.device))
     if splits > 1:
         add_splits(target, out, splits, n)

@@ -32,7 +32,16 @@ import triton.language as tl
 from cvllm_cuda.kernels.pdl import options as pdl_options
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.quant_gemv import GEMV_CONFIGS
-from cvllm_cuda.kernels.quant_tiles import add_splits, group_words, kernel_tensors, load_masked, split_k, word_factors
+from cvllm_cuda.kernels.quant_tiles import (
+    add_splits,
+    even_tiles,
+    group_words,
+    groups_in_thread,
+    kernel_tensors,
+    load_masked,
+    split_k,
+    word_factors,
+)
 from cvllm_cuda.kernels.sizes import cdiv
 from cvllm_cuda.quant_planes import QuantLayout, QuantWeight
 
@@ -103,8 +112,8 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_
                       LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
                       SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
                       HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                      GROUP_WORDS: tl.constexpr, STAGES: tl.constexpr, EVEN: tl.constexpr,
-                      INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
+                      GROUP_WORDS: tl.constexpr, GROUP_SUM: tl.constexpr, STAGES: tl.constexpr,
+                      EVEN: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
     """The float GEMV's tiling and splits (quant_matmul._gemv_kernel), integer dot products per word. Where a factor
     group is one activation block (32 inputs: Q4_0, Q4_1, Q4_K, Q8_0), the group's word products are added as
     integers and turned into a float once per group and column, not once per word."""
@@ -119,7 +128,7 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_
     num_words = tl.minimum(K // PER_WORD, start + SPLIT_WORDS)
     group_first = tl.arange(0, GROUPS) * GROUP_WORDS
     tile_words = group_first[:, None, None] + tl.arange(0, GROUP_WORDS)[None, :, None]   # [GROUPS, GROUP_WORDS, 1]
-    ONE_BLOCK: tl.constexpr = GROUP_WORDS * PER_WORD == 32
+    ONE_BLOCK: tl.constexpr = GROUP_WORDS * PER_WORD == 32 and GROUP_SUM   # (quant_tiles.groups_in_thread)
     acc = tl.zeros((GROUPS, 1 if ONE_BLOCK else GROUP_WORDS, BLOCK_N), dtype=tl.float32)
     # pointers advanced a tile at a time (recomputing them from the word index was a quarter of the loop's
     # instructions); EVEN: every tile in bounds, no masks
@@ -144,7 +153,7 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_
         for s in tl.static_range(PHASES):
             pack = load_masked(pack_ptrs + s, word_ok, 0)
             dots = _dot4((low >> (s * LOW_BITS)) & BYTE_MASK, pack + tl.zeros_like(dots), dots, INTERPRET)
-        if ONE_BLOCK:   # (a sum over axis 1 stays in each thread: the tile's layout keeps a group's words there)
+        if ONE_BLOCK:
             block = gwords // GROUP_WORDS
             block_ok = None if EVEN else gwords < num_words
             x_d = load_masked(xd_ptr + block, block_ok, 0.0)
@@ -198,7 +207,8 @@ def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, con
     _gemv_int8_kernel[(cdiv(n, block_n), splits)](
         *activations, target, *kernel_tensors(weight), n, k, split_words, **lay.kernel_args(), BLOCK_N=block_n,
         BLOCK_W=block_w, GROUP_WORDS=group_words(lay, block_w), STAGES=stages[0] if stages else 1,
-        EVEN=n % block_n == 0 and (k * lay.low_bits // 32) % split_words == 0,
+        GROUP_SUM=groups_in_thread(block_n, block_w, group_words(lay, block_w), warps),
+        EVEN=even_tiles(n, k, lay.low_bits, block_n, split_words),
         INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=warps, **pdl_options(x.device))
     if splits > 1:
         add_splits(target, out, splits, n)

@@ -155,6 +155,26 @@ def split_k(programs: int, k: int, low_bits: int, block_w: int, device: torch.de
     return cdiv(words, split_words), split_words
 
 
+def groups_in_thread(block_n: int, block_w: int, group_words: int, warps: int) -> bool:
+    """Whether Triton's default layout of a [block_w / group_words, group_words, block_n] int32 tile (16-byte vectors
+    along N, threads then warps along N, then the groups, then a group's words) keeps each group's words in one
+    thread: then the GEMVs sum a group's products in registers every K step; otherwise (threads or warps across a
+    group) that sum would go through shared memory each step, and they keep per-word sums to the end. Only speed
+    depends on it."""
+    groups = block_w // group_words
+    along_n = min(32, max(1, block_n // 4))
+    along_groups = min(32 // along_n, groups)
+    if along_n * along_groups < 32:
+        return False
+    warps_n = min(warps, max(1, block_n // (4 * along_n)))
+    return warps // warps_n <= max(1, groups // along_groups)
+
+
+def even_tiles(n: int, k: int, low_bits: int, block_n: int, split_words: int) -> bool:
+    """Whether every GEMV tile lies inside the weight (the kernels' unmasked form, EVEN)."""
+    return n % block_n == 0 and (k * low_bits // 32) % split_words == 0
+
+
 def add_splits(partials: torch.Tensor, out: torch.Tensor, splits: int, n: int) -> None:
     """out [T, N] (rows of any stride) = the sum of partials [splits, T, N] (float32)."""
     t = out.shape[0] if out.dim() == 2 else 1
