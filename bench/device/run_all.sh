@@ -5,7 +5,7 @@
 # "tp" (a machine of 2 or 4 GPUs): tensor parallelism against one GPU, Llama-3-8B shape (~5 min);
 # "tp70b" (4 GPUs): batch-1 latency of a Llama-3-70B shape at TP=4 and TP=2 (~5 min);
 # "quant" (issue 18): batch-1 latency of bf16 and in-situ quantized (q4k, q8_0, gptq, fp8) Llama-3-8B shapes, then
-# the low-bit matmul's tile sweep (~8 min, most of it Triton compiles; QUANT_LAYOUTS=q4_k,q8_0 narrows the sweep);
+# the batch-1 GEMV's tile sweep over a stack of layers (~8 min; QUANT_LAYOUTS=q4_k,q8_0 narrows the sweep);
 # "kvfp8": 256 streams through cvserve with a 16-bit and an FP8 KV cache (~8 min);
 # "moe" (issue 19): batch-1 latency and 64 streams of the Qwen3-30B-A3B and DeepSeek-V2-Lite shapes (~8 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
@@ -100,9 +100,10 @@ quant)
         run latency-isq-$q 90 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
             $([ $q = none ] || echo --isq $q) --json "$out/$day-h200-latency-isq-$q-$commit.json"
     done
-    # the JSON is rewritten after every (layout, shape): a run cut by the timeout keeps what it measured
-    run quant-sweep 300 python3 bench/quant_matmul_sweep.py --budget-s 240 ${QUANT_LAYOUTS:+--layouts "$QUANT_LAYOUTS"} \
-        --json "$out/$day-h200-quant_matmul_sweep-$commit.json" ;;
+    # the GEMV tiles timed as the model runs them (a stack of layers in one CUDA graph; QUANT_CONFIGS="BN,BW,WARPS,
+    # STAGES;..." narrows the grid); the JSON is rewritten after every layout: a run cut by the timeout keeps those
+    run quant-gemv-stack 240 python3 bench/quant_gemv_stack.py --budget-s 200 ${QUANT_LAYOUTS:+--layouts "$QUANT_LAYOUTS"} \
+        ${QUANT_CONFIGS:+--configs "$QUANT_CONFIGS"} --json "$out/$day-h200-quant_gemv_stack-$commit.json" ;;
 kvfp8)
     # 256 streams through cvserve with a 16-bit and an FP8 KV cache (issue 18: FP8 KV >= 1.15x)
     for kv in auto fp8; do

@@ -31,11 +31,11 @@ from cvllm_cuda.kernels.quant_tiles import (
 from cvllm_cuda.kernels.sizes import cdiv
 from cvllm_cuda.quant_planes import QuantWeight
 
-# (BLOCK_N, BLOCK_W, num_warps[, stages]) by low-plane bits; set from bench/quant_matmul_sweep.py
-GEMV_CONFIGS = {2: (32, 32, 4), 4: (32, 32, 4), 8: (32, 32, 4)}
-# K is split until about this many programs per SM: GPTQ-4bit g128 Llama-3-8B layers 85.7 us at 4, 76.6 at 16
-# (bench/quant_gemv_stack.py, a stack of layers in one CUDA graph, H200)
-GEMV_PROGRAMS_PER_SM = 16
+# (BLOCK_N, BLOCK_W, num_warps[, stages]) by low-plane bits, and how many programs per SM K is split for, from
+# bench/quant_gemv_stack.py (a stack of Llama-3-8B layers in one CUDA graph, H200, 2026-12-03): GPTQ-4bit g128
+# 68.1 us a layer (85.7 with (32, 32, 4) at 4 programs per SM), Q6_K 100.1 (its best, (32, 64, 8), 94.9)
+GEMV_CONFIGS = {2: (32, 32, 4), 4: (32, 32, 4, 3), 8: (32, 32, 4)}
+GEMV_PROGRAMS_PER_SM = 8
 
 
 # the bits of float 1.0, passed as an argument: as a constant, ptxas splits ``(w & MASK) | 0x3F800000`` into two

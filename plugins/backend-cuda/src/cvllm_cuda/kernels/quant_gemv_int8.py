@@ -46,10 +46,10 @@ from cvllm_cuda.kernels.sizes import cdiv
 from cvllm_cuda.quant_planes import QuantLayout, QuantWeight
 
 BLOCK = 32   # inputs per activation scale
-# (BLOCK_N, BLOCK_W, num_warps[, stages]) by low-plane bits, from bench/quant_gemv_stack.py (a stack of
-# Llama-3-8B layers in one CUDA graph, H200): Q4_K 65.4 -> 56.4 us a layer, Q8_0 106.6 -> 79.3 against the float
-# GEMV's tiles (32, 32, 4); 2-bit unswept
-INT8_GEMV_CONFIGS = {2: GEMV_CONFIGS[2], 4: (32, 128, 8), 8: (64, 64, 4)}
+# (BLOCK_N, BLOCK_W, num_warps[, stages]) by low-plane bits, from bench/quant_gemv_stack.py (a stack of Llama-3-8B
+# layers in one CUDA graph, H200, 2026-12-03): Q4_K 56.4 us a layer (the float GEMV's tiles (32, 32, 4): 60.7),
+# Q8_0 79.3 (106.6); 2-bit unswept
+INT8_GEMV_CONFIGS = {2: GEMV_CONFIGS[2], 4: (32, 64, 4, 3), 8: (64, 64, 4)}
 ENV = "CVLLM_QUANT_INT8_ACTIVATIONS"
 
 
