@@ -92,7 +92,7 @@ def main() -> None:
     ap.add_argument("--layouts", default="q4_k,q8_0,gptq4_g128")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--configs", help='"BN,BW,WARPS,STAGES;..." (default: a grid)')
-    ap.add_argument("--pps", default="4,8,16", help="programs per SM the K split aims at")
+    ap.add_argument("--pps", default="4,8,16", help="programs per SM the K split aims at (0: K never split)")
     ap.add_argument("--budget-s", type=float, default=420)
     ap.add_argument("--json")
     args = ap.parse_args()
