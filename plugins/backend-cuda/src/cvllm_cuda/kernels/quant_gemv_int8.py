@@ -50,6 +50,8 @@ BLOCK = 32   # inputs per activation scale
 # layers in one CUDA graph, H200, 2026-12-03): Q4_K 56.4 us a layer (the float GEMV's tiles (32, 32, 4): 60.7),
 # Q8_0 79.3 (106.6); 2-bit unswept
 INT8_GEMV_CONFIGS = {2: GEMV_CONFIGS[2], 4: (32, 64, 4, 3), 8: (64, 64, 4)}
+# K split only until every SM has a program: Q4_K 54.7 us a layer, 56.8 at 4 programs per SM, 56.5 never split
+INT8_PROGRAMS_PER_SM = 1
 ENV = "CVLLM_QUANT_INT8_ACTIVATIONS"
 
 
@@ -202,7 +204,7 @@ def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, con
     block_n, block_w, warps, *stages = config or INT8_GEMV_CONFIGS[lay.low_bits]
     n, k = weight.out_features, weight.in_features
     activations = quantize_activations(x, lay.low_bits)
-    splits, split_words = split_k(cdiv(n, block_n), k, lay.low_bits, block_w, x.device, splits)
+    splits, split_words = split_k(cdiv(n, block_n), k, lay.low_bits, block_w, x.device, splits, INT8_PROGRAMS_PER_SM)
     target = out if splits == 1 else torch.empty((splits, n), dtype=torch.float32, device=x.device)
     _gemv_int8_kernel[(cdiv(n, block_n), splits)](
         *activations, target, *kernel_tensors(weight), n, k, split_words, **lay.kernel_args(), BLOCK_N=block_n,
