@@ -140,3 +140,37 @@ def test_load_json_errors_name_the_file(tmp_path):
         load_json(bad, "config.json")
     with pytest.raises(ConfigError, match="config.json not found"):
         load_json(tmp_path / "absent.json", "config.json")
+
+
+NEOX = {**BASE, "architectures": ["NeoXLikeForCausalLM"], "rotary_pct": 0.25, "rotary_emb_base": 20000}
+
+
+def test_config_aliases_fill_the_fields_they_stand_for_and_the_file_stays_reachable():
+    config = model_config_from_dict(NEOX, aliases={"rotary_pct": "partial_rotary_factor",
+                                                   "rotary_emb_base": "rope_theta"})
+    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 20000, "partial_rotary_factor": 0.25}
+    assert config.rope_theta == 20000
+    assert config.raw_config == NEOX and "partial_rotary_factor" not in config.raw_config
+    assert "raw_config" not in config.to_dict()
+    # the config's own spelling wins over an alias
+    both = model_config_from_dict({**NEOX, "rope_theta": 7.0}, aliases={"rotary_emb_base": "rope_theta"})
+    assert both.rope_theta == 7.0
+    assert model_config_from_dict(NEOX).rope_theta == 10000.0   # without aliases: the default
+
+
+def test_a_registered_class_declares_its_config_aliases(tmp_path, add_plugin):
+    from cvllm.hookspecs import hookimpl
+
+    class NeoXLike:
+        config_aliases = {"rotary_pct": "partial_rotary_factor", "rotary_emb_base": "rope_theta"}
+
+    class Plugin:
+        @hookimpl
+        def register_architectures(self, register):
+            register("NeoXLikeForCausalLM", NeoXLike)
+
+    add_plugin(Plugin(), "neox-like")   # (registering clears the cached registries)
+    (tmp_path / "config.json").write_text(json.dumps(NEOX))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    config = open_hf_checkpoint(tmp_path).config
+    assert config.rope_parameters["partial_rotary_factor"] == 0.25 and config.rope_theta == 20000

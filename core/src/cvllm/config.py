@@ -3,11 +3,17 @@
 Published checkpoints say ``rope_theta``/``rope_scaling``/``torch_dtype``; transformers 5 writes
 ``rope_parameters``/``dtype``. Models read only the normalised fields set here:
 ``rope_parameters`` (always a dict with ``rope_type`` and ``rope_theta``), ``head_dim`` and ``dtype``.
+
+A model class may name its family's own spellings of those keys in ``config_aliases`` (GPT-NeoX's
+``{"rotary_pct": "partial_rotary_factor", "rotary_emb_base": "rope_theta"}``): a checkpoint's alias fills the
+field it stands for before normalising, where the config does not set that field itself. The file as read stays
+reachable as ``config.raw_config``.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -36,7 +42,8 @@ class ModelConfig(SimpleNamespace):
         return getattr(self, key, default)
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(vars(self))
+        """The normalised fields (without ``raw_config``, the file as read)."""
+        return {key: value for key, value in vars(self).items() if key != "raw_config"}
 
 
 def normalise_rope(raw: dict[str, Any]) -> dict[str, Any]:
@@ -61,8 +68,14 @@ def normalise_rope(raw: dict[str, Any]) -> dict[str, Any]:
     return rope
 
 
-def model_config_from_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+def model_config_from_dict(raw: dict[str, Any], source: str = "config.json",
+                           aliases: Mapping[str, str] | None = None) -> ModelConfig:
+    """``aliases``: {the checkpoint's key: the field it fills} (a model class's ``config_aliases``)."""
+    as_read = raw
     raw = dict(raw)
+    for alias, field in (aliases or {}).items():
+        if alias in raw and raw.get(field) is None:
+            raw[field] = raw[alias]
     if not raw.get("architectures"):
         raise ConfigError(f"{source}: no 'architectures' list; cannot tell which model class to build")
     for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
@@ -77,6 +90,7 @@ def model_config_from_dict(raw: dict[str, Any], source: str = "config.json") -> 
     dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
     raw["dtype"] = str(dtype).removeprefix("torch.")
     raw.pop("torch_dtype", None)
+    raw["raw_config"] = dict(as_read)
     return ModelConfig(**raw)
 
 

@@ -6,12 +6,19 @@ parameter; a fused parameter counts as loaded only when all of its shards arrive
 
 Tensors may come lazy (``checkpoint/lazy.py``, under tensor parallelism): a loader marked ``lazy_aware`` (the
 parallel layers') gets the LazyTensor and reads only its rank's part; any other gets the tensor read whole.
+
+A checkpoint that stores a tensor in another shape than the model's layer (a fused qkv to cut into the q/k/v
+shards, per-head norms stacked in one tensor) goes through ``transform_weights`` first: a model names, per name
+fragment, a function that turns one checkpoint tensor into the (name, tensor) pairs the loader knows. The
+quantizers still look a layer's tensors up under the checkpoint's own names (``packed_modules_mapping``); the
+names after the transforms are what ``loading_mapping`` maps (layers/decoder.py).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,6 +27,52 @@ from cvllm.checkpoint.base import CheckpointError
 from cvllm.checkpoint.lazy import LazyTensor, takes_lazy
 
 logger = logging.getLogger(__name__)
+
+
+# one checkpoint tensor (name, tensor: a Tensor or a LazyTensor) -> the (name, tensor) pairs that load in its place
+WeightTransform = Callable[[str, Any], Iterable[tuple[str, Any]]]
+
+
+def transform_weights(weights: Iterable[tuple[str, Any]],
+                      transforms: Mapping[str, WeightTransform]) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's tensors with each one whose name contains a key of ``transforms`` replaced by what that
+    transform yields (the first key that matches); the rest as they are. A transform that fails (a wrong shape, a
+    ValueError) is a CheckpointError naming the checkpoint tensor."""
+    for name, tensor in weights:
+        key = next((key for key in transforms if key in name), None)
+        if key is None:
+            yield name, tensor
+            continue
+        try:
+            parts = list(transforms[key](name, tensor))
+        except CheckpointError:
+            raise
+        except (ValueError, RuntimeError, IndexError) as e:
+            raise CheckpointError(f"cannot load '{name}': {e}") from None
+        yield from parts
+
+
+def split_rows(fused: str, parts: Sequence[tuple[str, int]],
+               suffixes: tuple[str, ...] = (".weight", ".bias")) -> tuple[str, WeightTransform]:
+    """A ``transform_weights`` entry that cuts a fused tensor's rows (its output features) into named parts:
+    ``split_rows(".qkv_proj.", [(".q_proj.", q_rows), (".k_proj.", kv_rows), (".v_proj.", kv_rows)])``. Only names
+    ending in ``suffixes`` are cut (others pass through). ``narrow`` reads nothing, so a lazy tensor is still read
+    only as far as a tensor-parallel rank's shard."""
+    total = sum(rows for _, rows in parts)
+
+    def split(name: str, tensor: Any) -> Iterator[tuple[str, Any]]:
+        if not name.endswith(suffixes):
+            yield name, tensor
+            return
+        if tensor.shape[0] != total:
+            raise ValueError(f"{tensor.shape[0]} rows; the config says {total} "
+                             f"({' + '.join(f'{part.strip(chr(46))} {rows}' for part, rows in parts)})")
+        start = 0
+        for part, rows in parts:
+            yield name.replace(fused, part), tensor.narrow(0, start, rows)
+            start += rows
+
+    return fused, split
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:

@@ -136,8 +136,8 @@ def test_weights_load_as_the_file_holds_them(case) -> None:
         assert not kept
     elif arch == "phi2":
         assert kept == {"self_attn.qkv_proj", "self_attn.dense", "mlp.fc1", "mlp.fc2"}
-    else:  # the fused tensors load dequantized (see gguf_adapter.py)
-        assert kept == {"self_attn.o_proj", "mlp.down_proj"}
+    else:  # the fused attn_qkv and ffn_up too: their rows of blocks are cut into the q/k/v and gate/up shards
+        assert kept == {"self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"}
 
 
 def test_prompt_logits_equal_transformers(case, harness) -> None:

@@ -36,13 +36,25 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
+def architecture_config_aliases(raw: dict) -> dict[str, str]:
+    """The ``config_aliases`` of the class registered for the config's architecture (none for an unknown one:
+    building the model says so later)."""
+    from cvllm import plugins
+
+    names = raw.get("architectures") or []
+    registry = plugins.architectures()
+    if not names or names[0] not in registry:
+        return {}
+    return dict(getattr(registry.get(names[0]), "config_aliases", None) or {})
+
+
 def open_hf_checkpoint(path: str | Path) -> Checkpoint:
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.exists():
         raise CheckpointError(f"{path}: missing config.json (not a Hugging Face model directory)")
     raw = load_json(config_file, "config.json")
-    config = model_config_from_dict(raw, source=str(config_file))
+    config = model_config_from_dict(raw, source=str(config_file), aliases=architecture_config_aliases(raw))
     files = weight_files(path)
     generation_config = {}
     if (path / "generation_config.json").exists():

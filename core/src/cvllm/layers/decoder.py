@@ -23,6 +23,7 @@ from cvllm.config import ModelConfig
 from cvllm.distributed import tp_size
 from cvllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from cvllm.layers.layernorm import RMSNorm
+from cvllm.weight_loading import WeightTransform, load_weights_by_name, transform_weights
 
 
 class PreNormDecoderLayer(nn.Module):
@@ -68,8 +69,15 @@ class DecoderStack(nn.Module):
 class DecoderOnlyForCausalLM(nn.Module):
     """The causal-LM shell around a decoder: ``model`` (``make_model``: a DecoderStack of ``make_layer``'s layers by
     default), ``lm_head`` tied to the token embedding where the config says, ``forward`` and ``compute_logits``.
-    A family supplies ``make_layer`` (or ``make_model``) and ``load_weights``; ``untied`` drops a tied
-    checkpoint's lm_head copy."""
+    A family supplies ``make_layer`` (or ``make_model``). Loading takes the checkpoint's tensors without a tied
+    head's copy (``untied``), through the family's ``weight_transforms()`` (weight_loading.transform_weights: a
+    fused or stacked tensor cut into what the layers load) and maps them with ``loading_mapping`` (the names after
+    the transforms; ``packed_modules_mapping``, the checkpoint's own, by default); a family may override
+    ``load_weights`` instead."""
+
+    # the checkpoint tensors that pack into one layer, by the names the checkpoint stores (what the quantizers look
+    # up); a family whose transforms rename tensors sets loading_mapping too
+    packed_modules_mapping: dict[str, tuple[str, object]] = {}
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -93,6 +101,14 @@ class DecoderOnlyForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
+
+    def weight_transforms(self) -> dict[str, WeightTransform]:
+        """{name fragment: transform} for the checkpoint tensors that do not load as they are (none here)."""
+        return {}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        mapping = getattr(self, "loading_mapping", None) or self.packed_modules_mapping
+        return load_weights_by_name(self, transform_weights(self.untied(weights), self.weight_transforms()), mapping)
 
     def untied(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors without ``lm_head.weight`` when the head is tied (some files repeat it)."""

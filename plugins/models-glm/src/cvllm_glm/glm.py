@@ -8,7 +8,6 @@ one ``gate_up_proj`` tensor, gate rows first. GLM-4-0414 (glm4.py) reuses all of
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -24,7 +23,7 @@ from cvllm.layers import (
     get_rope,
 )
 from cvllm.layers.decoder import DecoderOnlyForCausalLM, PreNormDecoderLayer
-from cvllm.weight_loading import load_weights_by_name
+from cvllm.weight_loading import WeightTransform, split_rows
 
 # transformers' GlmConfig / Glm4Config default, for configs that name no partial_rotary_factor
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.5
@@ -67,23 +66,6 @@ class GlmMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
-# the tensors of gate_up_proj whose rows are its output features: float weights, GGUF's raw blocks (one row each)
-SPLIT_SUFFIXES = (".weight", ".qweight")
-
-
-def split_gate_up(weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
-    """The checkpoint's fused ``mlp.gate_up_proj`` as its gate and up halves, which MergedColumnParallelLinear
-    loads as shards 0 and 1: under tensor parallelism each rank then takes its rows of both halves (a lazy tensor's
-    ``chunk`` reads nothing)."""
-    for name, tensor in weights:
-        if ".mlp.gate_up_proj." in name and name.endswith(SPLIT_SUFFIXES):
-            gate, up = tensor.chunk(2, dim=0)
-            yield name.replace(".gate_up_proj.", ".gate_proj."), gate
-            yield name.replace(".gate_up_proj.", ".up_proj."), up
-        else:
-            yield name, tensor
-
-
 class GlmForCausalLM(DecoderOnlyForCausalLM):
     # The checkpoint's tensors that pack into one layer: q/k/v only. gate_up_proj is one tensor there (GGUF's ffn_up
     # too), so a quantizer looks its weights up under that name.
@@ -92,11 +74,16 @@ class GlmForCausalLM(DecoderOnlyForCausalLM):
         "k_proj": ("qkv_proj", "k"),
         "v_proj": ("qkv_proj", "v"),
     }
-    # what loading places, once split_gate_up has cut gate_up_proj in two
+    # what loading places, once weight_transforms has cut gate_up_proj in two
     loading_mapping = {**packed_modules_mapping, "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
         return PreNormDecoderLayer(config, GlmAttention(config), GlmMLP(config))
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_weights_by_name(self, self.untied(split_gate_up(weights)), self.loading_mapping)
+    def weight_transforms(self) -> dict[str, WeightTransform]:
+        """The checkpoint's fused ``mlp.gate_up_proj`` (float rows, or a GGUF file's rows of blocks) as its gate
+        and up halves, which MergedColumnParallelLinear loads as shards 0 and 1: under tensor parallelism each rank
+        then takes its rows of both halves."""
+        inter = self.config.intermediate_size
+        return dict([split_rows(".mlp.gate_up_proj.", [(".mlp.gate_proj.", inter), (".mlp.up_proj.", inter)],
+                                (".weight", ".qweight"))])

@@ -5,9 +5,8 @@ What llama.cpp's converter (convert_hf_to_gguf.py) writes for these families, an
 - q/k rows as Hugging Face holds them (no rotary permute). Phi-2 keeps separate ``attn_q``/``attn_k``/``attn_v``
   with biases, ``attn_output`` (``dense``), ``ffn_up``/``ffn_down`` (``fc1``/``fc2``) with biases, LayerNorms
   with biases and an ``output`` with a bias. Phi-3 keeps the checkpoint's fused ``attn_qkv`` and its fused
-  gate+up as ``ffn_up``; Phi3ForCausalLM splits both on loading. A quantized fused tensor has no single source
-  the GGUF quantizer can match (it looks the q/k/v and gate/up parts up), so it loads dequantized; the
-  others stay in their blocks.
+  gate+up as ``ffn_up``; Phi3ForCausalLM's weight transforms cut both (their rows of blocks, when quantized)
+  into the q/k/v and gate/up shards of its fused layers, which stay in their blocks like the others.
 - The rotary width is ``rope.dimension_count`` (``partial_rotary_factor`` = that / head_dim: Phi-2's 0.4,
   Phi-4-mini's 0.75), read by the GGUF plugin. Phi-3 also writes ``attention.sliding_window`` and
   ``rope.scaling.original_context_length``.

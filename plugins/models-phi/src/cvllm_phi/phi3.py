@@ -25,13 +25,11 @@ generation grows past the switch). Hence:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from cvllm.checkpoint.base import CheckpointError
 from cvllm.config import ModelConfig
 from cvllm.layers import (
     Attention,
@@ -42,7 +40,7 @@ from cvllm.layers import (
     get_rope,
 )
 from cvllm.layers.decoder import DecoderOnlyForCausalLM, PreNormDecoderLayer
-from cvllm.weight_loading import load_weights_by_name
+from cvllm.weight_loading import WeightTransform, split_rows
 
 # Phi3Config's default, for a longrope config that names no original context
 DEFAULT_ORIGINAL_MAX_POSITION = 4096
@@ -92,8 +90,11 @@ class Phi3MLP(nn.Module):
 
 
 class Phi3ForCausalLM(DecoderOnlyForCausalLM):
-    # the shards loading cuts the fused checkpoint tensors into (split_fused), and where each one goes
-    packed_modules_mapping = {
+    # the checkpoint stores qkv_proj and gate_up_proj fused, as the layers are: a quantizer finds their tensors
+    # under those names (a GGUF file's attn_qkv and ffn_up stay in their blocks)
+    packed_modules_mapping = {}
+    # the shards weight_transforms cuts the fused tensors into, and where each one goes
+    loading_mapping = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
         "v_proj": ("qkv_proj", "v"),
@@ -104,27 +105,12 @@ class Phi3ForCausalLM(DecoderOnlyForCausalLM):
     def make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
         return PreNormDecoderLayer(config, Phi3Attention(config), Phi3MLP(config))
 
-    def split_fused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The fused ``qkv_proj`` / ``gate_up_proj`` tensors as q/k/v and gate/up row blocks under the names the
-        packed mapping knows. ``narrow`` reads nothing, so a lazy tensor is still read only as far as a rank's
-        shard."""
+    def weight_transforms(self) -> dict[str, WeightTransform]:
+        """The fused ``qkv_proj`` / ``gate_up_proj`` tensors (float weights, or a GGUF file's rows of blocks) cut into
+        q/k/v and gate/up row blocks under the names the packed mapping knows; a tensor-parallel rank then takes
+        its rows of each."""
         c = self.config
         q, kv, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
-        blocks = {".qkv_proj.": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
-                  ".gate_up_proj.": (("gate_proj", inter), ("up_proj", inter))}
-        for name, tensor in weights:
-            fused = next((key for key in blocks if key in name), None)
-            if fused is None:
-                yield name, tensor
-                continue
-            total = sum(rows for _, rows in blocks[fused])
-            if tensor.shape[0] != total:
-                raise CheckpointError(f"'{name}' has {tensor.shape[0]} rows; the config says {total} "
-                                      f"({' + '.join(f'{part} {rows}' for part, rows in blocks[fused])})")
-            start = 0
-            for part, rows in blocks[fused]:
-                yield name.replace(fused, f".{part}."), tensor.narrow(0, start, rows)
-                start += rows
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_weights_by_name(self, self.split_fused(self.untied(weights)), self.packed_modules_mapping)
+        rows = (".weight", ".qweight")
+        return dict([split_rows(".qkv_proj.", [(".q_proj.", q), (".k_proj.", kv), (".v_proj.", kv)], rows),
+                     split_rows(".gate_up_proj.", [(".gate_proj.", inter), (".up_proj.", inter)], rows)])

@@ -12,7 +12,7 @@ each head, ``head_dim`` always hidden_size / heads, a SiLU-gated MLP, and three 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,7 @@ from cvllm.layers import (
     get_rope,
 )
 from cvllm.layers.decoder import DecoderOnlyForCausalLM
-from cvllm.weight_loading import load_weights_by_name
+from cvllm.weight_loading import WeightTransform
 
 # transformers' StableLmConfig default, for configs that name no partial_rotary_factor
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.25
@@ -144,16 +144,13 @@ class StableLmModel(nn.Module):
         return hidden
 
 
-def split_stacked_head_norms(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+def split_stacked_head_norms(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     """GGUF files hold each layer's per-head q/k norms stacked, ``q_layernorm.weight`` [heads, head_dim] (llama.cpp's
-    converter stacks them); the model keeps transformers' one tensor a head."""
-    for name, tensor in weights:
-        if name.endswith((".q_layernorm.weight", ".k_layernorm.weight")):
-            stem = name.removesuffix(".weight")
-            for head, weight in enumerate(materialize(tensor)):
-                yield f"{stem}.norms.{head}.weight", weight
-        else:
-            yield name, tensor
+    converter stacks them); the model keeps transformers' one tensor a head. A checkpoint's own per-head tensors
+    (``q_layernorm.norms.0.weight``) do not match this transform's name and load as they are."""
+    stem = name.removesuffix(".weight")
+    for head, weight in enumerate(materialize(tensor)):
+        yield f"{stem}.norms.{head}.weight", weight
 
 
 class StableLmForCausalLM(DecoderOnlyForCausalLM):
@@ -168,5 +165,5 @@ class StableLmForCausalLM(DecoderOnlyForCausalLM):
     def make_model(self, config: ModelConfig) -> nn.Module:
         return StableLmModel(config)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_weights_by_name(self, self.untied(split_stacked_head_norms(weights)), self.packed_modules_mapping)
+    def weight_transforms(self) -> dict[str, WeightTransform]:
+        return {".q_layernorm.weight": split_stacked_head_norms, ".k_layernorm.weight": split_stacked_head_norms}
