@@ -22,6 +22,7 @@ class CompletionUpdate:
     text: str = ""
     # the new tokens of the text, each with its logprobs; filled only when logprobs were asked for
     logprobs: list[tuple[int, TokenLogprobs]] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)   # the new tokens of the text
     finish_reason: str | None = None       # set on the update that finishes the completion
 
 
@@ -99,6 +100,8 @@ class CompletionState:
                     taken = in_text = i + 1   # what follows the stop string is past the end
                     break
         self.token_ids += ids if taken == total else ids[:taken]
+        if update is not None:
+            update.token_ids += ids if in_text == total else ids[:in_text]
         logprobs = delta.logprobs
         if logprobs is not None:
             if self.logprobs is not None:

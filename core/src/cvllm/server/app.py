@@ -134,6 +134,7 @@ def build_app(state: ServerState) -> Starlette:
     async def tokenize(request: Request) -> Response:
         body = _decode(await read_body(request, args.max_body_bytes), TokenizeRequest)
         state.check_model(body.model)
+        state.require_tokenizer("Tokenizing")
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
@@ -153,11 +154,13 @@ def build_app(state: ServerState) -> Starlette:
     async def detokenize(request: Request) -> Response:
         body = _decode(await read_body(request, args.max_body_bytes), DetokenizeRequest)
         state.check_model(body.model)
+        state.require_tokenizer("Detokenizing")
         state.check_token_ids(body.tokens, "tokens")
         return json_response(DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens,
                                                                                skip_special_tokens=False)))
 
     async def tokenizer_info(request: Request) -> Response:
+        state.require_tokenizer("tokenizer_info")
         tok = state.tokenizer
         probe = tok.encode("a", add_special_tokens=True)
         return json_response(TokenizerInfo(

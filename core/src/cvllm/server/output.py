@@ -176,7 +176,10 @@ def clamp_logprob(value: float) -> float:
 
 def token_text_and_bytes(tokenizer, token_id: int, skip_special_tokens: bool) -> tuple[str, bytes]:
     """The token as shown in logprobs and the bytes it adds to the output text (none for a special token
-    that the text leaves out). Part of a UTF-8 character shows as ``bytes:\\xNN``, as OpenAI does."""
+    that the text leaves out). Part of a UTF-8 character shows as ``bytes:\\xNN``, as OpenAI does. Without a
+    tokenizer: ``token_id:N`` (vLLM's ``return_tokens_as_token_ids`` spelling) and no text."""
+    if tokenizer is None:
+        return f"token_id:{token_id}", b""
     raw = tokenizer.token_bytes(token_id)
     try:
         text = raw.decode("utf-8")

@@ -116,6 +116,8 @@ class CompletionRequest(SamplingFields, kw_only=True):
     logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
+    # vLLM's: each choice also carries its prompt's and its own token ids (always, on a server without a tokenizer)
+    return_token_ids: bool | None = None
 
 
 # -- shared response pieces -----------------------------------------------------------------------
@@ -238,6 +240,10 @@ class CompletionChoice(Struct, kw_only=True):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    # return_token_ids (vLLM's fields): the prompt's ids (a stream's first chunk of the choice) and the generated
+    # ids of this text (a stream's chunk: those of its piece)
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    token_ids: list[int] | UnsetType = UNSET
 
 
 class CompletionResponse(Struct, kw_only=True):

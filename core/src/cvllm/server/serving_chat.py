@@ -208,6 +208,7 @@ class ChatService:
     async def __call__(self, http_request: Request, body: bytes) -> Response:
         state = self.state
         request, model = state.parse_request(body, ChatCompletionRequest)
+        state.require_tokenizer("Chat completion", param="messages")
         # max_tokens' range (SamplingParams checks that one), for the field only the chat API has
         if request.max_completion_tokens is not None and not 1 <= request.max_completion_tokens <= MAX_INT32:
             raise bad_request(f"max_completion_tokens must be in [1, 2**31 - 1], got {request.max_completion_tokens}",

@@ -65,6 +65,7 @@ def parse_prompts(state: ServerState, prompt: str | list[Any]) -> list[tuple[str
     out = []
     for item in items:
         if isinstance(item, str):
+            state.require_tokenizer("A text prompt", param="prompt")
             ids = state.tokenizer.encode(item)
             text = item
         elif isinstance(item, list) and all(_is_token_id(t) for t in item):
@@ -85,6 +86,8 @@ class _ChoiceText:
         self.state, self.num_logprobs, self.tokenizer = state, num_logprobs, tokenizer
         self.prefix = prefix                    # the echoed prompt, or ""
         self.pieces: list[str] = []
+        self.token_ids: list[int] = []          # the ids of the text (return_token_ids)
+        self.sent_ids = 0                       # ... already streamed
         self.logprobs = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         self.sent = 0                           # logprob entries already streamed
         self._offset = 0                        # characters before the next token
@@ -118,11 +121,16 @@ class _ChoiceText:
 
     def take(self, update: ChoiceUpdate) -> str:
         self.pieces.append(update.text)
+        self.token_ids += update.token_ids
         if self.num_logprobs is not None:
             skip = self.state.params.skip_special_tokens
             for token_id, logprobs in update.logprobs:
                 self.add_token(token_id, clamp_logprob(logprobs.logprob), self._top(token_id, logprobs), skip)
         return update.text
+
+    def unsent_ids(self) -> list[int]:
+        start, self.sent_ids = self.sent_ids, len(self.token_ids)
+        return self.token_ids[start:]
 
     def unsent_logprobs(self) -> CompletionLogprobs | None:
         if self.num_logprobs is None:
@@ -147,6 +155,10 @@ class CompletionService:
             raise bad_request("best_of other than n is not supported", param="best_of")
         echo = bool(request.echo)
         prompt_logprobs = request.logprobs if echo and request.logprobs is not None else None
+        if request.stop:
+            state.require_tokenizer("A stop string", param="stop")
+        # without a tokenizer the ids are the only output there is
+        return_ids = bool(request.return_token_ids) or state.tokenizer is None
 
         prompts = parse_prompts(state, request.prompt)
         params = []
@@ -173,9 +185,9 @@ class CompletionService:
         texts: list[_ChoiceText] = []
         for (text, ids), tracker in zip(prompts, trackers):
             prefix = "" if not echo else text if text is not None else state.tokenizer.decode(
-                ids, skip_special_tokens=False)
+                ids, skip_special_tokens=False) if state.tokenizer is not None else ""
             texts.extend(_ChoiceText(choice, prefix, request.logprobs, state.tokenizer) for choice in tracker.choices)
-        reply = _Reply(request_id, int(time.time()), model, trackers, texts, prompts if echo else None)
+        reply = _Reply(request_id, int(time.time()), model, trackers, texts, prompts, echo, return_ids)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return SSEResponse(reply.stream(include_usage), trackers)
@@ -184,9 +196,10 @@ class CompletionService:
 
 class _Reply:
     def __init__(self, request_id: str, created: int, model: str, trackers: list[RequestTracker],
-                 texts: list[_ChoiceText], echoed: list[tuple[str | None, list[int]]] | None):
+                 texts: list[_ChoiceText], prompts: list[tuple[str | None, list[int]]], echo: bool, return_ids: bool):
         self.id, self.created, self.model = request_id, created, model
-        self.trackers, self.texts, self.echoed = trackers, texts, echoed
+        self.trackers, self.texts = trackers, texts
+        self.prompts, self.echoed, self.return_ids = prompts, prompts if echo else None, return_ids
         self.prompt_done = [False] * len(trackers)
         self._text_chunk = TextChunks(lambda index, text: self._chunk_struct(index, text, None, None))
 
@@ -198,9 +211,21 @@ class _Reply:
         text = self.texts[choice.index]
         if self.echoed is None or text.num_logprobs is None or text.logprobs.tokens:
             return
-        prompt_index = choice.index // len(self.trackers[0].choices)
+        prompt_index = self._prompt_index(choice.index)
         tracker = self.trackers[prompt_index]
         text.add_prompt(self.echoed[prompt_index][1], tracker.prompt_logprobs)
+
+    def _prompt_index(self, index: int) -> int:
+        return index // len(self.trackers[0].choices)
+
+    def _ids(self, index: int | None, ids: list[int] | None) -> dict:
+        """return_token_ids' fields of a choice (a stream's first chunk of it: ``ids`` plus the prompt's)."""
+        if not self.return_ids or ids is None:
+            return {}
+        fields = {"token_ids": ids}
+        if index is not None:
+            fields["prompt_token_ids"] = self.prompts[self._prompt_index(index)][1]
+        return fields
 
     async def complete(self) -> Response:
         try:
@@ -212,19 +237,22 @@ class _Reply:
             raise engine_error(e) from None
         choices = [CompletionChoice(index=t.state.index, text=t.prefix + "".join(t.pieces),
                                     logprobs=t.logprobs if t.num_logprobs is not None else None,
-                                    finish_reason=t.state.finish_reason) for t in self.texts]
+                                    finish_reason=t.state.finish_reason, **self._ids(t.state.index, t.token_ids))
+                   for t in self.texts]
         body = CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                   usage=self.usage())
         return Response(encode(body), media_type="application/json")
 
-    def _chunk(self, index: int, text: str, logprobs: CompletionLogprobs | None, finish_reason: str | None) -> bytes:
-        if logprobs is None and finish_reason is None:   # the per-token chunk
+    def _chunk(self, index: int, text: str, logprobs: CompletionLogprobs | None, finish_reason: str | None,
+               ids: dict | None = None) -> bytes:
+        if logprobs is None and finish_reason is None and not ids:   # the per-token chunk
             return self._text_chunk(index, text)
-        return sse(encode(self._chunk_struct(index, text, logprobs, finish_reason)))
+        return sse(encode(self._chunk_struct(index, text, logprobs, finish_reason, ids)))
 
     def _chunk_struct(self, index: int, text: str, logprobs: CompletionLogprobs | None,
-                      finish_reason: str | None) -> CompletionChunk:
-        choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)
+                      finish_reason: str | None, ids: dict | None = None) -> CompletionChunk:
+        choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason,
+                                  **(ids or {}))
         return CompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
 
     async def stream(self, include_usage: bool):
@@ -236,18 +264,23 @@ class _Reply:
                 out: list[bytes] = []
                 for choice, update in batch:
                     text = self.texts[choice.index]
-                    if choice.index not in started:
+                    first = choice.index not in started
+                    if first:
                         started.add(choice.index)
                         self._echo_prompt(choice)
                         piece = text.prefix + text.take(update)
                     else:
                         piece = text.take(update)
-                    if piece:
-                        out.append(self._chunk(choice.index, piece, text.unsent_logprobs(), None))
+                    if piece or (self.return_ids and update.token_ids):
+                        ids = self._ids(choice.index if first else None, text.unsent_ids())
+                        if first:
+                            first = False
+                        out.append(self._chunk(choice.index, piece, text.unsent_logprobs(), None, ids))
                     if update.finish_reason is not None:
                         leftover = text.unsent_logprobs()
+                        ids = self._ids(choice.index if first else None, text.unsent_ids())
                         out.append(self._chunk(choice.index, "", leftover if leftover and leftover.tokens else None,
-                                               update.finish_reason))
+                                               update.finish_reason, ids))
                 if out:
                     yield b"".join(out)
             if include_usage:

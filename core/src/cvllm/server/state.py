@@ -3,6 +3,7 @@ that turn request fields into ``SamplingParams`` (validation, defaults, context 
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ from cvllm.server.errors import APIError, bad_request, from_msgspec
 from cvllm.server.metrics import Metrics
 from cvllm.server.protocol import SamplingFields
 from cvllm.server.reasoning import ParserFactory, detect, reasoning_parser
+
+logger = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=SamplingFields)
 
@@ -69,11 +72,13 @@ class ServerState:
         checkpoint = plugins.open_checkpoint(args.engine.model)
         tokenizer = checkpoint.tokenizer
         if tokenizer is None:
-            raise ValueError(f"{args.engine.model}: the checkpoint has no tokenizer, which the server needs")
-        template = load_chat_template(args.chat_template) or tokenizer.chat_template
+            logger.warning("%s has no tokenizer: serving token ids only (/v1/completions with prompts of token ids, "
+                           "replies with the generated ids; text prompts, chat and stop strings are refused)",
+                           args.engine.model)
+        template = load_chat_template(args.chat_template) or (tokenizer.chat_template if tokenizer else None)
         names = list(args.served_model_names) or [Path(str(args.engine.model).rstrip("/")).name]
         parser = args.reasoning_parser
-        if parser is None:
+        if parser is None and tokenizer is not None:
             parser = detect(template, lambda: tokenizer.apply_chat_template(
                 [{"role": "user", "content": "hi"}], add_generation_prompt=True, chat_template=template))
         return cls(args, tokenizer, str(args.engine.model), names, template, dict(checkpoint.generation_config),
@@ -104,6 +109,12 @@ class ServerState:
     @property
     def vocab_size(self) -> int:
         return self.engine().info.vocab_size
+
+    def require_tokenizer(self, what: str, param: str | None = None) -> None:
+        """A 400 for what needs text while the model is served without a tokenizer (its checkpoint has none)."""
+        if self.tokenizer is None:
+            raise APIError(400, f"{what} needs a tokenizer, and this model is served without one (its checkpoint "
+                           f"has none): send prompts as token ids to /v1/completions", param=param)
 
     def parse_request(self, body: bytes, request_type: type[R]) -> tuple[R, str]:
         """Decode and check what both generation endpoints share: (request, served model name).
