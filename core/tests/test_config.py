@@ -174,3 +174,14 @@ def test_a_registered_class_declares_its_config_aliases(tmp_path, add_plugin):
     (tmp_path / "model.safetensors").write_bytes(b"")
     config = open_hf_checkpoint(tmp_path).config
     assert config.rope_parameters["partial_rotary_factor"] == 0.25 and config.rope_theta == 20000
+
+
+def test_longrope_takes_the_top_level_original_context():
+    """Phi-3's published configs keep original_max_position_embeddings top-level (transformers' longrope reads it
+    there first); other rope types leave it alone."""
+    scaling = {"type": "su", "short_factor": [1.0], "long_factor": [2.0]}
+    config = model_config_from_dict({**BASE, "original_max_position_embeddings": 4096, "rope_scaling": scaling})
+    assert config.rope_parameters["rope_type"] == "longrope"
+    assert config.rope_parameters["original_max_position_embeddings"] == 4096
+    other = model_config_from_dict({**BASE, "original_max_position_embeddings": 4096})
+    assert "original_max_position_embeddings" not in other.rope_parameters

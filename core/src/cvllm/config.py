@@ -65,6 +65,9 @@ def normalise_rope(raw: dict[str, Any]) -> dict[str, Any]:
         rope["rope_theta"] = raw.get("rope_theta", 10000.0)
     if "partial_rotary_factor" not in rope and raw.get("partial_rotary_factor") is not None:
         rope["partial_rotary_factor"] = raw["partial_rotary_factor"]
+    # Phi-3's configs keep the original context top-level, where transformers' longrope reads it first
+    if rope["rope_type"] == "longrope" and raw.get("original_max_position_embeddings") is not None:
+        rope["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
     return rope
 
 

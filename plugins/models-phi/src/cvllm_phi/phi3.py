@@ -47,14 +47,15 @@ DEFAULT_ORIGINAL_MAX_POSITION = 4096
 
 
 def phi3_rope_parameters(config: ModelConfig) -> dict[str, Any]:
-    """The config's rope parameters as transformers' Phi3 reads them: the older names of longrope, and the
-    top-level ``original_max_position_embeddings`` (where published configs keep it) before rope_scaling's."""
+    """The config's rope parameters as transformers' Phi3 reads them: "yarn" is an older name of longrope there
+    (core's normalise_rope already took "su" and the top-level ``original_max_position_embeddings``)."""
     params = dict(config.rope_parameters)
-    if params["rope_type"] in ("su", "yarn"):
+    if params["rope_type"] == "yarn":
         params["rope_type"] = "longrope"
+        if config.get("original_max_position_embeddings") is not None:
+            params["original_max_position_embeddings"] = config.original_max_position_embeddings
     if params["rope_type"] == "longrope":
-        original = config.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
-        params["original_max_position_embeddings"] = original or DEFAULT_ORIGINAL_MAX_POSITION
+        params.setdefault("original_max_position_embeddings", DEFAULT_ORIGINAL_MAX_POSITION)
     return params
 
 
