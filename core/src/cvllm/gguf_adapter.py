@@ -56,5 +56,6 @@ class GGUFArchitecture:
     # "module:function" of the model plugin, called last as function(raw, value, tensors) -> raw for what the
     # records above cannot say (DeepSeek: head sizes from two generations of keys, the routing by gating
     # function, the architecture V2 or V3); value(key) reads a key without the "<arch>." prefix (None: absent),
-    # tensors maps GGUF tensor names to their shapes
+    # tensors maps GGUF tensor names to their shapes; a hook with a ``read_tensor`` parameter also gets
+    # read_tensor(name) -> the float32 values of a (small) GGUF tensor (Phi-3's LongRoPE factors)
     config_hook: str | None = None

@@ -3,8 +3,8 @@
 Each case builds a tiny random transformers model and writes it as llama.cpp's converter would (names, metadata,
 Phi-3's fused attn_qkv and gate+up ffn_up): once all F32, once with Q8_0 linear weights. cvllm's config from the
 GGUF must say what the transformers config says, and its float32 prompt logits and greedy tokens must equal
-transformers' on the weights the file holds (the Q8_0-rounded ones for the Q8_0 file). A LongRoPE phi3 file is
-refused with an error.
+transformers' on the weights the file holds (the Q8_0-rounded ones for the Q8_0 file). A LongRoPE phi3 file gives
+transformers' config and logits too.
 """
 
 from __future__ import annotations
@@ -79,11 +79,13 @@ def add_hyperparameters(writer, arch: str, config) -> None:
     writer.add_sliding_window(config.sliding_window)
 
 
-def write_gguf(path, arch: str, model, quantized: bool, extra_tensors: dict[str, np.ndarray] | None = None
-               ) -> dict[str, torch.Tensor]:
+def write_gguf(path, arch: str, model, quantized: bool, extra_tensors: dict[str, np.ndarray] | None = None,
+               attn_factor: float | None = None) -> dict[str, torch.Tensor]:
     """Writes the model as a GGUF; returns the float values the file holds, by HF name."""
     writer = gguf.GGUFWriter(path, arch)
     add_hyperparameters(writer, arch, model.config)
+    if attn_factor is not None:   # Phi3MiniModel's, with LongRoPE
+        writer.add_rope_scaling_attn_factors(attn_factor)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if quantized else gguf.LlamaFileType.ALL_F32)
     gguf_testing.add_tiny_tokenizer(writer)
     writer.add_bos_token_id(PAD_TOKEN_ID)
@@ -154,12 +156,37 @@ def test_greedy_tokens_equal_transformers(case, harness) -> None:
     assert harness.greedy(llm, prompts, 12) == harness.oracle_greedy(oracle, prompts, 12)
 
 
-def test_longrope_file_is_refused(tmp_path) -> None:
-    model = tiny_model("phi3")
+def test_longrope_file_matches_transformers(tmp_path, harness) -> None:
+    """LongRoPE as convert_hf_to_gguf writes it (rope_factors_long/short tensors, the original context and the
+    attention factor as metadata) comes back as the Hugging Face config had it, and inside the original context
+    (where transformers' per-sequence choice and cvllm's per-position one agree: test_phi3_longrope.py) the logits
+    are transformers'."""
     half = int(16 * 0.75) // 2
-    factors = {"rope_factors_long.weight": np.full(half, 2.0, np.float32),
-               "rope_factors_short.weight": np.ones(half, np.float32)}
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.1 * i for i in range(half)],
+            "long_factor": [1.0 + 2.0 * i for i in range(half)]}
+    model = tiny_model("phi3", original_max_position_embeddings=32, rope_parameters=rope)
+    factors = {"rope_factors_long.weight": np.array(rope["long_factor"], np.float32),
+               "rope_factors_short.weight": np.array(rope["short_factor"], np.float32)}
     path = tmp_path / "tiny-phi3-longrope.gguf"
-    write_gguf(path, "phi3", model, quantized=False, extra_tensors=factors)
-    with pytest.raises(CheckpointError, match="uses LongRoPE"):
+    scale = model.config.max_position_embeddings / 32
+    write_gguf(path, "phi3", model, quantized=False, extra_tensors=factors,
+               attn_factor=float(np.sqrt(1 + np.log(scale) / np.log(32))))
+    config = plugins.open_checkpoint(path).config
+    params = config.rope_parameters
+    assert params["rope_type"] == "longrope" and params["original_max_position_embeddings"] == 32
+    assert params["long_factor"] == pytest.approx(rope["long_factor"]) and \
+        params["short_factor"] == pytest.approx(rope["short_factor"])
+    llm = LLM(model=str(path), dtype="float32", max_num_seqs=4)
+    prompts = harness.prompts((7, 19, 32), seed=31)
+    for prompt, logits in zip(prompts, llm.llm_engine.prompt_logits(prompts), strict=True):
+        diff = (logits.float().cpu() - hf_logits(model, prompt)).abs().max().item()
+        assert diff < harness.LOGITS_ATOL, f"prompt of {len(prompt)} tokens: max |diff| {diff:.2e}"
+
+
+def test_longrope_file_with_one_factor_tensor_is_refused(tmp_path) -> None:
+    model = tiny_model("phi3")
+    path = tmp_path / "tiny-phi3-half-longrope.gguf"
+    write_gguf(path, "phi3", model, quantized=False,
+               extra_tensors={"rope_factors_long.weight": np.full(6, 2.0, np.float32)})
+    with pytest.raises(CheckpointError, match="LongRoPE needs both"):
         plugins.open_checkpoint(path)

@@ -10,9 +10,9 @@ What llama.cpp's converter (convert_hf_to_gguf.py) writes for these families, an
 - The rotary width is ``rope.dimension_count`` (``partial_rotary_factor`` = that / head_dim: Phi-2's 0.4,
   Phi-4-mini's 0.75), read by the GGUF plugin. Phi-3 also writes ``attention.sliding_window`` and
   ``rope.scaling.original_context_length``.
-- LongRoPE (Phi-3-128k, Phi-3.5, Phi-4-mini) lives in two tensors, ``rope_factors_long``/``rope_factors_short``,
-  whose values the GGUF plugin's config hook cannot read (it sees tensor shapes only): such files are refused
-  with an error rather than run with plain rotary.
+- LongRoPE (Phi-3-128k, Phi-3.5, Phi-4-mini) lives in two F32 tensors, ``rope_factors_long``/``rope_factors_short``
+  (one factor per rotated pair), with ``rope.scaling.original_context_length`` and the converter's
+  ``rope.scaling.attn_factor``: the config hook reads them back into a longrope ``rope_scaling``.
 """
 
 from __future__ import annotations
@@ -55,12 +55,20 @@ PHI2 = GGUFArchitecture(
 LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
-def phi3_config(raw: dict[str, Any], value: Callable[[str], Any], tensors: Mapping[str, tuple[int, ...]]
-                ) -> dict[str, Any]:
-    """Refuses LongRoPE files: their factors are tensor values the GGUF plugin does not hand to this hook."""
-    if any(name in tensors for name in LONGROPE_TENSORS):
-        raise ValueError("this phi3 GGUF file uses LongRoPE (rope_factors_long/short tensors), which cvllm cannot "
-                         "read from GGUF yet; load the Hugging Face checkpoint instead")
+def phi3_config(raw: dict[str, Any], value: Callable[[str], Any], tensors: Mapping[str, tuple[int, ...]],
+                read_tensor: Callable[[str], Any]) -> dict[str, Any]:
+    """A LongRoPE file's rope_scaling, as the Hugging Face config had it (convert_hf_to_gguf wrote the factors as
+    tensors, the original context and the attention factor as metadata)."""
+    present = [name in tensors for name in LONGROPE_TENSORS]
+    if not any(present):
+        return raw
+    if not all(present):
+        raise ValueError(f"LongRoPE needs both {' and '.join(LONGROPE_TENSORS)}; the file has one")
+    long, short = (read_tensor(name).float().reshape(-1).tolist() for name in LONGROPE_TENSORS)
+    scaling: dict[str, Any] = {"type": "longrope", "long_factor": long, "short_factor": short}
+    if value("rope.scaling.attn_factor") is not None:
+        scaling["attention_factor"] = float(value("rope.scaling.attn_factor"))
+    raw["rope_scaling"] = scaling   # (config_keys took the original context)
     return raw
 
 
@@ -82,4 +90,5 @@ PHI3 = GGUFArchitecture(
                  "rope.scaling.original_context_length": "original_max_position_embeddings"},
     defaults={"hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 4096},
     config_hook="cvllm_phi.gguf_adapter:phi3_config",
+    ignored_tensors=("rope_factors_long", "rope_factors_short"),   # read by phi3_config, not weights
 )

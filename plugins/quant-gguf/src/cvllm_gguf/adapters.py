@@ -168,7 +168,11 @@ def hf_config(arch_name: str, adapter: GGUFArchitecture, metadata: Callable[[str
             raw[hf_key] = int(metadata(gguf_key))
     raw["dtype"] = _FLOAT_FILE_TYPES.get(metadata("general.file_type"), "bfloat16")
     if adapter.config_hook:
+        import inspect
+
         from cvllm.registry import load_target
 
-        raw = load_target(adapter.config_hook)(raw, value, tensors)
+        hook = load_target(adapter.config_hook)
+        wants_values = "read_tensor" in inspect.signature(hook).parameters
+        raw = hook(raw, value, tensors, read_tensor=read_tensor) if wants_values else hook(raw, value, tensors)
     return raw
