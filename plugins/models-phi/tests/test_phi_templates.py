@@ -1,0 +1,109 @@
+"""Phi's chat template renders exactly as transformers 5 renders it.
+
+The template (tests/data, with its .source.md) is rendered by cvllm's ``render_chat`` and by
+``cvllm.tokenizer.Tokenizer.apply_chat_template``, and compared character for character with transformers'
+``PreTrainedTokenizerFast.apply_chat_template(tokenize=False)`` on the tiny test tokenizer with Phi's control
+tokens added.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as HFTokenizersTokenizer
+from transformers import PreTrainedTokenizerFast
+
+from cvllm.chat_template import render_chat
+from cvllm.testing.tokenizer import build_tiny_tokenizer
+from cvllm.tokenizer import Tokenizer
+
+DATA = Path(__file__).parent / "data"
+
+# template -> the special tokens its model's tokenizer names (Phi-3.5's template reads only eos_token)
+TEMPLATES = {"phi-3.5-mini-instruct": {"bos_token": "<s>", "eos_token": "<|endoftext|>",
+                                       "pad_token": "<|endoftext|>"}}
+CONTROL_TOKENS = ("<s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")  # <|endoftext|>: in the vocab
+
+SYSTEM = {"role": "system", "content": "You are terse. Answer in one line."}
+CONVERSATIONS: dict[str, list[dict[str, Any]]] = {
+    "single_user": [{"role": "user", "content": "Hello there!"}],
+    "system_multi_turn": [SYSTEM, {"role": "user", "content": "What is 2+2?"},
+                          {"role": "assistant", "content": "4."}, {"role": "user", "content": "And 3+3?"}],
+    "empty_system": [{"role": "system", "content": ""}, {"role": "user", "content": "Hi"}],  # no system turn
+    "tool_turn_skipped": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Checking."},
+                          {"role": "tool", "content": "{\"sky\": \"clear\"}"}, {"role": "user", "content": "So?"}],
+    "unicode_and_markup": [{"role": "user", "content": "Grüße 🙂 <b>tags</b> & {{ braces }}\n  spaced  "}],
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in CONTROL_TOKENS])
+    path = tmp_path_factory.mktemp("phi-chat-tokenizer") / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path
+
+
+def _source(name: str) -> str:
+    return (DATA / f"{name}.jinja").read_text(encoding="utf-8")
+
+
+def _reference(tokenizer_file: Path, name: str, messages: list, **kwargs: Any) -> str:
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), **TEMPLATES[name])
+    assert hf.special_tokens_map == TEMPLATES[name]  # the template sees exactly these tokens, and no others
+    return hf.apply_chat_template(messages, chat_template=_source(name), tokenize=False, **kwargs)
+
+
+def _ours(tokenizer_file: Path, name: str, messages: list, **kwargs: Any) -> str:
+    """Render through render_chat and through Tokenizer.apply_chat_template; they must agree."""
+    source, specials = _source(name), TEMPLATES[name]
+    direct = render_chat(source, messages, special_tokens=specials, **kwargs)
+    tokenizer = Tokenizer(HFTokenizersTokenizer.from_file(str(tokenizer_file)), chat_template=source, **specials)
+    assert tokenizer.apply_chat_template(messages, **kwargs) == direct
+    return direct
+
+
+def _cases() -> list[tuple[str, str, list, dict[str, Any]]]:
+    cases = []
+    for name in TEMPLATES:
+        for conversation, messages in CONVERSATIONS.items():
+            for prompt in (True, False):
+                cases.append((name, f"{conversation}-prompt={prompt}", messages, {"add_generation_prompt": prompt}))
+        cases.append((name, "continue_final", [{"role": "user", "content": "Capital of France?"},
+                                               {"role": "assistant", "content": "The capital is"}],
+                      {"add_generation_prompt": False, "continue_final_message": True}))
+    return cases
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize(("name", "case", "messages", "kwargs"), CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_template_renders_as_transformers(tokenizer_file: Path, name: str, case: str, messages: list,
+                                          kwargs: dict[str, Any]) -> None:
+    assert _ours(tokenizer_file, name, messages, **kwargs) == _reference(tokenizer_file, name, messages, **kwargs)
+
+
+def test_known_template_renders(tokenizer_file: Path) -> None:
+    # Anchors that do not depend on transformers: the prompt the model is trained on, and the closed text.
+    chat = [SYSTEM, {"role": "user", "content": "Hi"}]
+    assert _ours(tokenizer_file, "phi-3.5-mini-instruct", chat, add_generation_prompt=True) == (
+        "<|system|>\nYou are terse. Answer in one line.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\n")
+    assert _ours(tokenizer_file, "phi-3.5-mini-instruct", chat[1:], add_generation_prompt=False) == (
+        "<|user|>\nHi<|end|>\n<|endoftext|>")
+
+
+def test_template_data_files_are_the_verbatim_copies_their_notes_describe() -> None:
+    assert {p.stem for p in DATA.glob("*.jinja")} == set(TEMPLATES)
+    for name in TEMPLATES:
+        note = (DATA / f"{name}.source.md").read_text(encoding="utf-8")
+        assert "License" in note
+        digest = re.search(r"sha256 `([0-9a-f]{64})`", note)
+        assert digest, f"{name}.source.md gives no sha256"
+        assert hashlib.sha256((DATA / f"{name}.jinja").read_bytes()).hexdigest() == digest[1]
