@@ -36,6 +36,9 @@ def case_fields(name: str) -> dict[str, Any]:
     fields["tokenizer.ggml.tokens"] = fields["tokenizer.ggml.tokens"] + [t for t, _ in case["append"]]
     fields["tokenizer.ggml.token_type"] = fields["tokenizer.ggml.token_type"] + [k for _, k in case["append"]]
     for key, value in case["set"].items():
+        if value is None:
+            fields.pop(f"tokenizer.ggml.{key}", None)
+            continue
         if key.endswith("_id") and isinstance(value, str):
             value = fields["tokenizer.ggml.tokens"].index(value)
         fields[f"tokenizer.ggml.{key}"] = value
@@ -53,7 +56,7 @@ def mismatches(tok, vectors: list[dict[str, Any]]) -> list[str]:
 
 def test_vectors_cover_the_required_pre_tokenizers():
     names = {case["set"].get("pre") for case in VECTORS["cases"]}
-    assert {"default", "llama-bpe", "qwen2", "smollm", "deepseek-llm", "deepseek-v3"} <= names
+    assert {"default", "llama-bpe", "qwen2", "smollm", "deepseek-llm", "deepseek-v3", "chatglm-bpe", "glm4"} <= names
     assert {"llama/space-prefix", "llama/no-prefix"} <= CASES.keys()
 
 
@@ -69,14 +72,29 @@ def test_stop_token_ids_equal_llama_cpp_eog(name):
     assert stop_token_ids(case_fields(name)) == set(CASES[name]["eog"])
 
 
+def bos_matches(tok, case: dict[str, Any]) -> bool:
+    return tok.bos_token_id == (None if case["bos"] < 0 else case["bos"])  # llama.cpp's -1: no BOS token
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bos_token_equals_llama_cpp(name):
+    assert bos_matches(tokenizer_from_gguf(case_fields(name)), CASES[name])
+
+
 def test_pre_tokenizers_differ_on_the_vectors():
-    # the vectors can tell each pre-tokenizer group from the others (else the per-type test proves little)
-    fields = case_fields("gpt2/llama-bpe")
-    for name, case in CASES.items():
-        if not name.startswith("gpt2/") or case["set"]["pre"] == "llama-bpe":
-            continue
-        tok = tokenizer_from_gguf({**fields, "tokenizer.ggml.pre": case["set"]["pre"]})
-        assert mismatches(tok, CASES["gpt2/llama-bpe"]["vectors"]), name
+    # the vectors (ids or BOS) tell each pre-tokenizer group from every other (else the per-type test proves
+    # little): dbrx and chatglm-bpe, say, split alike and differ only in the BOS id llama.cpp defaults to
+    gpt2 = [name for name in CASES if name.startswith("gpt2/")]
+    for a in gpt2:
+        for b in gpt2:
+            pre_a, pre_b = CASES[a]["set"]["pre"], CASES[b]["set"]["pre"]
+            if a >= b or PRE_TOKENIZERS[pre_a] == PRE_TOKENIZERS[pre_b]:
+                continue
+            told_apart = False
+            for mine, other in ((a, pre_b), (b, pre_a)):
+                tok = tokenizer_from_gguf({**case_fields(mine), "tokenizer.ggml.pre": other})
+                told_apart |= bool(mismatches(tok, CASES[mine]["vectors"])) or not bos_matches(tok, CASES[mine])
+            assert told_apart, (a, b)
 
 
 def test_control_tokens_are_special_and_user_defined_are_not():
@@ -107,6 +125,8 @@ def test_special_token_texts_and_chat_template_come_from_metadata():
     ("llama-bpe", False, False),
     ("smollm", None, False),
     ("smollm", True, True),
+    ("chatglm-bpe", None, False),  # llama.cpp sets no add_bos for GLM-4 ...
+    ("glm4", True, True),          # ... but honours the file's flag and bos_token_id
 ])
 def test_add_bos_follows_metadata_then_llama_cpp_defaults(pre, flag, adds_bos):
     fields = {k: v for k, v in case_fields("gpt2/smollm").items() if k != "tokenizer.ggml.add_bos_token"}
@@ -126,6 +146,15 @@ def test_bos_and_eos_with_template_syntax_in_their_text_are_added():
                    "tokenizer.ggml.add_eos_token": True})
     tok = tokenizer_from_gguf(fields)
     assert tok.encode("Hello world") == [1, *tok.encode("Hello world", add_special_tokens=False), 2]
+
+
+@pytest.mark.parametrize("pre", ["chatglm-bpe", "glm4"])
+def test_glm4_without_bos_token_id_has_no_bos(pre):
+    fields = {k: v for k, v in case_fields("gpt2/smollm").items() if k != "tokenizer.ggml.bos_token_id"}
+    fields["tokenizer.ggml.pre"] = pre
+    assert tokenizer_from_gguf(fields).bos_token is None  # dbrx, same split, would default to token 11
+    with pytest.raises(GGUFTokenizerError, match="BOS"):  # llama.cpp aborts (GGML_ASSERT) when asked to add it
+        tokenizer_from_gguf({**fields, "tokenizer.ggml.add_bos_token": True})
 
 
 def test_missing_pre_type_means_default_as_in_llama_cpp(caplog):

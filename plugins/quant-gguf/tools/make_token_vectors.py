@@ -142,7 +142,7 @@ def sentencepiece_vocab() -> dict[str, Any]:
 
 def case(name: str, vocab: str, append: list[tuple[str, int]] = (), **settings: Any) -> dict[str, Any]:
     """A test case: the named base vocabulary, tokens appended (text, token type), then ``settings`` as
-    ``tokenizer.ggml.*`` keys; an id given as a string is the id of that token text."""
+    ``tokenizer.ggml.*`` keys; an id given as a string is the id of that token text, None removes the key."""
     return {"name": name, "vocab": vocab, "append": [list(a) for a in append], "set": settings}
 
 
@@ -152,6 +152,9 @@ def case_fields(vocabs: dict[str, dict[str, Any]], spec: dict[str, Any]) -> dict
     fields["tokenizer.ggml.tokens"] = fields["tokenizer.ggml.tokens"] + [t for t, _ in spec["append"]]
     fields["tokenizer.ggml.token_type"] = fields["tokenizer.ggml.token_type"] + [k for _, k in spec["append"]]
     for key, value in spec["set"].items():
+        if value is None:
+            fields.pop(f"tokenizer.ggml.{key}", None)
+            continue
         if key.endswith("_id") and isinstance(value, str):
             value = fields["tokenizer.ggml.tokens"].index(value)
         fields[f"tokenizer.ggml.{key}"] = value
@@ -165,6 +168,11 @@ def cases() -> list[dict[str, Any]]:
             out.append(case(f"gpt2/{pre}", "byte_level", pre=pre))
         else:
             out.append(case(f"gpt2/{pre}", "byte_level", pre=pre, add_bos_token=pre == "qwen2"))
+    # GLM-4 (CHATGLM4): llama.cpp clears the default BOS id; without a bos_token_id there is none, with one
+    # (as GLM converters write) it is kept and added where add_bos_token says so
+    out.append(case("gpt2/chatglm-bpe", "byte_level", pre="chatglm-bpe", bos_token_id=None))
+    out.append(case("gpt2/glm4", "byte_level", pre="glm4"))
+    out.append(case("gpt2/glm5", "byte_level", pre="glm5", add_bos_token=True))
     out.append(case("llama/space-prefix", "sentencepiece"))
     out.append(case("llama/no-prefix", "sentencepiece", add_space_prefix=False, add_bos_token=False,
                     add_eos_token=True))
@@ -216,7 +224,7 @@ def llama_cpp_answers(path: Path, texts: list[str], extra_texts: list[str]) -> d
     vectors += [{"text": t, "add_special": True, "ids": llm.tokenize(t.encode(), add_bos=True, special=True)}
                 for t in WITH_SPECIAL]
     eog = [i for i in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, i)]
-    return {"vectors": vectors, "eog": eog}
+    return {"vectors": vectors, "eog": eog, "bos": llama_cpp.llama_vocab_bos(vocab)}  # bos -1: none
 
 
 def to_json(value: Any, indent: str = "") -> str:
@@ -241,7 +249,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "produced_by": f"llama.cpp through llama-cpp-python {version('llama-cpp-python')}: "
                        "Llama(path, vocab_only=True).tokenize(text.encode(), add_bos=add_special, special=True); "
-                       "eog = ids where llama_vocab_is_eog",
+                       "eog = ids where llama_vocab_is_eog; bos = llama_vocab_bos (-1: none)",
         "cases": [],
     }
     vocabs = {"byte_level": byte_level_vocab(), "sentencepiece": sentencepiece_vocab()}

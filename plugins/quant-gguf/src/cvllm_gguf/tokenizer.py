@@ -72,8 +72,9 @@ _DEEPSEEK_V3 = (
 @dataclass(frozen=True, slots=True)
 class PreTokenizer:
     regexes: tuple[str, ...]
-    ignore_merges: bool = False  # a piece that is itself a token is emitted whole (llama3 and others)
-    add_bos: bool = False        # llama.cpp's default when the file has no tokenizer.ggml.add_bos_token
+    ignore_merges: bool = False   # a piece that is itself a token is emitted whole (llama3 and others)
+    add_bos: bool = False         # llama.cpp's default when the file has no tokenizer.ggml.add_bos_token
+    no_default_bos: bool = False  # llama.cpp drops the gpt2 default BOS id (11): BOS only if the file names one
 
 
 def _names(names: str, spec: PreTokenizer) -> dict[str, PreTokenizer]:
@@ -86,6 +87,9 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     **_names("llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 jina-v5-nano",
              PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True)),
     **_names("dbrx smaug-bpe", PreTokenizer((_LLAMA3,))),
+    # CHATGLM4 (GLM-4 and later): llama3's regex; glm4/glm5 also ignore merges, chatglm-bpe does not
+    **_names("chatglm-bpe", PreTokenizer((_LLAMA3,), no_default_bos=True)),
+    **_names("glm4 glm5", PreTokenizer((_LLAMA3,), ignore_merges=True, no_default_bos=True)),
     **_names("deepseek-llm", PreTokenizer(_DEEPSEEK_LLM)),
     **_names("deepseek-coder", PreTokenizer(("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK_HANGUL, r"\p{N}"))),
     **_names("deepseek-v3 hunyuan-dense joyai-llm hy_v4", PreTokenizer(_DEEPSEEK_V3)),
@@ -149,6 +153,9 @@ class Vocab:
         types = [int(t) for t in fields.get("tokenizer.ggml.token_type") or [TokenType.NORMAL] * n][:n]
         types += [TokenType.NORMAL] * (n - len(types))
         ids = {role: i for role, i in _DEFAULT_IDS.get(model, {}).items() if i < n}
+        pre = PRE_TOKENIZERS.get(fields.get("tokenizer.ggml.pre") or "default") if model == "gpt2" else None
+        if pre is not None and pre.no_default_bos:
+            ids.pop("bos", None)  # cleared before the file's ids are read, so a bos_token_id still sets it
         for role, key in _ROLE_KEYS.items():
             value = fields.get(f"tokenizer.ggml.{key}")
             if value is not None and 0 <= int(value) < n:  # llama.cpp ignores out-of-range ids
