@@ -54,7 +54,7 @@ def test_bad_input_is_refused(tmp_path, base, capsys):
     assert "already holds a checkpoint" in capsys.readouterr().err
 
 
-def test_moe_experts_stay_float_so_the_copy_loads(tmp_path):
+def test_moe_experts_are_converted_and_the_copy_loads(tmp_path):
     make_checkpoint(tmp_path / "moe", "qwen3_moe")
     out = tmp_path / "moe-gptq"
     assert main(["convert", str(tmp_path / "moe"), str(out), "--to", "gptq", "--group-size", "32"]) == 0
@@ -62,8 +62,9 @@ def test_moe_experts_stay_float_so_the_copy_loads(tmp_path):
 
     with safe_open(str(next(out.glob("*.safetensors"))), framework="pt") as f:
         names = list(f.keys())
-    assert any(".experts." in n and n.endswith(".weight") for n in names)
-    assert not any(".experts." in n and n.endswith(".qweight") for n in names)
+    assert any(".experts." in n and n.endswith(".qweight") for n in names)
+    assert not any(".experts." in n and n.endswith(".weight") for n in names)
+    assert any(n.endswith("mlp.gate.weight") for n in names)   # the router stays float
     assert any(n.endswith("self_attn.q_proj.qweight") for n in names)
     from cvllm.testing.checkpoints import cvllm_greedy
 

@@ -35,6 +35,8 @@ Checkpoint forms ``load_weights_with_experts`` accepts (``<prefix>`` is the laye
 With expert parallelism a stacked or fused tensor is sliced to this rank's experts and another rank's per-expert
 tensor is skipped unread; GGUF's quantized experts, dequantized at load into the stacked form, take the same path,
 and so do FP8 checkpoints' per-expert e4m3 weights, each dequantized with its scale tensor (``fp8_experts.py``).
+A GPTQ or AWQ checkpoint's per-expert ``qweight`` / ``qzeros`` / ``scales`` / ``g_idx`` go to the layer's method
+(``load_expert_part``), which its quantizer chose (cvllm_marlin/moe.py).
 """
 
 from __future__ import annotations
@@ -164,9 +166,10 @@ class FusedMoE(nn.Module):
         target.copy_(materialize(part))   # a lazy checkpoint tensor (checkpoint/lazy.py): only this rank's part read
 
 
-# "<module>.experts[.<e>].<proj>[.weight]"
+# "<module>.experts[.<e>].<proj>[.weight]", or a quantized checkpoint's other parts of an expert's projection
 _EXPERT_TENSOR = re.compile(r"^(?P<module>.+\.experts)\.(?:(?P<expert>\d+)\.)?"
-                            r"(?P<proj>gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?$")
+                            r"(?P<proj>gate_up_proj|gate_proj|up_proj|down_proj)"
+                            r"(?:\.(?P<part>weight|qweight|qzeros|scales|g_idx))?$")
 
 
 def load_weights_with_experts(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
@@ -191,7 +194,10 @@ def load_weights_with_experts(model: nn.Module, weights: Iterable[tuple[str, tor
             param_name = f"{match['module']}.{attr}"
             expert = None if match["expert"] is None else int(match["expert"])
             try:
-                layer.weight_loader(getattr(layer, attr), tensor, shard, expert)
+                if match["part"] in (None, "weight"):
+                    layer.weight_loader(getattr(layer, attr), tensor, shard, expert)
+                else:   # GPTQ / AWQ experts: the layer's method keeps them in their own form
+                    layer.quant_method.load_expert_part(layer, match["part"], tensor, shard, expert)
             except (ValueError, RuntimeError) as e:
                 raise CheckpointError(f"cannot load '{name}' into '{param_name}': {e}") from None
             local = slice(None) if expert is None else layer.placement.local_id(expert)

@@ -31,6 +31,13 @@ class FusedMoEMethod:
         default) for the layer's float loader (FusedMoE.weight_loader's arguments)."""
         return False
 
+    def load_expert_part(self, layer: FusedMoE, part: str, loaded: torch.Tensor, shard_id: str,
+                         expert_id: int | None) -> None:
+        """A quantized checkpoint's expert tensor other than a ``weight`` (``qweight``, ``scales``, ``qzeros``,
+        ``g_idx``: GPTQ / AWQ), for the method that stores experts in that form."""
+        raise ValueError(f"a quantized expert tensor ('{part}') that this layer's experts cannot load (the "
+                         f"checkpoint's quantization has no MoE support, or its quantizer left this layer float)")
+
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         pass
 
@@ -70,6 +77,39 @@ class UnquantizedFusedMoEMethod(FusedMoEMethod):
         if ctx is not None and ctx.is_decode_only and ctx.backend.sync_free_decode:
             return experts_padded(layer, hidden, topk_weights, topk_ids)
         return experts_grouped(layer, hidden, topk_weights, topk_ids)
+
+
+class PlanesMoEMethod(UnquantizedFusedMoEMethod):
+    """Experts kept low-bit on CUDA: computes from stacked low-bit planes (cvllm_cuda/quant_planes.py, one
+    QuantWeight per expert stacked: ``cvllm_cuda.kernels.fused_moe_planes.stack_experts``) once
+    ``install_planes`` ran, with the float reference until then. The quantizers' expert methods (GGUF blocks, GPTQ
+    and AWQ groups) end here after loading."""
+
+    planes = None   # ([gate_up parts], down) stacked QuantWeights, on CUDA
+
+    def install_planes(self, layer: FusedMoE, gate_up, down) -> None:
+        """Make the stacked planes the layer's compute form; the loaded forms (w13_weight, w2_weight) go.
+        ``gate_up``: the [2I, H] rows in one stacked QuantWeight, or a list of parts in row order (gate, up)."""
+        parts = list(gate_up) if isinstance(gate_up, (list, tuple)) else [gate_up]
+        self.planes = (parts, down)
+        named = [(f"w13_{i}" if len(parts) > 1 else "w13", part) for i, part in enumerate(parts)] + [("w2", down)]
+        for prefix, planes in named:   # buffers: counted and listed like weights
+            for name, tensor in planes.tensors().items():
+                layer.register_buffer(f"{prefix}_planes_{name}", tensor, persistent=False)
+        device = down.low.device
+        for name in ("w13_weight", "w2_weight"):
+            del layer._parameters[name]
+            layer.register_buffer(name, torch.empty(0, device=device), persistent=False)
+
+    def apply(self, layer: FusedMoE, hidden: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.planes is None:
+            return super().apply(layer, hidden, topk_weights, topk_ids)
+        from cvllm_cuda.kernels.fused_moe_planes import fused_moe_planes
+
+        gate_up_parts, down = self.planes
+        return fused_moe_planes(hidden, gate_up_parts, down, topk_weights, layer.placement.localize(topk_ids),
+                                layer.act_fn)
 
 
 def _combine(hidden: torch.Tensor, out: torch.Tensor, weights: torch.Tensor,

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from cvllm.checkpoint.lazy import materialize
-from cvllm.layers.fused_moe_methods import UnquantizedFusedMoEMethod
+from cvllm.layers.fused_moe_methods import PlanesMoEMethod
 from cvllm.layers.quantization import plane_kernels_usable
 from cvllm_gguf.dequant import dequantize
 from cvllm_gguf.planes import has_layout
@@ -30,39 +30,20 @@ from cvllm_gguf.quantize import quantize
 logger = logging.getLogger(__name__)
 
 
-class PlanesMoEMethod(UnquantizedFusedMoEMethod):
-    """Computes from stacked low-bit planes once ``install_planes`` ran; core's float code until then."""
+class BlockPlanesMoEMethod(PlanesMoEMethod):
+    """Core's planes method, fed from GGML blocks."""
 
-    planes = None   # ([gate_up parts], down) QuantWeights stacked over the experts, on CUDA
-
-    def install_planes(self, layer: nn.Module, blocks: tuple, types: tuple, in_features: tuple) -> None:
+    def install_block_planes(self, layer: nn.Module, blocks: tuple, types: tuple, in_features: tuple) -> None:
         """``blocks``: per weight (w13, w2), a list of each expert's uint8 [rows, row bytes] blocks."""
         from cvllm_cuda.kernels.fused_moe_planes import stack_experts
         from cvllm_gguf.planes import to_planes
 
         gate_up, down = (stack_experts([to_planes(b, qtype, width) for b in expert_blocks])
                          for expert_blocks, qtype, width in zip(blocks, types, in_features))
-        self.planes = ([gate_up], down)
-        for prefix, planes in zip(("w13", "w2"), (gate_up, down)):   # buffers: counted and listed like weights
-            for name, tensor in planes.tensors().items():
-                layer.register_buffer(f"{prefix}_planes_{name}", tensor, persistent=False)
-        device = down.low.device
-        for name in ("w13_weight", "w2_weight"):   # the blocks or float experts go
-            del layer._parameters[name]
-            layer.register_buffer(name, torch.empty(0, device=device), persistent=False)
-
-    def apply(self, layer: nn.Module, hidden: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-        if self.planes is None:
-            return super().apply(layer, hidden, topk_weights, topk_ids)
-        from cvllm_cuda.kernels.fused_moe_planes import fused_moe_planes
-
-        gate_up, down = self.planes
-        return fused_moe_planes(hidden, gate_up, down, topk_weights, layer.placement.localize(topk_ids),
-                                layer.act_fn)
+        self.install_planes(layer, gate_up, down)
 
 
-class GGUFExpertsMethod(PlanesMoEMethod):
+class GGUFExpertsMethod(BlockPlanesMoEMethod):
     def __init__(self, gate_up_type: GGMLType, down_type: GGMLType):
         self.types = (gate_up_type, down_type)
 
@@ -99,7 +80,7 @@ class GGUFExpertsMethod(PlanesMoEMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         w13, w2 = layer.w13_weight.data, layer.w2_weight.data
         if plane_kernels_usable(w13.device) and all(has_layout(t) for t in self.types):
-            self.install_planes(layer, (list(w13), list(w2)), self.types, self.in_features)
+            self.install_block_planes(layer, (list(w13), list(w2)), self.types, self.in_features)
             return
         # no low-bit kernels here: each expert dequantized (float32 one expert at a time), then the blocks go
         for name, blocks, qtype, width in zip(("w13_weight", "w2_weight"), (w13, w2), self.types, self.in_features):
@@ -109,7 +90,7 @@ class GGUFExpertsMethod(PlanesMoEMethod):
             layer.register_parameter(name, nn.Parameter(values, requires_grad=False))
 
 
-class ISQFusedMoEMethod(PlanesMoEMethod):
+class ISQFusedMoEMethod(BlockPlanesMoEMethod):
     def __init__(self, requested: GGMLType, layer_type):
         """``layer_type(requested, in_features)``: the type a weight of that many inputs gets (isq.py)."""
         self.requested, self.layer_type = requested, layer_type
@@ -123,7 +104,7 @@ class ISQFusedMoEMethod(PlanesMoEMethod):
             return
         blocks = [[quantize(w[e].float(), qtype) for e in range(w.shape[0])] for w, qtype in zip((w13, w2), types)]
         if plane_kernels_usable(w13.device):
-            self.install_planes(layer, blocks, types, (w13.shape[2], w2.shape[2]))
+            self.install_block_planes(layer, blocks, types, (w13.shape[2], w2.shape[2]))
             return
         for w, expert_blocks, qtype in zip((w13, w2), blocks, types):
             for e, raw in enumerate(expert_blocks):

@@ -4,8 +4,9 @@ symmetric, groups of 128 unless told otherwise). The job candle-vllm's convert s
 
 Every 2-D ``*_proj.weight`` of the decoder layers whose inputs are whole groups becomes ``qweight`` (int32 [in /
 pack, out], inputs packed into words in order), ``qzeros`` (int32 [groups, out / pack], each zero stored minus one
-as the "gptq" format does), ``scales`` (fp16 [groups, out]) and ``g_idx`` (int32 [in], i // group_size); MoE
-experts, embeddings, the LM head, norms and everything else are copied unchanged. One tensor is in memory at a
+as the "gptq" format does), ``scales`` (fp16 [groups, out]) and ``g_idx`` (int32 [in], i // group_size), MoE
+experts' per-expert projections included (moe.py loads them); embeddings, the LM head, norms, routers and
+everything else are copied unchanged. One tensor is in memory at a
 time; the output keeps the source's shard files (and index), config.json gains ``quantization_config``, and the
 tokenizer and other files are copied.
 """
@@ -32,9 +33,8 @@ DEFAULTS = {"bits": 4, "group_size": 128, "sym": True}
 
 
 def quantizable(name: str, tensor: torch.Tensor, group_size: int) -> bool:
-    """A decoder layer's projection weight with whole groups of inputs. MoE experts stay float: cvllm's fused MoE
-    layers do not read GPTQ experts yet (as ``--isq gptq`` leaves them float), so the copy would not load."""
-    return (name.endswith("_proj.weight") and ".layers." in name and ".experts." not in name and tensor.dim() == 2
+    """A decoder layer's projection weight with whole groups of inputs (an MoE expert's too)."""
+    return (name.endswith("_proj.weight") and ".layers." in name and tensor.dim() == 2
             and tensor.is_floating_point() and (group_size == -1 or tensor.shape[1] % group_size == 0)
             and tensor.shape[0] % (32 // 4) == 0)
 

@@ -4,7 +4,8 @@
 keeps the whole config). A layer is quantized when the checkpoint holds ``<module>.qweight`` for its modules (read
 from the safetensors headers, nothing else); a fused layer whose parts disagree is an error. Without headers to read
 (a checkpoint that is not a directory of safetensors files) every linear layer is taken as quantized except AWQ's
-``modules_to_not_convert``.
+``modules_to_not_convert``. A fused MoE layer whose experts the checkpoint quantizes gets moe.py's method (the
+factory's ``moe_method``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from cvllm.checkpoint.quantized import quantization_config, tensor_headers
 from cvllm.layers.quantization import LinearMethod, LinearMethodFactory
 from cvllm_marlin.config import QuantConfigError, modules_not_converted, parse_awq_config, parse_gptq_config
 from cvllm_marlin.linear_method import AWQLinearMethod, GPTQLinearMethod
+from cvllm_marlin.moe import PackedExpertsMethod
 
 
 def quantized_modules(checkpoint: Checkpoint) -> set[str] | None:
@@ -31,6 +33,15 @@ def quantized_modules(checkpoint: Checkpoint) -> set[str] | None:
 def _factory(checkpoint: Checkpoint, method_class, config, not_converted: list[str], dtype: torch.dtype) \
         -> LinearMethodFactory:
     present = quantized_modules(checkpoint)
+
+    def moe_method(name: str, module) -> PackedExpertsMethod | None:
+        """A FusedMoE layer ("...mlp.experts") whose experts the checkpoint quantizes keeps them in their groups."""
+        if present is None:
+            if any(part in name.split(".") for part in not_converted):
+                return None
+        elif f"{name}.0.gate_proj" not in present and f"{name}.{module.placement.start}.gate_proj" not in present:
+            return None
+        return PackedExpertsMethod(method_class.name, config, name)
 
     def method_for(layer: str, sources: Sequence[str]) -> LinearMethod | None:
         if present is None:
@@ -46,6 +57,7 @@ def _factory(checkpoint: Checkpoint, method_class, config, not_converted: list[s
                                   f"({listed}); such checkpoints are not supported")
         return method_class(config, dtype, layer)
 
+    method_for.moe_method = moe_method
     return method_for
 
 
