@@ -291,9 +291,9 @@ def test_isq_fp8_on_cuda_takes_the_row_form(tmp_path):
 
 @pytest.mark.parametrize("scheme", ["fp8-block", "ct-channel"])
 def test_moe_checkpoint_experts_dequantized_at_load(tmp_path, scheme):
-    """An FP8 MoE checkpoint (Qwen3-MoE's FP8 releases): the dense projections FP8 layers, each expert's e4m3
-    weight dequantized with its scale as it loads (core's fp8_experts.py): the float checkpoint's tokens and
-    logprobs, bit for bit in float32, on one rank and (per-channel scales) two, expert parallel."""
+    """An FP8 MoE checkpoint (Qwen3-MoE's FP8 releases): the dense projections FP8 layers, the experts held FP8 by
+    the quantizer's MoE method (cvllm_fp8/moe.py) and, on CPU, dequantized after loading: the float checkpoint's
+    tokens and logprobs, bit for bit in float32, on one rank and (per-channel scales) two, expert parallel."""
     make_checkpoint(tmp_path / "base", "qwen3_moe", norm_topk_prob=True)
     write_fp8(tmp_path / "base", tmp_path / "fp8", scheme)
     state = load_file(tmp_path / "fp8" / "model.safetensors")
@@ -301,7 +301,50 @@ def test_moe_checkpoint_experts_dequantized_at_load(tmp_path, scheme):
     ours, kinds = run(tmp_path / "fp8")
     assert kinds == {"FP8LinearMethod", "UnquantizedLinearMethod"}   # the router stays float, as in the releases
     assert ours == run(tmp_path / "fp8-float")[0]
+    llm = LLM(str(tmp_path / "fp8"), dtype="float32", num_kv_blocks=32)
+    try:
+        from cvllm.layers.fused_moe import FusedMoE
+
+        assert {type(m.quant_method).__name__ for m in llm.llm_engine.runner.model.modules()
+                if isinstance(m, FusedMoE)} == {"FP8ExpertsMethod"}
+    finally:
+        llm.shutdown()
     if scheme == "ct-channel":   # (128-column blocks would not split over two ranks at this toy size)
         two = cvllm_greedy(tmp_path / "fp8", PROMPTS, 8, dtype="float32", num_kv_blocks=32, tensor_parallel_size=2,
                            enable_expert_parallel=True)
         assert two == [tokens for tokens, _ in ours]
+
+
+@pytest.mark.parametrize("scheme", ["block", "channel"])
+def test_moe_experts_as_fp8_planes_compute_the_dequantized_experts(scheme):
+    """The CUDA form of FP8 experts (a byte a weight in stacked FP8 planes, the fused-MoE planes kernel; here in
+    Triton's interpreter) against core's grouped float experts on the dequantized weights."""
+    pytest.importorskip("cvllm_cuda")
+    from cvllm.layers.fp8_experts import dequantize_fp8
+    from cvllm.layers.fused_moe import FusedMoE
+    from cvllm.layers.fused_moe_methods import grouped_experts
+    from cvllm_cuda.kernels.fused_moe_planes import fused_moe_planes
+    from cvllm_fp8.moe import FP8ExpertsMethod
+
+    experts, hidden, inter = 3, 128, 128
+    config = FP8Config((128, 128) if scheme == "block" else None, False, "weight_scale_inv", False)
+    method = FP8ExpertsMethod(config, "model.layers.0.mlp.experts")
+    layer = FusedMoE(experts, 2, hidden, inter, method=method)
+    gen = torch.Generator().manual_seed(5)
+    dense = {"w1": [], "w3": [], "w2": []}
+    for e in range(experts):
+        for shard, (out, inp) in (("w1", (inter, hidden)), ("w3", (inter, hidden)), ("w2", (hidden, inter))):
+            w = torch.randn(out, inp, generator=gen) * 0.05
+            q, scale = quantize_blocks(w, 128, 128) if scheme == "block" else quantize_rows(w)
+            layer.weight_loader(layer.w13_weight, q, shard, e)
+            method.load_expert_part(layer, "weight_scale_inv", scale, shard, e)
+            dense[shard].append(dequantize_fp8(q, scale))
+    gate, up, down = method.expert_planes(layer)
+    w13 = torch.stack([torch.cat([g, u]) for g, u in zip(dense["w1"], dense["w3"])])
+    w2 = torch.stack(dense["w2"])
+    x = torch.randn(4, hidden, generator=gen)
+    weights = torch.rand(4, 2, generator=gen)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:2] for _ in range(4)])
+    ours = fused_moe_planes(x, [gate, up], down, weights, ids, layer.act_fn)
+    theirs = grouped_experts(x, w13, w2, layer.act_fn, weights, ids)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)

@@ -103,7 +103,7 @@ def test_planes_compute_the_dequantized_experts(fmt):
                                 if fmt == "awq" else
                                 dequantize_gptq(tensors["qweight"], tensors["qzeros"], tensors["scales"],
                                                 tensors["g_idx"], 4, 1))
-    gate, up, down = method._planes(layer)
+    gate, up, down = method.expert_planes(layer)
     w13 = torch.stack([torch.cat([g, u]) for g, u in zip(dense["w1"], dense["w3"])])
     w2 = torch.stack(dense["w2"])
     x = torch.randn(5, hidden, generator=gen)

@@ -35,8 +35,9 @@ Checkpoint forms ``load_weights_with_experts`` accepts (``<prefix>`` is the laye
 With expert parallelism a stacked or fused tensor is sliced to this rank's experts and another rank's per-expert
 tensor is skipped unread; GGUF's quantized experts, dequantized at load into the stacked form, take the same path,
 and so do FP8 checkpoints' per-expert e4m3 weights, each dequantized with its scale tensor (``fp8_experts.py``).
-A GPTQ or AWQ checkpoint's per-expert ``qweight`` / ``qzeros`` / ``scales`` / ``g_idx`` go to the layer's method
-(``load_expert_part``), which its quantizer chose (cvllm_marlin/moe.py).
+A GPTQ or AWQ checkpoint's per-expert ``qweight`` / ``qzeros`` / ``scales`` / ``g_idx``, and an FP8 checkpoint's
+e4m3 weights and scales where its quantizer keeps experts FP8, go to the layer's method (``load_weight``,
+``load_expert_part``; held_experts.py, cvllm_marlin/moe.py, cvllm_fp8/moe.py).
 """
 
 from __future__ import annotations
@@ -169,7 +170,8 @@ class FusedMoE(nn.Module):
 # "<module>.experts[.<e>].<proj>[.weight]", or a quantized checkpoint's other parts of an expert's projection
 _EXPERT_TENSOR = re.compile(r"^(?P<module>.+\.experts)\.(?:(?P<expert>\d+)\.)?"
                             r"(?P<proj>gate_up_proj|gate_proj|up_proj|down_proj)"
-                            r"(?:\.(?P<part>weight|qweight|qzeros|scales|g_idx))?$")
+                            r"(?:\.(?P<part>weight|qweight|qzeros|scales|g_idx|weight_scale_inv|weight_scale|"
+                            r"input_scale))?$")
 
 
 def load_weights_with_experts(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
@@ -209,9 +211,12 @@ def load_weights_with_experts(model: nn.Module, weights: Iterable[tuple[str, tor
             seen[local, parts] = True
 
     def expert_here(name: str) -> bool | None:
-        """None: not a per-expert weight of a layer; else whether this rank holds that expert."""
+        """None: not a per-expert weight of a layer whose FP8 experts core dequantizes at load (a layer whose
+        method keeps them FP8 takes them itself); else whether this rank holds that expert."""
         match = _EXPERT_TENSOR.match(name)
         if match is None or match["module"] not in layers or match["expert"] is None:
+            return None
+        if getattr(layers[match["module"]].quant_method, "keeps_fp8_experts", False):
             return None
         return layers[match["module"]].placement.local_id(int(match["expert"])) is not None
 

@@ -3,7 +3,7 @@ LinearMethods per linear layer.
 
 A checkpoint layer is FP8 when its ``<module>.weight`` is F8_E4M3 in the safetensors headers (read, nothing else);
 without headers to read, every linear layer but the config's ignored ones. A fused layer mixing FP8 and float
-parts is refused.
+parts is refused. A fused MoE layer whose experts are FP8 keeps them FP8 (moe.py; the factory's ``moe_method``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from cvllm.checkpoint.quantized import quantization_config, tensor_headers
 from cvllm.layers.quantization import LinearMethod, LinearMethodFactory
 from cvllm_fp8.config import FP8Config, FP8ConfigError, parse_compressed_tensors_config, parse_fp8_config
 from cvllm_fp8.linear_method import FP8LinearMethod
+from cvllm_fp8.moe import FP8ExpertsMethod
 
 
 def fp8_modules(checkpoint: Checkpoint) -> set[str] | None:
@@ -34,6 +35,13 @@ def _factory(checkpoint: Checkpoint, config: FP8Config) -> LinearMethodFactory:
     def ignored(layer: str) -> bool:
         return any(layer == name or layer.endswith("." + name) or name in layer.split(".") for name in config.ignore)
 
+    def moe_method(name: str, module) -> FP8ExpertsMethod | None:
+        """A FusedMoE layer ("...mlp.experts") whose experts the checkpoint stores in FP8 keeps them FP8."""
+        if present is None:
+            return None if ignored(name) else FP8ExpertsMethod(config, name)
+        first = (f"{name}.0.gate_proj", f"{name}.{module.placement.start}.gate_proj")
+        return FP8ExpertsMethod(config, name) if any(stem in present for stem in first) else None
+
     def method_for(layer: str, sources: Sequence[str]) -> LinearMethod | None:
         if present is None:
             return None if ignored(layer) else FP8LinearMethod(config, layer)
@@ -46,6 +54,7 @@ def _factory(checkpoint: Checkpoint, config: FP8Config) -> LinearMethodFactory:
                                   f"such checkpoints are not supported")
         return FP8LinearMethod(config, layer)
 
+    method_for.moe_method = moe_method
     return method_for
 
 
