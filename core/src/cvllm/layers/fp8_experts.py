@@ -4,8 +4,9 @@ dequantized as they load, so the experts run as float weights like every other M
 
 Each per-expert e4m3 weight is held until its scale tensor has come, or the scale until its weight (a checkpoint
 may store them in either order, in different files), then ``q * scale`` in float32 goes to the layer's loader.
-One expert's tensors at a time are held, so the cost is the experts' float size on the device (an FP8 kernel for
-experts would keep them at a byte a weight: not yet). A weight whose scale never comes is an error.
+One expert's tensors at a time are held, so the cost is the experts' float size on the device. This is the path of a
+layer whose quantizer leaves its experts to core; the FP8 quantizers keep them FP8 (cvllm_fp8/moe.py, marked
+``keeps_fp8_experts``: this pass skips those). A weight whose scale never comes is an error.
 """
 
 from __future__ import annotations
