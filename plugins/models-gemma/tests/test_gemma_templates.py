@@ -15,13 +15,9 @@ from typing import Any
 
 import jinja2
 import pytest
-from tokenizers import AddedToken
-from tokenizers import Tokenizer as HFTokenizersTokenizer
-from transformers import PreTrainedTokenizerFast
 
 from cvllm.chat_template import ChatTemplateError, render_chat
-from cvllm.testing.tokenizer import build_tiny_tokenizer
-from cvllm.tokenizer import Tokenizer
+from cvllm.testing.chat_templates import ChatTemplates
 
 DATA = Path(__file__).parent / "data"
 
@@ -42,31 +38,8 @@ ALTERNATION = "Conversation roles must alternate user/assistant/user/assistant/.
 
 
 @pytest.fixture(scope="module")
-def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tokenizer = build_tiny_tokenizer()
-    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in CONTROL_TOKENS])
-    path = tmp_path_factory.mktemp("gemma-chat-tokenizer") / "tokenizer.json"
-    tokenizer.save(str(path))
-    return path
-
-
-def _source(name: str) -> str:
-    return (DATA / f"{name}.jinja").read_text(encoding="utf-8")
-
-
-def _reference(tokenizer_file: Path, name: str, messages: list, **kwargs: Any) -> str:
-    hf = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), **TEMPLATES[name])
-    assert hf.special_tokens_map == TEMPLATES[name]  # the template sees exactly these tokens, and no others
-    return hf.apply_chat_template(messages, chat_template=_source(name), tokenize=False, **kwargs)
-
-
-def _ours(tokenizer_file: Path, name: str, messages: list, **kwargs: Any) -> str:
-    """Render through render_chat and through Tokenizer.apply_chat_template; they must agree."""
-    source, specials = _source(name), TEMPLATES[name]
-    direct = render_chat(source, messages, special_tokens=specials, **kwargs)
-    tokenizer = Tokenizer(HFTokenizersTokenizer.from_file(str(tokenizer_file)), chat_template=source, **specials)
-    assert tokenizer.apply_chat_template(messages, **kwargs) == direct
-    return direct
+def chats(tmp_path_factory: pytest.TempPathFactory) -> ChatTemplates:
+    return ChatTemplates(DATA, TEMPLATES, CONTROL_TOKENS, tmp_path_factory.mktemp("gemma-chat-tokenizer"))
 
 
 def _cases() -> list[tuple[str, str, list, dict[str, Any]]]:
@@ -88,27 +61,27 @@ CASES = _cases()
 
 
 @pytest.mark.parametrize(("name", "case", "messages", "kwargs"), CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
-def test_template_renders_as_transformers(tokenizer_file: Path, name: str, case: str, messages: list,
+def test_template_renders_as_transformers(chats: ChatTemplates, name: str, case: str, messages: list,
                                           kwargs: dict[str, Any]) -> None:
-    assert _ours(tokenizer_file, name, messages, **kwargs) == _reference(tokenizer_file, name, messages, **kwargs)
+    assert chats.ours(name, messages, **kwargs) == chats.reference(name, messages, **kwargs)
 
 
 @pytest.mark.xfail(strict=True, reason=(
     "cvllm flattens multi-part content before the template sees it (text parts joined with '\\n', the API's "
     "rule as vLLM has it); Gemma 3's template, given the list, trims each text part and concatenates them: "
     "cvllm renders 'First line.\\nSecond line.' where transformers renders 'First line.Second line.'"))
-def test_gemma3_multi_part_content_renders_as_transformers(tokenizer_file: Path) -> None:
+def test_gemma3_multi_part_content_renders_as_transformers(chats: ChatTemplates) -> None:
     messages = [{"role": "user", "content": [{"type": "text", "text": "First line."},
                                              {"type": "text", "text": "Second line."}]}]
     kwargs = {"add_generation_prompt": True}
-    assert _ours(tokenizer_file, "gemma-3-it", messages, **kwargs) == _reference(
-        tokenizer_file, "gemma-3-it", messages, **kwargs)
+    assert chats.ours("gemma-3-it", messages, **kwargs) == chats.reference(
+        "gemma-3-it", messages, **kwargs)
 
 
-def test_known_template_renders(tokenizer_file: Path) -> None:
+def test_known_template_renders(chats: ChatTemplates) -> None:
     # Anchor that does not depend on transformers: Gemma 3 puts the system text at the top of the first user turn.
     chat = [SYSTEM, {"role": "user", "content": "Hi"}]
-    assert _ours(tokenizer_file, "gemma-3-it", chat, add_generation_prompt=True) == (
+    assert chats.ours("gemma-3-it", chat, add_generation_prompt=True) == (
         "<bos><start_of_turn>user\nYou are terse. Answer in one line.\n\nHi<end_of_turn>\n<start_of_turn>model\n")
 
 
@@ -118,12 +91,12 @@ def test_known_template_renders(tokenizer_file: Path) -> None:
     ("gemma-3-it", [SYSTEM, {"role": "assistant", "content": "Hi"}], ALTERNATION),
     ("gemma-3-it", [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], ALTERNATION),
 ])
-def test_template_raise_exception_carries_the_templates_message(tokenizer_file: Path, name: str, messages: list,
+def test_template_raise_exception_carries_the_templates_message(chats: ChatTemplates, name: str, messages: list,
                                                                 message: str) -> None:
     with pytest.raises(jinja2.TemplateError, match="^" + re.escape(message) + "$"):
-        _reference(tokenizer_file, name, messages, add_generation_prompt=True)
+        chats.reference(name, messages, add_generation_prompt=True)
     with pytest.raises(ChatTemplateError) as info:
-        render_chat(_source(name), messages, special_tokens=TEMPLATES[name])
+        render_chat(chats.source(name), messages, special_tokens=TEMPLATES[name])
     assert str(info.value) == message
 
 

@@ -14,13 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tokenizers import AddedToken
-from tokenizers import Tokenizer as HFTokenizersTokenizer
-from transformers import PreTrainedTokenizerFast
 
-from cvllm.chat_template import render_chat
-from cvllm.testing.tokenizer import build_tiny_tokenizer
-from cvllm.tokenizer import Tokenizer
+from cvllm.testing.chat_templates import ChatTemplates
 
 DATA = Path(__file__).parent / "data"
 
@@ -42,31 +37,8 @@ CONVERSATIONS: dict[str, list[dict[str, Any]]] = {
 
 
 @pytest.fixture(scope="module")
-def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tokenizer = build_tiny_tokenizer()
-    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in CONTROL_TOKENS])
-    path = tmp_path_factory.mktemp("phi-chat-tokenizer") / "tokenizer.json"
-    tokenizer.save(str(path))
-    return path
-
-
-def _source(name: str) -> str:
-    return (DATA / f"{name}.jinja").read_text(encoding="utf-8")
-
-
-def _reference(tokenizer_file: Path, name: str, messages: list, **kwargs: Any) -> str:
-    hf = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), **TEMPLATES[name])
-    assert hf.special_tokens_map == TEMPLATES[name]  # the template sees exactly these tokens, and no others
-    return hf.apply_chat_template(messages, chat_template=_source(name), tokenize=False, **kwargs)
-
-
-def _ours(tokenizer_file: Path, name: str, messages: list, **kwargs: Any) -> str:
-    """Render through render_chat and through Tokenizer.apply_chat_template; they must agree."""
-    source, specials = _source(name), TEMPLATES[name]
-    direct = render_chat(source, messages, special_tokens=specials, **kwargs)
-    tokenizer = Tokenizer(HFTokenizersTokenizer.from_file(str(tokenizer_file)), chat_template=source, **specials)
-    assert tokenizer.apply_chat_template(messages, **kwargs) == direct
-    return direct
+def chats(tmp_path_factory: pytest.TempPathFactory) -> ChatTemplates:
+    return ChatTemplates(DATA, TEMPLATES, CONTROL_TOKENS, tmp_path_factory.mktemp("phi-chat-tokenizer"))
 
 
 def _cases() -> list[tuple[str, str, list, dict[str, Any]]]:
@@ -85,17 +57,17 @@ CASES = _cases()
 
 
 @pytest.mark.parametrize(("name", "case", "messages", "kwargs"), CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
-def test_template_renders_as_transformers(tokenizer_file: Path, name: str, case: str, messages: list,
+def test_template_renders_as_transformers(chats: ChatTemplates, name: str, case: str, messages: list,
                                           kwargs: dict[str, Any]) -> None:
-    assert _ours(tokenizer_file, name, messages, **kwargs) == _reference(tokenizer_file, name, messages, **kwargs)
+    assert chats.ours(name, messages, **kwargs) == chats.reference(name, messages, **kwargs)
 
 
-def test_known_template_renders(tokenizer_file: Path) -> None:
+def test_known_template_renders(chats: ChatTemplates) -> None:
     # Anchors that do not depend on transformers: the prompt the model is trained on, and the closed text.
     chat = [SYSTEM, {"role": "user", "content": "Hi"}]
-    assert _ours(tokenizer_file, "phi-3.5-mini-instruct", chat, add_generation_prompt=True) == (
+    assert chats.ours("phi-3.5-mini-instruct", chat, add_generation_prompt=True) == (
         "<|system|>\nYou are terse. Answer in one line.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\n")
-    assert _ours(tokenizer_file, "phi-3.5-mini-instruct", chat[1:], add_generation_prompt=False) == (
+    assert chats.ours("phi-3.5-mini-instruct", chat[1:], add_generation_prompt=False) == (
         "<|user|>\nHi<|end|>\n<|endoftext|>")
 
 

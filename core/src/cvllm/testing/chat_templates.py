@@ -1,0 +1,53 @@
+"""A model plugin's chat templates rendered by cvllm and by transformers, for tests that compare the two character
+for character (the family plugins' tests/data templates).
+
+``ChatTemplates(data_dir, templates, control_tokens)``: ``templates`` maps a template's name (``<name>.jinja`` in
+``data_dir``) to the special tokens its model's tokenizer names; ``control_tokens`` are added to the tiny test
+tokenizer as special tokens. ``reference(...)`` is transformers' ``apply_chat_template(tokenize=False)``;
+``ours(...)`` is cvllm's ``render_chat`` and ``Tokenizer.apply_chat_template``, which must agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from cvllm.chat_template import render_chat
+from cvllm.testing.tokenizer import build_tiny_tokenizer
+
+
+class ChatTemplates:
+    def __init__(self, data_dir: Path, templates: Mapping[str, Mapping[str, str]], control_tokens: Iterable[str],
+                 workdir: Path):
+        """``workdir``: where the tiny tokenizer with the control tokens is written (a pytest tmp dir)."""
+        from tokenizers import AddedToken
+
+        self.data_dir, self.templates = Path(data_dir), {name: dict(t) for name, t in templates.items()}
+        tokenizer = build_tiny_tokenizer()
+        tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in control_tokens])
+        self.tokenizer_file = Path(workdir) / "tokenizer.json"
+        tokenizer.save(str(self.tokenizer_file))
+
+    def source(self, name: str) -> str:
+        return (self.data_dir / f"{name}.jinja").read_text(encoding="utf-8")
+
+    def reference(self, name: str, messages: list, **kwargs: Any) -> str:
+        from transformers import PreTrainedTokenizerFast
+
+        specials = self.templates[name]
+        hf = PreTrainedTokenizerFast(tokenizer_file=str(self.tokenizer_file), **specials)
+        assert hf.special_tokens_map == specials  # the template sees exactly these tokens, and no others
+        return hf.apply_chat_template(messages, chat_template=self.source(name), tokenize=False, **kwargs)
+
+    def ours(self, name: str, messages: list, **kwargs: Any) -> str:
+        from tokenizers import Tokenizer as HFTokenizersTokenizer
+
+        from cvllm.tokenizer import Tokenizer
+
+        source, specials = self.source(name), self.templates[name]
+        direct = render_chat(source, messages, special_tokens=specials, **kwargs)
+        tokenizer = Tokenizer(HFTokenizersTokenizer.from_file(str(self.tokenizer_file)), chat_template=source,
+                              **specials)
+        assert tokenizer.apply_chat_template(messages, **kwargs) == direct
+        return direct
