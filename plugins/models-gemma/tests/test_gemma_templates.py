@@ -17,7 +17,7 @@ import jinja2
 import pytest
 
 from cvllm.chat_template import ChatTemplateError, render_chat
-from cvllm.testing.chat_templates import ChatTemplates
+from cvllm.testing.chat_templates import ChatTemplates, template_cases
 
 DATA = Path(__file__).parent / "data"
 
@@ -42,22 +42,12 @@ def chats(tmp_path_factory: pytest.TempPathFactory) -> ChatTemplates:
     return ChatTemplates(DATA, TEMPLATES, CONTROL_TOKENS, tmp_path_factory.mktemp("gemma-chat-tokenizer"))
 
 
-def _cases() -> list[tuple[str, str, list, dict[str, Any]]]:
-    cases = []
-    for name in TEMPLATES:
-        for conversation, messages in CONVERSATIONS.items():
-            if name in NO_SYSTEM_ROLE and messages[0]["role"] == "system":
-                messages = messages[1:]
-            for prompt in (True, False):
-                cases.append((name, f"{conversation}-prompt={prompt}", messages, {"add_generation_prompt": prompt}))
-        # a trailing space the template trims away: the cut after the final message must still be right
-        cases.append((name, "continue_final", [{"role": "user", "content": "Count to three."},
-                                               {"role": "assistant", "content": "One, two, "}],
-                      {"add_generation_prompt": False, "continue_final_message": True}))
-    return cases
+# a trailing space the template trims away: the cut after the final message must still be right
+CONTINUE_FINAL = [{"role": "user", "content": "Count to three."},
+                  {"role": "assistant", "content": "One, two, "}]
 
 
-CASES = _cases()
+CASES = template_cases(TEMPLATES, CONVERSATIONS, CONTINUE_FINAL, NO_SYSTEM_ROLE)
 
 
 @pytest.mark.parametrize(("name", "case", "messages", "kwargs"), CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from cvllm.testing.chat_templates import ChatTemplates
+from cvllm.testing.chat_templates import ChatTemplates, template_cases
 
 DATA = Path(__file__).parent / "data"
 
@@ -41,19 +41,11 @@ def chats(tmp_path_factory: pytest.TempPathFactory) -> ChatTemplates:
     return ChatTemplates(DATA, TEMPLATES, CONTROL_TOKENS, tmp_path_factory.mktemp("phi-chat-tokenizer"))
 
 
-def _cases() -> list[tuple[str, str, list, dict[str, Any]]]:
-    cases = []
-    for name in TEMPLATES:
-        for conversation, messages in CONVERSATIONS.items():
-            for prompt in (True, False):
-                cases.append((name, f"{conversation}-prompt={prompt}", messages, {"add_generation_prompt": prompt}))
-        cases.append((name, "continue_final", [{"role": "user", "content": "Capital of France?"},
-                                               {"role": "assistant", "content": "The capital is"}],
-                      {"add_generation_prompt": False, "continue_final_message": True}))
-    return cases
+CONTINUE_FINAL = [{"role": "user", "content": "Capital of France?"},
+                  {"role": "assistant", "content": "The capital is"}]
 
 
-CASES = _cases()
+CASES = template_cases(TEMPLATES, CONVERSATIONS, CONTINUE_FINAL)
 
 
 @pytest.mark.parametrize(("name", "case", "messages", "kwargs"), CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])

@@ -17,6 +17,23 @@ from cvllm.chat_template import render_chat
 from cvllm.testing.tokenizer import build_tiny_tokenizer
 
 
+def template_cases(templates: Iterable[str], conversations: Mapping[str, list], continue_final: list,
+                   no_system_role: Iterable[str] = ()) -> list[tuple[str, str, list, dict[str, Any]]]:
+    """(template, case id, messages, keyword arguments) for each template: every conversation with and without the
+    generation prompt (a leading system message dropped for the templates in ``no_system_role``), and
+    ``continue_final`` (ending in an assistant message) continued."""
+    cases = []
+    for name in templates:
+        for conversation, messages in conversations.items():
+            if name in no_system_role and messages[0]["role"] == "system":
+                messages = messages[1:]
+            for prompt in (True, False):
+                cases.append((name, f"{conversation}-prompt={prompt}", messages, {"add_generation_prompt": prompt}))
+        cases.append((name, "continue_final", continue_final,
+                      {"add_generation_prompt": False, "continue_final_message": True}))
+    return cases
+
+
 class ChatTemplates:
     def __init__(self, data_dir: Path, templates: Mapping[str, Mapping[str, str]], control_tokens: Iterable[str],
                  workdir: Path):
