@@ -8,7 +8,6 @@ tokens added.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ import jinja2
 import pytest
 
 from cvllm.chat_template import ChatTemplateError, render_chat
-from cvllm.testing.chat_templates import ChatTemplates, template_cases
+from cvllm.testing.chat_templates import ChatTemplates, check_source_notes, template_cases
 
 DATA = Path(__file__).parent / "data"
 
@@ -91,10 +90,4 @@ def test_template_raise_exception_carries_the_templates_message(chats: ChatTempl
 
 
 def test_template_data_files_are_the_verbatim_copies_their_notes_describe() -> None:
-    assert {p.stem for p in DATA.glob("*.jinja")} == set(TEMPLATES)
-    for name in TEMPLATES:
-        note = (DATA / f"{name}.source.md").read_text(encoding="utf-8")
-        assert "License" in note
-        digest = re.search(r"sha256 `([0-9a-f]{64})`", note)
-        assert digest, f"{name}.source.md gives no sha256"
-        assert hashlib.sha256((DATA / f"{name}.jinja").read_bytes()).hexdigest() == digest[1]
+    check_source_notes(DATA, TEMPLATES)

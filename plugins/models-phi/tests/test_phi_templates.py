@@ -8,14 +8,12 @@ tokens added.
 
 from __future__ import annotations
 
-import hashlib
-import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from cvllm.testing.chat_templates import ChatTemplates, template_cases
+from cvllm.testing.chat_templates import ChatTemplates, check_source_notes, template_cases
 
 DATA = Path(__file__).parent / "data"
 
@@ -64,10 +62,4 @@ def test_known_template_renders(chats: ChatTemplates) -> None:
 
 
 def test_template_data_files_are_the_verbatim_copies_their_notes_describe() -> None:
-    assert {p.stem for p in DATA.glob("*.jinja")} == set(TEMPLATES)
-    for name in TEMPLATES:
-        note = (DATA / f"{name}.source.md").read_text(encoding="utf-8")
-        assert "License" in note
-        digest = re.search(r"sha256 `([0-9a-f]{64})`", note)
-        assert digest, f"{name}.source.md gives no sha256"
-        assert hashlib.sha256((DATA / f"{name}.jinja").read_bytes()).hexdigest() == digest[1]
+    check_source_notes(DATA, TEMPLATES)

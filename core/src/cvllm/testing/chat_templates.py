@@ -17,6 +17,22 @@ from cvllm.chat_template import render_chat
 from cvllm.testing.tokenizer import build_tiny_tokenizer
 
 
+def check_source_notes(data_dir: Path, templates: Iterable[str]) -> None:
+    """Each ``<name>.jinja`` in ``data_dir`` has a ``<name>.source.md`` naming its license and the sha256 of the
+    verbatim copy, which the file matches; no other templates are there."""
+    import hashlib
+    import re
+
+    data_dir, names = Path(data_dir), set(templates)
+    assert {p.stem for p in data_dir.glob("*.jinja")} == names
+    for name in names:
+        note = (data_dir / f"{name}.source.md").read_text(encoding="utf-8")
+        assert "License" in note, f"{name}.source.md names no license"
+        digest = re.search(r"sha256 `([0-9a-f]{64})`", note)
+        assert digest, f"{name}.source.md gives no sha256"
+        assert hashlib.sha256((data_dir / f"{name}.jinja").read_bytes()).hexdigest() == digest[1], name
+
+
 def template_cases(templates: Iterable[str], conversations: Mapping[str, list], continue_final: list,
                    no_system_role: Iterable[str] = ()) -> list[tuple[str, str, list, dict[str, Any]]]:
     """(template, case id, messages, keyword arguments) for each template: every conversation with and without the
