@@ -348,3 +348,28 @@ def test_moe_experts_as_fp8_planes_compute_the_dequantized_experts(scheme):
     ours = fused_moe_planes(x, [gate, up], down, weights, ids, layer.act_fn)
     theirs = grouped_experts(x, w13, w2, layer.act_fn, weights, ids)
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_isq_fp8_quantizes_moe_experts_too(tmp_path):
+    """``--isq fp8`` on an unquantized MoE checkpoint: the experts get one scale per output row after loading, as
+    the dense layers do while loading: what a float checkpoint of the rounded weights computes."""
+    from cvllm.layers.fused_moe import FusedMoE
+
+    make_checkpoint(tmp_path / "base", "qwen3_moe", norm_topk_prob=True)
+    state = load_file(tmp_path / "base" / "model.safetensors")
+    for name, w in state.items():
+        if name.endswith(".weight") and name.split(".")[-2] in LINEARS:
+            state[name] = dequantize(*quantize_rows(w))
+    (tmp_path / "rounded").mkdir()
+    for file in (tmp_path / "base").iterdir():
+        if file.is_file() and file.suffix != ".safetensors":
+            shutil.copy(file, tmp_path / "rounded" / file.name)
+    save_file(state, tmp_path / "rounded" / "model.safetensors", metadata={"format": "pt"})
+    ours, _ = run(tmp_path / "base", isq="fp8")
+    assert ours == run(tmp_path / "rounded")[0]
+    llm = LLM(str(tmp_path / "base"), dtype="float32", num_kv_blocks=32, isq="fp8")
+    try:
+        assert {type(m.quant_method).__name__ for m in llm.llm_engine.runner.model.modules()
+                if isinstance(m, FusedMoE)} == {"FP8ExpertsMethod"}
+    finally:
+        llm.shutdown()

@@ -112,3 +112,35 @@ def test_planes_compute_the_dequantized_experts(fmt):
     ours = fused_moe_planes(x, [gate, up], down, weights, ids, layer.act_fn)
     theirs = grouped_experts(x, w13, w2, layer.act_fn, weights, ids)
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_isq_gptq_quantizes_experts_too(base, tmp_path):
+    """``--isq gptq`` on an unquantized MoE checkpoint: the experts are rounded to nearest after loading, as the
+    dense layers are while loading (the router stays float); the result is what a float checkpoint of the rounded
+    weights computes."""
+    from safetensors.torch import load_file
+
+    from cvllm_marlin.isq import GROUP_SIZES
+    from cvllm_marlin.rtn import quantize_rtn
+
+    state = load_file(base / "model.safetensors")
+    for name, tensor in state.items():
+        if name.endswith(".weight") and name.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                 "up_proj", "down_proj"):
+            group = next(g for g in GROUP_SIZES if tensor.shape[1] % g == 0)
+            state[name] = quantize_rtn(tensor, 4, group, sym=True).dequantized()
+    write_float(base, tmp_path / "rtn", state)
+    ours, _ = greedy_logprobs(base, PROMPTS, 8, dtype="float32", num_kv_blocks=32, isq="gptq")
+    assert moe_methods(base, isq="gptq") == {"PackedExpertsMethod"}
+    theirs, _ = greedy_logprobs(tmp_path / "rtn", PROMPTS, 8, dtype="float32", num_kv_blocks=32)
+    assert ours == theirs
+
+
+def test_isq_gptq_experts_over_two_ranks(tmp_path):
+    # every projection's inputs, and each rank's part of o_proj's and the experts' down_proj's, whole groups of 128:
+    # the same rounding on one rank and on two (as in real models)
+    make_checkpoint(tmp_path / "base", "qwen3_moe", seed=2, hidden_size=256, head_dim=64, moe_intermediate_size=256)
+    one = cvllm_greedy(tmp_path / "base", PROMPTS, 8, dtype="float32", num_kv_blocks=32, isq="gptq")
+    two = cvllm_greedy(tmp_path / "base", PROMPTS, 8, dtype="float32", num_kv_blocks=32, isq="gptq",
+                       tensor_parallel_size=2)
+    assert two == one

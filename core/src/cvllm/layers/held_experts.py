@@ -6,6 +6,10 @@ groups, FP8 with scales): hold the tensors as they load, then give the layer its
 (``expert_planes``, core's PlanesMoEMethod computes from them) where the CUDA kernels run and the experts are whole
 on this rank; otherwise each expert's float weight (``dense_expert``) in the engine's dtype, a tensor-parallel
 rank's rows of gate and up and columns of down, for core's float experts.
+
+``in_situ`` (``--isq``): the checkpoint's float experts load as usual (a rank's part of each), and
+``quantize_expert`` turns each loaded projection into the held form after loading; the parts are then a rank's
+already, so the planes may serve split experts too and the float form is not narrowed again.
 """
 
 from __future__ import annotations
@@ -25,14 +29,18 @@ class HeldExpertsMethod(PlanesMoEMethod):
     needed: tuple[str, ...] = ()   # the parts every projection of every expert must have
     format_name = "quantized"
 
-    def __init__(self, where: str):
+    def __init__(self, where: str, in_situ: bool = False):
         self.where = where            # the layer's module name, for messages
+        self.in_situ = in_situ
         self.parts: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
 
     def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_local: int,
                        dtype: torch.dtype) -> None:
-        # stand-ins the loader counts as loaded: the experts' compute form is made after loading
         self.dtype = dtype
+        if self.in_situ:   # the float experts load as they would unquantized
+            super().create_weights(layer, num_experts, hidden_size, intermediate_local, dtype)
+            return
+        # stand-ins the loader counts as loaded: the experts' compute form is made after loading
         for name in ("w13_weight", "w2_weight"):
             layer.register_parameter(name, nn.Parameter(torch.empty(num_experts, 0, dtype=dtype), requires_grad=False))
 
@@ -53,10 +61,20 @@ class HeldExpertsMethod(PlanesMoEMethod):
         return None
 
     def dense_expert(self, shard: str, local: int) -> torch.Tensor:
-        """float32 [out, in]: one local expert's projection, whole."""
+        """float32 [out, in]: one local expert's projection, whole (in situ: this rank's part)."""
+        raise NotImplementedError
+
+    def quantize_expert(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """In situ: one loaded float projection [out, in] as the parts ``needed`` names."""
         raise NotImplementedError
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.in_situ:
+            size = layer.intermediate_local
+            for local in range(layer.num_local_experts):
+                w13, w2 = layer.w13_weight.data[local], layer.w2_weight.data[local]
+                for shard, weight in (("w1", w13[:size]), ("w3", w13[size:]), ("w2", w2)):
+                    self.parts[(shard, local)] = self.quantize_expert(weight.float())
         for local in range(layer.num_local_experts):
             for shard in SHARDS:
                 have = self.parts.get((shard, local), {})
@@ -65,7 +83,7 @@ class HeldExpertsMethod(PlanesMoEMethod):
                     raise ValueError(f"{self.where}.{local + layer.placement.start}.{PROJECTIONS[shard]}: the "
                                      f"checkpoint lacks {' and '.join(lacking)}")
         planes = None
-        if layer.shard_size == 1 and plane_kernels_usable(layer.w13_weight.device):
+        if (layer.shard_size == 1 or self.in_situ) and plane_kernels_usable(layer.w13_weight.device):
             planes = self.expert_planes(layer)
         if planes is not None:
             self.install_planes(layer, list(planes[:2]), planes[2])
@@ -74,7 +92,8 @@ class HeldExpertsMethod(PlanesMoEMethod):
         self.parts.clear()
 
     def _install_float(self, layer: nn.Module) -> None:
-        size, offset = layer.intermediate_local, layer.shard_rank * layer.intermediate_local
+        size = layer.intermediate_local
+        offset = 0 if self.in_situ else layer.shard_rank * size   # in situ, the parts are this rank's already
         num, device = layer.num_local_experts, layer.w13_weight.device
         w13 = torch.empty(num, 2 * size, layer.hidden_size, dtype=self.dtype, device=device)
         w2 = torch.empty(num, layer.hidden_size, size, dtype=self.dtype, device=device)

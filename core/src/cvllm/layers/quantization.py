@@ -82,6 +82,16 @@ def attach_linear_methods(model: nn.Module, factory: LinearMethodFactory) -> int
     return changed
 
 
+# MoE routers: "mlp.gate" (Qwen2/3-MoE, DeepSeek), "block_sparse_moe.gate" (Mixtral), Qwen2-MoE's
+# "shared_expert_gate". In situ quantization leaves them float, as quantized releases and llama.cpp's quantize
+# (ffn_gate_inp) do: they are small, and routing is sensitive to their rounding.
+MOE_ROUTER_NAMES = ("gate", "shared_expert_gate")
+
+
+def is_moe_router(layer: str) -> bool:
+    return layer.rpartition(".")[2] in MOE_ROUTER_NAMES
+
+
 def isq_quantizer(isq: str, installed) -> str:
     """The quantizer that performs in-situ quantization to ``isq``: one registered as ``isq-<type>`` (e.g.
     "isq-gptq" for ``--isq gptq``) where a plugin provides it, else the general "isq" one (the GGUF types)."""

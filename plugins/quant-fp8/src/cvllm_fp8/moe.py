@@ -34,12 +34,14 @@ class FP8ExpertsMethod(HeldExpertsMethod):
     needed = ("weight", "scale")
     format_name = "FP8"
 
-    def __init__(self, config: FP8Config, where: str):
-        super().__init__(where)
+    def __init__(self, config: FP8Config, where: str, in_situ: bool = False):
+        super().__init__(where, in_situ)
         self.config = config
 
     def load_weight(self, layer: nn.Module, param: torch.Tensor, loaded: torch.Tensor, shard_id: str,
                     expert_id: int | None) -> bool:
+        if self.in_situ:   # --isq: the float experts load as usual, quantized after loading
+            return False
         if loaded.dtype not in FP8_DTYPES:
             raise ValueError(f"a {loaded.dtype} expert weight in a layer whose experts this checkpoint stores in FP8")
         self.hold(layer, "weight", loaded, shard_id, expert_id)
@@ -55,6 +57,13 @@ class FP8ExpertsMethod(HeldExpertsMethod):
     def dense_expert(self, shard: str, local: int) -> torch.Tensor:
         p = self.parts[(shard, local)]
         return dequantize_fp8(p["weight"], p["scale"])
+
+    def quantize_expert(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``--isq fp8``: one scale per output row, as the dense layers get it."""
+        from cvllm_fp8.linear_method import quantize_rows
+
+        q, scale = quantize_rows(weight)
+        return {"weight": q, "scale": scale}
 
     def _row_scales(self, shard: str, local: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(e4m3 weight [N, K], float32 scales [N, ceil(K / columns)], columns): a block scale's rows repeated

@@ -14,7 +14,7 @@ import torch
 
 from cvllm.checkpoint.base import Checkpoint, CheckpointError
 from cvllm.checkpoint.quantized import quantization_config, tensor_headers
-from cvllm.layers.quantization import LinearMethod, LinearMethodFactory
+from cvllm.layers.quantization import LinearMethod, LinearMethodFactory, is_moe_router
 from cvllm_fp8.config import FP8Config, FP8ConfigError, parse_compressed_tensors_config, parse_fp8_config
 from cvllm_fp8.linear_method import FP8LinearMethod
 from cvllm_fp8.moe import FP8ExpertsMethod
@@ -76,7 +76,12 @@ def compressed_tensors_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype
 def isq_fp8_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMethodFactory:
     """``--isq fp8``: every linear layer quantized per output row as its float shards load."""
 
-    def method_for(layer: str, sources: Sequence[str]) -> LinearMethod:
-        return FP8LinearMethod(None, layer)
+    def method_for(layer: str, sources: Sequence[str]) -> LinearMethod | None:
+        return None if is_moe_router(layer) else FP8LinearMethod(None, layer)
 
+    def moe_method(name: str, module) -> FP8ExpertsMethod:
+        """MoE experts too: each loaded expert quantized per output row after loading (moe.py)."""
+        return FP8ExpertsMethod(FP8Config(None, False, "weight_scale", False), name, in_situ=True)
+
+    method_for.moe_method = moe_method
     return method_for

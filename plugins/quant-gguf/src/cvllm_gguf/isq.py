@@ -30,7 +30,7 @@ from torch import nn
 
 from cvllm.checkpoint.base import Checkpoint
 from cvllm.checkpoint.lazy import Box, LazyTensor, lazy_aware, materialize
-from cvllm.layers.quantization import LinearMethod, LinearMethodFactory
+from cvllm.layers.quantization import LinearMethod, LinearMethodFactory, is_moe_router
 from cvllm.progress import Progress
 from cvllm_gguf.linear_method import GGUFLinearMethod, Mode
 from cvllm_gguf.quant_types import FORMATS, GGMLType, UnsupportedQuantType, resolve_qtype, row_bytes
@@ -190,7 +190,9 @@ def isq_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMeth
     mode: Mode = "exact" if dtype == torch.float32 else "fast"
     progress = ISQProgress(requested)
 
-    def method_for(layer: str, sources: Sequence[str]) -> LinearMethod:
+    def method_for(layer: str, sources: Sequence[str]) -> LinearMethod | None:
+        if is_moe_router(layer):   # llama.cpp's quantize keeps ffn_gate_inp as it is too
+            return None
         return ISQLinearMethod(requested, mode, layer, len(sources), progress)
 
     def moe_method(layer: str, module: nn.Module):

@@ -24,7 +24,8 @@ from torch import nn
 
 from cvllm.checkpoint.base import Checkpoint
 from cvllm.checkpoint.lazy import Box, LazyTensor, lazy_aware, materialize
-from cvllm.layers.quantization import LinearMethod, LinearMethodFactory, plane_kernels_usable
+from cvllm.layers.fused_moe_methods import FusedMoEMethod
+from cvllm.layers.quantization import LinearMethod, LinearMethodFactory, is_moe_router, plane_kernels_usable
 from cvllm_marlin.rtn import quantize_rtn
 
 logger = logging.getLogger(__name__)
@@ -151,7 +152,16 @@ def isq_gptq_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> Linea
     name = str(checkpoint.quant_config).lower()
     if name not in ISQ_NAMES:
         raise ValueError(f"isq {name!r}: this quantizer makes {' / '.join(ISQ_NAMES)} (4-bit, groups of 128)")
-    def method_for(layer: str, sources: Sequence[str]) -> LinearMethod:
-        return RTNLinearMethod(layer)
+    def method_for(layer: str, sources: Sequence[str]) -> LinearMethod | None:
+        return None if is_moe_router(layer) else RTNLinearMethod(layer)
 
+    def moe_method(name: str, module) -> FusedMoEMethod:
+        """MoE experts too: each loaded expert rounded to nearest after loading (moe.py)."""
+        from cvllm_marlin.config import GPTQConfig
+        from cvllm_marlin.moe import PackedExpertsMethod
+
+        config = GPTQConfig(bits=BITS, group_size=GROUP_SIZES[0], sym=True, desc_act=False, zero_offset=1)
+        return PackedExpertsMethod("gptq", config, name, in_situ=True)
+
+    method_for.moe_method = moe_method
     return method_for

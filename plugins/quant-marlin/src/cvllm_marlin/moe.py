@@ -29,13 +29,15 @@ _logged: list[str] = []
 class PackedExpertsMethod(HeldExpertsMethod):
     needed = ("qweight", "qzeros", "scales")
 
-    def __init__(self, name: str, config, where: str):
+    def __init__(self, name: str, config, where: str, in_situ: bool = False):
         """``name``: "gptq" or "awq"; ``config``: its parsed quantization_config; ``where``: the layer's name."""
-        super().__init__(where)
+        super().__init__(where, in_situ)
         self.name, self.config, self.format_name = name, config, name.upper()
 
     def load_weight(self, layer: nn.Module, param: torch.Tensor, loaded: torch.Tensor, shard_id: str,
                     expert_id: int | None) -> bool:
+        if self.in_situ:   # --isq: the float experts load as usual, quantized after loading
+            return False
         raise ValueError(f"a float expert weight in a layer whose experts this {self.format_name} checkpoint "
                          f"quantizes")
 
@@ -50,14 +52,30 @@ class PackedExpertsMethod(HeldExpertsMethod):
         k = p["qweight"].shape[0] * (32 // self.config.bits)
         g_idx = p.get("g_idx")
         if g_idx is None:   # checkpoints without act-order may leave it out: groups in order
-            group = k if self.config.group_size == -1 else self.config.group_size
-            g_idx = torch.arange(k, device=p["qweight"].device) // group
+            g_idx = torch.arange(k, device=p["qweight"].device) // self._group(shard, local)
         return p["qweight"], p["qzeros"], p["scales"], g_idx
+
+    def _group(self, shard: str, local: int) -> int:
+        """Inputs per group of one projection (its scales' rows split its inputs evenly; --isq picks per tensor)."""
+        p = self.parts[(shard, local)]
+        k = p["qweight"].shape[0] if self.name == "awq" else p["qweight"].shape[0] * (32 // self.config.bits)
+        return k // p["scales"].shape[0]
 
     def dense_expert(self, shard: str, local: int) -> torch.Tensor:
         if self.name == "awq":
-            return dequantize_awq(*self._expert(shard, local), self.config.group_size)
+            return dequantize_awq(*self._expert(shard, local), self._group(shard, local))
         return dequantize_gptq(*self._expert(shard, local), self.config.bits, self.config.zero_offset)
+
+    def quantize_expert(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``--isq gptq``: round-to-nearest as the dense layers get it (4 bits, groups of 128, 64 or 32)."""
+        from cvllm_marlin.convert import gptq_tensors
+        from cvllm_marlin.isq import BITS, GROUP_SIZES
+
+        group = next((g for g in GROUP_SIZES if weight.shape[1] % g == 0), None)
+        if group is None:
+            raise ValueError(f"{self.where}: --isq gptq needs each expert projection's inputs (a tensor-parallel "
+                             f"rank's part) in whole groups of 32; these have {weight.shape[1]}")
+        return {key.removeprefix("e."): value for key, value in gptq_tensors("e", weight, BITS, group, True).items()}
 
     def expert_planes(self, layer: nn.Module):
         from cvllm_cuda.kernels.fused_moe_planes import stack_experts
@@ -68,10 +86,11 @@ class PackedExpertsMethod(HeldExpertsMethod):
             experts = []
             for local in range(layer.num_local_experts):
                 where = f"{self.where} ({shard}, expert {local})"
+                group = self._group(shard, local)
                 if self.name == "awq":
-                    planes = awq_planes(*self._expert(shard, local), self.config.group_size, where)
+                    planes = awq_planes(*self._expert(shard, local), group, where)
                 else:
-                    planes = gptq_planes(*self._expert(shard, local), self.config.bits, self.config.group_size,
+                    planes = gptq_planes(*self._expert(shard, local), self.config.bits, group,
                                          self.config.zero_offset, where=where)
                 if planes is None:
                     return None
