@@ -1,0 +1,102 @@
+"""What a Triton kernel compiles to on Hopper, without a GPU: registers, shared memory, layout conversions (each a
+shared-memory round trip, a barrier if inside a loop) and the SASS instruction mix of its main loop. Triton compiles
+for sm_90 on any machine (ptxas and nvdisasm ship with it); device time is then spent only on what needs timing.
+
+    python bench/sass_stats.py int8-gemv --layout q4_k --config 32,64,4,3
+    python bench/sass_stats.py float-gemv --layout gptq4_g128 --config 32,32,4,3 --dump /tmp/sass
+
+The runtime's specialisations are reproduced (16-byte aligned pointers, N/K/splits divisible by 16), so the layouts
+match what a launch compiles. Output: one line of totals, then the loop's instructions by opcode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from cvllm_cuda.kernels import quant_gemv, quant_gemv_int8
+from cvllm_cuda.kernels.quant_tiles import group_words, groups_in_thread
+from cvllm_cuda.quant_planes import QuantLayout
+
+LAYOUTS = {
+    "q4_k": QuantLayout(4, 0, 32, 256, a_mode=2, b_mode=2, b_const=-1, has_m=True),
+    "q8_0": QuantLayout(8, 0, 32, 32, b_const=-128),
+    "q6_k": QuantLayout(4, 2, 16, 256, a_mode=1, b_mode=1, b_const=-32),
+    "gptq4_g128": QuantLayout(4, 0, 128, 128, b_mode=2, b_const=-1),
+}
+PLANES = {"low_ptr": "*i32", "high_ptr": "*i32", "d_ptr": "*fp16", "m_ptr": "*fp16", "a_ptr": "*u8", "b_ptr": "*u8"}
+DIVISIBLE = {"N", "K", "SPLIT_WORDS", "one_bits"}
+
+
+def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...]):
+    """(jit function, signature, constexprs, num_warps) of one GEMV configuration."""
+    block_n, block_w, warps, *stages = config
+    gw = group_words(layout, block_w)
+    common = {**layout.kernel_args(), "BLOCK_N": block_n, "BLOCK_W": block_w, "GROUP_WORDS": gw,
+              "GROUP_SUM": groups_in_thread(block_n, block_w, gw, warps), "STAGES": stages[0] if stages else 1,
+              "EVEN": True, "INTERPRET": False, "USE_PDL": False}
+    if kind == "int8-gemv":
+        signature = {"packs_ptr": "*i32", "xd_ptr": "*fp32", "xsum_ptr": "*fp32", "xblock_sum_ptr": "*fp32",
+                     "out_ptr": "*bf16", **PLANES, "N": "i32", "K": "i32", "SPLIT_WORDS": "i32"}
+        return quant_gemv_int8._gemv_int8_kernel, signature, common, warps
+    signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", **PLANES, "N": "i32", "K": "i32", "SPLIT_WORDS": "i32",
+                 "one_bits": "i32"}
+    return quant_gemv._gemv_kernel, signature, common, warps
+
+
+def compile_sm90(fn, signature: dict, constexprs: dict, warps: int):
+    names = list(signature) + list(constexprs)
+    signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items()
+             if t.startswith("*") or n in DIVISIBLE}
+    source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                       attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+def tool(name: str) -> str:
+    return str(Path(triton.__path__[0]) / "backends" / "nvidia" / "bin" / name)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("kind", choices=["int8-gemv", "float-gemv"])
+    ap.add_argument("--layout", default="q4_k", choices=sorted(LAYOUTS))
+    ap.add_argument("--config", default="32,64,4,3", help="BLOCK_N,BLOCK_W,WARPS[,STAGES]")
+    ap.add_argument("--dump", type=Path, help="write the TTGIR, PTX and SASS here")
+    args = ap.parse_args()
+    config = tuple(int(v) for v in args.config.split(","))
+    kernel = compile_sm90(*kernel_spec(args.kind, LAYOUTS[args.layout], config))
+    dump = args.dump or Path(f"/tmp/sass-{args.kind}")
+    dump.mkdir(parents=True, exist_ok=True)
+    (dump / "kernel.cubin").write_bytes(kernel.asm["cubin"])
+    for ext in ("ttgir", "ptx"):
+        (dump / f"kernel.{ext}").write_text(kernel.asm[ext])
+    sass = subprocess.run([tool("nvdisasm"), "-c", str(dump / "kernel.cubin")], capture_output=True, text=True,
+                          check=True).stdout
+    (dump / "kernel.sass").write_text(sass)
+    usage = subprocess.run([tool("cuobjdump"), "--dump-resource-usage", str(dump / "kernel.cubin")],
+                           capture_output=True, text=True, check=True).stdout
+    regs = re.search(r"REG:(\d+)", usage)
+    lines = sass.splitlines()
+    branches = [i for i, line in enumerate(lines) if re.search(r"\bBRA\b", line)]
+    body = lines[branches[0]:branches[1]] if len(branches) > 1 else lines   # the main loop, between its branches
+    ops = collections.Counter(m.group(1).split(".")[0] for line in body
+                              if (m := re.match(r"\s*/\*[0-9a-f]+\*/\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]*)", line)))
+    print(f"{args.kind} {args.layout} {config}: {regs.group(1) if regs else '?'} registers, "
+          f"{kernel.metadata.shared} B shared, {kernel.asm['ttgir'].count('convert_layout')} layout conversions, "
+          f"{sum(ops.values())} SASS instructions in the loop, {sum('BAR' in line for line in body)} barriers there "
+          f"(files in {dump})")
+    for op, count in ops.most_common(16):
+        print(f"  {count:5d} {op}")
+
+
+if __name__ == "__main__":
+    main()
