@@ -346,3 +346,21 @@ def test_tokenizer_from_dir_matches_transformers(tokenizer_file: Path) -> None:
 
 def test_compile_is_cached() -> None:
     assert compile_template(_source("qwq-32b")) is compile_template(_source("qwq-32b"))
+
+
+def test_a_template_that_loops_over_content_gets_the_parts():
+    """vLLM's content-format detection: a template with ``for part in message['content']`` (directly, through a
+    variable, or a filter) renders multi-part content itself; others get the parts joined with newlines."""
+    from cvllm.chat_template import render_chat, wants_content_parts
+
+    looping = ("{% for m in messages %}{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}{% endfor %}")
+    through_variable = ("{% for m in messages %}{% set c = m.content %}{% for p in c | list %}[{{ p.text }}]"
+                        "{% endfor %}{% endfor %}")
+    plain = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert wants_content_parts(looping) and wants_content_parts(through_variable) and not wants_content_parts(plain)
+    assert render_chat(looping, parts, add_generation_prompt=False) == "[a][b]"
+    assert render_chat(through_variable, parts, add_generation_prompt=False) == "[a][b]"
+    assert render_chat(plain, parts, add_generation_prompt=False) == "[a\nb]"
+    string = [{"role": "user", "content": "ab"}]   # a string stays a string either way
+    assert render_chat(plain, string, add_generation_prompt=False) == "[ab]"

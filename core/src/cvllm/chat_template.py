@@ -8,8 +8,10 @@ underscore-proof ``namespace``/``dict``; the variables ``messages``, ``tools``, 
 cleaned the same way too: keys whose value is None dropped, reasoning copied under its three names, and
 ``continue_final_message`` done by rendering a marker after the final message and cutting there.
 
-One step comes first, from the API rather than from transformers (see ``flatten_content``): every message's
-content is made one string, multi-part text joined with "\n" and null content as "", as vLLM does.
+One step comes first, from the API rather than from transformers (see ``flatten_content``): null content becomes
+"", and multi-part content (text parts only) becomes one string, the texts joined with "\n", unless the template
+loops over a message's content (``wants_content_parts``: vLLM's "openai" content format, e.g. Gemma 3's), which then
+gets the list of parts as transformers would pass it.
 """
 
 from __future__ import annotations
@@ -101,10 +103,14 @@ class _DictBuilder:
         return dict.fromkeys(*args, **kwargs)
 
 
+def _environment() -> ImmutableSandboxedEnvironment:
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                         extensions=[_GenerationBlock, "jinja2.ext.loopcontrols"])
+
+
 @lru_cache(maxsize=32)
 def compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationBlock, "jinja2.ext.loopcontrols"])
+    env = _environment()
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -118,8 +124,33 @@ def compile_template(source: str) -> jinja2.Template:
 
 # --- preparing what the template sees -------------------------------------------------------------
 
-def flatten_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every message's content as one string, the form templates expect (the API's rule, as vLLM does it).
+@lru_cache(maxsize=32)
+def wants_content_parts(source: str) -> bool:
+    """Whether the template loops over a message's content (``{% for part in message['content'] %}``, directly or
+    through a variable set from it): it then renders multi-part content itself, and gets the parts."""
+    try:
+        tree = _environment().parse(source)
+    except jinja2.TemplateError:
+        return False   # compile_template reports it
+    names = {assign.target.name for assign in tree.find_all(nodes.Assign)
+             if isinstance(assign.target, nodes.Name) and _is_content(assign.node, set())}
+    return any(_is_content(loop.iter, names) for loop in tree.find_all(nodes.For))
+
+
+def _is_content(node: nodes.Node, names: set[str]) -> bool:
+    """``x.content``, ``x['content']`` or a variable set from one, through any filters."""
+    while isinstance(node, nodes.Filter) and node.node is not None:
+        node = node.node
+    if isinstance(node, nodes.Getattr):
+        return node.attr == "content"
+    if isinstance(node, nodes.Getitem):
+        return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
+    return isinstance(node, nodes.Name) and node.name in names
+
+
+def flatten_content(messages: list[dict[str, Any]], keep_parts: bool = False) -> list[dict[str, Any]]:
+    """Every message's content as one string, the form templates expect (the API's rule, as vLLM does it), or with
+    ``keep_parts`` (a template that loops over content parts) multi-part content as its list of text parts.
 
     Multi-part content ``[{"type": "text", "text": ...}, ...]`` becomes the texts joined with "\\n"; any
     other part type is refused, naming it. A null or missing content becomes "" (vLLM does the same;
@@ -133,7 +164,9 @@ def flatten_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if content is None:
                 message = {**message, "content": ""}
             elif isinstance(content, list):
-                message = {**message, "content": "\n".join(_part_text(part) for part in content)}
+                texts = [_part_text(part) for part in content]
+                parts = [{"type": "text", "text": text} for text in texts]
+                message = {**message, "content": parts if keep_parts else "\n".join(texts)}
         out.append(message)
     return out
 
@@ -166,11 +199,11 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"  # an inert placeholder, as transformers renders unknown objects
 
 
-def _prepare_messages(messages: list[Any]) -> list[dict[str, Any]]:
+def _prepare_messages(messages: list[Any], keep_parts: bool = False) -> list[dict[str, Any]]:
     if not messages:
         raise ChatTemplateError("Cannot apply chat template to an empty conversation. Provide at least one message.")
     chat = []
-    for message in flatten_content(messages):
+    for message in flatten_content(messages, keep_parts):
         if not isinstance(message, Mapping):
             raise ChatTemplateError(f"Chat messages should be dicts, but got {message!r}.")
         # Clients send content=null or tool_calls=null; templates handle a missing key but not a None one.
@@ -248,7 +281,7 @@ def render_chat(source: str, messages: list[dict[str, Any]], /, *, add_generatio
     if documents is not None and not all(isinstance(doc, Mapping) for doc in documents):
         raise ChatTemplateError("Documents should be a list of dicts with 'title' and 'text' keys!")
     template = compile_template(source)
-    chat = _prepare_messages(messages)
+    chat = _prepare_messages(messages, wants_content_parts(source))
     final = None
     if continue_final_message:
         field = continue_final_message if isinstance(continue_final_message, str) else "content"
