@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work, results under $OUT (bench/device/README.md):
 #   source bench/device/h200_setup.sh && CVLLM_BENCH_COMMIT=<short hash> bash bench/device/run_all.sh bench
-# "tests": the gpu-marked tests, file by file (up to ~9 min); "bench": latency, throughput and serving (~6 min);
+# "tests": the gpu-marked tests, file by file (up to ~12 min: more than one call's 10 minutes, so give the call the
+# first groups or the last ones); "bench": latency, throughput and serving (~6 min);
 # "tp" (a machine of 2 or 4 GPUs): tensor parallelism against one GPU, Llama-3-8B shape (~5 min);
 # "tp70b" (4 GPUs): batch-1 latency of a Llama-3-70B shape at TP=4 and TP=2 (~5 min);
 # "quant" (issue 18): batch-1 latency of bf16 and in-situ quantized (q4k, q8_0, gptq, fp8) Llama-3-8B shapes, then
@@ -42,7 +43,10 @@ tests)
     # issue 19: the MLA and fused-MoE kernels compiled, DeepSeek end to end on CUDA
     run gpu-tests-moe 200 python3 -m pytest -p no:cacheprovider -q $t/test_mla_attention.py $t/test_fused_moe.py $t/test_moe_routing.py $t/test_expert_offload_gpu.py \
         --durations=3
-    run gpu-tests-deepseek 150 python3 -m pytest -m gpu -p no:cacheprovider -q plugins/models-deepseek/tests ;;
+    run gpu-tests-deepseek 150 python3 -m pytest -m gpu -p no:cacheprovider -q plugins/models-deepseek/tests
+    # issue 20: Phi, Gemma, GLM and StableLM on CUDA with graphs, against transformers
+    run gpu-tests-families 200 python3 -m pytest -m gpu -p no:cacheprovider -q plugins/models-phi/tests \
+        plugins/models-gemma/tests plugins/models-glm/tests plugins/models-stablelm/tests --durations=3 ;;
 moe)
     # issue 19: batch-1 decode and 64 streams of 1024 in / 1024 out of mixture-of-experts shapes, random bf16 weights
     # drawn on the GPU (~8 min)

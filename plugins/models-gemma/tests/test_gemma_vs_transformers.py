@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+import torch
 
 from cvllm_gemma.layers import GemmaRMSNorm
 from cvllm_gemma.testing import ATTN_SOFT_CAP, FINAL_SOFT_CAP, WINDOW
@@ -193,3 +194,11 @@ def test_gemma3_details_matter(gemma_checkpoint, harness) -> None:
         _assert_caught(llm, checkpoint, harness, prompts, "x * w q/k norms")
     with changed(*((a.attn, "scale", a.attn.head_dim**-0.5) for a in attentions)):
         _assert_caught(llm, checkpoint, harness, prompts, "head_dim ** -0.5 as the scale")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_with_graphs_matches(case, harness) -> None:
+    """On the CUDA backend with CUDA graphs (issue 20 item 6): (1 + w) RMSNorms, soft-capping, alternating
+    sliding windows, Gemma 3's q/k norms and local/global bases."""
+    harness.check_cuda(case, harness.prompts((5, 11, 26, 40), seed=4))

@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 import pytest
+import torch
 
 from cvllm.layers import get_rope
 from cvllm_glm.glm import glm_rope_parameters
@@ -156,3 +157,11 @@ def test_two_ranks_give_transformers_tokens(glm_checkpoint, harness) -> None:
     want = harness.oracle_greedy(checkpoint.model, prompts)
     assert cvllm_greedy(checkpoint.path, prompts, harness.NEW_TOKENS, dtype="float32", num_kv_blocks=32,
                         tensor_parallel_size=2) == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_with_graphs_matches(case, harness) -> None:
+    """On the CUDA backend with CUDA graphs (issue 20 item 6): the partial GPT-J rotary through the fused rotary
+    + KV write, four norms."""
+    harness.check_cuda(case, harness.prompts((5, 11, 26, 40), seed=102))

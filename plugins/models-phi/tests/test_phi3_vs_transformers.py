@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 import pytest
+import torch
 
 from cvllm.layers import get_rope
 
@@ -118,3 +119,11 @@ def test_tensor_parallel_splits_the_fused_tensors(phi_checkpoint, harness) -> No
     prompts = harness.prompts((5, 14), seed=19)
     want = harness.oracle_greedy(checkpoint.model, prompts, 8)
     assert cvllm_greedy(checkpoint.path, prompts, 8, dtype="float32", tensor_parallel_size=2) == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_with_graphs_matches(case, harness) -> None:
+    """On the CUDA backend with CUDA graphs (issue 20 item 6): fused qkv/gate_up, partial rotary, sliding
+    window."""
+    harness.check_cuda(case, harness.prompts((5, 11, 26, 40), seed=118))

@@ -11,6 +11,7 @@ import types
 from typing import Any
 
 import pytest
+import torch
 
 from cvllm.layers import get_rope
 
@@ -94,3 +95,11 @@ def test_wrong_variants_would_show(phi_checkpoint, harness) -> None:
         layer.mlp.approximate = "tanh"
         layer.self_attn.rotary_emb = full_rope
     assert differs(), "full rotary"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_with_graphs_matches(case, harness) -> None:
+    """On the CUDA backend with CUDA graphs (issue 20 item 6): Phi-2's parallel attention/MLP, LayerNorm with
+    biases, partial rotary, GELU."""
+    harness.check_cuda(case, harness.prompts((5, 11, 26, 40), seed=118))

@@ -188,3 +188,11 @@ def test_two_ranks_give_transformers_tokens(stablelm_checkpoint, harness, overri
     want = harness.oracle_greedy(checkpoint.model, prompts)
     assert cvllm_greedy(checkpoint.path, prompts, harness.NEW_TOKENS, dtype="float32", num_kv_blocks=32,
                         tensor_parallel_size=2) == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_with_graphs_matches(case, harness) -> None:
+    """On the CUDA backend with CUDA graphs (issue 20 item 6): LayerNorm, partial rotary, qkv bias, per-head q/k
+    LayerNorm, parallel residual."""
+    harness.check_cuda(case, harness.prompts((5, 11, 26, 40), seed=SEEDS["greedy"]))

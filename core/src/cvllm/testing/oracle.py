@@ -57,6 +57,8 @@ class Harness:
     need other numbers overrides the class attributes in a subclass."""
 
     LOGITS_ATOL: ClassVar[float] = 1e-4
+    # float32 on CUDA: the Triton kernels and cuBLAS sum in other orders than transformers on the CPU
+    CUDA_LOGITS_ATOL: ClassVar[float] = 5e-3
     # The oracle's top-1 must beat its top-2 by this much at every greedy step; below it, fp32 rounding
     # differences between two correct implementations could pick the other token.
     MIN_GREEDY_MARGIN: ClassVar[float] = 1e-3
@@ -94,6 +96,22 @@ class Harness:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         return [list(out.outputs[0].token_ids) for out in outputs]
+
+    def check_cuda(self, checkpoint: TinyCheckpoint, prompts: list[list[int]], oracle: Any = None) -> None:
+        """The checkpoint on the CUDA backend as users run it (CUDA graphs on, the default): transformers' greedy
+        tokens for ``prompts`` run side by side, its prompt logits within CUDA_LOGITS_ATOL, and decode graphs
+        captured. ``oracle``: the transformers model (the checkpoint's by default). For ``@pytest.mark.gpu``
+        tests."""
+        model = checkpoint.model if oracle is None else oracle
+        want = self.oracle_greedy(model, prompts)
+        llm = self.llm(checkpoint, backend="cuda")
+        try:
+            assert self.greedy(llm, prompts) == want
+            assert getattr(llm.llm_engine.runner.decode_forward, "graphs", None), "no decode CUDA graph captured"
+            diff = self.max_logits_diff(llm, model, prompts)
+            assert diff < self.CUDA_LOGITS_ATOL, f"prompt logits on CUDA: max |diff| {diff:.2e}"
+        finally:
+            llm.shutdown()
 
     @staticmethod
     def max_logits_diff(llm: Any, model: Any, prompts: list[list[int]]) -> float:
