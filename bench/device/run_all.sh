@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work, results under $OUT (bench/device/README.md):
 #   source bench/device/h200_setup.sh && CVLLM_BENCH_COMMIT=<short hash> bash bench/device/run_all.sh bench
-# "tests": the gpu-marked tests, file by file (up to ~12 min: more than one call's 10 minutes, so give the call the
-# first groups or the last ones); "bench": latency, throughput and serving (~6 min);
+# "tests": the gpu-marked tests, file by file (up to ~12 min, past one call's 10-minute limit: the groups that did
+# not run go in a second call, their commands as below); "bench": latency, throughput and serving (~6 min);
 # "tp" (a machine of 2 or 4 GPUs): tensor parallelism against one GPU, Llama-3-8B shape (~5 min);
 # "tp70b" (4 GPUs): batch-1 latency of a Llama-3-70B shape at TP=4 and TP=2 (~5 min);
 # "quant" (issue 18): batch-1 latency of bf16 and in-situ quantized (q4k, q8_0, gptq, fp8) Llama-3-8B shapes, then
