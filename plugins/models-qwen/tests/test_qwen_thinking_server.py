@@ -197,3 +197,101 @@ def test_reasoning_parser_flag_beats_detection(open_state, reasoning_parser, rea
     assert reply.prompts == [PROMPTS[QWEN3]] * 2
     check_split(reply, reasoning, content)
 
+
+
+# -- tool calls (Qwen's hermes format: <tool_call>{...}</tool_call>), after the reasoning ------------------------
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def play_long(state: ServerState, text: str, split: str) -> None:
+    """``play``, with room for the tools' part of the prompt (the scripted client's context is 256 by default)."""
+    play(state, text, split)
+    state.client.info.max_model_len = 2048
+
+
+def streamed_calls(state: ServerState, body: dict[str, Any]) -> tuple[list[dict], str, str]:
+    """(the streamed tool-call deltas, the streamed content, the finish reason)."""
+    chunks = sse_chunks(call(state, "POST", "/v1/chat/completions", {**body, "stream": True}))
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    return calls, "".join(d.get("content", "") for d in deltas), chunks[-1]["choices"][0]["finish_reason"]
+
+
+def test_the_server_detects_the_tool_call_parser(open_state):
+    assert open_state(QWEN3).tool_parser == "hermes"
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_a_tool_call_after_reasoning(open_state, split):
+    state = open_state(QWEN3)
+    play_long(state, f"<think>\nThe user wants weather.\n</think>\n\nLet me check.\n{CALL}", split)
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": TOOLS}
+    reply = ask(state, body)
+    assert reply.finish_reason == "tool_calls"
+    assert reply.message["reasoning_content"] == "\nThe user wants weather.\n"
+    assert reply.message["content"] == "Let me check."
+    [tool_call] = reply.message["tool_calls"]
+    assert tool_call["type"] == "function" and tool_call["id"].startswith("call_")
+    assert tool_call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert "<tools>" in reply.prompts[0] and "get_weather" in reply.prompts[0]   # the template rendered the tools
+    calls, content, finish = streamed_calls(state, body)
+    assert finish == "tool_calls" and content.strip() == "Let me check."
+    assert [(c["index"], c["type"], c["function"]) for c in calls] == [
+        (0, "function", {"name": "get_weather", "arguments": '{"city": "Paris"}'})]
+
+
+def test_two_calls_and_a_malformed_one(open_state):
+    state = open_state(QWEN3)
+    second = CALL.replace("Paris", "Rome")
+    play_long(state, f"<think>\n</think>\n\n{CALL}\n<tool_call>\nnot json\n</tool_call>\n{second}", "tokens")
+    reply = ask(state, {"messages": HI, "tools": TOOLS})
+    assert [json.loads(c["function"]["arguments"])["city"] for c in reply.message["tool_calls"]] == ["Paris", "Rome"]
+    assert "not json" in reply.message["content"]   # a call that does not parse stays text, as vLLM leaves it
+    calls, _, _ = streamed_calls(state, {"messages": HI, "tools": TOOLS})
+    assert [c["index"] for c in calls] == [0, 1]
+
+
+@pytest.mark.parametrize("body", [{}, {"tools": TOOLS, "tool_choice": "none"}], ids=["no-tools", "choice-none"])
+def test_without_tools_the_text_stays_content(open_state, body):
+    state = open_state(QWEN3)
+    play_long(state, f"<think>\n</think>\n\n{CALL}", "tokens")
+    reply = ask(state, {"messages": HI, **body})
+    assert reply.finish_reason == "stop" and "tool_calls" not in reply.message
+    assert reply.message["content"] == CALL
+
+
+def test_the_openai_sdk_reads_the_calls(open_state):
+    """The openai SDK's own types, streamed and not: the deltas accumulate into the call, as agents do it."""
+    import asyncio
+
+    import httpx
+    import openai
+
+    from cvllm.server.app import build_app
+
+    state = open_state(QWEN3)
+    play_long(state, f"<think>\n</think>\n\n{CALL}", "characters")
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+
+    async def run():
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(state)), base_url="http://test")
+        client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=http, max_retries=0)
+        reply = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+        [tool_call] = reply.choices[0].message.tool_calls
+        assert (tool_call.function.name, json.loads(tool_call.function.arguments)) == ("get_weather",
+                                                                                         {"city": "Paris"})
+        assert reply.choices[0].finish_reason == "tool_calls"
+        names, arguments = {}, {}
+        async for chunk in await client.chat.completions.create(model="m", messages=messages, tools=TOOLS,
+                                                                stream=True):
+            for delta in chunk.choices[0].delta.tool_calls or []:
+                names[delta.index] = names.get(delta.index, "") + (delta.function.name or "")
+                arguments[delta.index] = arguments.get(delta.index, "") + (delta.function.arguments or "")
+        assert names == {0: "get_weather"} and json.loads(arguments[0]) == {"city": "Paris"}
+        await http.aclose()
+
+    asyncio.run(run())

@@ -27,5 +27,6 @@ class ServerArgs:
     default_sampling: dict[str, Any] = field(default_factory=dict)  # --temperature, --top-p ... (request wins)
     generation_config: str = "auto"           # "vllm": ignore the model's sampling defaults (--generation-config)
     reasoning_parser: str | None = None       # None: the model's own declaration, if any
+    tool_call_parser: str | None = None       # None: the one the chat template's tool-call format calls for
     log_level: str = "info"
     startup_timeout: float | None = None      # seconds to wait for the engine core to load

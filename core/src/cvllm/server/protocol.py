@@ -167,6 +167,7 @@ class ToolCallFunction(Struct, kw_only=True):
 
 
 class ToolCall(Struct, kw_only=True):
+    index: int | UnsetType = UNSET        # in a streamed delta: which call of the choice this is
     id: str
     type: str = "function"
     function: ToolCallFunction

@@ -19,6 +19,7 @@ from cvllm.server.args import ServerArgs
 from cvllm.server.listen import BACKLOG, AddressError, bind_address, listen_socket
 from cvllm.server.reasoning import reasoning_parser
 from cvllm.server.state import ServerState
+from cvllm.server.tool_calls import tool_parser
 
 logger = logging.getLogger("cvllm.server")
 
@@ -43,11 +44,13 @@ async def run_server(args: ServerArgs) -> None:
     """Serve until SIGTERM/SIGINT; raises StartupError, AddressError or EngineStartupError if it cannot start."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.reasoning_parser is not None:
-        try:
+    try:
+        if args.reasoning_parser is not None:
             reasoning_parser(args.reasoning_parser)
-        except ValueError as e:
-            raise StartupError(str(e)) from None
+        if args.tool_call_parser is not None:
+            tool_parser(args.tool_call_parser)
+    except ValueError as e:
+        raise StartupError(str(e)) from None
     # Bound before the model is opened, and by us rather than inside hypercorn: a port in use fails at once,
     # as one AddressError (hypercorn would fail after its lifespan started, in a cascade of tracebacks).
     listener = listen_socket(args.host, args.port)

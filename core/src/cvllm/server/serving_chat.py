@@ -41,6 +41,8 @@ from cvllm.server.protocol import (
     ChatStreamChoice,
     ChatTokenLogprob,
     Tool,
+    ToolCall,
+    ToolCallFunction,
     TopLogprob,
     UsageInfo,
     encode,
@@ -148,10 +150,15 @@ def _check_unsupported(request: ChatCompletionRequest) -> None:
 class _ChoiceText:
     """Turns one choice's updates into content, reasoning and logprob entries (stream and non-stream alike)."""
 
-    def __init__(self, state: ChoiceState, parser, num_logprobs: int | None, tokenizer):
+    def __init__(self, state: ChoiceState, parser, num_logprobs: int | None, tokenizer, tools=None):
+        """``parser``: the reasoning parser; ``tools``: the tool-call parser (tool_calls.py), for requests with
+        tools."""
         self.state, self.parser, self.num_logprobs, self.tokenizer = state, parser, num_logprobs, tokenizer
+        self.tools = tools
         self.content: list[str] = []
         self.reasoning: list[str] = []
+        self.tool_calls: list = []           # ParsedCall, in order
+        self.new_calls: list = []            # streaming: parsed since the last chunk
         self.logprobs: list[ChatTokenLogprob] = []
         self.pending_logprobs: list[ChatTokenLogprob] = []   # streaming: waiting for a chunk with text
 
@@ -162,6 +169,13 @@ class _ChoiceText:
             if update.finish_reason is not None:
                 more_reasoning, more_content = self.parser.finish()
                 reasoning, content = reasoning + more_reasoning, content + more_content
+        if self.tools is not None:
+            content, calls = self.tools.feed(content)
+            if update.finish_reason is not None:
+                more_content, more_calls = self.tools.finish()
+                content, calls = content + more_content, calls + more_calls
+            self.tool_calls += calls
+            self.new_calls += calls
         self.content.append(content)
         self.reasoning.append(reasoning)
         if self.num_logprobs is not None:
@@ -198,7 +212,25 @@ class _ChoiceText:
         if self.parser is not None and reasoning:
             message.reasoning_content = message.reasoning = reasoning
             message.content = content or None
+        if self.tool_calls:
+            message.tool_calls = [_tool_call(call) for call in self.tool_calls]
+            message.content = content.strip() or None
         return message
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """OpenAI's "tool_calls" for a choice that ended by itself with calls in it."""
+        return "tool_calls" if reason == "stop" and self.tool_calls else reason
+
+    def take_new_calls(self, first_index: int = 0) -> list[ToolCall]:
+        """Streaming: the calls parsed since the last chunk, each with its index among the choice's calls."""
+        calls, self.new_calls = self.new_calls, []
+        start = len(self.tool_calls) - len(calls)
+        return [_tool_call(call, start + i) for i, call in enumerate(calls)]
+
+
+def _tool_call(call, index: int | None = None) -> ToolCall:
+    extra = {} if index is None else {"index": index}
+    return ToolCall(id=call.id, function=ToolCallFunction(name=call.name, arguments=call.arguments), **extra)
 
 
 class ChatService:
@@ -231,8 +263,9 @@ class ChatService:
 
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         tracker = start_request(state, request_id, prompt_ids, params)
+        wants_tools = state.tools is not None and bool(request.tools) and request.tool_choice != "none"
         texts = [_ChoiceText(choice, state.reasoning(prompt) if state.reasoning else None, num_logprobs,
-                             state.tokenizer) for choice in tracker.choices]
+                             state.tokenizer, state.tools() if wants_tools else None) for choice in tracker.choices]
         reply = _Reply(request_id, int(time.time()), model, tracker, texts)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
@@ -260,7 +293,7 @@ class _Reply:
             raise engine_error(e) from None
         choices = [ChatChoice(index=t.state.index, message=t.message(),
                               logprobs=ChatLogprobs(content=t.logprobs) if t.num_logprobs is not None else None,
-                              finish_reason=t.state.finish_reason) for t in self.texts]
+                              finish_reason=t.finish_reason(t.state.finish_reason)) for t in self.texts]
         body = ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                       usage=self.usage())
         return Response(encode(body), media_type="application/json")
@@ -279,7 +312,12 @@ class _Reply:
                 for choice, update in batch:
                     text = self.texts[choice.index]
                     content, reasoning = text.take(update)
-                    if content and not reasoning and text.num_logprobs is None:   # the per-token chunk
+                    calls = text.take_new_calls()
+                    if calls:   # a call whole: its id, name and arguments in one delta
+                        out.append(self._chunk([ChatStreamChoice(index=choice.index, delta=ChatDelta(
+                            content=content, tool_calls=calls) if content else ChatDelta(tool_calls=calls),
+                            logprobs=text.take_pending_logprobs())]))
+                    elif content and not reasoning and text.num_logprobs is None:   # the per-token chunk
                         out.append(self._content_chunk(choice.index, content))
                     elif content or reasoning:
                         delta = ChatDelta()
@@ -292,7 +330,8 @@ class _Reply:
                     if update.finish_reason is not None:
                         leftover = text.take_pending_logprobs()
                         out.append(self._chunk([ChatStreamChoice(
-                            index=choice.index, delta=ChatDelta(), finish_reason=update.finish_reason,
+                            index=choice.index, delta=ChatDelta(), finish_reason=text.finish_reason(
+                                update.finish_reason),
                             logprobs=leftover if leftover is not None and leftover.content else None)]))
                 if out:
                     yield b"".join(out)

@@ -19,6 +19,8 @@ from cvllm.server.errors import APIError, bad_request, from_msgspec
 from cvllm.server.metrics import Metrics
 from cvllm.server.protocol import SamplingFields
 from cvllm.server.reasoning import ParserFactory, detect, reasoning_parser
+from cvllm.server.tool_calls import detect as detect_tool_parser
+from cvllm.server.tool_calls import tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ class ServerState:
     chat_template: str | None
     generation_config: dict[str, Any] = field(default_factory=dict)
     reasoning_parser: str | None = None
+    tool_parser: str | None = None        # for requests with tools (tool_calls.py)
     client: Any = None                    # EngineCoreClient once the core is ready
     startup_error: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
@@ -60,6 +63,7 @@ class ServerState:
         self.reasoning: ParserFactory | None = None
         if self.reasoning_parser is not None:
             self.reasoning = reasoning_parser(self.reasoning_parser)
+        self.tools = tool_parser(self.tool_parser) if self.tool_parser is not None else None
         # the model's defaults (none with --generation-config vllm), then cvserve's flags; a request's fields win
         self.sampling_defaults = sampling_defaults(self.generation_config, self.args.generation_config,
                                                    self.args.default_sampling)
@@ -81,8 +85,9 @@ class ServerState:
         if parser is None and tokenizer is not None:
             parser = detect(template, lambda: tokenizer.apply_chat_template(
                 [{"role": "user", "content": "hi"}], add_generation_prompt=True, chat_template=template))
+        tools = args.tool_call_parser or detect_tool_parser(template)
         return cls(args, tokenizer, str(args.engine.model), names, template, dict(checkpoint.generation_config),
-                   parser)
+                   parser, tools)
 
     # -- readiness ---------------------------------------------------------------------------------
 
