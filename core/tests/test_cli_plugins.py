@@ -23,6 +23,11 @@ def test_cli_plugins_lists_each_plugin_and_what_it_registered(add_plugin, capsys
           open_checkpoint
           register_backends
             cpu = cvllm.backends.cpu:CpuBackend
+          register_tool_parsers
+            hermes = cvllm.server.tool_calls:TaggedParser
+            mistral = cvllm.server.tool_calls:MistralParser
+            llama3_json = cvllm.server.tool_calls:Llama3JsonParser
+            deepseek_v3 = cvllm.server.tool_calls:DeepSeekParser
         mine (registered at run time)
           register_architectures
             MyForCausalLM = my_pkg.model:MyForCausalLM
@@ -37,8 +42,9 @@ def test_cli_plugins_json(add_plugin, capsys):
     assert main(["plugins", "--json"]) == 0
     report = {entry["name"]: entry for entry in json.loads(capsys.readouterr().out)}
     assert set(report) == {"builtin", "fp8plug"}
-    assert report["builtin"]["hooks"] == ["open_checkpoint", "register_backends"]
-    assert report["builtin"]["registered"] == {"register_backends": {"cpu": "cvllm.backends.cpu:CpuBackend"}}
+    assert report["builtin"]["hooks"] == ["open_checkpoint", "register_backends", "register_tool_parsers"]
+    assert report["builtin"]["registered"]["register_backends"] == {"cpu": "cvllm.backends.cpu:CpuBackend"}
+    assert "hermes" in report["builtin"]["registered"]["register_tool_parsers"]
     fp8_target = f"{__name__}:test_cli_plugins_json.<locals>.Fp8"
     assert report["fp8plug"]["registered"] == {"register_quantizers": {"fp8": fp8_target}}
     assert report["fp8plug"]["distribution"] is None and report["fp8plug"]["error"] is None

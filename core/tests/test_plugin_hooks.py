@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("only_builtin_plugins")
 def test_every_hookspec_documents_its_signature():
     assert HOOK_NAMES == {"register_architectures", "register_backends", "register_quantizers",
                           "register_samplers", "register_gguf_architectures", "register_converters",
-                          "open_checkpoint"}
+                          "register_tool_parsers", "open_checkpoint"}
     for name in HOOK_NAMES:
         spec = getattr(hookspecs, name)
         assert spec.__doc__, name
@@ -108,6 +108,15 @@ def test_hook_register_samplers(add_plugin):
     add_plugin(registers("register_samplers", ("json_mode", "json:JSONDecoder")), "jsonplug")
     assert plugins.logits_processors().get("json_mode") is json.JSONDecoder
     assert plugins.logits_processors().owner("json_mode") == "jsonplug"
+
+
+def test_hook_register_tool_parsers(add_plugin):
+    from cvllm.server.tool_calls import tool_parser
+
+    assert plugins.tool_parsers().names() == ["deepseek_v3", "hermes", "llama3_json", "mistral"]   # core's
+    add_plugin(registers("register_tool_parsers", ("xml_calls", "json:JSONDecoder")), "xmlplug")
+    assert tool_parser("xml_calls") is json.JSONDecoder
+    assert plugins.tool_parsers().owner("xml_calls") == "xmlplug"
 
 
 def test_hook_register_gguf_architectures(add_plugin):

@@ -62,6 +62,41 @@ def test_llama3_json(piece):
     assert run("llama3_json", '{"not": "a call"}', piece) == ('{"not": "a call"}', [])
 
 
+DEEPSEEK_CALL = ("<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{arguments}\n```"
+                 "<｜tool▁call▁end｜>")
+
+
+@pytest.mark.parametrize("piece", PIECES)
+def test_deepseek_v3(piece):
+    calls = (DEEPSEEK_CALL.format(name="get_weather", arguments='{"city": "Paris"}') + "\n"
+             + DEEPSEEK_CALL.format(name="f", arguments="{}"))
+    text = f"Sure.<｜tool▁calls▁begin｜>{calls}<｜tool▁calls▁end｜>"
+    assert run("deepseek_v3", text, piece) == ("Sure.", [("get_weather", {"city": "Paris"}), ("f", {})])
+    broken = "<｜tool▁calls▁begin｜>" + DEEPSEEK_CALL.format(name="f", arguments="{oops") + "<｜tool▁calls▁end｜>"
+    assert run("deepseek_v3", broken, piece) == (broken, [])
+
+
+def test_a_plugin_adds_a_parser(add_plugin):
+    from cvllm.hookspecs import hookimpl
+    from cvllm.server.tool_calls import ParsedCall
+
+    class Shouting:   # "CALL name" lines
+        def feed(self, text):
+            return "", []
+
+        def finish(self):
+            return "", [ParsedCall("shout", "{}")]
+
+    class Plugin:
+        @hookimpl
+        def register_tool_parsers(self, register):
+            register("shouting", Shouting)
+
+    add_plugin(Plugin(), "shouting-parser")
+    parser = tool_parser("shouting")()
+    assert parser.finish()[1][0].name == "shout"
+
+
 def test_call_ids_are_unique():
     parser = tool_parser("hermes")()
     _, calls = parser.feed('<tool_call>{"name": "f", "arguments": {}}</tool_call>' * 2)
@@ -71,11 +106,13 @@ def test_call_ids_are_unique():
 @pytest.mark.parametrize(("template", "parser"), [("qwen2.5-instruct", "hermes"), ("qwen3-0.6b", "hermes"),
                                                    ("llama-3.2-3b-instruct", "llama3_json"),
                                                    ("mistral-nemo-instruct-2407", "mistral"),
+                                                   ("deepseek-r1-distill-qwen-32b", "deepseek_v3"),
                                                    ("gemma-2-2b-it", None), ("smollm2-135m-instruct", None)])
 def test_detected_from_real_templates(template, parser):
     assert detect((TEMPLATES / f"{template}.jinja").read_text(encoding="utf-8")) == parser
 
 
 def test_an_unknown_parser_names_the_known_ones():
-    with pytest.raises(ValueError, match="unknown tool-call parser 'x'; known: hermes, llama3_json, mistral"):
+    with pytest.raises(ValueError, match="unknown tool-call parser 'x'; known: deepseek_v3, hermes, llama3_json, "
+                                         "mistral"):
         tool_parser("x")

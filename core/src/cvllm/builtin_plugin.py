@@ -14,6 +14,14 @@ def register_backends(register):
     register("cpu", "cvllm.backends.cpu:CpuBackend")
 
 
+@hookimpl
+def register_tool_parsers(register):
+    register("hermes", "cvllm.server.tool_calls:TaggedParser")
+    register("mistral", "cvllm.server.tool_calls:MistralParser")
+    register("llama3_json", "cvllm.server.tool_calls:Llama3JsonParser")
+    register("deepseek_v3", "cvllm.server.tool_calls:DeepSeekParser")
+
+
 @hookimpl(trylast=True)
 def open_checkpoint(path):
     # trylast: a plugin that recognises its own layout (or a directory holding a .gguf) goes first.

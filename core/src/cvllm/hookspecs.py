@@ -82,6 +82,19 @@ def register_samplers(register):
 
 
 @hookspec
+def register_tool_parsers(register):
+    """register_tool_parsers(register)
+
+    Register tool-call parsers by name, for ``cvserve --tool-call-parser NAME`` (and the chat template's format):
+    the target is called with no arguments once per response choice and returns an object with
+    ``feed(text) -> (content, calls)`` and ``finish() -> (content, calls)``, ``calls`` a list of
+    ``cvllm.server.tool_calls.ParsedCall`` (docs/plugins.md)::
+
+        register("my_format", "my_plugin.tools:MyParser")
+    """
+
+
+@hookspec
 def register_gguf_architectures(register):
     """register_gguf_architectures(register)
 

@@ -25,6 +25,7 @@ __all__ = [
     "BUILTIN_PLUGIN_NAME", "ENTRY_POINT_GROUP", "REGISTRY_HOOKS", "Registration", "Registry", "RegistryError",
     "architectures", "backends", "get_plugin_manager", "gguf_architectures", "load_target", "logits_processors",
     "open_checkpoint", "plugin_report", "quantizers", "registry_problems", "reset_plugins", "target_name",
+    "tool_parsers",
 ]
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ REGISTRY_HOOKS: dict[str, str] = {
     "logits_processor": "register_samplers",
     "gguf_architecture": "register_gguf_architectures",
     "converter": "register_converters",
+    "tool_parser": "register_tool_parsers",
 }
 
 
@@ -225,6 +227,11 @@ def logits_processors() -> Registry:
 
 def gguf_architectures() -> Registry:
     return _registry("gguf_architecture")
+
+
+def tool_parsers() -> Registry:
+    """Tool-call parsers for ``--tool-call-parser NAME`` (``target()`` -> a parser; cvllm/server/tool_calls.py)."""
+    return _registry("tool_parser")
 
 
 def converters() -> Registry:

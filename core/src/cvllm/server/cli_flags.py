@@ -137,8 +137,8 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-parser", metavar="NAME",
                    help="how to split <think> text into reasoning_content (default: the model's own)")
     g.add_argument("--tool-call-parser", metavar="NAME",
-                   help="how to read tool calls out of the model's text: hermes, mistral, llama3_json (default: "
-                        "the one the chat template's tool-call format calls for)")
+                   help="how to read tool calls out of the model's text: hermes, mistral, llama3_json, deepseek_v3 "
+                        "or a plugin's (default: the one the chat template's tool-call format calls for)")
 
 
 def _add_server_flags(parser: argparse.ArgumentParser) -> None:

@@ -8,10 +8,12 @@ call is held back until it is known; a call that does not parse stays content, a
   number, between or after text;
 - ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` to the end of the output;
 - ``llama3_json`` (Llama 3.1-3.3): an answer that is a JSON object ``{"name": ..., "parameters": {...}}`` (several
-  joined by ``;``), optionally after ``<|python_tag|>``.
+  joined by ``;``), optionally after ``<|python_tag|>``;
+- ``deepseek_v3`` (DeepSeek V3, R1 and its distills): the calls between DeepSeek's tool-call tokens.
 
-Parsers are registered by name (``--tool-call-parser NAME``); without one, ``detect`` reads the chat template. They
-run only for requests that give ``tools`` (and ``tool_choice`` other than "none").
+Parsers are registered by name through the ``register_tool_parsers`` hook (core registers these; a plugin adds
+its own) and chosen by ``--tool-call-parser NAME`` or, without one, by ``detect`` from the chat template. They run
+only for requests that give ``tools`` (and ``tool_choice`` other than "none").
 """
 
 from __future__ import annotations
@@ -71,19 +73,24 @@ class TaggedParser:
                 if at < 0:
                     break
                 body, self.buffer, self.inside = self.buffer[:at], self.buffer[at + len(self.end):], False
-                call = _decode(body)
-                if call is None:
+                found = self.decode(body)
+                if found is None:
                     content.append(self.start + body + self.end)
                 else:
-                    calls.append(call)
+                    calls += found
         return "".join(content), calls
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
         rest, self.buffer = self.buffer, ""
         if not self.inside:
             return rest, []
-        call = _decode(rest)   # the output ended inside a call (before its end tag): take it if it parses
-        return ("", [call]) if call is not None else (self.start + rest, [])
+        found = self.decode(rest)   # the output ended inside the tags (before the end tag): take it if it parses
+        return ("", found) if found is not None else (self.start + rest, [])
+
+    def decode(self, body: str) -> list[ParsedCall] | None:
+        """The calls between one start and end tag, or None: it stays text."""
+        call = _decode(body)
+        return None if call is None else [call]
 
 
 class MistralParser:
@@ -165,20 +172,40 @@ def _decode(body: str) -> ParsedCall | None:
         return None
 
 
-ToolParserFactory = Callable[[], object]
-_REGISTRY: dict[str, ToolParserFactory] = {"hermes": TaggedParser, "mistral": MistralParser,
-                                           "llama3_json": Llama3JsonParser}
+class DeepSeekParser(TaggedParser):
+    """DeepSeek V3 / R1: ``<｜tool▁calls▁begin｜>`` then calls ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME``,
+    a newline, the arguments in a ```json fence, ``<｜tool▁call▁end｜>``; then ``<｜tool▁calls▁end｜>``."""
+
+    BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+
+    def __init__(self):
+        super().__init__(self.BEGIN, self.END)
+
+    def decode(self, body: str) -> list[ParsedCall] | None:
+        calls = [self._call(part.split(self.CALL_END)[0]) for part in body.split(self.CALL_BEGIN)[1:]]
+        return None if not calls or None in calls else calls
+
+    def _call(self, body: str) -> ParsedCall | None:
+        head, newline, arguments = body.partition("\n")
+        _, sep, name = head.partition(self.SEP)
+        if not newline or not sep:
+            return None
+        arguments = arguments.strip().removeprefix("```json").removeprefix("```").removesuffix("```").strip()
+        try:
+            return _call({"name": name.strip(), "arguments": json.loads(arguments)})
+        except json.JSONDecodeError:
+            return None
 
 
-def tool_parser(name: str) -> ToolParserFactory:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown tool-call parser '{name}'; known: {', '.join(sorted(_REGISTRY))}") from None
+def tool_parser(name: str) -> Callable[[], object]:
+    """The factory registered as ``name`` (core's, or a plugin's through ``register_tool_parsers``)."""
+    from cvllm import plugins
 
-
-def tool_parser_names() -> list[str]:
-    return sorted(_REGISTRY)
+    registry = plugins.tool_parsers()
+    if name not in registry:
+        raise ValueError(f"unknown tool-call parser '{name}'; known: {', '.join(registry.names())}")
+    return registry.get(name)
 
 
 def detect(template: str | None) -> str | None:
@@ -191,4 +218,6 @@ def detect(template: str | None) -> str | None:
         return "mistral"
     if "<|python_tag|>" in template or "JSON for a function call" in template:
         return "llama3_json"
+    if DeepSeekParser.BEGIN in template:
+        return "deepseek_v3"
     return None
