@@ -339,7 +339,7 @@ def test_moe_experts_as_fp8_planes_compute_the_dequantized_experts(scheme):
             layer.weight_loader(layer.w13_weight, q, shard, e)
             method.load_expert_part(layer, "weight_scale_inv", scale, shard, e)
             dense[shard].append(dequantize_fp8(q, scale))
-    gate, up, down = method.expert_planes(layer)
+    gate, up, down = method.expert_planes(layer)[:3]
     w13 = torch.stack([torch.cat([g, u]) for g, u in zip(dense["w1"], dense["w3"])])
     w2 = torch.stack(dense["w2"])
     x = torch.randn(4, hidden, generator=gen)

@@ -77,7 +77,7 @@ def test_a_missing_part_names_the_expert(base, tmp_path):
         moe_methods(quantized)
 
 
-@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+@pytest.mark.parametrize("fmt", ["gptq", "awq", "gptq-act-order"])
 def test_planes_compute_the_dequantized_experts(fmt):
     """The CUDA form (stacked planes, fused-MoE planes kernel; here in Triton's interpreter) against core's grouped
     float experts on the same dequantized weights."""
@@ -87,15 +87,18 @@ def test_planes_compute_the_dequantized_experts(fmt):
     from cvllm_cuda.kernels.fused_moe_planes import fused_moe_planes
 
     experts, hidden, inter, group = 4, 64, 32, 32
+    act_order = fmt == "gptq-act-order"
+    fmt = fmt.removesuffix("-act-order")
     config = AWQConfig(bits=4, group_size=group) if fmt == "awq" else GPTQConfig(
-        bits=4, group_size=group, sym=True, desc_act=False, zero_offset=1)
+        bits=4, group_size=group, sym=True, desc_act=act_order, zero_offset=1)
     method = PackedExpertsMethod(fmt, config, "model.layers.0.mlp.experts")
     layer = FusedMoE(experts, 2, hidden, inter, method=method)
     gen = torch.Generator().manual_seed(4)
     dense = {"w1": [], "w3": [], "w2": []}
     for e in range(experts):
         for shard, (out, inp) in (("w1", (inter, hidden)), ("w3", (inter, hidden)), ("w2", (hidden, inter))):
-            quant = rtn(torch.randn(out, inp, generator=gen) * 0.05, 4, group, True, awq=fmt == "awq")
+            perm = torch.randperm(inp, generator=gen) if act_order else None   # each expert its own order
+            quant = rtn(torch.randn(out, inp, generator=gen) * 0.05, 4, group, True, perm, awq=fmt == "awq")
             tensors = awq_tensors(quant) if fmt == "awq" else gptq_tensors(quant, 4)
             for part, tensor in tensors.items():
                 method.load_expert_part(layer, part, tensor, shard, e)
@@ -103,13 +106,14 @@ def test_planes_compute_the_dequantized_experts(fmt):
                                 if fmt == "awq" else
                                 dequantize_gptq(tensors["qweight"], tensors["qzeros"], tensors["scales"],
                                                 tensors["g_idx"], 4, 1))
-    gate, up, down = method.expert_planes(layer)
+    gate, up, down, perms = method.expert_planes(layer)
+    assert (perms == [None] * 3) != act_order
     w13 = torch.stack([torch.cat([g, u]) for g, u in zip(dense["w1"], dense["w3"])])
     w2 = torch.stack(dense["w2"])
     x = torch.randn(5, hidden, generator=gen)
     weights = torch.rand(5, 2, generator=gen)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:2] for _ in range(5)])
-    ours = fused_moe_planes(x, [gate, up], down, weights, ids, layer.act_fn)
+    ours = fused_moe_planes(x, [gate, up], down, weights, ids, layer.act_fn, perms)
     theirs = grouped_experts(x, w13, w2, layer.act_fn, weights, ids)
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
 

@@ -87,11 +87,17 @@ class PlanesMoEMethod(UnquantizedFusedMoEMethod):
 
     planes = None   # ([gate_up parts], down) stacked QuantWeights, on CUDA
 
-    def install_planes(self, layer: FusedMoE, gate_up, down) -> None:
+    perms = None    # per part (gate_up's, then down): None, or int32 [E, K] input orders (GPTQ act-order)
+
+    def install_planes(self, layer: FusedMoE, gate_up, down, perms=None) -> None:
         """Make the stacked planes the layer's compute form; the loaded forms (w13_weight, w2_weight) go.
-        ``gate_up``: the [2I, H] rows in one stacked QuantWeight, or a list of parts in row order (gate, up)."""
+        ``gate_up``: the [2I, H] rows in one stacked QuantWeight, or a list of parts in row order (gate, up);
+        ``perms``: for each part and then down, None or the input order its planes hold ([E, K] int32)."""
         parts = list(gate_up) if isinstance(gate_up, (list, tuple)) else [gate_up]
-        self.planes = (parts, down)
+        self.planes, self.perms = (parts, down), perms
+        for i, perm in enumerate(perms or []):
+            if perm is not None:
+                layer.register_buffer(f"planes_perm_{i}", perm, persistent=False)
         named = [(f"w13_{i}" if len(parts) > 1 else "w13", part) for i, part in enumerate(parts)] + [("w2", down)]
         for prefix, planes in named:   # buffers: counted and listed like weights
             for name, tensor in planes.tensors().items():
@@ -109,7 +115,7 @@ class PlanesMoEMethod(UnquantizedFusedMoEMethod):
 
         gate_up_parts, down = self.planes
         return fused_moe_planes(hidden, gate_up_parts, down, topk_weights, layer.placement.localize(topk_ids),
-                                layer.act_fn)
+                                layer.act_fn, self.perms)
 
 
 def _combine(hidden: torch.Tensor, out: torch.Tensor, weights: torch.Tensor,

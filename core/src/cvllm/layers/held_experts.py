@@ -57,7 +57,8 @@ class HeldExpertsMethod(PlanesMoEMethod):
             self.parts.setdefault((shard_id, local), {})[key] = materialize(loaded).to(layer.w13_weight.device)
 
     def expert_planes(self, layer: nn.Module):
-        """(gate, up, down) QuantWeights stacked over the local experts, or None: the float experts instead."""
+        """(gate, up, down) QuantWeights stacked over the local experts, optionally with a 4th item: the input
+        orders of (gate, up, down), each None or int32 [E, K]; or None: the float experts instead."""
         return None
 
     def dense_expert(self, shard: str, local: int) -> torch.Tensor:
@@ -86,7 +87,7 @@ class HeldExpertsMethod(PlanesMoEMethod):
         if (layer.shard_size == 1 or self.in_situ) and plane_kernels_usable(layer.w13_weight.device):
             planes = self.expert_planes(layer)
         if planes is not None:
-            self.install_planes(layer, list(planes[:2]), planes[2])
+            self.install_planes(layer, list(planes[:2]), planes[2], planes[3] if len(planes) > 3 else None)
         else:
             self._install_float(layer)
         self.parts.clear()

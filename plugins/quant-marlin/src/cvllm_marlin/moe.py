@@ -5,25 +5,19 @@ The checkpoint holds each expert's projections as ``experts.<e>.{gate,up,down}_p
 
 - on CUDA with the low-bit kernels (one rank, or whole experts per rank), each expert's gate, up and down groups
   repacked losslessly into low-bit planes (planes.py: GPTQ's qweight already is one) and stacked over the experts,
-  computed by the fused-MoE planes kernel: the experts stay at about the checkpoint's size on the GPU;
-- elsewhere (CPU; experts split over tensor-parallel ranks; act-order groups, which need the inputs permuted;
-  shapes the planes cannot hold) each expert dequantized (packing.py: the dense layers' numbers, bit for bit) into
-  float experts of the engine's dtype.
+  computed by the fused-MoE planes kernel: the experts stay at about the checkpoint's size on the GPU (act-order
+  experts too: each expert's inputs sorted by group, the kernel gathering x in that order);
+- elsewhere (CPU; experts split over tensor-parallel ranks; shapes the planes cannot hold) each expert dequantized
+  (packing.py: the dense layers' numbers, bit for bit) into float experts of the engine's dtype.
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 from torch import nn
 
 from cvllm.layers.held_experts import SHARDS, HeldExpertsMethod
 from cvllm_marlin.packing import dequantize_awq, dequantize_gptq
-
-logger = logging.getLogger(__name__)
-
-_logged: list[str] = []
 
 
 class PackedExpertsMethod(HeldExpertsMethod):
@@ -81,9 +75,9 @@ class PackedExpertsMethod(HeldExpertsMethod):
         from cvllm_cuda.kernels.fused_moe_planes import stack_experts
         from cvllm_marlin.planes import awq_planes, gptq_planes
 
-        stacked = []
+        stacked, perms = [], []
         for shard in SHARDS:
-            experts = []
+            experts, orders = [], []
             for local in range(layer.num_local_experts):
                 where = f"{self.where} ({shard}, expert {local})"
                 group = self._group(shard, local)
@@ -94,12 +88,14 @@ class PackedExpertsMethod(HeldExpertsMethod):
                                          self.config.zero_offset, where=where)
                 if planes is None:
                     return None
-                if planes.perm is not None:   # act-order: the fused-MoE kernel reads x in the checkpoint's order
-                    if not _logged:
-                        _logged.append(self.where)
-                        logger.info("%s (and later layers alike): act-order experts load dequantized (the MoE "
-                                    "planes kernel takes the inputs in order)", self.where)
-                    return None
                 experts.append(planes.weight)
+                orders.append(planes.perm)
             stacked.append(stack_experts(experts))
-        return tuple(stacked)
+            # act-order: each expert's planes hold its inputs sorted by group; the kernel gathers x in that order
+            if all(order is None for order in orders):
+                perms.append(None)
+            else:
+                k, device = experts[0].in_features, experts[0].low.device
+                perms.append(torch.stack([torch.arange(k, device=device) if order is None else order
+                                          for order in orders]).to(torch.int32))
+        return (*stacked, perms)

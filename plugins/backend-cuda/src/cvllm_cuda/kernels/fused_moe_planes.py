@@ -35,7 +35,7 @@ def stack_experts(experts: list[QuantWeight]) -> QuantWeight:
 
 
 @triton.jit
-def _moe_planes_gemm(a_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, weights_ptr,
+def _moe_planes_gemm(a_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, weights_ptr, perm_ptr,
                      low_ptr, high_ptr, d_ptr, m_ptr, fa_ptr, fb_ptr,
                      stride_low, stride_high, stride_d, stride_m, stride_fa, stride_fb,
                      N, K, P, stride_am, stride_om, col_offset,
@@ -44,8 +44,10 @@ def _moe_planes_gemm(a_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, weights
                      HAS_M: tl.constexpr, FLOAT8: tl.constexpr, NUM_LOCAL: tl.constexpr, TOP_K: tl.constexpr,
                      ROWS_BY_TOKEN: tl.constexpr, SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                     USE_PDL: tl.constexpr):
-    """out[pair, col_offset + n-tile] = a[row of pair] @ W[expert of the block]^T, W dequantized in the tile."""
+                     HAS_PERM: tl.constexpr, USE_PDL: tl.constexpr):
+    """out[pair, col_offset + n-tile] = a[row of pair] @ W[expert of the block]^T, W dequantized in the tile.
+    HAS_PERM: the expert's planes hold its inputs in another order (GPTQ act-order, sorted by group): input k of
+    the planes is column ``perm[expert, k]`` of a."""
     wait_for_previous_kernel(USE_PDL)
     PER_WORD: tl.constexpr = 32 // LOW_BITS
     block = tl.program_id(0)
@@ -72,7 +74,10 @@ def _moe_planes_gemm(a_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, weights
                                                 col_ok, N, LOW_BITS, HIGH_BITS, SCALE_GROUP, SUPER_GROUP, A_MODE,
                                                 B_MODE, B_CONST, HAS_M)
         for S in tl.static_range(PER_WORD):
-            x = tl.load(a_ptr + rows[:, None] * stride_am + (words * PER_WORD + S)[None, :],
+            inputs = words * PER_WORD + S
+            if HAS_PERM:
+                inputs = tl.load(perm_ptr + e * K + inputs, mask=word_ok, other=0)
+            x = tl.load(a_ptr + rows[:, None] * stride_am + inputs[None, :],
                         mask=pair_ok[:, None] & word_ok[None, :], other=0.0)
             w = (quant_element(low, high, first, S, LOW_BITS, HIGH_BITS, FLOAT8) * scale + offset).to(x.dtype)
             if UPCAST:
@@ -89,24 +94,28 @@ def _moe_planes_gemm(a_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, weights
 
 
 def _gemm(a: torch.Tensor, weight: QuantWeight, out: torch.Tensor, col_offset: int, sorted_pairs: torch.Tensor,
-          block_expert: torch.Tensor, weights: torch.Tensor, top_k: int, rows_by_token: bool, block_m: int) -> None:
+          block_expert: torch.Tensor, weights: torch.Tensor, top_k: int, rows_by_token: bool, block_m: int,
+          perm: torch.Tensor | None = None) -> None:
     low = weight.low
     tensors = [getattr(weight, name) if getattr(weight, name) is not None else low for name in _PLANES]
     strides = [t.stride(0) if getattr(weight, name) is not None else 0 for name, t in zip(_PLANES, tensors)]
     block_n, block_w = 64, 16
     grid = (block_expert.shape[0], triton.cdiv(weight.out_features, block_n))
-    _moe_planes_gemm[grid](a, out, sorted_pairs, block_expert, weights, *tensors, *strides, weight.out_features,
+    _moe_planes_gemm[grid](a, out, sorted_pairs, block_expert, weights, low if perm is None else perm, *tensors,
+                           *strides, weight.out_features,
                            weight.in_features, out.shape[0], a.stride(0), out.stride(0), col_offset,
                            **weight.layout.kernel_args(), NUM_LOCAL=low.shape[0], TOP_K=top_k,
                            ROWS_BY_TOKEN=rows_by_token, SCALE_ROWS=not rows_by_token, BLOCK_M=block_m,
                            BLOCK_N=block_n, BLOCK_W=block_w, IEEE=a.dtype == torch.float32, UPCAST=upcast(a.dtype),
-                           num_warps=4, num_stages=2, **pdl.options(a.device))
+                           HAS_PERM=perm is not None, num_warps=4, num_stages=2, **pdl.options(a.device))
 
 
 def fused_moe_planes(hidden: torch.Tensor, gate_up: list[QuantWeight], down: QuantWeight, topk_weights: torch.Tensor,
-                     local_ids: torch.Tensor, silu_and_mul) -> torch.Tensor:
+                     local_ids: torch.Tensor, silu_and_mul, perms: list[torch.Tensor | None] | None = None
+                     ) -> torch.Tensor:
     """``fused_moe`` with stacked low-bit experts: ``gate_up`` the parts of each expert's [2I, H] rows in order
-    (one part, or gate then up), ``down`` [H, I]; ids local to this rank (E: another rank's expert)."""
+    (one part, or gate then up), ``down`` [H, I]; ids local to this rank (E: another rank's expert). ``perms``:
+    per part (gate_up's, then down), None or int32 [E, K]: the order of the inputs each expert's planes hold."""
     tokens, top_k = local_ids.shape
     num_local = down.low.shape[0]
     if hidden.stride(1) != 1:
@@ -116,11 +125,12 @@ def fused_moe_planes(hidden: torch.Tensor, gate_up: list[QuantWeight], down: Qua
     weights = topk_weights.reshape(-1).float()
     width = sum(part.out_features for part in gate_up)
     rows = torch.empty((pairs, width), dtype=hidden.dtype, device=hidden.device)
+    perms = perms or [None] * (len(gate_up) + 1)
     offset = 0
-    for part in gate_up:
-        _gemm(hidden, part, rows, offset, sorted_pairs, block_expert, weights, top_k, True, block_m)
+    for part, perm in zip(gate_up, perms):
+        _gemm(hidden, part, rows, offset, sorted_pairs, block_expert, weights, top_k, True, block_m, perm)
         offset += part.out_features
     inner = silu_and_mul(rows)
     out = torch.zeros((pairs, down.out_features), dtype=hidden.dtype, device=hidden.device)
-    _gemm(inner, down, out, 0, sorted_pairs, block_expert, weights, top_k, False, block_m)
+    _gemm(inner, down, out, 0, sorted_pairs, block_expert, weights, top_k, False, block_m, perms[-1])
     return out.view(tokens, top_k, -1).sum(dim=1)
