@@ -253,6 +253,11 @@ def test_two_calls_and_a_malformed_one(open_state):
     assert "not json" in reply.message["content"]   # a call that does not parse stays text, as vLLM leaves it
     calls, _, _ = streamed_calls(state, {"messages": HI, "tools": TOOLS})
     assert [c["index"] for c in calls] == [0, 1]
+    # parallel_tool_calls false: the first call only
+    one = ask(state, {"messages": HI, "tools": TOOLS, "parallel_tool_calls": False})
+    assert [json.loads(c["function"]["arguments"])["city"] for c in one.message["tool_calls"]] == ["Paris"]
+    calls, _, _ = streamed_calls(state, {"messages": HI, "tools": TOOLS, "parallel_tool_calls": False})
+    assert [c["index"] for c in calls] == [0]
 
 
 @pytest.mark.parametrize("body", [{}, {"tools": TOOLS, "tool_choice": "none"}], ids=["no-tools", "choice-none"])

@@ -150,11 +150,12 @@ def _check_unsupported(request: ChatCompletionRequest) -> None:
 class _ChoiceText:
     """Turns one choice's updates into content, reasoning and logprob entries (stream and non-stream alike)."""
 
-    def __init__(self, state: ChoiceState, parser, num_logprobs: int | None, tokenizer, tools=None):
+    def __init__(self, state: ChoiceState, parser, num_logprobs: int | None, tokenizer, tools=None,
+                 max_calls: int | None = None):
         """``parser``: the reasoning parser; ``tools``: the tool-call parser (tool_calls.py), for requests with
-        tools."""
+        tools; ``max_calls``: 1 with ``parallel_tool_calls: false`` (later calls dropped)."""
         self.state, self.parser, self.num_logprobs, self.tokenizer = state, parser, num_logprobs, tokenizer
-        self.tools = tools
+        self.tools, self.max_calls = tools, max_calls
         self.content: list[str] = []
         self.reasoning: list[str] = []
         self.tool_calls: list = []           # ParsedCall, in order
@@ -174,6 +175,8 @@ class _ChoiceText:
             if update.finish_reason is not None:
                 more_content, more_calls = self.tools.finish()
                 content, calls = content + more_content, calls + more_calls
+            if self.max_calls is not None:
+                calls = calls[:max(0, self.max_calls - len(self.tool_calls))]
             self.tool_calls += calls
             self.new_calls += calls
         self.content.append(content)
@@ -264,8 +267,10 @@ class ChatService:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         tracker = start_request(state, request_id, prompt_ids, params)
         wants_tools = state.tools is not None and bool(request.tools) and request.tool_choice != "none"
+        max_calls = 1 if request.parallel_tool_calls is False else None
         texts = [_ChoiceText(choice, state.reasoning(prompt) if state.reasoning else None, num_logprobs,
-                             state.tokenizer, state.tools() if wants_tools else None) for choice in tracker.choices]
+                             state.tokenizer, state.tools() if wants_tools else None, max_calls)
+                 for choice in tracker.choices]
         reply = _Reply(request_id, int(time.time()), model, tracker, texts)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
