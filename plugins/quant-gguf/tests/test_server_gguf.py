@@ -8,11 +8,13 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import openai
 import pytest
 
 from cvllm.server.cli import build_server_args
 from cvllm.testing.server import LiveServer, free_port
+
+# the GPU machine's environment has no openai package: there this file is skipped, not a collection error
+openai = pytest.importorskip("openai")
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PARIS = "The capital of France is Paris."
