@@ -317,19 +317,17 @@ class _Reply:
                 for choice, update in batch:
                     text = self.texts[choice.index]
                     content, reasoning = text.take(update)
-                    calls = text.take_new_calls()
-                    if calls:   # a call whole: its id, name and arguments in one delta
-                        out.append(self._chunk([ChatStreamChoice(index=choice.index, delta=ChatDelta(
-                            content=content, tool_calls=calls) if content else ChatDelta(tool_calls=calls),
-                            logprobs=text.take_pending_logprobs())]))
-                    elif content and not reasoning and text.num_logprobs is None:   # the per-token chunk
+                    calls = text.take_new_calls()   # each call whole: its id, name and arguments in one delta
+                    if content and not reasoning and not calls and text.num_logprobs is None:   # the per-token chunk
                         out.append(self._content_chunk(choice.index, content))
-                    elif content or reasoning:
+                    elif content or reasoning or calls:
                         delta = ChatDelta()
                         if content:
                             delta.content = content
                         if reasoning:
                             delta.reasoning_content = delta.reasoning = reasoning
+                        if calls:
+                            delta.tool_calls = calls
                         out.append(self._chunk([ChatStreamChoice(index=choice.index, delta=delta,
                                                                  logprobs=text.take_pending_logprobs())]))
                     if update.finish_reason is not None:
