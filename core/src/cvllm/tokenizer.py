@@ -41,12 +41,16 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 class Tokenizer:
     def __init__(self, tokenizer: _HFTokenizer, *, bos_token: str | None = None, eos_token: str | None = None,
-                 pad_token: str | None = None, chat_template: str | None = None):
+                 pad_token: str | None = None, chat_template: str | None = None,
+                 named_templates: dict[str, str] | None = None):
+        """``named_templates``: a model's other chat templates by name (Command-R's and Hermes-2-Pro's
+        "tool_use", "rag"); ``chat_template`` is the default one."""
         self.tokenizer = tokenizer
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.pad_token = pad_token
         self.chat_template = chat_template
+        self.named_templates = dict(named_templates or {})
         self.bos_token_id = self.token_to_id(bos_token)
         self.eos_token_id = self.token_to_id(eos_token)
         added = tokenizer.get_added_tokens_decoder()
@@ -65,14 +69,22 @@ class Tokenizer:
         cfg: dict[str, Any] = {}
         if (path / "tokenizer_config.json").exists():
             cfg = load_json(path / "tokenizer_config.json", "tokenizer_config.json")
-        template = cfg.get("chat_template")
+        template, named = cfg.get("chat_template"), {}
         if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-            named = {t.get("name"): t.get("template") for t in template}
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default") or next(iter(named.values()), None)
         if template is None and (path / "chat_template.jinja").exists():
             template = (path / "chat_template.jinja").read_text(encoding="utf-8")
         return cls(tok, bos_token=_token_text(cfg.get("bos_token")), eos_token=_token_text(cfg.get("eos_token")),
-                   pad_token=_token_text(cfg.get("pad_token")), chat_template=template)
+                   pad_token=_token_text(cfg.get("pad_token")), chat_template=template,
+                   named_templates={name: text for name, text in named.items() if name != "default" and text})
+
+    def template_for(self, tools: list | None) -> str | None:
+        """The chat template a chat uses: the model's "tool_use" one when tools are given and it has one (as
+        transformers picks it), else the default."""
+        if tools and "tool_use" in self.named_templates:
+            return self.named_templates["tool_use"]
+        return self.chat_template
 
     @property
     def vocab_size(self) -> int:
@@ -126,7 +138,7 @@ class Tokenizer:
         ``kwargs`` become template variables (``enable_thinking``, ``documents``...). Raises ChatTemplateError
         (a ValueError) when the template or the input is at fault.
         """
-        template = chat_template or self.chat_template
+        template = chat_template or self.template_for(tools)
         if template is None:
             raise ValueError("this model's tokenizer has no chat template; pass chat_template= or use generate()")
         # Unset tokens stay undefined in the template, as in transformers' special_tokens_map.

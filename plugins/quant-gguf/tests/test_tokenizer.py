@@ -138,6 +138,17 @@ def test_add_bos_follows_metadata_then_llama_cpp_defaults(pre, flag, adds_bos):
     assert tok.encode("Hello world") == ([1] if adds_bos else []) + plain
 
 
+def test_named_chat_templates_come_from_metadata():
+    """llama.cpp's converter writes a model's other templates as tokenizer.chat_template.<name> (Command-R's
+    tool_use and rag): kept, and a chat with tools renders with tool_use."""
+    fields = {**case_fields("gpt2/smollm"), "tokenizer.chat_template.tool_use": "TOOLS{{ messages[0]['content'] }}",
+              "tokenizer.chat_template.rag": "RAG"}
+    tok = tokenizer_from_gguf(fields)
+    assert tok.named_templates == {"tool_use": "TOOLS{{ messages[0]['content'] }}", "rag": "RAG"}
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=tools) == "TOOLShi"
+
+
 def test_bos_and_eos_with_template_syntax_in_their_text_are_added():
     fields = case_fields("gpt2/smollm")
     tokens = list(fields["tokenizer.ggml.tokens"])

@@ -114,8 +114,12 @@ def render_prompt(state: ServerState, messages: list[ChatMessageParam], *, add_g
         raise bad_request("This model has no chat template; use /v1/completions or start the server with "
                           "--chat-template")
     try:
+        # the model's "tool_use" template for a request with tools, unless --chat-template replaced the model's
+        template = state.chat_template
+        if tools and not state.args.chat_template and "tool_use" in state.tokenizer.named_templates:
+            template = state.tokenizer.named_templates["tool_use"]
         return state.tokenizer.apply_chat_template(
-            dicts, add_generation_prompt=add_generation_prompt, chat_template=state.chat_template,
+            dicts, add_generation_prompt=add_generation_prompt, chat_template=template,
             continue_final_message=continue_final,
             tools=msgspec.to_builtins(tools) if tools else None, **kwargs)
     except ChatTemplateError as e:

@@ -85,7 +85,8 @@ class ServerState:
         if parser is None and tokenizer is not None:
             parser = detect(template, lambda: tokenizer.apply_chat_template(
                 [{"role": "user", "content": "hi"}], add_generation_prompt=True, chat_template=template))
-        tools = args.tool_call_parser or detect_tool_parser(template)
+        tool_template = None if args.chat_template or tokenizer is None else tokenizer.named_templates.get("tool_use")
+        tools = args.tool_call_parser or detect_tool_parser(tool_template or template)
         return cls(args, tokenizer, str(args.engine.model), names, template, dict(checkpoint.generation_config),
                    parser, tools)
 

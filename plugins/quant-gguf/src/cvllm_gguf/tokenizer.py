@@ -215,7 +215,10 @@ def tokenizer_from_gguf(fields: dict[str, Any]) -> Tokenizer:
     if add_bos or add_eos:
         tokenizer.post_processor = _bos_eos_processor(vocab, add_bos, add_eos)
     return Tokenizer(tokenizer, bos_token=vocab.text("bos"), eos_token=vocab.text("eos"),
-                     pad_token=vocab.text("pad"), chat_template=fields.get("tokenizer.chat_template"))
+                     pad_token=vocab.text("pad"), chat_template=fields.get("tokenizer.chat_template"),
+                     named_templates={key.removeprefix("tokenizer.chat_template."): value
+                                      for key, value in fields.items()
+                                      if key.startswith("tokenizer.chat_template.") and isinstance(value, str)})
 
 
 def _flag(fields: dict[str, Any], key: str, default: bool) -> bool:
