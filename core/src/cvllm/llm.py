@@ -93,13 +93,17 @@ class LLM:
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              add_generation_prompt: bool = True, chat_template: str | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """``tools``: function schemas the template renders (with the model's "tool_use" template where it has
+        one); the calls in the output text are the caller's to parse (``cvllm.server.tool_calls``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self._tokenizer()
         prompts = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                 chat_template=chat_template, **(chat_template_kwargs or {}))
+                                                 chat_template=chat_template, tools=tools,
+                                                 **(chat_template_kwargs or {}))
             # the template writes BOS itself, so no special tokens are added here
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -53,6 +53,11 @@ def test_chat_applies_the_template(llm):
     assert out[0].prompt_token_ids == tok.encode(expected_prompt, add_special_tokens=False)
     many = llm.chat([messages, messages[1:]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(many) == 2 and many[0].outputs[0].token_ids == out[0].outputs[0].token_ids
+    # tools reach the template
+    template = "{{ tools | map(attribute='function') | map(attribute='name') | join(',') }}|{{ messages[-1].content }}"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    with_tools = llm.chat(messages, SamplingParams(max_tokens=1), chat_template=template, tools=tools)
+    assert with_tools[0].prompt == "get_weather|hi"
 
 
 def test_max_tokens_eos_and_stop_token_ids(llm):
