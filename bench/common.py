@@ -31,26 +31,45 @@ def git_commit() -> str | None:
 def graph_replay_ms(engine, batch: int) -> float | None:
     """GPU time of one decode step of ``batch`` sequences: the CUDA graph captured for that batch (padded up
     the ladder) replayed alone, timed with CUDA events. None where no graph exists (eager, CPU)."""
-    import statistics
-
-    import torch
-
     graphs = getattr(engine.runner.decode_forward, "graphs", None)
     sizes = sorted(size for size in graphs or () if size >= batch)
     if not sizes:
         return None
     graph, _ = graphs[sizes[0]]
+    return replay_ms(graph)
+
+
+def replay_ms(graph, reps: int = 20, warmup: int = 5) -> float:
+    """Median milliseconds of one replay of a captured CUDA graph, timed with CUDA events."""
+    import torch
+
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(5):
+    for _ in range(warmup):
         graph.replay()
     times = []
-    for _ in range(20):
+    for _ in range(reps):
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def captured_us(run, per: int = 1) -> float:
+    """``run()`` (GPU work, no host syncs) captured in one CUDA graph: median microseconds of a replay / ``per``
+    (e.g. per layer of a stack). Warmed up on a side stream first, as capture requires."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return replay_ms(graph) * 1e3 / per
 
 
 def process_cpu_s(pid: int) -> tuple[float, float]:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 
 import torch
+from common import captured_us
 
 from cvllm_cuda.kernels import fused_moe as grouped
 from cvllm_cuda.kernels.activation import silu_and_mul
@@ -26,26 +26,6 @@ SHAPES = {  # hidden, moe intermediate, experts, k
     "deepseek-v2-lite": (2048, 1408, 64, 6),
 }
 LAYERS = 8
-
-
-def graph_us(run, layers: int) -> float:
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(30):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[5:]) * 1e3 / layers
 
 
 def tiles_to_try():
@@ -75,14 +55,14 @@ def sweep(name: str, results: list) -> None:
     saved = grouped.PAIR_GEMV_MAX
     grouped.PAIR_GEMV_MAX = 0
     try:
-        us = graph_us(layers(lambda *a: grouped.fused_moe(*a, silu_and_mul=silu_and_mul)), LAYERS)
+        us = captured_us(layers(lambda *a: grouped.fused_moe(*a, silu_and_mul=silu_and_mul)), LAYERS)
     finally:
         grouped.PAIR_GEMV_MAX = saved
     print(f"{name}: grouped GEMM {us:.1f} us/layer ({routed_bytes / us / 1e6:.2f} TB/s)")
     results.append({"shape": name, "kernel": "grouped", "us": us})
     timed = []
     for tiles in tiles_to_try():
-        us = graph_us(layers(lambda *a, t=tiles: moe_gemv(*a, tiles=t)), LAYERS)
+        us = captured_us(layers(lambda *a, t=tiles: moe_gemv(*a, tiles=t)), LAYERS)
         timed.append((us, tiles))
         results.append({"shape": name, "kernel": "gemv", "tiles": repr(tiles), "us": us})
     timed.sort(key=lambda item: item[0])

@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import time
 from pathlib import Path
 
 import torch
+from common import captured_us
 
 from cvllm_cuda.kernels import quant_gemv_int8, quant_tiles
 from cvllm_cuda.kernels.quant_gemv import quant_gemv
@@ -60,26 +60,6 @@ def splits_for(weight: QuantWeight, block_n: int, block_w: int, pps: int) -> int
     return max(1, min(cdiv(pps * sms, programs), steps // 4, 16))
 
 
-def replay_us(fn, layers: int) -> float:
-    """Median microseconds per layer of ``fn`` captured in one CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(15):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times) * 1e3 / layers
-
-
 def gemv_configs(spec: str | None):
     if spec:
         return [tuple(int(v) for v in c.split(",")) for c in spec.split(";")]
@@ -108,7 +88,7 @@ def main() -> None:
             for s, (n, k) in SHAPES.items():
                 torch.matmul(xs[k], layer[s].T, out=outs[n])
 
-    bf16 = replay_us(bf16_stack, args.layers)
+    bf16 = captured_us(bf16_stack, args.layers)
     dense_bytes = sum(n * k * 2 for n, k in SHAPES.values())
     results["bf16"] = {"us_per_layer": bf16, "tb_s": dense_bytes / bf16 / 1e6}
     print(f"bf16 F.linear: {bf16:7.1f} us/layer {dense_bytes / bf16 / 1e6:5.2f} TB/s", flush=True)
@@ -131,7 +111,7 @@ def main() -> None:
                             w = layer[s]
                             kernel(xs[k], w, outs[n], cfg, splits_for(w, cfg[0], cfg[1], pps))
                 try:
-                    us = replay_us(stack, args.layers)
+                    us = captured_us(stack, args.layers)
                 except Exception as exc:   # out of registers or shared memory
                     print(f"  {name} {cfg} pps {pps}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
                     continue

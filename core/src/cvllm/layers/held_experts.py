@@ -34,6 +34,12 @@ class HeldExpertsMethod(PlanesMoEMethod):
         self.in_situ = in_situ
         self.parts: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
 
+    @property
+    def keeps_fp8_experts(self) -> bool:
+        """Whether the checkpoint's expert tensors come to this method as stored (core's FP8 dequantize-at-load pass,
+        layers/fp8_experts.py, then leaves them alone): all but in situ, which takes float experts."""
+        return not self.in_situ
+
     def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_local: int,
                        dtype: torch.dtype) -> None:
         self.dtype = dtype

@@ -47,7 +47,7 @@ class ThinkParser:
                     self.buffer = self.buffer[at + len(END):]
                     self.state = _AFTER_END
                 else:
-                    keep = _partial_tag_suffix(self.buffer, END)
+                    keep = partial_tag_suffix(self.buffer, END)
                     reasoning.append(self.buffer[:len(self.buffer) - keep])
                     self.buffer = self.buffer[len(self.buffer) - keep:]
                     break
@@ -73,7 +73,7 @@ class ThinkParser:
         return "", ("" if self.state == _AFTER_END else rest)
 
 
-def _partial_tag_suffix(text: str, tag: str) -> int:
+def partial_tag_suffix(text: str, tag: str) -> int:
     """Length of the longest end of ``text`` that is a proper prefix of ``tag``."""
     for size in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-size:]):

@@ -218,9 +218,10 @@ class _Reply:
     def _prompt_index(self, index: int) -> int:
         return index // len(self.trackers[0].choices)
 
-    def _ids(self, index: int | None, ids: list[int] | None) -> dict:
-        """return_token_ids' fields of a choice (a stream's first chunk of it: ``ids`` plus the prompt's)."""
-        if not self.return_ids or ids is None:
+    def _ids(self, index: int | None, ids: list[int]) -> dict:
+        """return_token_ids' fields of a choice: ``ids``, and the prompt's where ``index`` is given (the whole
+        choice, or a stream's first chunk of it)."""
+        if not self.return_ids:
             return {}
         fields = {"token_ids": ids}
         if index is not None:

@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cvllm.server.reasoning import _partial_tag_suffix
+from cvllm.server.reasoning import partial_tag_suffix
 
 
 @dataclass(slots=True)
@@ -62,7 +62,7 @@ class TaggedParser:
             if not self.inside:
                 at = self.buffer.find(self.start)
                 if at < 0:
-                    keep = _partial_tag_suffix(self.buffer, self.start)
+                    keep = partial_tag_suffix(self.buffer, self.start)
                     content.append(self.buffer[:len(self.buffer) - keep])
                     self.buffer = self.buffer[len(self.buffer) - keep:]
                     break
@@ -109,7 +109,7 @@ class MistralParser:
         if at >= 0:
             content, self.buffer, self.inside = self.buffer[:at], self.buffer[at + len(self.TAG):], True
             return content, []
-        keep = _partial_tag_suffix(self.buffer, self.TAG)
+        keep = partial_tag_suffix(self.buffer, self.TAG)
         content, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
         return content, []
 

@@ -30,7 +30,6 @@ SCALE_PARTS = ("weight_scale_inv", "weight_scale")
 
 
 class FP8ExpertsMethod(HeldExpertsMethod):
-    keeps_fp8_experts = True   # core leaves this layer's FP8 expert weights and scales to the method
     needed = ("weight", "scale")
     format_name = "FP8"
 

@@ -53,7 +53,7 @@ def _and_or(word, MASK: tl.constexpr, one_bits):
 
 @triton.jit
 def _unit(low, high_at, S: tl.constexpr, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, FLOAT8: tl.constexpr,
-          INTERPRET: tl.constexpr = True, one_bits=0x3F800000):
+          INTERPRET: tl.constexpr, one_bits):
     """float32 ``1 + q / 2**bits`` for element S of each word: q's bits moved to the top of a float's mantissa under
     the exponent of 1.0 (one shift and one masked or: no conversion, no subtraction; exact), or the FP8 value
     (FLOAT8). ``high_at``: the high-plane word shifted so that element 0's high bits are its lowest."""

@@ -206,10 +206,11 @@ def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, con
     activations = quantize_activations(x, lay.low_bits)
     splits, split_words = split_k(cdiv(n, block_n), k, lay.low_bits, block_w, x.device, splits, INT8_PROGRAMS_PER_SM)
     target = out if splits == 1 else torch.empty((splits, n), dtype=torch.float32, device=x.device)
+    gw = group_words(lay, block_w)
     _gemv_int8_kernel[(cdiv(n, block_n), splits)](
         *activations, target, *kernel_tensors(weight), n, k, split_words, **lay.kernel_args(), BLOCK_N=block_n,
-        BLOCK_W=block_w, GROUP_WORDS=group_words(lay, block_w), STAGES=stages[0] if stages else 1,
-        GROUP_SUM=groups_in_thread(block_n, block_w, group_words(lay, block_w), warps),
+        BLOCK_W=block_w, GROUP_WORDS=gw, STAGES=stages[0] if stages else 1,
+        GROUP_SUM=groups_in_thread(block_n, block_w, gw, warps),
         EVEN=even_tiles(n, k, lay.low_bits, block_n, split_words),
         INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=warps, **pdl_options(x.device))
     if splits > 1:
