@@ -2,7 +2,7 @@
 # One device call's worth of GPU work, results under $OUT (bench/device/README.md):
 #   source bench/device/h200_setup.sh && CVLLM_BENCH_COMMIT=<short hash> bash bench/device/run_all.sh bench
 # "tests": the gpu-marked tests, file by file (up to ~12 min, past one call's 10-minute limit: the groups that did
-# not run go in a second call, their commands as below); "bench": latency, throughput and serving (~6 min);
+# not run go in a second call with ONLY="their step names"); "bench": latency, throughput and serving (~6 min);
 # "tp" (a machine of 2 or 4 GPUs): tensor parallelism against one GPU, Llama-3-8B shape (~5 min);
 # "tp70b" (4 GPUs): batch-1 latency of a Llama-3-70B shape at TP=4 and TP=2 (~5 min);
 # "quant" (issue 18): batch-1 latency of bf16 and in-situ quantized (q4k, q8_0, gptq, fp8) Llama-3-8B shapes, then
@@ -20,6 +20,8 @@ out=${OUT:?run on the device machine, where OUT is set}
 run() {   # name, limit in seconds, command...
     local name=$1 limit=$2
     shift 2
+    # ONLY="gpu-tests-moe gpu-tests-families" runs just those steps (the second call of "tests")
+    if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
     echo "=== $name"
     timeout -k 75 "$limit" "$@" > "$out/$name.log" 2>&1   # SIGKILL 75 s after the SIGTERM, if still there
     echo "--- $name: exit $?"
