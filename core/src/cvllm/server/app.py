@@ -36,6 +36,7 @@ from cvllm.server.protocol import (
 from cvllm.server.serving_chat import ChatService, render_prompt
 from cvllm.server.serving_completions import CompletionService
 from cvllm.server.state import ServerState
+from cvllm.server.ui import is_open_path, ui_origins, ui_routes
 
 logger = logging.getLogger("cvllm.server")
 
@@ -80,14 +81,19 @@ def endpoint(handler: Handler) -> Handler:
 
 
 class APIKeyMiddleware:
-    """``Authorization: Bearer <key>`` on every route but health and metrics (and CORS preflights)."""
+    """``Authorization: Bearer <key>`` on every route but health and metrics, the chat page when it is served
+    (it asks the user for the key), and CORS preflights."""
 
-    def __init__(self, app: ASGIApp, api_key: str):
+    def __init__(self, app: ASGIApp, api_key: str, open_page: bool = False):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.open_page = open_page
+
+    def is_open(self, path: str) -> bool:
+        return path in OPEN_PATHS or (self.open_page and is_open_path(path))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and not self.is_open(scope["path"]):
             given = (Headers(scope=scope).get("authorization") or "").encode()
             if not secrets.compare_digest(given, self.expected):
                 error = APIError(401, "Incorrect or missing API key; send 'Authorization: Bearer <key>'.",
@@ -197,13 +203,20 @@ def build_app(state: ServerState) -> Starlette:
         elif path in ("/tokenize", "/detokenize", "/tokenizer_info"):
             table.append(Route("/v1" + path, endpoint(handler), methods=methods))
 
+    page_here = args.ui and args.ui_port is None
+    if page_here:
+        table.extend(ui_routes(api_port=None, api_key_required=bool(args.api_key)))
+    origins, origin_regex = list(args.cors_allow_origins), None
+    if args.ui and args.ui_port is not None:   # the page on its own port calls this one from its origin
+        page_origins, origin_regex = ui_origins(args.host, args.ui_port)
+        origins += [origin for origin in page_origins if origin not in origins]
     middleware = []
-    if args.cors_allow_origins:
-        middleware.append(Middleware(CORSMiddleware, allow_origins=args.cors_allow_origins,
+    if origins or origin_regex:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=origins, allow_origin_regex=origin_regex,
                                      allow_credentials=args.cors_allow_credentials,
                                      allow_methods=args.cors_allow_methods, allow_headers=args.cors_allow_headers))
     if args.api_key:
-        middleware.append(Middleware(APIKeyMiddleware, api_key=args.api_key))
+        middleware.append(Middleware(APIKeyMiddleware, api_key=args.api_key, open_page=page_here))
     return Starlette(routes=table, middleware=middleware,
                      exception_handlers={HTTPException: _http_error, Exception: _unexpected_error})
 

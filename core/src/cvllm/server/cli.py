@@ -15,7 +15,7 @@ from cvllm import hub
 from cvllm.engine.config import EngineConfig
 from cvllm.sampling_params import SamplingParams
 from cvllm.server.args import ServerArgs
-from cvllm.server.cli_flags import MIB, CliError, build_parser, parse_name_list
+from cvllm.server.cli_flags import MIB, CliError, build_parser, parse_name_list, ui_settings
 from cvllm.server.listen import AddressError, check_address
 
 logger = logging.getLogger("cvllm.cvserve")
@@ -239,7 +239,7 @@ def server_args_from(ns: argparse.Namespace) -> ServerArgs:
         cors_allow_headers=parse_name_list(ns.allowed_headers, ["*"]), shutdown_timeout=ns.shutdown_timeout,
         default_sampling=default_sampling, generation_config=ns.generation_config,
         reasoning_parser=ns.reasoning_parser, tool_call_parser=ns.tool_call_parser, log_level=ns.log_level,
-        startup_timeout=ns.startup_timeout,
+        startup_timeout=ns.startup_timeout, **ui_settings(ns),
     )
 
 
@@ -270,6 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # the address first: a port in use should not wait for the model to be resolved, fetched or loaded
         check_address(ns.host, ns.port)
+        ui_port = ui_settings(ns).get("ui_port")
+        if ui_port:
+            check_address(ns.host, ui_port)
         args = server_args_from(ns)
     except (AddressError, CliError) as exc:
         print(f"cvserve: error: {exc}", file=sys.stderr)

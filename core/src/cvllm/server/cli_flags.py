@@ -19,8 +19,9 @@ class CliError(ValueError):
 
 _DESCRIPTION = """\
 Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
-/health, /metrics ...). Flags take candle-vllm's short names (--w, --m, --p ...) and vLLM's long names
-(--model, --port ...); giving both spellings of one setting with different values is an error.
+/health, /metrics ...), with a chat page for browsers at /. Flags take candle-vllm's short names (--w, --m,
+--p ...) and vLLM's long names (--model, --port ...); giving both spellings of one setting with different
+values is an error.
 docs/cli.md has the full table, with the defaults per backend."""
 
 _EPILOG = """\
@@ -158,6 +159,10 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log", "--log-level", dest="log_level", action=_OneValue, nargs="?", const="debug",
                    type=str.lower, choices=LOG_LEVELS, default="info", metavar="LEVEL",
                    help=f"{'|'.join(LOG_LEVELS)} (default: info; --log alone: debug)")
+    g.add_argument("--no-ui", action="store_true", help="do not serve the chat page at / (default: served)")
+    g.add_argument("--ui-server", action="store_true",
+                   help="serve the chat page on its own port (--ui-port; default: the API's port + 1) instead of at /")
+    g.add_argument("--ui-port", type=_port, metavar="PORT", help="the chat page's own port (implies --ui-server)")
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -263,3 +268,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # -- flags → ServerArgs --------------------------------------------------------------------------
+
+
+def ui_settings(ns: argparse.Namespace) -> dict:
+    """ServerArgs' ``ui`` and ``ui_port`` from --no-ui, --ui-server and --ui-port."""
+    if ns.no_ui and (ns.ui_server or ns.ui_port is not None):
+        raise CliError("--no-ui turns the chat page off, --ui-server and --ui-port serve it; give one of them")
+    if ns.no_ui:
+        return {"ui": False}
+    if not ns.ui_server and ns.ui_port is None:
+        return {}
+    port = ns.ui_port if ns.ui_port is not None else (ns.port + 1 if ns.port else 0)
+    if port > 65535:
+        raise CliError(f"--ui-server: the API's port + 1 ({port}) is not a port; give --ui-port PORT")
+    if port and port == ns.port:
+        raise CliError(f"--ui-port {port} is the API's port too; give another (default: the API's port + 1)")
+    return {"ui_port": port}

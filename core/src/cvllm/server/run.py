@@ -7,8 +7,10 @@ The HTTP port opens before the model has loaded, so ``/health`` can answer 503 w
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
+import socket
 
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config
@@ -20,6 +22,7 @@ from cvllm.server.listen import BACKLOG, AddressError, bind_address, listen_sock
 from cvllm.server.reasoning import reasoning_parser
 from cvllm.server.state import ServerState
 from cvllm.server.tool_calls import tool_parser
+from cvllm.server.ui import build_ui_app
 
 logger = logging.getLogger("cvllm.server")
 
@@ -54,6 +57,12 @@ async def run_server(args: ServerArgs) -> None:
     # Bound before the model is opened, and by us rather than inside hypercorn: a port in use fails at once,
     # as one AddressError (hypercorn would fail after its lifespan started, in a cascade of tracebacks).
     listener = listen_socket(args.host, args.port)
+    try:
+        ui_listener = listen_socket(args.host, args.ui_port) if args.ui and args.ui_port is not None else None
+    except AddressError:
+        listener.close()
+        raise
+    args = _bound_ports(args, listener, ui_listener)
     # The engine core starts first: its imports and the model load (the long part) run while this process opens
     # the tokenizer and starts serving /health
     launch = EngineCoreClient.launch(args.engine)
@@ -61,11 +70,11 @@ async def run_server(args: ServerArgs) -> None:
         state = ServerState.open(args)
         app = build_app(state)
     except (OSError, ValueError) as e:   # no such model, a malformed checkpoint, no tokenizer
-        listener.close()
+        _close(listener, ui_listener)
         launch.kill()
         raise StartupError(f"cannot open {args.engine.model}: {e}") from e
     except BaseException:
-        listener.close()
+        _close(listener, ui_listener)
         launch.kill()
         raise
     loop = asyncio.get_running_loop()
@@ -84,7 +93,7 @@ async def run_server(args: ServerArgs) -> None:
             serving.cancel()
 
     config = _hypercorn_config(args, listener.detach())
-    serving = asyncio.ensure_future(hypercorn_serve(app, config, shutdown_trigger=stop.wait))
+    serving = asyncio.ensure_future(_serve_all(app, config, args, ui_listener, stop))
     starting = asyncio.ensure_future(launch.ready(args.startup_timeout))
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
@@ -112,6 +121,30 @@ async def run_server(args: ServerArgs) -> None:
     logger.info("server stopped")
 
 
+def _bound_ports(args: ServerArgs, listener: socket.socket, ui_listener: socket.socket | None) -> ServerArgs:
+    """``args`` with the ports really bound (port 0 means any free one): the page and CORS need them."""
+    ui_port = ui_listener.getsockname()[1] if ui_listener is not None else args.ui_port
+    return dataclasses.replace(args, port=listener.getsockname()[1], ui_port=ui_port)
+
+
+def _close(*listeners: socket.socket | None) -> None:
+    for sock in listeners:
+        if sock is not None:
+            sock.close()
+
+
+async def _serve_all(app, config: Config, args: ServerArgs, ui_listener: socket.socket | None,
+                     stop: asyncio.Event) -> None:
+    """The API, and the chat page's own server beside it (--ui-server); both stop on ``stop``."""
+    if ui_listener is None:
+        await hypercorn_serve(app, config, shutdown_trigger=stop.wait)
+        return
+    ui_app = build_ui_app(args.port, api_key_required=bool(args.api_key))
+    ui_config = _hypercorn_config(args, ui_listener.detach())
+    await asyncio.gather(hypercorn_serve(app, config, shutdown_trigger=stop.wait),
+                         hypercorn_serve(ui_app, ui_config, shutdown_trigger=stop.wait))
+
+
 async def _finish(serving: asyncio.Future) -> None:
     try:
         await serving
@@ -127,6 +160,8 @@ def _log_ready(state: ServerState, args: ServerArgs) -> None:
                 info.backend, info.dtype, info.num_kv_blocks, info.block_size, info.num_kv_blocks * info.block_size,
                 info.max_model_len, info.max_num_seqs,
                 f", reasoning parser {state.reasoning_parser}" if state.reasoning_parser else "")
+    if args.ui:
+        logger.info("chat page on http://%s/", bind_address(args.host, args.ui_port or args.port))
 
 
 def serve(args: ServerArgs) -> int:
