@@ -11,6 +11,8 @@ from typing import NoReturn
 
 import msgspec
 
+from cvllm.structured_output.params import StructuredOutputsParams
+
 # Below this temperature a request is treated as greedy (argmax), as vLLM does.
 GREEDY_TEMPERATURE = 1e-5
 MAX_N = 128  # completions per request: more is a mistake, or an attempt to exhaust a server
@@ -72,11 +74,18 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id → added to its logit (OpenAI: within [-100, 100])
     logits_processors: list[str] | None = None  # registered logits processors (register_samplers), in order
+    # the output follows a JSON schema, regex, choice or grammar (structured_output/; a dict is taken as its fields)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)
         self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
         self.logits_processors = _normalise_logits_processors(self.logits_processors)
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:   # a field it does not have
+                raise SamplingParamError("structured_outputs", f"structured_outputs: {e}") from None
         self._validate()
         # an int is a fine number, but the engine core's transport carries 10**30 only as a float
         for name in FLOAT_FIELDS:

@@ -20,9 +20,18 @@ from cvllm.engine.penalties import PenaltyHistory
 from cvllm.engine.prompt_logprobs import prompt_logprob_rows, record_prompt_logprobs
 from cvllm.engine.scheduler import ScheduledBatch
 from cvllm.engine.sequence import Sequence
+from cvllm.engine.upload import upload
 
 if TYPE_CHECKING:
     from cvllm.engine.step_inputs import PreviousTokens
+
+
+@dataclass(slots=True)
+class ForwardedStep:
+    """A batch whose forward pass is launched and whose sampling is not."""
+    sampling: list[Sequence]
+    logits: torch.Tensor            # [len(sampling), V], on the device
+    scoring: bool
 
 
 @dataclass(slots=True)
@@ -58,6 +67,18 @@ class Executor:
         logprobs excepted: they are recorded on the sequences). ``previous``: the step still in flight, whose
         sampled ids are the input of this batch's decode rows whose last token the host does not know yet.
         ``record``: the observed step's record, to mark phases in; None (nobody observes) must cost nothing."""
+        return self.sample(self.forward(batch, previous, record), None, record)
+
+    def forward(self, batch: ScheduledBatch, previous: LaunchedStep | None,
+                record: StepRecord | None = None) -> ForwardedStep:
+        """``execute``'s first half: the forward pass launched, nothing sampled yet (the engine computes grammar
+        masks meanwhile)."""
+        raise NotImplementedError
+
+    def sample(self, step: ForwardedStep, allowed: tuple[list[int], torch.Tensor] | None,
+               record: StepRecord | None = None) -> LaunchedStep:
+        """``execute``'s second half. ``allowed``: (rows, int32 bitmask on the host) of the sampling rows whose
+        grammar restricts their next token (structured_output/grammar.py)."""
         raise NotImplementedError
 
     def prompt_logits(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -105,8 +126,8 @@ class InProcessExecutor(Executor):
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         self.runner.enable_decode_graphs(max_num_seqs, max_model_len)
 
-    def execute(self, batch: ScheduledBatch, previous: LaunchedStep | None,
-                record: StepRecord | None = None) -> LaunchedStep:
+    def forward(self, batch: ScheduledBatch, previous: LaunchedStep | None,
+                record: StepRecord | None = None) -> ForwardedStep:
         sampling = [batch.seqs[i] for i in batch.sample_indices]
         scoring, extra = prompt_logprob_rows(batch)
         previous_tokens = None
@@ -119,7 +140,16 @@ class InProcessExecutor(Executor):
         if scoring:
             record_prompt_logprobs(batch, scoring, logits[len(sampling):])
             logits = logits[:len(sampling)]
-        out = self.sampler(logits, sampling, history=self.penalties) if sampling else None
+        return ForwardedStep(sampling, logits, bool(scoring))
+
+    def sample(self, step: ForwardedStep, allowed: tuple[list[int], torch.Tensor] | None,
+               record: StepRecord | None = None) -> LaunchedStep:
+        sampling = step.sampling
+        if allowed is not None:
+            rows, bits = allowed
+            device = self.backend.device
+            allowed = (upload(torch.tensor(rows), device), upload(bits, device))   # no wait for the device
+        out = self.sampler(step.logits, sampling, history=self.penalties, allowed=allowed) if sampling else None
         readback = None
         if out is not None:   # queued now, so reading it back later does not wait for the next step
             wanted = [out.token_ids] if out.logprobs is None else [out.token_ids, out.logprobs, out.top_ids,
@@ -128,7 +158,7 @@ class InProcessExecutor(Executor):
         if record is not None:
             record.mark("sample")
             record.device_mark(self.backend, "sampled")
-        return LaunchedStep(sampling, out, readback, bool(scoring))
+        return LaunchedStep(sampling, out, readback, step.scoring)
 
     @torch.inference_mode()
     def _observed_forward(self, batch: ScheduledBatch, extra: torch.Tensor | None,

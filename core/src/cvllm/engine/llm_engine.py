@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 
 import torch
 
@@ -17,6 +19,7 @@ from cvllm.engine.scheduler import EngineStats, ScheduledBatch, Scheduler
 from cvllm.engine.sequence import Sequence
 from cvllm.outputs import Logprob
 from cvllm.sampling_params import SamplingParams
+from cvllm.structured_output.grammar import GrammarMasks
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +47,9 @@ class LLMEngine:
         self.observers = StepObservers()   # per-step records for metrics and benchmarks; none: no record is built
         self.fault_injector = config.fault_injector   # a test seam: it sees each scheduled batch, and may raise
         self._inflight: LaunchedStep | None = None
+        self.grammars: GrammarMasks | None = None   # structured output's state, made on the first request for it
+        # structured requests whose grammars are compiling; they join the scheduler when compiled
+        self._compiling: list[tuple[Future, list[Sequence]]] = []
         self._shut_down = False
         self._seq_ids = itertools.count()
 
@@ -88,10 +94,48 @@ class LLMEngine:
             seq.logprobs = [] if params.logprobs is not None else None
             seq.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
             seqs.append(seq)
-        for seq in seqs:
-            self.scheduler.add(seq)
+        if params.structured_outputs is not None:
+            self._compiling.append((self._grammar_masks().compile(params.structured_outputs, params.n), seqs))
+        else:
+            for seq in seqs:
+                self.scheduler.add(seq)
         self.requests[request_id] = seqs
         return seqs
+
+    def _grammar_masks(self) -> GrammarMasks:
+        if self.grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the model's tokenizer, and this model is served without "
+                                 "one")
+            self.grammars = GrammarMasks(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                         self.scheduler.config.max_num_seqs)
+        return self.grammars
+
+    def _admit_compiled(self, block: bool) -> list[Sequence]:
+        """Structured requests whose grammars have compiled join the scheduler (``block``: the engine has
+        nothing else to do, so wait for the first). Returns the sequences of grammars that failed, finished."""
+        if not self._compiling:
+            return []
+        if block:
+            wait_futures([future for future, _ in self._compiling], return_when=FIRST_COMPLETED)
+        failed, pending = [], []
+        for future, seqs in self._compiling:
+            if not future.done():
+                pending.append((future, seqs))
+            elif not seqs[0].is_finished:   # (aborted while it compiled)
+                try:
+                    grammars = future.result()
+                except Exception as e:
+                    logger.error("request %s: its grammar does not compile for this model: %s", seqs[0].request_id, e)
+                    for seq in seqs:
+                        self._retire(seq, "abort")
+                    failed += seqs
+                    continue
+                for seq, grammar in zip(seqs, grammars):
+                    seq.grammar = grammar
+                    self.scheduler.add(seq)
+        self._compiling = pending
+        return failed
 
     def abort_request(self, request_id: str) -> None:
         for seq in self.requests.pop(request_id, []):
@@ -109,7 +153,7 @@ class LLMEngine:
         self.requests.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._compiling)
 
     def shutdown(self) -> None:
         """Drop the model, its KV cache and graphs, and hand the device memory back to the device. Idempotent;
@@ -122,6 +166,8 @@ class LLMEngine:
             self.abort_request(request_id)
         self._inflight = self.last_batch = None
         self._shut_down = True
+        if self.grammars is not None:
+            self.grammars.shutdown()
         self.executor.shutdown()
 
     @property
@@ -146,17 +192,20 @@ class LLMEngine:
         prev, self._inflight = self._inflight, None
         launched = None
         try:
-            done = []
+            done = self._admit_compiled(block=prev is None and not self.scheduler.has_unfinished())
             if prev is not None and not self._can_overlap():
-                done, prev = self._finish(prev, record), None     # schedule with every token known
+                done, prev = done + self._finish(prev, record), None     # schedule with every token known
             self.last_batch = batch = self.scheduler.schedule()   # the engine core reads it when a step fails
             if self.fault_injector is not None:
                 self.fault_injector(batch)
             if record is not None:
                 record.scheduled(batch)
-            launched = self._launch(batch, prev, record) if batch.seqs else None
+            if batch.seqs:
+                launched, finished = self._launch(batch, prev, record)
+                if finished is not None:
+                    done, prev = done + finished, None
             if prev is not None:
-                done = self._finish(prev, record)
+                done += self._finish(prev, record)
             if launched is not None and (not self.async_scheduling or launched.scoring):
                 done += self._finish(launched, record)
             else:
@@ -185,15 +234,29 @@ class LLMEngine:
                 return False
         return True
 
-    def _launch(self, batch: ScheduledBatch, prev: LaunchedStep | None, record: StepRecord | None) -> LaunchedStep:
-        """Forward and sample ``batch`` without reading anything back to the host."""
-        step = self.executor.execute(batch, prev, record)
+    def _launch(self, batch: ScheduledBatch, prev: LaunchedStep | None,
+                record: StepRecord | None) -> tuple[LaunchedStep, list[Sequence] | None]:
+        """Forward and sample ``batch`` without reading anything back to the host. Where its sampling rows have
+        grammars, sampling waits for their masks: the forward pass is launched first, then ``prev``'s tokens are
+        read back and fed to the matchers, and the masks computed, while the device runs the forward (async
+        scheduling's overlap kept; the unconstrained rows are sampled with them). Returns the launched step, and
+        ``prev``'s finished sequences where it was read back here (else None)."""
+        structured = self.grammars is not None and any(batch.seqs[i].grammar is not None
+                                                       for i in batch.sample_indices)
+        forwarded = self.executor.forward(batch, prev, record) if structured else None
+        step = None if structured else self.executor.execute(batch, prev, record)
         self.scheduler.advance(batch)
-        for seq in step.sampling:
+        sampling = forwarded.sampling if structured else step.sampling
+        for seq in sampling:
             seq.num_inflight += 1
+        finished = None
+        if structured:
+            if prev is not None:
+                finished = self._finish(prev, record)
+            step = self.executor.sample(forwarded, self.grammars.bitmask(sampling), record)
         if record is not None:
             record.mark("advance")
-        return step
+        return step, finished
 
     def _finish(self, step: LaunchedStep, record: StepRecord | None) -> list[Sequence]:
         """Read a launched step's tokens back (the one host transfer of a step) and apply them."""
@@ -211,6 +274,12 @@ class LLMEngine:
             if seq.is_finished:      # stopped (or aborted) while this step ran: its token is not wanted
                 continue
             seq.append_token(token)
+            if seq.grammar is not None and not seq.grammar.accept(token, seq):
+                # (not reached: the mask allows only what the grammar accepts)
+                logger.error("request %s: %s; ending it", seq.request_id, seq.grammar.error())
+                self._retire(seq, "stop")
+                done.append(seq)
+                continue
             if seq.logprobs is not None:
                 k = seq.sampling_params.logprobs
                 entry = {tid: Logprob(lp, rank) for rank, (tid, lp) in enumerate(zip(top_ids[i][:k], top_lp[i][:k]), 1)}

@@ -1,9 +1,9 @@
 """One batched sampling step: logits [B, V] for B sequences in, one token id per sequence out.
 
-Semantics follow vLLM: the logits processors requests named (logits_processors.py), logit_bias, min_tokens
-suppression, repetition penalty (prompt + output), presence and frequency penalties (output only; token counts kept
-on the device, penalties.py), greedy argmax, then temperature, top-k, top-p and min-p before an exponential-race
-draw. Returned logprobs are the raw model log-softmax.
+Semantics follow vLLM: the grammar bitmask of structured output, the logits processors requests named
+(logits_processors.py), logit_bias, min_tokens suppression, repetition penalty (prompt + output), presence and
+frequency penalties (output only; token counts kept on the device, penalties.py), greedy argmax, then temperature,
+top-k, top-p and min-p before an exponential-race draw. Returned logprobs are the raw model log-softmax.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from cvllm.engine.logits_processors import LogitsProcessors
 from cvllm.engine.penalties import PenaltyHistory, histories_from_token_lists
 from cvllm.engine.upload import upload
 from cvllm.sampling_params import SamplingParams
+from cvllm.structured_output.grammar import apply_token_bitmask
 
 
 class SamplerRow(Protocol):
@@ -57,21 +58,26 @@ class Sampler:
         self.logits_processors = LogitsProcessors()
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplerRow],
-                 history: PenaltyHistory | None = None) -> SamplerOutput:
+                 history: PenaltyHistory | None = None,
+                 allowed: tuple[torch.Tensor, torch.Tensor] | None = None) -> SamplerOutput:
         """``history``: the engine's device-side token history of penalised sequences (penalties.py); the
-        sampled tokens of penalised rows are added to it. Without one, penalties read the rows' token lists."""
+        sampled tokens of penalised rows are added to it. Without one, penalties read the rows' token lists.
+        ``allowed``: (row indices, int32 bitmask) on the device, the tokens the grammars of those rows allow
+        (structured output); applied first, so nothing after it can bring a forbidden token back."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
         params = [row.sampling_params for row in rows]
         asked = [p.logprobs for p in params if p.logprobs is not None]
         processed = any(p.logits_processors for p in params)
         # A plain greedy batch needs only the argmax, the same on 16-bit logits as on their (exact) fp32 copy:
         # the copy, a kernel over the vocabulary, is made only for what computes with the logits.
-        if asked or processed or any(not p.greedy or p.logit_bias or p.needs_penalties or p.min_tokens
-                                     for p in params):
+        if asked or processed or allowed is not None or any(
+                not p.greedy or p.logit_bias or p.needs_penalties or p.min_tokens for p in params):
             logits = logits.float()
 
         raw_logprobs = logits.log_softmax(dim=-1) if asked else None
 
+        if allowed is not None:
+            logits = apply_token_bitmask(logits, *allowed)
         if processed:
             logits = self.logits_processors.apply(logits, rows)
         logits = apply_logit_bias(logits, params)

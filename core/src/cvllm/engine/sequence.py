@@ -17,7 +17,7 @@ class Sequence:
     __slots__ = ("seq_id", "request_id", "index", "token_ids", "num_prompt_tokens", "sampling_params",
                  "status", "num_computed_tokens", "num_hashed_blocks", "block_table", "generator",
                  "min_tokens_stop_ids", "finish_reason", "stop_reason", "logprobs", "prompt_logprobs", "arrival",
-                 "num_inflight", "num_cached_tokens")
+                 "num_inflight", "num_cached_tokens", "grammar")
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
                  index: int = 0, arrival: float = 0.0):
@@ -47,6 +47,7 @@ class Sequence:
         # per prompt position (None at 0), filled while the prompt is computed; set by the engine when asked
         self.prompt_logprobs: list[Any] | None = None
         self.arrival = arrival
+        self.grammar = None                      # its structured-output matcher (structured_output/grammar.py)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id}, {self.status.name}, tokens={self.num_tokens}, "
