@@ -62,7 +62,8 @@ class NamedToolChoice(Struct, kw_only=True):
 
 class ResponseFormat(Struct, kw_only=True):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: dict[str, Any] | None = None      # {"name", "schema", "strict"}
+    schema: dict[str, Any] | None = None           # llama.cpp's: {"type": "json_object", "schema": {...}}
 
 
 class SamplingFields(Struct, kw_only=True):
@@ -90,6 +91,15 @@ class SamplingFields(Struct, kw_only=True):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     logits_processors: list[str] | None = None   # names the server's plugins registered (register_samplers)
+    # constrained output (server/structured.py): OpenAI's, vLLM's (new and old names) and llama.cpp's forms
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
+    grammar: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -97,7 +107,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None

@@ -48,6 +48,8 @@ from cvllm.server.protocol import (
     encode,
 )
 from cvllm.server.state import ServerState, check_logprobs, engine_error
+from cvllm.server.structured import reasoning_bounds, requested_structure
+from cvllm.server.tool_calls import ForcedCallsParser
 
 logger = logging.getLogger("cvllm.server")
 
@@ -141,14 +143,6 @@ def _thinking_kwargs(request: ChatCompletionRequest) -> dict[str, Any] | None:
     if flag is not None:
         kwargs.setdefault("enable_thinking", flag)
     return kwargs or None
-
-
-def _check_unsupported(request: ChatCompletionRequest) -> None:
-    if request.response_format is not None and request.response_format.type != "text":
-        raise bad_request(f"response_format '{request.response_format.type}' is not supported yet",
-                          param="response_format")
-    if request.tool_choice is not None and request.tool_choice not in ("none", "auto"):
-        raise bad_request("tool_choice 'required' or a named function is not supported yet", param="tool_choice")
 
 
 class _ChoiceText:
@@ -253,7 +247,7 @@ class ChatService:
             raise bad_request(f"max_completion_tokens must be in [1, 2**31 - 1], got {request.max_completion_tokens}",
                               param="max_completion_tokens")
         check_logprobs("top_logprobs", request.top_logprobs)
-        _check_unsupported(request)
+        structure = requested_structure(request)
 
         prompt = render_prompt(state, request.messages, add_generation_prompt=request.add_generation_prompt,
                                continue_final_message=request.continue_final_message, tools=request.tools,
@@ -265,21 +259,35 @@ class ChatService:
             else request.max_tokens
         max_tokens = state.max_tokens(requested, len(prompt_ids), chat=True)
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = state.sampling_params(request, max_tokens=max_tokens, logprobs=num_logprobs)
+        if structure is not None and state.reasoning is not None:   # the grammar applies to the answer
+            structure = reasoning_bounds(structure, prompt, state.reasoning(prompt).opened, state.tokenizer)
+        params = state.sampling_params(request, max_tokens=max_tokens, logprobs=num_logprobs,
+                                       structured_outputs=structure)
         state.check_token_ids(params.stop_token_ids, "stop_token_ids")
 
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         tracker = start_request(state, request_id, prompt_ids, params)
-        wants_tools = state.tools is not None and bool(request.tools) and request.tool_choice != "none"
         max_calls = 1 if request.parallel_tool_calls is False else None
         texts = [_ChoiceText(choice, state.reasoning(prompt) if state.reasoning else None, num_logprobs,
-                             state.tokenizer, state.tools() if wants_tools else None, max_calls)
+                             state.tokenizer, _tool_parser(state, request), max_calls)
                  for choice in tracker.choices]
         reply = _Reply(request_id, int(time.time()), model, tracker, texts)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return SSEResponse(reply.stream(include_usage), [tracker])
         return await run_until_disconnect(http_request, reply.complete(), tracker)
+
+
+def _tool_parser(state: ServerState, request: ChatCompletionRequest):
+    """The parser of this request's tool calls: the forced forms for tool_choice "required" or a named function
+    (their grammar makes them parse), the model family's parser for "auto"; None without tools."""
+    if not request.tools or request.tool_choice == "none":
+        return None
+    if request.tool_choice == "required":
+        return ForcedCallsParser(None)
+    if request.tool_choice is not None and request.tool_choice != "auto":
+        return ForcedCallsParser(request.tool_choice.function.name)
+    return state.tools() if state.tools is not None else None
 
 
 class _Reply:

@@ -37,6 +37,7 @@ from cvllm.server.protocol import (
     encode,
 )
 from cvllm.server.state import ServerState, check_logprobs, engine_error
+from cvllm.server.structured import requested_structure
 
 MAX_PROMPTS = 1024
 # prompts × n: the sequences one request may queue (the queue limit counts requests, whatever their size)
@@ -160,12 +161,15 @@ class CompletionService:
         # without a tokenizer the ids are the only output there is
         return_ids = bool(request.return_token_ids) or state.tokenizer is None
 
+        structure = requested_structure(request)
+        if structure is not None:
+            state.require_tokenizer("Structured output", param="response_format")
         prompts = parse_prompts(state, request.prompt)
         params = []
         for _, ids in prompts:
             max_tokens = state.max_tokens(request.max_tokens, len(ids), chat=False)
             params.append(state.sampling_params(request, max_tokens=max_tokens, logprobs=request.logprobs,
-                                                prompt_logprobs=prompt_logprobs))
+                                                prompt_logprobs=prompt_logprobs, structured_outputs=structure))
         state.check_token_ids(params[0].stop_token_ids, "stop_token_ids")
         n = params[0].n
         if len(prompts) * n > MAX_CHOICES:

@@ -175,9 +175,12 @@ class ServerState:
         return requested
 
     def sampling_params(self, request: SamplingFields, *, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None, structured_outputs=None) -> SamplingParams:
+        """``structured_outputs``: the request's output constraint (server/structured.py), already checked."""
         values = {k: v for k, v in self.sampling_defaults.items() if k in SAMPLING_FIELDS}
         values.update(request_sampling_values(request))
+        if structured_outputs is not None:
+            values["structured_outputs"] = structured_outputs
         if request.logit_bias:
             self.check_token_ids(list(values["logit_bias"]), "logit_bias")
         values["max_tokens"] = max_tokens

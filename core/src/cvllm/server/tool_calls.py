@@ -198,6 +198,31 @@ class DeepSeekParser(TaggedParser):
             return None
 
 
+class ForcedCallsParser:
+    """The output of ``tool_choice`` "required" (``name`` None: a JSON array of ``{"name", "parameters"}``) or of
+    a named function (its arguments object), which a grammar forced (server/structured.py): all of it is calls,
+    parsed when it ends. Output cut short (max_tokens) does not parse and stays content."""
+
+    def __init__(self, name: str | None):
+        self.name, self.buffer = name, ""
+
+    def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
+        self.buffer += text
+        return "", []
+
+    def finish(self) -> tuple[str, list[ParsedCall]]:
+        rest, self.buffer = self.buffer, ""
+        try:
+            value = json.loads(rest)
+        except json.JSONDecodeError:
+            return rest, []
+        if self.name is not None:
+            calls = [_call({"name": self.name, "arguments": value})]
+        else:
+            calls = [_call(item, "parameters") for item in value] if isinstance(value, list) else [None]
+        return (rest, []) if not calls or None in calls else ("", calls)
+
+
 def tool_parser(name: str) -> Callable[[], object]:
     """The factory registered as ``name`` (core's, or a plugin's through ``register_tool_parsers``)."""
     from cvllm import plugins
