@@ -200,8 +200,10 @@ class LLMEngine:
                 self.fault_injector(batch)
             if record is not None:
                 record.scheduled(batch)
+            overlapped = False
             if batch.seqs:
                 launched, finished = self._launch(batch, prev, record)
+                overlapped = prev is not None   # launched before the last step's tokens were read
                 if finished is not None:
                     done, prev = done + finished, None
             if prev is not None:
@@ -210,7 +212,7 @@ class LLMEngine:
                 done += self._finish(launched, record)
             else:
                 self._inflight = launched
-                if launched is not None and prev is not None:
+                if overlapped:
                     self.stats.overlapped_steps += 1
         except BaseException:   # nothing stays in flight: the failed step's requests are failed by the caller
             for step in (prev, launched):
