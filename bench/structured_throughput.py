@@ -148,15 +148,22 @@ def main() -> None:
                                        max_num_seqs=args.num_requests, backend=device))
     rng = random.Random(0)
     top = tokenizer.vocab_size
-    prompts = [[rng.randrange(1, top) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
+
+    def fresh_prompts() -> list[list[int]]:   # each run its own: no run may hit the prefix cache of another
+        return [[rng.randrange(1, top) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
+
     schema = json.loads(Path(args.schema).read_text())
     constrained = [SamplingParams(temperature=1.0, seed=i, max_tokens=args.max_tokens,
                                   structured_outputs={"json": schema}) for i in range(args.num_requests)]
-    run(engine, prompts[:8], constrained[:8], "warmup", device)   # graphs, kernels, the grammar tokenizer
-    with_schema = run(engine, prompts, constrained, "schema", device)
+    # warm-up at the measured batch size, both ways: graphs, kernels of every shape, the grammar tokenizer
+    run(engine, fresh_prompts(), constrained, "warmup-schema", device)
+    run(engine, fresh_prompts(), [SamplingParams(temperature=1.0, seed=i, max_tokens=args.max_tokens // 4,
+                                                 ignore_eos=True) for i in range(args.num_requests)],
+        "warmup-free", device)
+    with_schema = run(engine, fresh_prompts(), constrained, "schema", device)
     free = [SamplingParams(temperature=1.0, seed=i, max_tokens=n, ignore_eos=True)
             for i, n in enumerate(with_schema["lengths"])]
-    without = run(engine, prompts, free, "free", device)
+    without = run(engine, fresh_prompts(), free, "free", device)
     valid = 0
     for ids, reason in with_schema["outputs"].values():
         try:

@@ -69,10 +69,17 @@ def phi_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> CheckpointFactor
 
 @pytest.fixture(autouse=True)
 def phi_plugin_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The plugin's hooks registered directly: the tests behave the same whether or not it is installed."""
+    """The plugin's hooks registered directly: the tests behave the same whether or not it is installed. The CUDA
+    backend's too, where it is installed (the GPU tests run on it)."""
     monkeypatch.setenv("CVLLM_PLUGINS", "")
     plugins.reset_plugins()
     plugins.get_plugin_manager().register(plugin, name="phi")
+    try:
+        from cvllm_cuda import plugin as cuda_plugin
+    except ImportError:
+        cuda_plugin = None
+    if cuda_plugin is not None:
+        plugins.get_plugin_manager().register(cuda_plugin, name="cuda")
     yield
     plugins.reset_plugins()
 
