@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
+import msgspec
 from tqdm import tqdm
 
 from cvllm.checkpoint.base import Checkpoint
@@ -16,6 +17,8 @@ from cvllm.output_processor import OutputProcessor
 from cvllm.outputs import RequestOutput
 from cvllm.sampling_defaults import check_generation_config_mode, sampling_defaults
 from cvllm.sampling_params import SamplingParams
+from cvllm.server.reasoning import prompt_opens_reasoning
+from cvllm.structured_output import reasoning_bounds
 
 Prompt = str | dict[str, Any]
 
@@ -96,17 +99,29 @@ class LLM:
              chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
         """``tools``: function schemas the template renders (with the model's "tool_use" template where it has
-        one); the calls in the output text are the caller's to parse (``cvllm.server.tool_calls``)."""
+        one); the calls in the output text are the caller's to parse (``cvllm.server.tool_calls``). On a thinking
+        model (its template mentions ``<think>``), ``structured_outputs`` apply to the answer after the thinking,
+        as the server does it."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self._tokenizer()
-        prompts = []
-        for conversation in conversations:
+        template = chat_template or tokenizer.template_for(tools) or ""
+        thinks = "<think>" in template or "</think>" in template
+        many = isinstance(sampling_params, list)
+        params_list = sampling_params if many else [sampling_params] * len(conversations)
+        prompts, chosen = [], []
+        for conversation, params in zip(conversations, params_list, strict=True):
             text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                                  chat_template=chat_template, tools=tools,
                                                  **(chat_template_kwargs or {}))
             # the template writes BOS itself, so no special tokens are added here
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+            structure = params.structured_outputs if params is not None else None
+            if thinks and structure is not None and structure.reasoning_end is None:
+                structure = reasoning_bounds(structure, text, prompt_opens_reasoning(text), tokenizer)
+                params = msgspec.structs.replace(params, structured_outputs=structure)
+            chosen.append(params)
+        adjusted = thinks and any(p is not None and p.structured_outputs is not None for p in params_list)
+        return self.generate(prompts, chosen if adjusted else sampling_params, use_tqdm=use_tqdm)
 
     def _tokenizer(self):
         tokenizer = self.llm_engine.tokenizer

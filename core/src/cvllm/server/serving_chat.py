@@ -48,8 +48,9 @@ from cvllm.server.protocol import (
     encode,
 )
 from cvllm.server.state import ServerState, check_logprobs, engine_error
-from cvllm.server.structured import reasoning_bounds, requested_structure
+from cvllm.server.structured import requested_structure
 from cvllm.server.tool_calls import ForcedCallsParser
+from cvllm.structured_output import reasoning_bounds
 
 logger = logging.getLogger("cvllm.server")
 

@@ -9,18 +9,15 @@
   ``{"name", "parameters"}`` objects, or the named function's arguments object).
 
 A request gives at most one; a schema, regex or grammar that does not compile is a 400 naming the field.
-On a thinking model the grammar applies to the answer after the reasoning (``reasoning_bounds``).
+On a thinking model the grammar applies to the answer after the reasoning (structured_output.reasoning_bounds).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import msgspec
-
 from cvllm.sampling_params import SamplingParamError
 from cvllm.server.errors import bad_request
-from cvllm.server.reasoning import END, START
 from cvllm.structured_output import StructuredOutputsParams
 
 FIELDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -105,20 +102,3 @@ def _parameters(tool) -> dict[str, Any]:
 
 def _describe(choice) -> str:
     return repr(choice) if isinstance(choice, str) else f"{{function: {choice.function.name!r}}}"
-
-
-def reasoning_bounds(params: StructuredOutputsParams, prompt: str, opened: bool, tokenizer) -> StructuredOutputsParams:
-    """``params`` for a thinking model's chat: the grammar starts after ``</think>``. ``opened``: the reasoning
-    parser's mode (the prompt opened the thinking, or the model is expected to). Unchanged where the prompt closed
-    the thinking already (``enable_thinking: false``) or the tags are not in the vocabulary."""
-    if prompt.rstrip().endswith(END):
-        return params
-    end = tokenizer.encode(END, add_special_tokens=False)
-    start = tokenizer.encode(START, add_special_tokens=False)
-    if not end or tokenizer.decode(end, skip_special_tokens=False) != END:
-        return params
-    if opened or prompt.rstrip().endswith(START):
-        return msgspec.structs.replace(params, reasoning_end=end)
-    if len(start) != 1:   # the model could open its thinking only over several tokens: the grammar from the start
-        return params
-    return msgspec.structs.replace(params, reasoning_end=end, reasoning_start=start[0])

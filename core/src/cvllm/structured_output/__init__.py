@@ -5,6 +5,6 @@ built; ``grammar.py`` is the engine's side, on llguidance: a matcher per sequenc
 the bitmask of allowed tokens that the sampler applies on the device (docs/structured_output.md).
 """
 
-from cvllm.structured_output.params import StructuredOutputsParams
+from cvllm.structured_output.params import StructuredOutputsParams, reasoning_bounds
 
-__all__ = ["StructuredOutputsParams"]
+__all__ = ["StructuredOutputsParams", "reasoning_bounds"]

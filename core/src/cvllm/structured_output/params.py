@@ -91,3 +91,23 @@ def _compile(form: str, text: str) -> str:
     if is_error:
         raise SamplingParamError("structured_outputs", f"invalid {what}: {messages[0].strip()}")
     return grammar
+
+
+def reasoning_bounds(params: StructuredOutputsParams, prompt: str, opened: bool, tokenizer
+                     ) -> StructuredOutputsParams:
+    """``params`` for a thinking model's chat: the grammar starts after ``</think>``. ``opened``: the reasoning
+    parser's mode (the prompt opened the thinking, or the model is expected to). Unchanged where the prompt closed
+    the thinking already (``enable_thinking: false``) or the tags are not in the vocabulary."""
+    from cvllm.server.reasoning import END, START  # (plain Python: no server dependency)
+
+    if prompt.rstrip().endswith(END):
+        return params
+    end = tokenizer.encode(END, add_special_tokens=False)
+    start = tokenizer.encode(START, add_special_tokens=False)
+    if not end or tokenizer.decode(end, skip_special_tokens=False) != END:
+        return params
+    if opened or prompt.rstrip().endswith(START):
+        return msgspec.structs.replace(params, reasoning_end=end)
+    if len(start) != 1:   # the model could open its thinking only over several tokens: the grammar from the start
+        return params
+    return msgspec.structs.replace(params, reasoning_end=end, reasoning_start=start[0])
