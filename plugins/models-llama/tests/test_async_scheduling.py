@@ -163,7 +163,8 @@ def test_penalties_overlap_and_match_transformers(small_vocab, monkeypatch) -> N
 
     host_lists = Sampler.__call__
     with monkeypatch.context() as patch:   # the reference: no device history, token lists read each step
-        patch.setattr(Sampler, "__call__", lambda self, logits, rows, history=None: host_lists(self, logits, rows))
+        patch.setattr(Sampler, "__call__",
+                      lambda self, logits, rows, history=None, allowed=None: host_lists(self, logits, rows))
         reference, _ = run(checkpoint, False, requests, max_num_seqs=2)
     for engine in ({"max_num_seqs": 2}, {"num_kv_blocks": 5}):
         got, stats = run(checkpoint, True, requests, **engine)

@@ -97,11 +97,12 @@ CASES = [
     ("image-part", chat(messages=[{"role": "user", "content": [
         {"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]),
      400, "messages[0].content[1].type"),
-    ("json-schema", chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    ("json-schema", chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "nope"}}}), 400, "response_format"),
+    ("json-schema-not-an-object", chat(response_format={"type": "json_schema", "json_schema": {"name": "x",
+                                                                                              "schema": [1]}}),
      400, "response_format"),
-    ("json-object", chat(response_format={"type": "json_object"}), 400, "response_format"),
-    ("tool-choice-required", chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required"),
-     400, "tool_choice"),
+    ("tool-choice-required-without-tools", chat(tool_choice="required"), 400, "tool_choice"),
     ("continue-and-generation-prompt", chat(continue_final_message=True, add_generation_prompt=True), 400,
      "continue_final_message"),
     ("context-overflow-chat", chat(max_tokens=1000), 400, "max_tokens"),
