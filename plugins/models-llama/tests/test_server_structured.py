@@ -139,3 +139,19 @@ def test_bad_constraints_are_a_400_naming_the_field(client, body, param):
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, extra_body=body)
     assert error.value.body["param"] == param, error.value.body
+
+
+def test_a_named_calls_arguments_stream_as_fragments(client):
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=120, seed=3,
+                                            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                            stream=True)
+    deltas, finish = [], None
+    for chunk in stream:
+        deltas += chunk.choices[0].delta.tool_calls or []
+        finish = chunk.choices[0].finish_reason or finish
+    first, *rest = deltas
+    assert first.index == 0 and first.id and first.type == "function" and first.function.name == "get_weather"
+    assert rest and all(d.index == 0 and d.id is None and d.function.name is None for d in rest)
+    arguments = first.function.arguments + "".join(d.function.arguments for d in rest)
+    jsonschema.validate(json.loads(arguments), TOOLS[0]["function"]["parameters"])
+    assert finish == "tool_calls"

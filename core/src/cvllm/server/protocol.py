@@ -171,14 +171,14 @@ class ChatLogprobs(Struct, kw_only=True):
 
 
 class ToolCallFunction(Struct, kw_only=True):
-    name: str
+    name: str | UnsetType = UNSET         # unset only in a streamed delta that continues a call's arguments
     arguments: str
 
 
 class ToolCall(Struct, kw_only=True):
     index: int | UnsetType = UNSET        # in a streamed delta: which call of the choice this is
-    id: str
-    type: str = "function"
+    id: str | UnsetType = UNSET           # set on a call's first delta (and always outside streaming)
+    type: str | UnsetType = "function"
     function: ToolCallFunction
 
 

@@ -9,6 +9,7 @@ import uuid
 from typing import Any
 
 import msgspec
+from msgspec import UNSET
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -159,7 +160,10 @@ class _ChoiceText:
         self.reasoning: list[str] = []
         self.tool_calls: list = []           # ParsedCall, in order
         self.new_calls: list = []            # streaming: parsed since the last chunk
+        # streaming a named forced call: its argument text as it comes (ForcedCallsParser.fragments)
+        self.fragments: list[ToolCall] | None = [] if getattr(tools, "name", None) else None
         self.logprobs: list[ChatTokenLogprob] = []
+        self._streamed = False
         self.pending_logprobs: list[ChatTokenLogprob] = []   # streaming: waiting for a chunk with text
 
     def take(self, update: ChoiceUpdate) -> tuple[str, str]:
@@ -170,6 +174,16 @@ class _ChoiceText:
                 more_reasoning, more_content = self.parser.finish()
                 reasoning, content = reasoning + more_reasoning, content + more_content
         if self.tools is not None:
+            if self.fragments is not None:
+                first = not self.tool_calls and not self._streamed
+                for call_id, name, arguments in self.tools.fragments(content, first):
+                    self._streamed = True
+                    if call_id is None:   # a continuation: the index and more of the arguments
+                        self.fragments.append(ToolCall(index=0, type=UNSET,
+                                                       function=ToolCallFunction(arguments=arguments)))
+                    else:
+                        self.fragments.append(ToolCall(index=0, id=call_id,
+                                                       function=ToolCallFunction(name=name, arguments=arguments)))
             content, calls = self.tools.feed(content)
             if update.finish_reason is not None:
                 more_content, more_calls = self.tools.finish()
@@ -184,6 +198,8 @@ class _ChoiceText:
             entries = [self._logprob(token_id, logprobs) for token_id, logprobs in update.logprobs]
             self.logprobs.extend(entries)
             self.pending_logprobs.extend(entries)
+        if self._streamed:   # (arguments cut short by max_tokens: already streamed as such, not again as content)
+            content = ""
         return content, reasoning
 
     def _logprob(self, token_id: int, logprobs) -> ChatTokenLogprob:
@@ -224,7 +240,12 @@ class _ChoiceText:
         return "tool_calls" if reason == "stop" and self.tool_calls else reason
 
     def take_new_calls(self, first_index: int = 0) -> list[ToolCall]:
-        """Streaming: the calls parsed since the last chunk, each with its index among the choice's calls."""
+        """Streaming: the calls parsed since the last chunk, each with its index among the choice's calls (for a
+        named forced call: the fragments of its arguments, the call already sent that way)."""
+        if self.fragments is not None:
+            fragments, self.fragments = self.fragments, []
+            self.new_calls = []
+            return fragments
         calls, self.new_calls = self.new_calls, []
         start = len(self.tool_calls) - len(calls)
         return [_tool_call(call, start + i) for i, call in enumerate(calls)]

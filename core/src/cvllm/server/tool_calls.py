@@ -201,14 +201,22 @@ class DeepSeekParser(TaggedParser):
 class ForcedCallsParser:
     """The output of ``tool_choice`` "required" (``name`` None: a JSON array of ``{"name", "parameters"}``) or of
     a named function (its arguments object), which a grammar forced (server/structured.py): all of it is calls,
-    parsed when it ends. Output cut short (max_tokens) does not parse and stays content."""
+    parsed when it ends. Output cut short (max_tokens) does not parse and stays content. A named function's
+    arguments also stream as they come (``fragments``): the call is known from the first token."""
 
     def __init__(self, name: str | None):
         self.name, self.buffer = name, ""
+        self.call_id = ParsedCall("", "").id if name is not None else None
 
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
         self.buffer += text
         return "", []
+
+    def fragments(self, text: str, first: bool) -> list[tuple[str | None, str | None, str]]:
+        """Streaming a named call: (id, name, arguments text) deltas for ``text``, the id and name on the first."""
+        if self.name is None or not (text or first):
+            return []
+        return [(self.call_id, self.name, text) if first else (None, None, text)]
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
         rest, self.buffer = self.buffer, ""
@@ -218,6 +226,8 @@ class ForcedCallsParser:
             return rest, []
         if self.name is not None:
             calls = [_call({"name": self.name, "arguments": value})]
+            if calls[0] is not None:
+                calls[0].id = self.call_id
         else:
             calls = [_call(item, "parameters") for item in value] if isinstance(value, list) else [None]
         return (rest, []) if not calls or None in calls else ("", calls)
