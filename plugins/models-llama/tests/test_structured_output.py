@@ -172,3 +172,15 @@ def test_bitmask_unpacking_sets_exactly_the_forbidden_logits():
     for k, row in enumerate(rows.tolist()):
         assert torch.equal(torch.isfinite(out[row]), allowed[k])
         assert torch.equal(out[row][allowed[k]], logits[row][allowed[k]])
+
+
+def test_a_request_aborted_while_its_grammar_compiles_is_dropped(llm):
+    engine = llm.llm_engine
+    engine.add_request("compiling", [5, 6, 7], SamplingParams(max_tokens=4, structured_outputs={"json": PERSON}))
+    engine.abort_request("compiling")
+    for _ in range(20):
+        if not engine.has_unfinished():
+            break
+        assert engine.step() == []
+    assert not engine.has_unfinished() and "compiling" not in engine.requests
+    assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
