@@ -9,12 +9,12 @@ VENV := $(if $(VIRTUAL_ENV),$(VIRTUAL_ENV),.venv)
 BIN := $(VENV)/bin
 PACKAGES := ./core ./plugins/models-llama ./plugins/models-qwen ./plugins/models-deepseek ./plugins/models-phi \
             ./plugins/models-gemma ./plugins/models-glm ./plugins/models-stablelm ./plugins/quant-gguf ./plugins/quant-marlin \
-            ./plugins/quant-fp8 ./plugins/backend-cuda
+            ./plugins/quant-fp8 ./plugins/backend-cuda ./plugins/backend-metal
 # The packages with the extras their tests need (transformers, gguf, the Triton the CPU interpreter runs, ...)
 TEST_PACKAGES := ./core[test] ./plugins/models-llama ./plugins/models-qwen[test] ./plugins/models-deepseek[test] \
                  ./plugins/models-phi[test] ./plugins/models-gemma[test] ./plugins/models-glm[test] ./plugins/models-stablelm[test] \
                  ./plugins/quant-gguf[test] ./plugins/quant-marlin[test] ./plugins/quant-fp8[test] \
-                 ./plugins/backend-cuda[test]
+                 ./plugins/backend-cuda[test] ./plugins/backend-metal[test]
 PYPROJECTS := $(wildcard core/pyproject.toml plugins/*/pyproject.toml)
 
 .PHONY: serve test install install-test clean

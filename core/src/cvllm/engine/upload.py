@@ -14,4 +14,6 @@ def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     (bench/prepare_cpu.py times building a device step's inputs without a device)."""
     if device.type in ("cpu", "meta"):
         return t if device.type == "cpu" else t.to(device)
+    if device.type == "mps":   # unified memory: no pinned staging (pin_memory has failed on MPS in torch releases)
+        return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
