@@ -14,7 +14,8 @@ from cvllm.engine.build import build_engine
 from cvllm.engine.config import EngineConfig
 from cvllm.engine_process.inprocess_client import InProcessClient
 from cvllm.output_processor import OutputProcessor
-from cvllm.outputs import RequestOutput
+from cvllm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from cvllm.pooling import PoolingConfig
 from cvllm.sampling_defaults import check_generation_config_mode, sampling_defaults
 from cvllm.sampling_params import SamplingParams
 from cvllm.server.reasoning import prompt_opens_reasoning
@@ -123,21 +124,38 @@ class LLM:
         adjusted = thinks and any(p is not None and p.structured_outputs is not None for p in params_list)
         return self.generate(prompts, chosen if adjusted else sampling_params, use_tqdm=use_tqdm)
 
+    # -- embeddings ----------------------------------------------------------------------------
+
+    def embed(self, prompts: Prompt | list[Prompt], *, pooling: PoolingConfig | None = None,
+              dimensions: int | None = None) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt (vLLM's ``LLM.embed``: ``.outputs.embedding``), as ``/v1/embeddings`` computes it:
+        the final hidden states pooled as ``pooling`` says, else as the checkpoint declares (sentence-transformers'
+        modules.json), else last-token and L2-normalised; ``dimensions`` cuts them (Matryoshka) before normalising."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        ids = [self._prompt_ids(prompt)[1] for prompt in prompts]
+        vectors = self.llm_engine.embed(ids, pooling, dimensions)
+        return [EmbeddingRequestOutput(str(next(self._request_ids)), prompt_ids, EmbeddingOutput(vector.tolist()))
+                for prompt_ids, vector in zip(ids, vectors)]
+
     def _tokenizer(self):
         tokenizer = self.llm_engine.tokenizer
         if tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer; pass {'prompt_token_ids': [...]} prompts")
         return tokenizer
 
-    def _add(self, prompt: Prompt, params: SamplingParams) -> str:
+    def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt: a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}."""
         if isinstance(prompt, str):
-            text, ids = prompt, self._tokenizer().encode(prompt)
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        elif isinstance(prompt, dict) and "prompt" in prompt:
-            text, ids = prompt["prompt"], self._tokenizer().encode(prompt["prompt"])
-        else:
-            raise TypeError("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}")
+            return prompt, self._tokenizer().encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt["prompt"], self._tokenizer().encode(prompt["prompt"])
+        raise TypeError("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}")
+
+    def _add(self, prompt: Prompt, params: SamplingParams) -> str:
+        text, ids = self._prompt_ids(prompt)
         request_id = str(next(self._request_ids))
         self.engine_client.add_request(request_id, ids, params)
         self.output_processor.add_request(request_id, text, ids, params)

@@ -11,6 +11,7 @@ import torch
 
 from cvllm.checkpoint.lazy import LazyTensor, materialize
 from cvllm.config import ModelConfig
+from cvllm.pooling import PoolingConfig
 
 
 class CheckpointError(ValueError):
@@ -31,6 +32,8 @@ class Checkpoint:
     format: str = "hf"
     # what that quantizer needs to know about the file (quantization_config, per-tensor GGML types ...)
     quant_config: Any = None
+    # the embedding pooling the checkpoint declares (sentence-transformers' modules.json), else None (pooling.py)
+    pooling: PoolingConfig | None = None
 
     def weights(self, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
         """The (name, tensor) pairs, each tensor read whole; ``lazy``: LazyTensors left unread, for loaders that

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from cvllm.checkpoint.base import Checkpoint, CheckpointError
 from cvllm.checkpoint.pytorch_bin import bin_files, iterate_bins
-from cvllm.checkpoint.safetensors_files import iterate_safetensors
+from cvllm.checkpoint.safetensors_files import check_safetensors_file, iterate_safetensors
+from cvllm.checkpoint.sentence_transformers import MODULES_FILE, adapt_base_model, read_declared_pooling
 from cvllm.config import load_json, model_config_from_dict
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -56,6 +57,10 @@ def open_hf_checkpoint(path: str | Path) -> Checkpoint:
     raw = load_json(config_file, "config.json")
     config = model_config_from_dict(raw, source=str(config_file), aliases=architecture_config_aliases(raw))
     files = weight_files(path)
+    weights = partial(iterate_bins if files[0].suffix == ".bin" else iterate_safetensors, files)
+    pooling = read_declared_pooling(path)
+    if (path / MODULES_FILE).exists() and files[0].suffix != ".bin":
+        weights = adapt_base_model(config, tensor_names(path, files), weights, path)
     generation_config = {}
     if (path / "generation_config.json").exists():
         generation_config = load_json(path / "generation_config.json", "generation_config.json")
@@ -68,9 +73,18 @@ def open_hf_checkpoint(path: str | Path) -> Checkpoint:
     return Checkpoint(
         path=path,
         config=config,
-        weight_iterator=partial(iterate_bins if files[0].suffix == ".bin" else iterate_safetensors, files),
+        weight_iterator=weights,
         tokenizer=tokenizer,
         generation_config=generation_config,
         quant_method=quant.get("quant_method"),
         format="hf",
+        pooling=pooling,
     )
+
+
+def tensor_names(path: Path, safetensors: list[Path]) -> list[str]:
+    """The checkpoint's tensor names, from its index or the files' headers (no tensor is read)."""
+    index = path / INDEX_FILE
+    if index.exists():
+        return list(load_json(index, "safetensors index").get("weight_map") or {})
+    return [name for file in safetensors for name in check_safetensors_file(file) if name != "__metadata__"]

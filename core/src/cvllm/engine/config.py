@@ -44,6 +44,9 @@ class EngineConfig:
     # K experts of every MoE layer in host memory, copied in when routed (layers/expert_offload.py); no CUDA graphs
     num_experts_offload_per_rank: int = 0
     async_scheduling: bool | None = None        # launch step N+1 before reading N's tokens; None: on except on CPU
+    # {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": M, "prompt_lookup_min": m, ...}
+    # (engine/speculative.py); None: no speculative decoding
+    speculative_config: dict | None = None
     # Multi-node (tensor_parallel/multinode.py, node.py): this process is node 0's rank 0; other nodes run a launcher
     num_nodes: int = 1
     node_rank: int = 0
@@ -81,6 +84,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+        if self.speculative_config is not None:
+            from cvllm.engine.speculative import SpeculativeConfig
+
+            SpeculativeConfig.from_dict(self.speculative_config)   # its errors now, not in the engine core
         for name in ("kv_fraction", "gpu_memory_utilization"):
             value = getattr(self, name)
             if value is not None and not 0 < value <= 1:

@@ -20,6 +20,7 @@ from cvllm.engine.penalties import PenaltyHistory
 from cvllm.engine.prompt_logprobs import prompt_logprob_rows, record_prompt_logprobs
 from cvllm.engine.scheduler import ScheduledBatch
 from cvllm.engine.sequence import Sequence
+from cvllm.engine.speculative import sampler_rows
 from cvllm.engine.upload import upload
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ class LaunchedStep:
     # waits for the sampled ids' copy to the host: [token ids] or [token ids, logprobs, top ids, top logprobs]
     readback: Callable[[], list[torch.Tensor]] | None
     scoring: bool                   # it recorded prompt logprobs (such steps finish at once)
+    speculative: bool = False       # it verified drafts: 1 + K rows for a speculating sequence (finishes at once)
 
 
 class Executor:
@@ -83,6 +85,11 @@ class Executor:
 
     def prompt_logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """fp32 logits of every token of ``batch`` (scoring: LLMEngine.prompt_logits)."""
+        raise NotImplementedError
+
+    def prompt_hidden(self, batch: ScheduledBatch) -> torch.Tensor:
+        """fp32 final hidden states (after the last norm, before the LM head) of every token of ``batch``, on the
+        device (embeddings: engine/embedding.py)."""
         raise NotImplementedError
 
     def release(self, seq_id: int) -> None:
@@ -138,8 +145,9 @@ class InProcessExecutor(Executor):
         else:
             logits = self._observed_forward(batch, extra, previous_tokens, record)
         if scoring:
-            record_prompt_logprobs(batch, scoring, logits[len(sampling):])
-            logits = logits[:len(sampling)]
+            num_rows = len(sampling) + sum(seq.num_drafts for seq in sampling)
+            record_prompt_logprobs(batch, scoring, logits[num_rows:])
+            logits = logits[:num_rows]
         return ForwardedStep(sampling, logits, bool(scoring))
 
     def sample(self, step: ForwardedStep, allowed: tuple[list[int], torch.Tensor] | None,
@@ -149,7 +157,9 @@ class InProcessExecutor(Executor):
             rows, bits = allowed
             device = self.backend.device
             allowed = (upload(torch.tensor(rows), device), upload(bits, device))   # no wait for the device
-        out = self.sampler(step.logits, sampling, history=self.penalties, allowed=allowed) if sampling else None
+        speculative = any(seq.num_drafts for seq in sampling)
+        rows = sampler_rows(sampling) if speculative else sampling   # a row per draft position
+        out = self.sampler(step.logits, rows, history=self.penalties, allowed=allowed) if sampling else None
         readback = None
         if out is not None:   # queued now, so reading it back later does not wait for the next step
             wanted = [out.token_ids] if out.logprobs is None else [out.token_ids, out.logprobs, out.top_ids,
@@ -158,7 +168,7 @@ class InProcessExecutor(Executor):
         if record is not None:
             record.mark("sample")
             record.device_mark(self.backend, "sampled")
-        return LaunchedStep(sampling, out, readback, step.scoring)
+        return LaunchedStep(sampling, out, readback, step.scoring, speculative)
 
     @torch.inference_mode()
     def _observed_forward(self, batch: ScheduledBatch, extra: torch.Tensor | None,
@@ -175,6 +185,12 @@ class InProcessExecutor(Executor):
 
     def prompt_logits(self, batch: ScheduledBatch) -> torch.Tensor:
         return self.runner.run(batch, all_logits=True)
+
+    def prompt_hidden(self, batch: ScheduledBatch) -> torch.Tensor:
+        hidden_states = getattr(self.runner, "hidden_states", None)
+        if hidden_states is None:   # FakeModelRunner (--fake-step-ms): there is no model
+            raise ValueError("this engine runs no model (fake steps), so it cannot embed")
+        return hidden_states(batch)
 
     def release(self, seq_id: int) -> None:
         self.penalties.release(seq_id)

@@ -12,12 +12,15 @@ import torch
 
 from cvllm.checkpoint.base import Checkpoint
 from cvllm.engine.config import EngineConfig
+from cvllm.engine.embedding import embed_all
 from cvllm.engine.executor import Executor, LaunchedStep
 from cvllm.engine.observers import StepObservers, StepRecord
 from cvllm.engine.sampler import make_generator
 from cvllm.engine.scheduler import EngineStats, ScheduledBatch, Scheduler
 from cvllm.engine.sequence import Sequence
+from cvllm.engine.speculative import SpeculativeConfig, Speculator, sampler_rows
 from cvllm.outputs import Logprob
+from cvllm.pooling import PoolingConfig
 from cvllm.sampling_params import SamplingParams
 from cvllm.structured_output.grammar import GrammarMasks
 
@@ -47,6 +50,9 @@ class LLMEngine:
         self.observers = StepObservers()   # per-step records for metrics and benchmarks; none: no record is built
         self.fault_injector = config.fault_injector   # a test seam: it sees each scheduled batch, and may raise
         self._inflight: LaunchedStep | None = None
+        speculative = SpeculativeConfig.from_dict(config.speculative_config)
+        # n-gram drafts verified in one forward (speculative.py); None: off
+        self.speculator = None if speculative is None else Speculator(speculative, scheduler, self.max_model_len)
         self.grammars: GrammarMasks | None = None   # structured output's state, made on the first request for it
         # structured requests whose grammars are compiling; they join the scheduler when compiled
         self._compiling: list[tuple[Future, list[Sequence]]] = []
@@ -195,7 +201,11 @@ class LLMEngine:
             done = self._admit_compiled(block=prev is None and not self.scheduler.has_unfinished())
             if prev is not None and not self._can_overlap():
                 done, prev = done + self._finish(prev, record), None     # schedule with every token known
+            if self.speculator is not None and prev is None:
+                self.speculator.propose()
             self.last_batch = batch = self.scheduler.schedule()   # the engine core reads it when a step fails
+            if self.speculator is not None:
+                self.speculator.fit(batch)
             if self.fault_injector is not None:
                 self.fault_injector(batch)
             if record is not None:
@@ -208,7 +218,7 @@ class LLMEngine:
                     done, prev = done + finished, None
             if prev is not None:
                 done += self._finish(prev, record)
-            if launched is not None and (not self.async_scheduling or launched.scoring):
+            if launched is not None and (not self.async_scheduling or launched.scoring or launched.speculative):
                 done += self._finish(launched, record)
             else:
                 self._inflight = launched
@@ -229,6 +239,8 @@ class LLMEngine:
         """Whether the next batch may be sampled before the last one's tokens are on the host."""
         if not self.async_scheduling:
             return False
+        if self.speculator is not None and self.speculator.active:
+            return False   # drafts need every token on the host
         for seq in itertools.chain(self.scheduler.running, self.scheduler.waiting):
             params = seq.sampling_params
             if (params.min_tokens and seq.num_output_tokens + seq.num_inflight <= params.min_tokens) \
@@ -255,7 +267,7 @@ class LLMEngine:
         if structured:
             if prev is not None:
                 finished = self._finish(prev, record)
-            step = self.executor.sample(forwarded, self.grammars.bitmask(sampling), record)
+            step = self.executor.sample(forwarded, self.grammars.bitmask(sampler_rows(sampling)), record)
         if record is not None:
             record.mark("advance")
         return step, finished
@@ -271,25 +283,35 @@ class LLMEngine:
         if len(host) > 1:
             sampled_lp, top_ids, top_lp = host[1:]
         done = []
-        for i, (seq, token) in enumerate(zip(step.sampling, token_ids)):
+        generated = 0
+        row = 0   # a speculating sequence has 1 + K rows (its draft positions), the others one
+        for seq in step.sampling:
             seq.num_inflight -= 1
-            if seq.is_finished:      # stopped (or aborted) while this step ran: its token is not wanted
+            first, row = row, row + 1 + seq.num_drafts
+            tokens = token_ids[first:row]
+            if seq.num_drafts:
+                tokens = self.speculator.verify(seq, tokens)
+            if seq.is_finished:      # stopped (or aborted) while this step ran: its tokens are not wanted
                 continue
-            seq.append_token(token)
-            if seq.grammar is not None and not seq.grammar.accept(token, seq):
-                # (not reached: the mask allows only what the grammar accepts)
-                logger.error("request %s: %s; ending it", seq.request_id, seq.grammar.error())
-                self._retire(seq, "stop")
-                done.append(seq)
-                continue
-            if seq.logprobs is not None:
-                k = seq.sampling_params.logprobs
-                entry = {tid: Logprob(lp, rank) for rank, (tid, lp) in enumerate(zip(top_ids[i][:k], top_lp[i][:k]), 1)}
-                entry.setdefault(token, Logprob(sampled_lp[i], None))
-                seq.logprobs.append(entry)
-            self._check_stop(seq, token)
+            for i, token in enumerate(tokens, first):
+                seq.append_token(token)
+                generated += 1
+                if seq.grammar is not None and not seq.grammar.accept(token, seq):
+                    # (not reached: the mask allows only what the grammar accepts)
+                    logger.error("request %s: %s; ending it", seq.request_id, seq.grammar.error())
+                    self._retire(seq, "stop")
+                    break
+                if seq.logprobs is not None:
+                    k = seq.sampling_params.logprobs
+                    entry = {tid: Logprob(lp, rank)
+                             for rank, (tid, lp) in enumerate(zip(top_ids[i][:k], top_lp[i][:k]), 1)}
+                    entry.setdefault(token, Logprob(sampled_lp[i], None))
+                    seq.logprobs.append(entry)
+                self._check_stop(seq, token)
+                if seq.is_finished:   # a stop among accepted drafts: the tokens after it are dropped
+                    break
             done.append(seq)
-        self.stats.generated_tokens += len(done)
+        self.stats.generated_tokens += generated
         if record is not None:
             record.mark("finish")
         return done
@@ -336,3 +358,16 @@ class LLMEngine:
                 bm.free(seq)
             results.append(torch.cat(chunks))
         return results
+
+    # -- embeddings --------------------------------------------------------------------------
+
+    def embed(self, prompts: list[list[int]], pooling: PoolingConfig | None = None,
+              dimensions: int | None = None) -> list[torch.Tensor]:
+        """One fp32 vector per prompt: the final hidden states (after the model's last norm, before the LM head)
+        pooled as ``pooling`` says (default: what the checkpoint declares, else last-token, L2-normalised), cut to
+        ``dimensions`` (Matryoshka). Runs through the paged prefill path in chunks of at most
+        ``max_num_batched_tokens`` and frees every block it took (engine/embedding.py); with nothing else running:
+        the engine core interleaves an ``Embedder`` with its steps instead."""
+        if self._shut_down:
+            raise RuntimeError("this engine was shut down: its model and KV cache are freed")
+        return embed_all(self, prompts, pooling or self.checkpoint.pooling or PoolingConfig(), dimensions)

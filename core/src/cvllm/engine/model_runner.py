@@ -195,6 +195,15 @@ class ModelRunner:
         decode-only step's come in the model's dtype (decode_logits)."""
         return self.forward(batch, self.prepare(batch, previous_tokens), all_logits, extra_indices)
 
+    @torch.inference_mode()
+    def hidden_states(self, batch: ScheduledBatch) -> torch.Tensor:
+        """fp32 final hidden states of every token of ``batch``: the model's forward (its last norm included)
+        without the LM head, what embeddings pool."""
+        input_ids, positions, ctx, _ = self.prepare(batch)
+        with forward_context(ctx):
+            self.backend.prepare(ctx)
+            return self.model(input_ids, positions).float()
+
     def forward(self, batch: ScheduledBatch, inputs: tuple[torch.Tensor, torch.Tensor, ForwardContext, torch.Tensor],
                 all_logits: bool = False, extra_indices: torch.Tensor | None = None) -> torch.Tensor:
         """``run`` after ``prepare``: the forward pass on prepared inputs, under inference mode (the executor

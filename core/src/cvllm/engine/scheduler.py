@@ -36,6 +36,9 @@ class EngineStats:
     prompt_tokens_computed: int = 0
     generated_tokens: int = 0
     overlapped_steps: int = 0     # steps launched before the previous step's tokens were read back
+    spec_draft_tokens: int = 0    # speculative decoding: drafts verified, and accepted
+    spec_accepted_tokens: int = 0
+    spec_verifications: int = 0   # sequence-steps that verified drafts
 
 
 @dataclass(slots=True)
@@ -46,6 +49,7 @@ class ScheduledBatch:
     num_decodes: int = 0
     # the sequences that reach their last token this step (their logits are sampled); fixed when scheduled
     sample_indices: list[int] = field(default_factory=list)
+    num_draft_chunk_tokens: int = 0   # tokens of decodes with drafts (speculative), in num_prefill_tokens
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -142,17 +146,21 @@ class Scheduler:
         is_decode = n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
         if is_decode:
             batch.num_decodes += 1
-        else:
+        else:   # (a decode with drafts too: several query tokens, so the varlen path)
             batch.num_prefill_tokens += n
-            if seq.num_computed_tokens + n < seq.num_tokens:
+            if seq.num_drafts:
+                batch.num_draft_chunk_tokens += n
+            elif seq.num_computed_tokens + n < seq.num_tokens:
                 self.stats.prefill_chunks += 1
 
     def advance(self, batch: ScheduledBatch) -> None:
         """After the forward pass: the scheduled tokens are in the cache now."""
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            seq.num_computed_tokens += n
+            # drafts count once verified (the engine adds the accepted ones): no prefix-cache block holds a
+            # token that may be rejected
+            seq.num_computed_tokens += n - seq.num_drafts
             self.block_manager.cache_full_blocks(seq)
-        self.stats.prompt_tokens_computed += batch.num_prefill_tokens
+        self.stats.prompt_tokens_computed += batch.num_prefill_tokens - batch.num_draft_chunk_tokens
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire a sequence (finished or aborted) wherever it is and free its blocks."""

@@ -17,7 +17,7 @@ class Sequence:
     __slots__ = ("seq_id", "request_id", "index", "token_ids", "num_prompt_tokens", "sampling_params",
                  "status", "num_computed_tokens", "num_hashed_blocks", "block_table", "generator",
                  "min_tokens_stop_ids", "finish_reason", "stop_reason", "logprobs", "prompt_logprobs", "arrival",
-                 "num_inflight", "num_cached_tokens", "grammar")
+                 "num_inflight", "num_cached_tokens", "grammar", "num_drafts", "spec_proposed", "spec_accepted")
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
                  index: int = 0, arrival: float = 0.0):
@@ -48,6 +48,11 @@ class Sequence:
         self.prompt_logprobs: list[Any] | None = None
         self.arrival = arrival
         self.grammar = None                      # its structured-output matcher (structured_output/grammar.py)
+        # speculative decoding (engine/speculative.py): draft tokens at the end of token_ids this step, and the
+        # drafts proposed and accepted so far (its acceptance rate)
+        self.num_drafts = 0
+        self.spec_proposed = 0
+        self.spec_accepted = 0
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id}, {self.status.name}, tokens={self.num_tokens}, "

@@ -79,7 +79,10 @@ def build_host_step(batch: ScheduledBatch, block_size: int, previous_rows: dict[
                  + torch.tensor(starts)[seq_index])
     block_tables = torch.frombuffer(tables, dtype=torch.int32).view(len(seqs), max_blocks)
     slots = block_tables[seq_index, positions // bs].long() * bs + positions % bs
-    logits_indices = torch.tensor([query_start[i + 1] - 1 for i in batch.sample_indices], dtype=torch.long)
+    # a sampled sequence's last row; a speculating one's last 1 + K (every draft position is sampled: speculative.py)
+    logits_indices = torch.tensor([row for i in batch.sample_indices
+                                   for row in range(query_start[i + 1] - 1 - seqs[i].num_drafts, query_start[i + 1])],
+                                  dtype=torch.long)
     tensors = [torch.tensor(input_ids), positions, query_start_t, torch.tensor(seq_lens, dtype=torch.int32), slots,
                block_tables, logits_indices, torch.tensor([fill_at, fill_from], dtype=torch.long).view(2, -1)]
     return HostStep(tensors, query_start, list(qlens), seq_lens, batch.num_prefill_tokens == 0)

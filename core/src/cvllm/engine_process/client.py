@@ -24,6 +24,8 @@ from cvllm.engine_process.messages import (
     AddRequest,
     CoreDead,
     CoreStats,
+    Embeddings,
+    EmbedRequest,
     FromCore,
     Ready,
     RequestFailed,
@@ -32,6 +34,7 @@ from cvllm.engine_process.messages import (
     StepOutputs,
     ToCore,
 )
+from cvllm.pooling import PoolingConfig
 from cvllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -126,6 +129,7 @@ class EngineCoreClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._send_lock = threading.Lock()
         self._streams: dict[str, RequestStream] = {}
+        self._embeddings: dict[str, asyncio.Future[list[bytes]]] = {}   # embedding requests awaiting their vectors
         self._closing = False
         self._exited = asyncio.Event()   # set once the core's pipe closed and the process was reaped
         self._reader = threading.Thread(target=self._read_outputs, name="cvllm-core-reader", daemon=True)
@@ -166,7 +170,7 @@ class EngineCoreClient:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._streams)
+        return len(self._streams) + len(self._embeddings)
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -198,6 +202,27 @@ class EngineCoreClient:
                 self._send(message)
             except EngineDeadError:
                 pass   # the core is gone, and its blocks with it
+
+    async def embed(self, request_id: str, prompts: list[list[int]], pooling: PoolingConfig,
+                    dimensions: int | None = None) -> list[bytes]:
+        """Embed ``prompts`` in the core: one little-endian float32 vector per prompt. RequestError if the core
+        refuses or fails them; cancelling (the client left) drops the request in the core."""
+        if self.dead is not None or self._closing:
+            raise EngineDeadError(f"the engine core is not running: {self.dead or 'shutting down'}")
+        if request_id in self._embeddings or request_id in self._streams:
+            raise ValueError(f"request id '{request_id}' is already in flight")
+        future = self._loop.create_future()
+        self._send(EmbedRequest(request_id, prompts, pooling, dimensions))
+        self._embeddings[request_id] = future
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if self._embeddings.pop(request_id, None) is not None and self.dead is None:
+                try:
+                    self._send(AbortRequests([request_id]))
+                except EngineDeadError:
+                    pass   # the core is gone, and its blocks with it
+            raise
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Ask the core to exit; kill it if it has not within ``timeout`` seconds."""
@@ -265,11 +290,18 @@ class EngineCoreClient:
                 stream._deliver(delta)
                 if stream.finished:
                     del self._streams[delta.request_id]
+        elif isinstance(message, Embeddings):
+            future = self._embeddings.pop(message.request_id, None)
+            if future is not None and not future.done():
+                future.set_result(message.vectors)
         elif isinstance(message, RequestFailed):
             for request_id in message.request_ids:
                 stream = self._streams.pop(request_id, None)
                 if stream is not None:
                     stream._fail(RequestError(message.message, message.invalid_request))
+                future = self._embeddings.pop(request_id, None)
+                if future is not None and not future.done():
+                    future.set_exception(RequestError(message.message, message.invalid_request))
         elif isinstance(message, CoreDead):
             self._mark_dead(message.message)
 
@@ -286,6 +318,10 @@ class EngineCoreClient:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream._fail(EngineDeadError(self.dead))
+        embeddings, self._embeddings = self._embeddings, {}
+        for future in embeddings.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(self.dead))
 
 
 # Engine cores this process started and has not shut down: ended at its exit (one atexit hook for all of them)

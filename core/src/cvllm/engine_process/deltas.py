@@ -116,4 +116,6 @@ def core_stats(engine: LLMEngine) -> CoreStats:
                      steps=counters.steps, preemptions=counters.preemptions,
                      prefix_hit_tokens=counters.prefix_hit_tokens,
                      prompt_tokens_computed=counters.prompt_tokens_computed,
-                     generated_tokens=counters.generated_tokens)
+                     generated_tokens=counters.generated_tokens, spec_draft_tokens=counters.spec_draft_tokens,
+                     spec_accepted_tokens=counters.spec_accepted_tokens,
+                     spec_verifications=counters.spec_verifications)

@@ -1,15 +1,16 @@
 """Messages between the API process and the engine-core process (msgspec, one encoder each way).
 
-API → core: ``AddRequest``, ``AbortRequests``, ``Shutdown``, drained once per step.
+API → core: ``AddRequest``, ``AbortRequests``, ``Shutdown``, ``EmbedRequest``, drained once per step.
 core → API: ``Ready`` once, then one ``StepOutputs`` per step carrying every request's new
-tokens; ``RequestFailed`` when a step raised (only that step's requests fail); ``CoreDead`` when
-the core cannot go on (startup failure, device error).
+tokens; ``Embeddings`` when an embedding request is done; ``RequestFailed`` when a step raised (only that step's
+requests fail); ``CoreDead`` when the core cannot go on (startup failure, device error).
 """
 
 from __future__ import annotations
 
 import msgspec
 
+from cvllm.pooling import PoolingConfig
 from cvllm.sampling_params import SamplingParams
 
 
@@ -28,6 +29,14 @@ class AbortRequests(msgspec.Struct, tag=True):
 
 class Shutdown(msgspec.Struct, tag=True):
     pass
+
+
+class EmbedRequest(msgspec.Struct, tag=True):
+    """Embed ``prompts`` (answered by one ``Embeddings``, or ``RequestFailed``); run between generation steps."""
+    request_id: str
+    prompts: list[list[int]]
+    pooling: PoolingConfig
+    dimensions: int | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -60,6 +69,9 @@ class CoreStats(msgspec.Struct):
     prefix_hit_tokens: int = 0
     prompt_tokens_computed: int = 0
     generated_tokens: int = 0
+    spec_draft_tokens: int = 0       # speculative decoding: drafts verified, accepted, and verifications
+    spec_accepted_tokens: int = 0
+    spec_verifications: int = 0
 
 
 class StepOutputs(msgspec.Struct, tag=True):
@@ -81,14 +93,25 @@ class Ready(msgspec.Struct, tag=True):
     dtype: str
     max_num_seqs: int
     vocab_size: int
+    # for /v1/embeddings: the pooling the checkpoint declares (None: none), its embedding size, and the Matryoshka
+    # dimensions config.json lists (pooling.py)
+    pooling: PoolingConfig | None = None
+    hidden_size: int = 0
+    matryoshka_dimensions: list[int] | None = None
 
 
 class CoreDead(msgspec.Struct, tag=True):
     message: str
 
 
-ToCore = AddRequest | AbortRequests | Shutdown
-FromCore = Ready | StepOutputs | RequestFailed | CoreDead
+class Embeddings(msgspec.Struct, tag=True):
+    """An ``EmbedRequest``'s vectors, one per prompt in order: little-endian float32 bytes (what base64 encodes)."""
+    request_id: str
+    vectors: list[bytes]
+
+
+ToCore = AddRequest | AbortRequests | Shutdown | EmbedRequest
+FromCore = Ready | StepOutputs | RequestFailed | CoreDead | Embeddings
 
 
 def reject_command(data: bytes, error: msgspec.ValidationError) -> RequestFailed:

@@ -28,6 +28,7 @@ import torch
 
 from cvllm.engine.build import build_engine
 from cvllm.engine.config import EngineConfig
+from cvllm.engine.embedding import Embedder
 from cvllm.engine.errors import EngineBrokenError
 from cvllm.engine.llm_engine import LLMEngine
 from cvllm.engine_process.deltas import DeltaBuilder, core_stats
@@ -35,6 +36,8 @@ from cvllm.engine_process.messages import (
     AbortRequests,
     AddRequest,
     CoreDead,
+    Embeddings,
+    EmbedRequest,
     FromCore,
     Ready,
     RequestFailed,
@@ -140,6 +143,7 @@ class EngineCore:
         self.engine = engine
         self.channel = channel
         self.deltas = DeltaBuilder(engine)   # the same conversion the in-process client uses
+        self.embedder = Embedder(engine)     # embedding requests, a forward pass of them between steps
         self._stats_sent = True
         # ready when a tensor-parallel worker process ends (TensorParallelExecutor.sentinels); none in one process
         self._worker_sentinels = engine.executor.sentinels()
@@ -150,7 +154,9 @@ class EngineCore:
         return Ready(max_model_len=engine.max_model_len, num_kv_blocks=scheduler.block_manager.num_blocks,
                      block_size=scheduler.block_manager.block_size, backend=engine.backend.name,
                      dtype=str(engine.dtype).removeprefix("torch."), max_num_seqs=scheduler.config.max_num_seqs,
-                     vocab_size=engine.checkpoint.config.vocab_size)
+                     vocab_size=engine.checkpoint.config.vocab_size, pooling=engine.checkpoint.pooling,
+                     hidden_size=engine.checkpoint.config.hidden_size,
+                     matryoshka_dimensions=engine.checkpoint.config.get("matryoshka_dimensions"))
 
     def run(self) -> int:
         """Serve until Shutdown (0), a device error (1) or the API process's end (EOFError)."""
@@ -163,7 +169,9 @@ class EngineCore:
                     self._handle(self.channel.recv())   # idle: block, using no CPU
                 while self.channel.pending():
                     self._handle(self.channel.recv())
-                progressed = self.engine.has_unfinished() and self._step()
+                # embeddings and generation take turns, a forward pass each: neither waits for the other to finish
+                progressed = self.embedder.has_work() and self._embed_step()
+                progressed = (self.engine.has_unfinished() and self._step()) or progressed
         except _Exit as e:
             return e.code
 
@@ -173,11 +181,14 @@ class EngineCore:
         self._stats_sent = False
         if isinstance(command, AddRequest):
             self._add(command)
+        elif isinstance(command, EmbedRequest):
+            self._add_embedding(command)
         elif isinstance(command, RequestFailed):
             self.channel.send(command)
         elif isinstance(command, AbortRequests):
             for request_id in command.request_ids:
                 self.deltas.abort(request_id, command.indices)   # indices: only those completions
+                self.embedder.abort(request_id)
         elif isinstance(command, Shutdown):
             logger.info("shutting down")
             raise _Exit(0)
@@ -192,6 +203,36 @@ class EngineCore:
             else:
                 logger.exception("request %s could not be added", command.request_id)
             self.channel.send(RequestFailed([command.request_id], describe(e), invalid_request=invalid))
+
+    def _add_embedding(self, command: EmbedRequest) -> None:
+        try:
+            self.embedder.add(command.request_id, command.prompts, command.pooling, command.dimensions)
+        except ValueError as e:
+            logger.info("embedding request %s rejected: %s", command.request_id, e)
+            self.channel.send(RequestFailed([command.request_id], describe(e), invalid_request=True))
+
+    def _embed_step(self) -> bool:
+        """One forward pass of queued embedding inputs; False when none could run (they wait for KV blocks that
+        generation holds). A failed pass fails its requests, as a failed step does."""
+        try:
+            finished = self.embedder.step()
+        except Exception as e:
+            if is_device_error(e) or isinstance(e, EngineBrokenError):
+                self._die(describe(e), e)
+            request_ids = self.embedder.last_request_ids
+            # a ValueError says what this engine cannot embed (tensor parallelism, no model): the client's to fix
+            invalid = isinstance(e, ValueError)
+            if invalid:
+                logger.info("embedding requests %s refused: %s", ", ".join(request_ids), e)
+            else:
+                logger.exception("an embedding pass failed; failing its requests: %s", ", ".join(request_ids))
+            self.channel.send(RequestFailed(request_ids, describe(e), invalid_request=invalid))
+            return True
+        if finished is None:
+            return False
+        for job in finished:
+            self.channel.send(Embeddings(job.request_id, [float32_bytes(vector) for vector in job.vectors]))
+        return True
 
     # -- steps -----------------------------------------------------------------------------------
 
@@ -248,6 +289,11 @@ class EngineCore:
         if not self._stats_sent:
             self.channel.send(StepOutputs([], core_stats(self.engine)))
             self._stats_sent = True
+
+
+def float32_bytes(vector: torch.Tensor) -> bytes:
+    """A host vector as little-endian float32 bytes, the wire form of an embedding (and base64's payload)."""
+    return vector.float().contiguous().numpy().astype("<f4", copy=False).tobytes()
 
 
 def is_device_error(error: BaseException) -> bool:

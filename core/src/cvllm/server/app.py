@@ -35,6 +35,7 @@ from cvllm.server.protocol import (
 )
 from cvllm.server.serving_chat import ChatService, render_prompt
 from cvllm.server.serving_completions import CompletionService
+from cvllm.server.serving_embeddings import EmbeddingService
 from cvllm.server.state import ServerState
 from cvllm.server.ui import is_open_path, ui_origins, ui_routes
 
@@ -106,12 +107,16 @@ class APIKeyMiddleware:
 def build_app(state: ServerState) -> Starlette:
     args = state.args
     chat, completions = ChatService(state), CompletionService(state)
+    embed = EmbeddingService(state)
 
     async def chat_completions(request: Request) -> Response:
         return await chat(request, await read_body(request, args.max_body_bytes))
 
     async def text_completions(request: Request) -> Response:
         return await completions(request, await read_body(request, args.max_body_bytes))
+
+    async def embeddings(request: Request) -> Response:
+        return await embed(request, await read_body(request, args.max_body_bytes))
 
     def card(name: str) -> ModelCard:
         return ModelCard(id=name, created=state.created, root=state.model_path, max_model_len=state.max_model_len)
@@ -184,6 +189,7 @@ def build_app(state: ServerState) -> Starlette:
     routes: list[tuple[str, Handler, list[str]]] = [
         ("/v1/chat/completions", chat_completions, ["POST"]),
         ("/v1/completions", text_completions, ["POST"]),
+        ("/v1/embeddings", embeddings, ["POST"]),
         ("/v1/models", list_models, ["GET"]),
         ("/v1/models/{model_id:path}", get_model, ["GET"]),
         ("/health", health, ["GET"]),

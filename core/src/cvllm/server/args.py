@@ -32,3 +32,4 @@ class ServerArgs:
     startup_timeout: float | None = None      # seconds to wait for the engine core to load
     ui: bool = True                           # the chat page (--no-ui: off)
     ui_port: int | None = None                # None: the page on the API's port; else its own (--ui-server)
+    task: str = "auto"                        # --task: auto | generate | embed (cvllm/pooling.py)

@@ -211,7 +211,7 @@ def _engine_config(ns: argparse.Namespace, model: str) -> EngineConfig:
         prefill_chunk_size=ns.prefill_chunk_size, enable_prefix_caching=not ns.disable_prefix_cache, seed=ns.seed,
         fake_step_ms=ns.fake_step_ms, enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling,
         enable_expert_parallel=ns.enable_expert_parallel, kv_cache_dtype=ns.kv_cache_dtype,
-        num_experts_offload_per_rank=ns.num_experts_offload_per_rank,
+        num_experts_offload_per_rank=ns.num_experts_offload_per_rank, speculative_config=ns.speculative_config,
     )
     _log_multithread(ns)
     fields.update(_kv_memory(ns))
@@ -239,7 +239,7 @@ def server_args_from(ns: argparse.Namespace) -> ServerArgs:
         cors_allow_headers=parse_name_list(ns.allowed_headers, ["*"]), shutdown_timeout=ns.shutdown_timeout,
         default_sampling=default_sampling, generation_config=ns.generation_config,
         reasoning_parser=ns.reasoning_parser, tool_call_parser=ns.tool_call_parser, log_level=ns.log_level,
-        startup_timeout=ns.startup_timeout, **ui_settings(ns),
+        startup_timeout=ns.startup_timeout, task=ns.task, **ui_settings(ns),
     )
 
 

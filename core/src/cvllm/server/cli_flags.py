@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from cvllm.pooling import TASKS
 from cvllm.sampling_defaults import GENERATION_CONFIG_MODES
 
 MIB = 1 << 20
@@ -137,6 +138,11 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", metavar="FILE_OR_TEXT", help="a Jinja chat template replacing the model's")
     g.add_argument("--reasoning-parser", metavar="NAME",
                    help="how to split <think> text into reasoning_content (default: the model's own)")
+    g.add_argument("--task", choices=TASKS, default="auto",
+                   help="auto: generation, and /v1/embeddings where the checkpoint declares a sentence-transformers "
+                        "pooling (modules.json); embed: /v1/embeddings on any model (the declared pooling, else the "
+                        "last token's hidden state, L2-normalised), generation still served; generate: no "
+                        "/v1/embeddings (default: auto)")
     g.add_argument("--tool-call-parser", metavar="NAME",
                    help="how to read tool calls out of the model's text: hermes, mistral, llama3_json, deepseek_v3 "
                         "or a plugin's (default: the one the chat template's tool-call format calls for)")
@@ -209,6 +215,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each step before the previous one's tokens are read back, so host work overlaps "
                         "the GPU's (default: on, except on the CPU backend)")
+    g.add_argument("--speculative-config", type=_json_object, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4}\' (docs/speculative.md)')
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: launch every decode step's kernels one by one (default: graphs on CUDA)")
     g.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling (default: 0)")
@@ -284,3 +293,13 @@ def ui_settings(ns: argparse.Namespace) -> dict:
     if port and port == ns.port:
         raise CliError(f"--ui-port {port} is the API's port too; give another (default: the API's port + 1)")
     return {"ui_port": port}
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value

@@ -57,6 +57,14 @@ class _CoreCollector(Collector):
         yield counter("cvllm:prompt_tokens_computed", "Prompt tokens run through the model.",
                       stats.prompt_tokens_computed)
         yield counter("cvllm:engine_steps", "Engine steps run.", stats.steps)
+        # speculative decoding (vLLM's names): acceptance rate = accepted / draft tokens, mean accepted length per
+        # verification = accepted / verifications + 1
+        yield counter("cvllm:spec_decode_num_draft_tokens", "Draft tokens verified (speculative decoding).",
+                      stats.spec_draft_tokens)
+        yield counter("cvllm:spec_decode_num_accepted_tokens", "Draft tokens accepted (speculative decoding).",
+                      stats.spec_accepted_tokens)
+        yield counter("cvllm:spec_decode_num_drafts", "Verifications: sequence-steps that verified drafts.",
+                      stats.spec_verifications)
 
 
 class Metrics:

@@ -270,6 +270,37 @@ class CompletionResponse(Struct, kw_only=True):
 CompletionChunk = CompletionResponse
 
 
+# -- embeddings -----------------------------------------------------------------------------------
+
+
+class EmbeddingRequest(Struct, kw_only=True):
+    # a string, a list of strings, a list of token ids, or a list of lists of token ids (checked by hand, as
+    # CompletionRequest's prompt)
+    input: str | list[Any]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] | None = None   # None: float
+    dimensions: int | None = None     # Matryoshka truncation (then renormalised)
+    user: str | None = None
+
+
+class EmbeddingData(Struct, kw_only=True):
+    object: str = "embedding"
+    index: int
+    embedding: list[float] | str      # base64: the little-endian float32 bytes, as the openai SDK decodes them
+
+
+class EmbeddingUsage(Struct, kw_only=True):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(Struct, kw_only=True):
+    object: str = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+
+
 # -- models, tokenizer, errors --------------------------------------------------------------------
 
 

@@ -184,6 +184,11 @@ class TensorParallelExecutor(InProcessExecutor):
     def memory(self) -> tuple[int, int]:
         return self.runner.memory()
 
+    def prompt_hidden(self, batch) -> torch.Tensor:
+        # rank 0 alone would run a forward whose collectives the workers never join (they run only what
+        # BroadcastingRunner sends them, and no message asks for hidden states yet)
+        raise ValueError("embeddings are not supported with tensor parallelism yet")
+
     def sentinels(self) -> list[int]:
         """Ready when a worker process ends: the engine core's idle wait watches them (engine_process/process.py)."""
         return self.group.watch.sentinels()

@@ -1,0 +1,221 @@
+"""Speculative decoding, n-gram (prompt lookup): draft tokens copied from earlier in the sequence, verified in one
+target forward.
+
+A sequence's K drafts are appended to its tokens before scheduling, so the scheduler gives it a chunk of 1 + K
+tokens (its last real token and the drafts) and the forward pass writes their KV like any chunk. The sampler then
+samples every one of the K + 1 positions as it would a decode (``DraftPosition`` rows: the same parameters and
+generator, the prefix up to that position). Position i's sample t_i is the target's token after the prefix that
+ends in draft i; drafts are accepted while draft i+1 == t_i, and the first t_i that differs (or t_K when all are
+accepted) is the bonus token. So a step yields 1..K+1 tokens, each sampled from the target's own distribution
+given what precedes it: greedy output is the same token for token, and sampled output has the target's
+distribution exactly (a deterministic draft is accepted with probability p(draft), the standard rejection rule
+with a one-hot draft, and a rejected position's sample is p conditioned on not being the draft). The KV slots of
+rejected drafts are rolled back by lowering ``num_computed_tokens`` (they are overwritten later); prefix-cache
+blocks are registered only over accepted tokens.
+
+Speculative steps run synchronously: the drafts need the last token on the host. Rows with penalties, logits
+processors, grammars or a pending ``min_tokens`` are not speculated (their processing depends on the tokens before
+each position in ways the per-position rows do not carry).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4           # the longest suffix looked up earlier in the sequence
+    prompt_lookup_min: int = 1
+    # no speculation in a step with more running sequences than this (then the batch fills the device by itself)
+    disable_by_batch_size: int = 8
+    # a sequence stops speculating once its drafts, after at least MIN_PROPOSALS, are accepted below this rate
+    min_acceptance_rate: float = 0.1
+
+    @classmethod
+    def from_dict(cls, spec: dict | None) -> SpeculativeConfig | None:
+        if not spec:
+            return None
+        spec = dict(spec)
+        method = spec.get("method", "ngram")
+        if method == "draft_model" or "model" in spec:
+            raise ValueError("speculative_config: the draft_model method is not implemented yet; use "
+                             "{\"method\": \"ngram\", ...}")
+        if method != "ngram":
+            raise ValueError(f"speculative_config: unknown method {method!r}; known: ngram")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(known))}")
+        config = cls(**spec)
+        if not 1 <= config.num_speculative_tokens <= 16:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be in [1, 16], got "
+                             f"{config.num_speculative_tokens}")
+        if not 1 <= config.prompt_lookup_min <= config.prompt_lookup_max:
+            raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        return config
+
+
+MIN_PROPOSALS = 16
+
+
+def propose_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the sequence's last n tokens (the longest
+    n in [min_n, max_n] that occurs), or [] when none does."""
+    length = len(tokens)
+    if length < min_n + 1:
+        return []
+    array = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        pattern = array[length - n:]
+        windows = np.lib.stride_tricks.sliding_window_view(array[:length - 1], n)   # earlier starts only
+        hits = np.flatnonzero((windows == pattern).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            drafts = array[start:start + k]
+            if drafts.size:
+                return drafts.tolist()
+    return []
+
+
+class DraftPosition:
+    """One of a speculating sequence's K + 1 sampled positions, as the sampler reads a row (SamplerRow): the
+    sequence's parameters and generator, its tokens up to this position."""
+
+    __slots__ = ("seq", "num_tokens")
+    grammar = None          # (grammar rows do not speculate)
+    num_drafts = 0
+
+    def __init__(self, seq, num_tokens: int):
+        self.seq, self.num_tokens = seq, num_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.seq.is_finished
+
+    @property
+    def seq_id(self) -> int:
+        return self.seq.seq_id
+
+    @property
+    def sampling_params(self):
+        return self.seq.sampling_params
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[:self.num_tokens]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.seq.num_prompt_tokens
+
+    @property
+    def generator(self):
+        return self.seq.generator
+
+    @property
+    def min_tokens_stop_ids(self) -> list[int]:
+        return self.seq.min_tokens_stop_ids
+
+
+def sampler_rows(sampling) -> list:
+    """The sampler's rows for a step's sampling sequences: a speculating one (``num_drafts`` K) gives K + 1."""
+    rows = []
+    for seq in sampling:
+        k = seq.num_drafts
+        if not k:
+            rows.append(seq)
+        else:
+            total = len(seq.token_ids)
+            rows.extend(DraftPosition(seq, total - k + j) for j in range(k + 1))
+    return rows
+
+
+def accepted(drafts: list[int], targets: list[int]) -> int:
+    """How many leading drafts the target's samples confirm (targets has one more entry than drafts)."""
+    a = 0
+    while a < len(drafts) and drafts[a] == targets[a]:
+        a += 1
+    return a
+
+
+class Speculator:
+    """The engine's speculation: drafts proposed before scheduling, fitted to what was scheduled, verified when
+    the step's tokens are read back (LLMEngine.step and _finish call these)."""
+
+    def __init__(self, config: SpeculativeConfig, scheduler, max_model_len: int):
+        self.config, self.scheduler, self.max_model_len = config, scheduler, max_model_len
+        self.stats = scheduler.stats
+
+    @property
+    def active(self) -> bool:
+        """Small enough a batch that speculation pays (past it the batch fills the device by itself)."""
+        return len(self.scheduler.running) <= self.config.disable_by_batch_size
+
+    def propose(self) -> None:
+        """Drafts for the running sequences that decode next step, appended to their tokens (sync steps only)."""
+        spec = self.config
+        if not self.active:
+            return
+        for seq in self.scheduler.running:
+            params = seq.sampling_params
+            if (seq.num_computed_tokens != len(seq.token_ids) - 1 or seq.num_inflight or seq.grammar is not None
+                    or params.needs_penalties or params.logits_processors
+                    or (params.min_tokens and seq.num_output_tokens < params.min_tokens)
+                    or (seq.spec_proposed >= MIN_PROPOSALS
+                        and seq.spec_accepted < spec.min_acceptance_rate * seq.spec_proposed)):
+                continue
+            # the chunk's positions stay inside the context, and every accepted draft and the bonus token fit in
+            # max_tokens
+            k = min(spec.num_speculative_tokens, self.max_model_len - len(seq.token_ids) - 1)
+            if params.max_tokens is not None:
+                k = min(k, params.max_tokens - seq.num_output_tokens - 1)
+            if k < 1:
+                continue
+            drafts = propose_ngram(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            if drafts:
+                seq.token_ids.extend(drafts)
+                seq.num_drafts = len(drafts)
+
+    def fit(self, batch) -> None:
+        """Drafts of sequences the scheduler left out (or preempted) are dropped; a chunk the token budget cut
+        keeps the drafts it holds, so that the sequence still samples."""
+        scheduled = {seq.seq_id: i for i, seq in enumerate(batch.seqs)}
+        changed = False
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            if not seq.num_drafts:
+                continue
+            i = scheduled.get(seq.seq_id)
+            keep = 0 if i is None else batch.num_tokens[i] - 1
+            if keep < seq.num_drafts:
+                del seq.token_ids[len(seq.token_ids) - seq.num_drafts + keep:]
+                if i is not None:
+                    batch.num_draft_chunk_tokens -= seq.num_drafts - keep
+                seq.num_drafts = keep
+                changed = True
+        if changed:
+            batch.sample_indices = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens))
+                                    if seq.num_computed_tokens + n == len(seq.token_ids)]
+
+    def verify(self, seq, targets: list[int]) -> list[int]:
+        """A speculating sequence's K drafts taken off its tokens, the accepted ones' KV kept; returns the tokens
+        it gained: the accepted drafts and the target's token after them."""
+        k = seq.num_drafts
+        drafts = seq.token_ids[-k:]
+        del seq.token_ids[-k:]
+        seq.num_drafts = 0
+        a = accepted(drafts, targets)
+        seq.num_computed_tokens += a   # the last real token and the accepted drafts are in the cache
+        seq.spec_proposed += k
+        seq.spec_accepted += a
+        self.stats.spec_draft_tokens += k
+        self.stats.spec_accepted_tokens += a
+        self.stats.spec_verifications += 1
+        if not seq.is_finished:
+            self.scheduler.block_manager.cache_full_blocks(seq)
+        return targets[:a + 1]

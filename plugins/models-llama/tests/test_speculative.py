@@ -1,0 +1,119 @@
+"""N-gram speculative decoding on a tiny random Llama: greedy output equals the plain engine's token for token
+(batches, chunked prefill, preemption, stops inside accepted drafts, max_tokens, logprobs), and sampled output has
+the target's distribution (a fixed-seed statistical check on a small support)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from cvllm import LLM, SamplingParams
+from cvllm.engine.speculative import SpeculativeConfig, accepted, propose_ngram
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+ENGINE = {"dtype": "float32", "block_size": 16, "max_num_seqs": 8, "max_num_batched_tokens": 128}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
+    """Prompts that repeat a random phrase: drafts copied from them are often right, and often wrong."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = []
+    for _ in range(n):
+        phrase = torch.randint(3, 512, (int(torch.randint(3, 9, (1,), generator=generator)),), generator=generator)
+        prompts.append(phrase.repeat(4).tolist() + torch.randint(3, 512, (2,), generator=generator).tolist())
+    return prompts
+
+
+def run(path, prompts, params, speculative: dict | None, **engine):
+    llm = LLM(model=str(path), **{**ENGINE, **engine}, speculative_config=speculative)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    texts = [[(list(c.token_ids), c.finish_reason, c.text) for c in out.outputs] for out in outputs]
+    return texts, llm.llm_engine.stats
+
+
+@pytest.fixture(scope="module")
+def path(tiny_checkpoint):
+    return tiny_checkpoint("llama").path
+
+
+def test_propose_ngram_copies_what_followed_the_latest_match():
+    assert propose_ngram([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 3, 1, 3) == [7, 1, 2]
+    assert propose_ngram([5, 6, 7, 8, 6], 2, 1, 3) == [7, 8]        # only the 1-gram matches
+    assert propose_ngram([1, 2, 3, 4], 3, 1, 3) == []               # nothing repeats
+    assert propose_ngram([4, 4], 3, 2, 3) == []                     # too short for the smallest n
+    assert accepted([5, 6, 7], [5, 6, 1, 2]) == 2 and accepted([5], [4, 9]) == 0
+
+
+def test_bad_configs_are_refused():
+    for bad in ({"method": "medusa"}, {"method": "ngram", "num_speculative_tokens": 0},
+                {"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, {"method": "ngram", "k": 3},
+                {"method": "draft_model", "model": "x"}):
+        with pytest.raises(ValueError, match="speculative_config"):
+            SpeculativeConfig.from_dict(bad)
+
+
+@pytest.mark.parametrize("engine", [{}, {"max_num_batched_tokens": 16}, {"num_kv_blocks": 10}],
+                         ids=["batch", "chunked-prefill", "preemption"])
+def test_greedy_output_is_the_same_token_for_token(path, engine):
+    prompts = repetitive_prompts(6, seed=1)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    plain, _ = run(path, prompts, params, None, **engine)
+    spec, stats = run(path, prompts, params, NGRAM, **engine)
+    assert [[c[:2] for c in out] for out in spec] == [[c[:2] for c in out] for out in plain]
+    assert stats.spec_verifications > 0 and 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+    if "num_kv_blocks" in engine:
+        assert stats.preemptions > 0
+
+
+def test_logprobs_and_max_tokens_stay_right(path):
+    prompts = repetitive_prompts(3, seed=2)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3) for n in (1, 2, 7)]
+    llms = [LLM(model=str(path), **ENGINE, speculative_config=spec) for spec in (None, NGRAM)]
+    plain, spec = (llm.generate([{"prompt_token_ids": p} for p in prompts], params) for llm in llms)
+    for a, b, p in zip(plain, spec, params):
+        assert len(b.outputs[0].token_ids) == p.max_tokens and a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+
+
+def test_a_stop_string_inside_accepted_drafts_ends_the_text_there(path):
+    prompts = repetitive_prompts(4, seed=3)
+    # two tokens favoured far above the rest: the output is made of them, so drafts copied from it are often
+    # right (and sometimes wrong)
+    bias = {300: 100.0, 301: 100.0}
+    free, _ = run(path, prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logit_bias=bias),
+                  None)
+    # a stop string from the middle of each output: it may arrive inside a step's accepted drafts
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logit_bias=bias,
+                             stop=[out[0][2][20:26]]) for out in free]
+    plain = [LLM(model=str(path), **ENGINE).generate([{"prompt_token_ids": p}], s)[0].outputs[0]
+             for p, s in zip(prompts, params)]
+    spec_llm = LLM(model=str(path), **ENGINE, speculative_config=NGRAM)
+    spec = [spec_llm.generate([{"prompt_token_ids": p}], s)[0].outputs[0] for p, s in zip(prompts, params)]
+    assert [(c.text, c.finish_reason) for c in spec] == [(c.text, c.finish_reason) for c in plain]
+    assert spec_llm.llm_engine.stats.spec_accepted_tokens > 0
+
+
+def test_sampled_output_has_the_targets_distribution(path):
+    """The second and third tokens (sampled at verified draft positions) of 384 seeded requests, with and
+    without speculation: their distributions over a top-k support agree within sampling noise."""
+    # three tokens favoured far above the rest (their own logits decide between them, differently at each
+    # position), which the prompt holds in some order: every position gets drafts, accepted about a third of the time
+    bias = {300: 100.0, 301: 100.0, 302: 100.0}
+    prompts = [repetitive_prompts(1, seed=4)[0] + [300, 301, 302, 301, 300, 302, 300]] * 384
+    params = [SamplingParams(temperature=4.0, top_k=3, seed=s, max_tokens=3, ignore_eos=True, logit_bias=bias)
+              for s in range(384)]
+    engine = {"max_num_seqs": 128, "max_num_batched_tokens": 4096}
+    spec_config = {**NGRAM, "disable_by_batch_size": 1000}
+    plain, _ = run(path, prompts, params, None, **engine)
+    spec, stats = run(path, prompts, params, spec_config, **engine)
+    assert stats.spec_verifications > 0 and stats.spec_accepted_tokens > 0
+    for position in (1, 2):
+        a = Counter(out[0][0][position] for out in plain)
+        b = Counter(out[0][0][position] for out in spec)
+        total_variation = sum(abs(a[t] - b[t]) for t in a.keys() | b.keys()) / (2 * len(prompts))
+        assert total_variation < 0.12, (position, a, b)
