@@ -117,3 +117,24 @@ def test_sampled_output_has_the_targets_distribution(path):
         b = Counter(out[0][0][position] for out in spec)
         total_variation = sum(abs(a[t] - b[t]) for t in a.keys() | b.keys()) / (2 * len(prompts))
         assert total_variation < 0.12, (position, a, b)
+
+
+def test_cvserve_with_speculation_streams_the_same_text_and_counts_it(path):
+    import httpx
+    import openai
+
+    from cvllm.testing.server import LiveServer
+
+    prompt = repetitive_prompts(1, seed=3)[0]
+    want = LLM(model=str(path), **ENGINE).generate([{"prompt_token_ids": prompt}], SamplingParams(
+        temperature=0, max_tokens=30, ignore_eos=True, logit_bias={300: 100.0, 301: 100.0}))[0].outputs[0].text
+    engine = {"model": str(path), **ENGINE, "backend": "cpu", "speculative_config": NGRAM}
+    with LiveServer(engine, served_model_names=["tiny"]) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0, stream=True,
+                                           logit_bias={"300": 100, "301": 100}, extra_body={"ignore_eos": True})
+        streamed = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+        metrics = httpx.get(server.url + "/metrics").text
+    assert streamed == want
+    accepted = next(line for line in metrics.splitlines() if line.startswith("cvllm:spec_decode_num_accepted_tokens"))
+    assert float(accepted.rsplit(" ", 1)[1]) > 0
