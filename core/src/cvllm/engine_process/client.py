@@ -224,6 +224,15 @@ class EngineCoreClient:
                     pass   # the core is gone, and its blocks with it
             raise
 
+    async def wait_exited(self) -> None:
+        """Until the core process has ended, whatever ended it (the server's supervisor waits on this)."""
+        await self._exited.wait()
+
+    @property
+    def closing(self) -> bool:
+        """``shutdown`` was called: the core's end is wanted."""
+        return self._closing
+
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Ask the core to exit; kill it if it has not within ``timeout`` seconds."""
         if not self._closing:

@@ -30,6 +30,7 @@ class ServerArgs:
     tool_call_parser: str | None = None       # None: the one the chat template's tool-call format calls for
     log_level: str = "info"
     startup_timeout: float | None = None      # seconds to wait for the engine core to load
+    max_restarts: int = 3                     # engine-core restarts within 10 minutes before the server gives up
     ui: bool = True                           # the chat page (--no-ui: off)
     ui_port: int | None = None                # None: the page on the API's port; else its own (--ui-server)
     task: str = "auto"                        # --task: auto | generate | embed (cvllm/pooling.py)

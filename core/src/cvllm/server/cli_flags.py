@@ -162,6 +162,9 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
                    help="seconds to let in-flight requests finish on SIGTERM/Ctrl-C (default: 30)")
     g.add_argument("--startup-timeout", type=_seconds, metavar="S",
                    help="seconds to wait for the model to load before giving up (default: no limit)")
+    g.add_argument("--max-restarts", type=_non_negative_int, default=3, metavar="N",
+                   help="restart a dead engine core up to N times within 10 minutes, then exit non-zero so a "
+                        "supervisor takes over (default: 3; 0: exit at the first death)")
     g.add_argument("--log", "--log-level", dest="log_level", action=_OneValue, nargs="?", const="debug",
                    type=str.lower, choices=LOG_LEVELS, default="info", metavar="LEVEL",
                    help=f"{'|'.join(LOG_LEVELS)} (default: info; --log alone: debug)")

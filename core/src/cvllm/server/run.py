@@ -21,10 +21,15 @@ from cvllm.server.args import ServerArgs
 from cvllm.server.listen import BACKLOG, AddressError, bind_address, listen_socket
 from cvllm.server.reasoning import reasoning_parser
 from cvllm.server.state import ServerState
+from cvllm.server.supervisor import supervise
 from cvllm.server.tool_calls import tool_parser
 from cvllm.server.ui import build_ui_app
 
 logger = logging.getLogger("cvllm.server")
+
+
+class EngineGaveUp(RuntimeError):
+    """The engine core kept dying (supervisor.py): the server stopped, to exit non-zero."""
 
 
 class StartupError(RuntimeError):
@@ -112,7 +117,12 @@ async def run_server(args: ServerArgs) -> None:
             await _finish(serving)
             raise
         _log_ready(state, args)
+        supervising = asyncio.ensure_future(supervise(state, args, stop))
         await _finish(serving)
+        supervising.cancel()
+        await asyncio.gather(supervising, return_exceptions=True)
+        if state.gave_up:
+            raise EngineGaveUp(state.gave_up)
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
@@ -173,6 +183,8 @@ def serve(args: ServerArgs) -> int:
         return 1
     except EngineStartupError as e:
         logger.error("the engine failed to start: %s", e)
+        return 1
+    except EngineGaveUp:   # (logged by the supervisor)
         return 1
     except AddressError as e:   # 2, as cvserve's own check of the address before the server starts
         logger.error("%s", e)

@@ -55,6 +55,8 @@ class ServerState:
     tool_parser: str | None = None        # for requests with tools (tool_calls.py)
     client: Any = None                    # EngineCoreClient once the core is ready
     startup_error: str | None = None
+    restarting: bool = False              # the engine core died and a new one is loading (supervisor.py)
+    gave_up: str | None = None            # why the supervisor stopped restarting it (the server then exits 1)
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: Metrics = field(init=False)
 
@@ -104,6 +106,8 @@ class ServerState:
     def engine(self):
         if self.client is None:
             raise APIError(503, self.startup_error or "The model is still loading; try again shortly.")
+        if self.restarting:
+            raise APIError(503, "The engine core is restarting after a failure; try again shortly.")
         if self.client.dead is not None:
             raise APIError(503, f"The engine is not running: {self.client.dead}")
         return self.client
