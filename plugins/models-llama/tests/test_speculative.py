@@ -138,3 +138,17 @@ def test_cvserve_with_speculation_streams_the_same_text_and_counts_it(path):
     assert streamed == want
     accepted = next(line for line in metrics.splitlines() if line.startswith("cvllm:spec_decode_num_accepted_tokens"))
     assert float(accepted.rsplit(" ", 1)[1]) > 0
+
+
+def test_grammar_rows_and_speculating_rows_share_a_batch(path):
+    import json
+
+    prompts = repetitive_prompts(2, seed=1)
+    free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["a"], "additionalProperties": False}
+    structured = SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json": schema})
+    plain, _ = run(path, prompts, [free, structured], None)
+    spec, stats = run(path, prompts, [free, structured], NGRAM)
+    assert spec == plain and stats.spec_verifications > 0
+    assert json.loads(spec[1][0][2])["a"] in range(100)
