@@ -354,6 +354,7 @@ def test_models_tokenize_and_friends(server, client, llm):
     assert info["eos_token"] == "<|im_end|>" and "im_start" in info["chat_template"]
     schema = httpx.get(server.url + "/openapi.json").json()
     assert "/v1/chat/completions" in schema["paths"] and "ChatCompletionRequest" in schema["components"]["schemas"]
+    assert "EmbeddingRequest" in schema["components"]["schemas"] and "/v1/embeddings" in schema["paths"]
     # no --api-key: any Authorization header is ignored
     ok = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer whatever"})
     assert ok.status_code == 200

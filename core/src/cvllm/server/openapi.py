@@ -17,6 +17,8 @@ OPERATIONS: list[tuple[str, str, str, type | None, type | None, str]] = [
      p.ChatCompletionResponse, "application/json"),
     ("/v1/completions", "post", "Text completion (JSON, or SSE with stream=true)", p.CompletionRequest,
      p.CompletionResponse, "application/json"),
+    ("/v1/embeddings", "post", "Embeddings (where the model declares a pooling, or --task embed)",
+     p.EmbeddingRequest, p.EmbeddingResponse, "application/json"),
     ("/v1/models", "get", "Served models", None, p.ModelList, "application/json"),
     ("/tokenize", "post", "Tokenize a prompt or a chat", p.TokenizeRequest, p.TokenizeResponse, "application/json"),
     ("/detokenize", "post", "Token ids to text", p.DetokenizeRequest, p.DetokenizeResponse, "application/json"),
