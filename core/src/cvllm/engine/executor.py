@@ -31,8 +31,9 @@ if TYPE_CHECKING:
 class ForwardedStep:
     """A batch whose forward pass is launched and whose sampling is not."""
     sampling: list[Sequence]
-    logits: torch.Tensor            # [len(sampling), V], on the device
+    logits: torch.Tensor            # [len(sampling) + drafts, V], on the device
     scoring: bool
+    speculative: bool               # some sampling sequence verifies drafts (its 1 + K positions are rows)
 
 
 @dataclass(slots=True)
@@ -148,7 +149,7 @@ class InProcessExecutor(Executor):
             num_rows = len(sampling) + sum(seq.num_drafts for seq in sampling)
             record_prompt_logprobs(batch, scoring, logits[num_rows:])
             logits = logits[:num_rows]
-        return ForwardedStep(sampling, logits, bool(scoring))
+        return ForwardedStep(sampling, logits, bool(scoring), batch.num_draft_chunk_tokens > 0)
 
     def sample(self, step: ForwardedStep, allowed: tuple[list[int], torch.Tensor] | None,
                record: StepRecord | None = None) -> LaunchedStep:
@@ -157,7 +158,7 @@ class InProcessExecutor(Executor):
             rows, bits = allowed
             device = self.backend.device
             allowed = (upload(torch.tensor(rows), device), upload(bits, device))   # no wait for the device
-        speculative = any(seq.num_drafts for seq in sampling)
+        speculative = step.speculative
         rows = sampler_rows(sampling) if speculative else sampling   # a row per draft position
         out = self.sampler(step.logits, rows, history=self.penalties, allowed=allowed) if sampling else None
         readback = None

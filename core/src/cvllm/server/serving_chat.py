@@ -175,8 +175,7 @@ class _ChoiceText:
                 reasoning, content = reasoning + more_reasoning, content + more_content
         if self.tools is not None:
             if self.fragments is not None:
-                first = not self.tool_calls and not self._streamed
-                for call_id, name, arguments in self.tools.fragments(content, first):
+                for call_id, name, arguments in self.tools.fragments(content, first=not self._streamed):
                     self._streamed = True
                     if call_id is None:   # a continuation: the index and more of the arguments
                         self.fragments.append(ToolCall(index=0, type=UNSET,

@@ -26,11 +26,15 @@ from dataclasses import dataclass, field
 from cvllm.server.reasoning import partial_tag_suffix
 
 
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 @dataclass(slots=True)
 class ParsedCall:
     name: str
     arguments: str                  # a JSON object, as text
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    id: str = field(default_factory=new_call_id)
 
 
 def _call(obj: object, arguments_key: str = "arguments") -> ParsedCall | None:
@@ -206,7 +210,7 @@ class ForcedCallsParser:
 
     def __init__(self, name: str | None):
         self.name, self.buffer = name, ""
-        self.call_id = ParsedCall("", "").id if name is not None else None
+        self.call_id = new_call_id() if name is not None else None
 
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
         self.buffer += text
