@@ -225,6 +225,18 @@ def test_float_and_base64_and_usage(tokenizer):
     assert [struct.unpack("<3f", base64.b64decode(d["embedding"])) for d in body["data"]] == [(2, 4, .5), (1, 6, .5)]
 
 
+def test_embeddings_show_in_metrics(tokenizer):
+    client = EmbeddingClient(MEAN)
+    state = make_state(tokenizer, client)
+    assert call(state, "POST", "/v1/embeddings", {"input": [[4, 5], [6]]}).status_code == 200
+    assert call(state, "POST", "/v1/embeddings", {"input": [7, 8, 9]}).status_code == 200
+    text = call(state, "GET", "/metrics").text
+    assert 'cvllm:embedding_requests_total{model_name="fake"} 2.0' in text
+    assert 'cvllm:embedding_inputs_total{model_name="fake"} 3.0' in text
+    assert 'cvllm:prompt_tokens_total{model_name="fake"} 6.0' in text
+    assert 'cvllm:embedding_request_latency_seconds_count{model_name="fake"} 2.0' in text
+
+
 def test_refused_where_the_model_is_not_served_for_embeddings(tokenizer):
     status, body, _ = post(tokenizer, {"input": "hi"}, pooling=None)
     assert status == 400 and body["error"]["param"] == "model" and "--task embed" in body["error"]["message"]
@@ -241,8 +253,8 @@ def test_dimensions_follow_the_declared_matryoshka_sizes(tokenizer):
 
 
 def test_engine_failures_map_to_their_statuses(tokenizer):
-    status, body, _ = post(tokenizer, {"input": "hi"}, error=RequestError("not with tensor parallelism", True))
-    assert status == 400 and "tensor parallelism" in body["error"]["message"]
+    status, body, _ = post(tokenizer, {"input": "hi"}, error=RequestError("an input is empty", True))
+    assert status == 400 and "an input is empty" in body["error"]["message"]
     assert post(tokenizer, {"input": "hi"}, error=RequestError("model failed"))[0] == 500
     assert post(tokenizer, {"input": "hi"}, error=EngineDeadError("gone"))[0] == 503
 

@@ -4,6 +4,7 @@ that does not split the heads, and a dead worker that fails the engine instead o
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cvllm import LLM, SamplingParams
 from cvllm.testing.checkpoints import cvllm_greedy, make_checkpoint
@@ -72,6 +73,26 @@ def test_two_ranks_with_async_steps_preemption_and_prompt_logprobs(tmp_path):
         for ours, theirs in zip(prompt_lp[1:] + lp, want_prompt_lp[1:] + want_lp):
             assert ours.keys() == theirs.keys()
             assert all(abs(ours[t].logprob - theirs[t].logprob) < 1e-4 for t in ours)
+
+
+def test_two_ranks_embed_as_one(tmp_path):
+    """Embeddings: the workers run the hidden-states pass too (no LM head); chunked prompts and a batch of inputs
+    give the vectors one rank gives, and generation still works afterwards."""
+    make_checkpoint(tmp_path)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS + [list(range(3, 40))]]
+
+    def run(size: int):
+        llm = LLM(str(tmp_path), tensor_parallel_size=size, dtype="float32", num_kv_blocks=32,
+                  max_num_batched_tokens=16)
+        try:
+            vectors = torch.tensor([o.outputs.embedding for o in llm.embed(prompts)])
+            tokens = llm.generate(prompts[:1], GREEDY)[0].outputs[0].token_ids
+            return vectors, list(tokens)
+        finally:
+            llm.shutdown()
+
+    (want, want_tokens), (got, got_tokens) = run(1), run(2)
+    assert torch.allclose(got, want, atol=1e-5) and got_tokens == want_tokens
 
 
 def test_size_that_does_not_split_the_heads(tmp_path):

@@ -199,10 +199,8 @@ class ModelRunner:
     def hidden_states(self, batch: ScheduledBatch) -> torch.Tensor:
         """fp32 final hidden states of every token of ``batch``: the model's forward (its last norm included)
         without the LM head, what embeddings pool."""
-        input_ids, positions, ctx, _ = self.prepare(batch)
-        with forward_context(ctx):
-            self.backend.prepare(ctx)
-            return self.model(input_ids, positions).float()
+        input_ids, positions, ctx, logits_indices = self.prepare(batch)
+        return self.forward_prepared(input_ids, positions, ctx, logits_indices, False, False, hidden_only=True)
 
     def forward(self, batch: ScheduledBatch, inputs: tuple[torch.Tensor, torch.Tensor, ForwardContext, torch.Tensor],
                 all_logits: bool = False, extra_indices: torch.Tensor | None = None) -> torch.Tensor:
@@ -215,14 +213,18 @@ class ModelRunner:
         return self.forward_prepared(input_ids, positions, ctx, logits_indices, decode_path, all_logits)
 
     def forward_prepared(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
-                         logits_indices: torch.Tensor, decode_path: bool, all_logits: bool) -> torch.Tensor:
+                         logits_indices: torch.Tensor, decode_path: bool, all_logits: bool,
+                         hidden_only: bool = False) -> torch.Tensor:
         """The forward pass once the batch is tensors: what every tensor-parallel rank runs (the workers get these
-        from rank 0, tensor_parallel/messages.py). ``logits_indices`` includes any prompt-logprob rows."""
+        from rank 0, tensor_parallel/messages.py). ``logits_indices`` includes any prompt-logprob rows;
+        ``hidden_only``: every token's fp32 final hidden state instead of logits (embeddings)."""
         if decode_path:
             return self.decode_forward(input_ids, positions, ctx)
         with forward_context(ctx):
             self.backend.prepare(ctx)
             hidden = self.model(input_ids, positions)
+            if hidden_only:
+                return hidden.float()
             if not all_logits:
                 hidden = hidden[logits_indices]
             return self.model.compute_logits(hidden).float()

@@ -85,6 +85,20 @@ class Metrics:
                              buckets=ITL_BUCKETS, registry=self.registry).labels(model)
         self.e2e = Histogram("cvllm:e2e_request_latency_seconds", "Time from arrival to the last token.", labels,
                              buckets=E2E_BUCKETS, registry=self.registry).labels(model)
+        self.embedding_requests = Counter("cvllm:embedding_requests", "Finished /v1/embeddings requests.", labels,
+                                          registry=self.registry).labels(model)
+        self.embedding_inputs = Counter("cvllm:embedding_inputs", "Inputs embedded (a request may hold several).",
+                                        labels, registry=self.registry).labels(model)
+        self.embedding_e2e = Histogram("cvllm:embedding_request_latency_seconds",
+                                       "Time from arrival to the vectors of an embeddings request.", labels,
+                                       buckets=E2E_BUCKETS, registry=self.registry).labels(model)
+
+    def embedded(self, num_inputs: int, num_tokens: int, seconds: float) -> None:
+        """An embeddings request answered: its tokens count as prompt tokens, as a completion's prompt does."""
+        self.prompt_tokens.inc(num_tokens)
+        self.embedding_requests.inc()
+        self.embedding_inputs.inc(num_inputs)
+        self.embedding_e2e.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

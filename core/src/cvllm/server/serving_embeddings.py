@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import sys
+import time
 import uuid
 from array import array
 from typing import Any
@@ -118,6 +119,7 @@ class EmbeddingService:
 
     async def _reply(self, inputs: list[list[int]], pooling: PoolingConfig, dimensions: int | None, as_base64: bool,
                      model: str) -> Response:
+        started = time.perf_counter()
         try:
             vectors = await self.state.engine().embed(f"embd-{uuid.uuid4().hex}", inputs, pooling, dimensions)
         except RequestError as e:
@@ -125,6 +127,7 @@ class EmbeddingService:
         data = [EmbeddingData(index=i, embedding=base64.b64encode(raw).decode("ascii") if as_base64
                               else float32_values(raw)) for i, raw in enumerate(vectors)]
         tokens = sum(len(ids) for ids in inputs)
+        self.state.metrics.embedded(len(inputs), tokens, time.perf_counter() - started)
         body = EmbeddingResponse(data=data, model=model, usage=EmbeddingUsage(prompt_tokens=tokens,
                                                                               total_tokens=tokens))
         return Response(encode(body), media_type="application/json")

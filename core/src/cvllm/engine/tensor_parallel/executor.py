@@ -158,16 +158,26 @@ class BroadcastingRunner:
         return self.forward(batch, self.prepare(batch, previous_tokens), all_logits, extra_indices)
 
     def forward(self, batch, inputs, all_logits: bool = False, extra_indices=None) -> torch.Tensor:
+        decode_path = is_decode_path(batch, inputs[2], all_logits, extra_indices)
+        return self._forward(inputs, decode_path, all_logits, extra_indices)
+
+    @torch.inference_mode()
+    def hidden_states(self, batch) -> torch.Tensor:
+        """Every rank runs the model without its LM head (the hidden states are whole on each rank after the last
+        all-reduce); rank 0's are the embeddings' input."""
+        return self._forward(self.prepare(batch), False, False, None, hidden_only=True)
+
+    def _forward(self, inputs, decode_path: bool, all_logits: bool, extra_indices, hidden_only: bool = False):
         input_ids, positions, ctx, logits_indices = inputs
         (host, packed), self._sent_host = self._sent_host, None
-        decode_path = is_decode_path(batch, ctx, all_logits, extra_indices)
         if extra_indices is not None:
             logits_indices = torch.cat([logits_indices, extra_indices.to(logits_indices.device)])
         self.group.check()
         with self.group.watch.step():
             try:
-                messages.send_step(host, packed, input_ids, extra_indices, decode_path, all_logits)
-                return self.inner.forward_prepared(input_ids, positions, ctx, logits_indices, decode_path, all_logits)
+                messages.send_step(host, packed, input_ids, extra_indices, decode_path, all_logits, hidden_only)
+                return self.inner.forward_prepared(input_ids, positions, ctx, logits_indices, decode_path, all_logits,
+                                                   hidden_only)
             except Exception as e:
                 # a worker's death or hang is the error to report, not gloo's lost connection; any other failure
                 # part-way leaves the workers inside collectives rank 0 will never join, so no step can follow
@@ -183,11 +193,6 @@ class TensorParallelExecutor(InProcessExecutor):
 
     def memory(self) -> tuple[int, int]:
         return self.runner.memory()
-
-    def prompt_hidden(self, batch) -> torch.Tensor:
-        # rank 0 alone would run a forward whose collectives the workers never join (they run only what
-        # BroadcastingRunner sends them, and no message asks for hidden states yet)
-        raise ValueError("embeddings are not supported with tensor parallelism yet")
 
     def sentinels(self) -> list[int]:
         """Ready when a worker process ends: the engine core's idle wait watches them (engine_process/process.py)."""

@@ -17,7 +17,7 @@ from cvllm.engine.step_inputs import HostStep, host_step_from_packed, to_device
 # header fields: op, then an op's argument or a step's sizes
 HEADER_LEN = 9
 STEP, ALLOCATE_KV, SHUTDOWN, CAPTURE_GRAPHS, MEMORY = 1, 2, 3, 4, 5
-DECODE_PATH, ALL_LOGITS, DECODE_ONLY = 1, 2, 4   # flag bits
+DECODE_PATH, ALL_LOGITS, DECODE_ONLY, HIDDEN_ONLY = 1, 2, 4, 8   # flag bits
 
 
 def new_header() -> torch.Tensor:
@@ -58,13 +58,14 @@ def eager_init_device(dist_backend: str, device: torch.device | None) -> torch.d
 
 
 def send_step(host: HostStep, packed: torch.Tensor, input_ids: torch.Tensor, extra_indices: torch.Tensor | None,
-              decode_path: bool, all_logits: bool) -> None:
+              decode_path: bool, all_logits: bool, hidden_only: bool = False) -> None:
     """Rank 0: the step to every worker. ``packed``: ``pack(host.tensors)``; ``input_ids``: rank 0's on its device,
     with the in-flight tokens filled in (sent only when the step has such rows)."""
     ids, _, _, seq_lens, _, tables, logits_indices, _ = host.tensors
     extra = None if extra_indices is None else extra_indices.to("cpu", torch.int64)
     payload = packed if extra is None else torch.cat([packed, extra.view(torch.uint8)])
-    flags = DECODE_PATH * decode_path | ALL_LOGITS * all_logits | DECODE_ONLY * host.is_decode_only
+    flags = (DECODE_PATH * decode_path | ALL_LOGITS * all_logits | DECODE_ONLY * host.is_decode_only
+             | HIDDEN_ONLY * hidden_only)
     header = torch.tensor([STEP, payload.numel(), ids.numel(), seq_lens.numel(), tables.shape[1],
                            logits_indices.numel(), 0 if extra is None else extra.numel(), host.num_fill, flags],
                           dtype=torch.int64)
@@ -89,5 +90,6 @@ def receive_step(header: torch.Tensor, backend, block_size: int):
     if num_extra:
         extra = payload[packed_bytes:].view(torch.int64)
         logits_indices = torch.cat([logits_indices, extra.to(logits_indices.device)])
-    return input_ids, positions, ctx, logits_indices, bool(flags & DECODE_PATH), bool(flags & ALL_LOGITS)
+    return (input_ids, positions, ctx, logits_indices, bool(flags & DECODE_PATH), bool(flags & ALL_LOGITS),
+            bool(flags & HIDDEN_ONLY))
 
