@@ -32,10 +32,10 @@ def graph_replay_ms(engine, batch: int) -> float | None:
     """GPU time of one decode step of ``batch`` sequences: the CUDA graph captured for that batch (padded up
     the ladder) replayed alone, timed with CUDA events. None where no graph exists (eager, CPU)."""
     graphs = getattr(engine.runner.decode_forward, "graphs", None)
-    sizes = sorted(size for size in graphs or () if size >= batch)
+    sizes = sorted(size for size, q in graphs or () if q == 1 and size >= batch)   # keys (batch size, queries)
     if not sizes:
         return None
-    graph, _ = graphs[sizes[0]]
+    graph, _ = graphs[sizes[0], 1]
     return replay_ms(graph)
 
 

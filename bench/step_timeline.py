@@ -30,7 +30,7 @@ def step_timeline(engine, steps: int = 30) -> str:
     graphs = getattr(engine.runner.decode_forward, "graphs", None)
     if not graphs:
         return "step timeline: no CUDA graphs to time (eager decode steps)"
-    largest = max(graphs)
+    largest = max(size for size, q in graphs if q == 1)
     observed = _Records()
     torch.cuda.synchronize()
     reference = torch.cuda.Event(enable_timing=True)

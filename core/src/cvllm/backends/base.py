@@ -124,9 +124,11 @@ class Backend:
         by default."""
 
     def wrap_decode(self, forward: Callable[[Tensor, Tensor, ForwardContext], Tensor], max_num_seqs: int,
-                    max_blocks_per_seq: int) -> GraphedDecode | None:
+                    max_blocks_per_seq: int, verify: tuple[int, int] | None = None) -> GraphedDecode | None:
         """Graphs of the decode-only forward pass ``forward(input_ids, positions, ctx) -> logits`` for up to
-        ``max_num_seqs`` rows (CUDA graphs), or None (the default): decode steps run ``forward`` as it is."""
+        ``max_num_seqs`` rows (CUDA graphs), or None (the default): decode steps run ``forward`` as it is.
+        ``verify``: (most sequences, largest Q): also the speculative verify steps where every sequence runs Q
+        queries and every row gives logits (Q from 2 up), which reach the same ``forward``."""
         return None
 
     def start_readback(self, tensors: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:

@@ -20,6 +20,7 @@ from cvllm.engine.llm_engine import LLMEngine
 from cvllm.engine.model_runner import ModelRunner, build_model
 from cvllm.engine.sampler import Sampler
 from cvllm.engine.scheduler import Scheduler, SchedulerConfig
+from cvllm.engine.speculative import SpeculativeConfig
 from cvllm.layers.expert_offload import offload_experts
 from cvllm.layers.kv_fp8 import kv_cache_torch_dtype
 from cvllm.startup import StartupPhases
@@ -75,7 +76,11 @@ def build_engine(config: EngineConfig, imports_seconds: float | None = None) -> 
             max_model_len = num_blocks * config.block_size
         # expert offload reads each step's routing back to the host: a graph could not replay that
         if not config.enforce_eager and config.fake_step_ms is None and not config.num_experts_offload_per_rank:
-            executor.capture_graphs(max_num_seqs, max_model_len)
+            # speculative verify steps too: a sequence's last token and its K drafts, in batches small enough to
+            # speculate
+            spec = SpeculativeConfig.from_dict(config.speculative_config)
+            verify = (spec.disable_by_batch_size, spec.num_speculative_tokens + 1) if spec else (0, 1)
+            executor.capture_graphs(max_num_seqs, max_model_len, *verify)
         phases.mark("graphs")
         if backend.host_threads and "OMP_NUM_THREADS" not in os.environ \
                 and torch.get_num_threads() != backend.host_threads:

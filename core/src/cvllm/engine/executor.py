@@ -61,8 +61,11 @@ class Executor:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         raise NotImplementedError
 
-    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Let the backend capture decode-only steps (CUDA graphs); called once, after the KV cache exists."""
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int, verify_seqs: int = 0,
+                       verify_query_len: int = 1) -> None:
+        """Let the backend capture decode-only steps (CUDA graphs); called once, after the KV cache exists. With
+        speculative decoding, also verify steps of up to ``verify_seqs`` sequences of up to ``verify_query_len``
+        queries (a token and its drafts) each."""
 
     def execute(self, batch: ScheduledBatch, previous: LaunchedStep | None,
                 record: StepRecord | None = None) -> LaunchedStep:
@@ -131,8 +134,9 @@ class InProcessExecutor(Executor):
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
 
-    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        self.runner.enable_decode_graphs(max_num_seqs, max_model_len)
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int, verify_seqs: int = 0,
+                       verify_query_len: int = 1) -> None:
+        self.runner.enable_decode_graphs(max_num_seqs, max_model_len, verify_seqs, verify_query_len)
 
     def forward(self, batch: ScheduledBatch, previous: LaunchedStep | None,
                 record: StepRecord | None = None) -> ForwardedStep:

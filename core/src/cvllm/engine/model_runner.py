@@ -163,9 +163,13 @@ class ModelRunner:
                 kv_fp8.init_scales(layer, self.device)
         self.num_blocks = num_blocks
 
-    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Let the backend capture decode-only steps, LM head included (CUDA graphs), once the KV cache exists."""
-        graphs = self.backend.wrap_decode(self.decode_logits, max_num_seqs, -(-max_model_len // self.block_size))
+    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, verify_seqs: int = 0,
+                             verify_query_len: int = 1) -> None:
+        """Let the backend capture decode-only steps, LM head included (CUDA graphs), once the KV cache exists; and
+        speculative verify steps of up to ``verify_seqs`` sequences of 2..``verify_query_len`` queries each."""
+        verify = (verify_seqs, verify_query_len) if verify_seqs and verify_query_len > 1 else None
+        graphs = self.backend.wrap_decode(self.decode_logits, max_num_seqs, -(-max_model_len // self.block_size),
+                                          verify)
         if graphs is not None:
             with torch.inference_mode():
                 graphs.capture_all()
@@ -232,6 +236,14 @@ class ModelRunner:
 
 def is_decode_path(batch: ScheduledBatch, ctx: ForwardContext, all_logits: bool,
                    extra_indices: torch.Tensor | None) -> bool:
-    """Every row is a sequence's last token and samples: the decode-only forward (graphs on devices that have them)."""
-    return (ctx.is_decode_only and not all_logits and extra_indices is None
-            and len(batch.sample_indices) == len(batch.seqs))
+    """Every row gives logits and every sequence runs the same number of queries Q: a decode-only step (Q = 1), or a
+    speculative verify step where each sequence verifies Q - 1 drafts. Such steps take ``decode_forward`` (graphs
+    on devices that have them)."""
+    if all_logits or extra_indices is not None or len(batch.sample_indices) != len(batch.seqs):
+        return False
+    if ctx.is_decode_only:
+        return True
+    if batch.num_decodes or not batch.num_draft_chunk_tokens:
+        return False
+    q = ctx.max_query_len   # every sequence a decode with Q - 1 drafts (its chunk: its last token and the drafts)
+    return all(n == q and seq.num_drafts == q - 1 for seq, n in zip(batch.seqs, batch.num_tokens))

@@ -93,10 +93,11 @@ class CudaBackend(Backend):
                                      ctx.max_query_len, layer.scale, layer.sliding_window, layer.logits_soft_cap,
                                      kv_scales=(layer.k_scale, layer.v_scale) if fp8 else None)
 
-    def wrap_decode(self, forward: Callable, max_num_seqs: int, max_blocks_per_seq: int) -> GraphedDecode:
+    def wrap_decode(self, forward: Callable, max_num_seqs: int, max_blocks_per_seq: int,
+                    verify: tuple[int, int] | None = None) -> GraphedDecode:
         from cvllm_cuda.graphs import DecodeGraphs
 
-        return DecodeGraphs(forward, self, max_num_seqs, max_blocks_per_seq)
+        return DecodeGraphs(forward, self, max_num_seqs, max_blocks_per_seq, verify)
 
     def start_readback(self, tensors: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
         # into pinned memory without blocking, then wait on an event recorded right after the copies:

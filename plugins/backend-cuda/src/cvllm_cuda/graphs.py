@@ -1,10 +1,12 @@
-"""CUDA graphs of the decode step (forward pass and LM head), one per padded batch size.
+"""CUDA graphs of the decode step (forward pass and LM head), one per padded batch size; and of speculative
+decoding's verify step (every sequence runs its last token and Q - 1 drafts, every row gives logits), one per
+padded batch size and Q.
 
 A decode step of a small model is dozens of kernels per layer, each a few microseconds: launched
 one by one from Python the GPU waits on the host. A graph replays the whole step in one launch.
 Graphs read their inputs from fixed addresses, so every input lives in a persistent buffer that
 each step copies into; a batch of B sequences runs the graph of the smallest captured size >= B,
-the padding rows writing nothing (slot -1) and attending to one key. Everything a graph runs was
+the padding rows writing nothing (slot -1) and attending to Q keys. Everything a graph runs was
 fixed at capture: the attention kernels' grids depend only on the batch size, never on context
 length, and nothing in the step reads a value back to the host.
 """
@@ -33,39 +35,55 @@ def batch_size_ladder(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, forward: Forward, backend, max_num_seqs: int, max_blocks_per_seq: int):
+    def __init__(self, forward: Forward, backend, max_num_seqs: int, max_blocks_per_seq: int,
+                 verify: tuple[int, int] | None = None):
+        """``verify``: (most sequences, largest Q) of the verify steps to capture as well; Q from 2 up."""
         self.forward = forward
         self.backend = backend
-        self.sizes = batch_size_ladder(max_num_seqs)
-        device, n = backend.device, self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.shapes = [(size, 1) for size in batch_size_ladder(max_num_seqs)]
+        if verify is not None:
+            verify_seqs, max_q = min(verify[0], max_num_seqs), verify[1]
+            self.shapes += [(size, q) for q in range(2, max_q + 1) for size in batch_size_ladder(verify_seqs)]
+        self.sizes = {q: sorted(size for size, q2 in self.shapes if q2 == q) for _, q in self.shapes}
+        device = backend.device
+        n = max(size for size, _ in self.shapes)
+        rows = max(size * q for size, q in self.shapes)
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((rows,), -1, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # one query per row
+        # each sequence's Q queries start at a multiple of Q
+        self.query_start_loc = {q: torch.arange(0, n * q + 1, q, dtype=torch.int32, device=device)
+                                for q in self.sizes}
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
-        self.replays = 0      # decode steps served by a graph (the rest ran eagerly)
+        self.replays = 0          # decode and verify steps served by a graph (the rest ran eagerly)
+        self.verify_replays = 0   # of which verify steps
 
-    def _context(self, size: int) -> ForwardContext:
+    def _context(self, size: int, q: int) -> ForwardContext:
         return ForwardContext(
-            backend=self.backend, query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
-            slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
-            query_start_loc_cpu=list(range(size + 1)), query_lens_cpu=[1] * size, seq_lens_cpu=[1] * size,
-            max_query_len=1, max_seq_len=self.block_tables.shape[1], is_decode_only=True)
+            backend=self.backend, query_start_loc=self.query_start_loc[q][:size + 1], seq_lens=self.seq_lens[:size],
+            slot_mapping=self.slot_mapping[:size * q], block_tables=self.block_tables[:size],
+            query_start_loc_cpu=list(range(0, size * q + 1, q)), query_lens_cpu=[q] * size, seq_lens_cpu=[q] * size,
+            max_query_len=q, max_seq_len=self.block_tables.shape[1], is_decode_only=q == 1)
 
     def capture_all(self) -> None:
-        """Capture every size, largest first so the smaller graphs reuse its memory pool."""
+        """Capture every shape, largest first so the smaller graphs reuse its memory pool."""
         started = time.perf_counter()
-        for size in reversed(self.sizes):
-            self._capture(size)
+        for size, q in sorted(self.shapes, key=lambda shape: shape[0] * shape[1], reverse=True):
+            self._capture(size, q)
         torch.cuda.synchronize(self.backend.device)
-        logger.info("captured CUDA graphs for %d decode batch sizes (1..%d) in %.1fs", len(self.sizes),
-                    self.sizes[-1], time.perf_counter() - started)
+        verify = len(self.shapes) - len(self.sizes[1])
+        logger.info("captured CUDA graphs for %d decode batch sizes (1..%d)%s in %.1fs", len(self.sizes[1]),
+                    self.sizes[1][-1], f" and {verify} verify shapes" if verify else "",
+                    time.perf_counter() - started)
 
-    def _capture(self, size: int) -> None:
-        ids, positions, ctx = self.input_ids[:size], self.positions[:size], self._context(size)
+    def _capture(self, size: int, q: int) -> None:
+        rows = size * q
+        # verify shapes: the sequences' Q positions must fit their seq_lens (padding rows attend to Q keys)
+        self.seq_lens[:size].fill_(q)
+        ids, positions, ctx = self.input_ids[:rows], self.positions[:rows], self._context(size, q)
         # a first run outside the graph: lazy initialisation (Triton compilation, rotary tables on the
         # device, cuBLAS workspaces) must not happen while capturing
         stream = torch.cuda.Stream(self.backend.device)
@@ -75,28 +93,33 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.backend.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self.forward(ids, positions, self._context(size))
+            out = self.forward(ids, positions, self._context(size, q))
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[size] = (graph, out)
+        self.graphs[size, q] = (graph, out)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        batch = input_ids.shape[0]
-        at = bisect.bisect_left(self.sizes, batch)
-        if at == len(self.sizes) or ctx.block_tables.shape[1] > self.block_tables.shape[1]:
-            return self.forward(input_ids, positions, ctx)   # larger than anything captured: run eagerly
-        size = self.sizes[at]
-        if size not in self.graphs:
-            self._capture(size)
-        self.input_ids[:batch].copy_(input_ids)
-        self.positions[:batch].copy_(positions)
-        self.slot_mapping[:batch].copy_(ctx.slot_mapping)
+        """A decode step (every sequence one query) or a uniform verify step (every sequence ``max_query_len``
+        queries, ModelRunner's is_decode_path): the graph of the smallest captured batch size that holds it."""
+        batch, q = ctx.seq_lens.shape[0], ctx.max_query_len
+        sizes = self.sizes.get(q)
+        at = len(sizes) if sizes is None else bisect.bisect_left(sizes, batch)
+        if sizes is None or at == len(sizes) or ctx.block_tables.shape[1] > self.block_tables.shape[1]:
+            return self.forward(input_ids, positions, ctx)   # not a captured shape: run eagerly
+        size = sizes[at]
+        if (size, q) not in self.graphs:
+            self._capture(size, q)
+        rows = batch * q
+        self.input_ids[:rows].copy_(input_ids)
+        self.positions[:rows].copy_(positions)
+        self.slot_mapping[:rows].copy_(ctx.slot_mapping)
         self.seq_lens[:batch].copy_(ctx.seq_lens)
         self.block_tables[:batch, :ctx.block_tables.shape[1]].copy_(ctx.block_tables)
-        if size > batch:  # padding rows: write no KV, attend to one key of some block
-            self.slot_mapping[batch:size].fill_(-1)
-            self.seq_lens[batch:size].fill_(1)
-        graph, out = self.graphs[size]
+        if size > batch:  # padding rows: write no KV, attend to Q keys of some block
+            self.slot_mapping[rows:size * q].fill_(-1)
+            self.seq_lens[batch:size].fill_(q)
+        graph, out = self.graphs[size, q]
         graph.replay()
         self.replays += 1
-        return out[:batch]
+        self.verify_replays += q > 1
+        return out[:rows]

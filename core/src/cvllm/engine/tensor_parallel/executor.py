@@ -134,7 +134,8 @@ class BroadcastingRunner:
         messages.send_op(messages.MEMORY)
         return messages.least_memory(self.inner.backend)
 
-    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, verify_seqs: int = 0,
+                             verify_query_len: int = 1) -> None:
         """Every rank captures the same graphs at once: the warm-up passes run the collectives for real, and each
         captured graph replays its rank's part of them (NCCL inside CUDA graphs)."""
         if self.inner.device.type != "cpu" and self.group.dist_backend.endswith(":gloo"):
@@ -142,8 +143,8 @@ class BroadcastingRunner:
                            self.group.dist_backend)
             return
         self.group.check()
-        messages.send_op(messages.CAPTURE_GRAPHS, max_num_seqs, max_model_len)
-        self.inner.enable_decode_graphs(max_num_seqs, max_model_len)
+        messages.send_op(messages.CAPTURE_GRAPHS, max_num_seqs, max_model_len, verify_seqs, verify_query_len)
+        self.inner.enable_decode_graphs(max_num_seqs, max_model_len, verify_seqs, verify_query_len)
 
     def prepare(self, batch, previous_tokens=None):
         host = build_host_step(batch, self.inner.block_size, previous_tokens[1] if previous_tokens else None)

@@ -28,6 +28,7 @@ from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
 from cvllm_cuda.kernels.tuned_configs import TUNED, TUNED_SPARSE_DECODE
 
 MAX_SPLITS = 16
+MAX_SPLIT_QUERY_LEN = 8   # queries per sequence up to which keys are split (default_num_splits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,11 +81,12 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, dev
     """Split decodes' keys only when the batch alone cannot fill the GPU: aim at two programs per SM.
 
     A plain function of the batch shape and the SM count, never of sequence lengths, so the choice made
-    when a CUDA graph is captured stays right for any context. Prefill batches are not split: their
-    tiles already fill the GPU and their workspace would be large.
+    when a CUDA graph is captured stays right for any context. Batches of a few queries per sequence (a
+    speculative verify step: a token and its drafts, one tile per sequence) split as decodes do; longer
+    prefill batches are not split: their tiles already fill the GPU and their workspace would be large.
     """
     programs = num_seqs * num_kv_heads
-    if max_query_len != 1 or device.type != "cuda" or programs == 0:
+    if max_query_len > MAX_SPLIT_QUERY_LEN or device.type != "cuda" or programs == 0:
         return 1
     sms = gpu.num_sms(gpu.device_index(device))
     if programs >= sms:
