@@ -14,18 +14,22 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "min_acceptance_rate": 0.0}
 
 
-def prompts() -> list[list[int]]:
+def prompts(batch: int, mixed: bool) -> list[list[int]]:
+    """Repeated phrases, so the n-gram finds drafts. ``mixed``: contexts of different lengths and one prompt
+    without repeats (steps where some sequences draft and some do not run eagerly); else ``batch`` copies of one
+    prompt, whose sequences draft alike every step, so their verify steps replay graphs (batch 3: padded to 4)."""
     generator = torch.Generator().manual_seed(7)
     phrase = torch.randint(3, 512, (12,), generator=generator).tolist()
-    # repeated phrases: the n-gram finds drafts every step; lengths differ so the batch mixes contexts
+    if not mixed:
+        return [phrase * 9] * batch
     return [phrase * 9, phrase[:5] * 3 + phrase * 4, torch.randint(3, 512, (40,), generator=generator).tolist()]
 
 
-def run(path, dtype: str, batch: int, spec: dict | None, **options):
+def run(path, dtype: str, batch: int, spec: dict | None, mixed: bool = False, **options):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     with LLM(str(path), backend="cuda", dtype=dtype, speculative_config=spec, num_kv_blocks=64, block_size=16,
              **options) as llm:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts()[:batch]], params)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts(batch, mixed)], params)
         graphs = llm.llm_engine.runner.decode_forward
         return [list(o.outputs[0].token_ids) for o in outputs], graphs, llm.llm_engine.stats
 
@@ -41,8 +45,9 @@ def test_verify_steps_replay_graphs_and_change_nothing(tmp_path, dtype, batch):
     assert stats.spec_verifications > 0 and graphs.verify_replays > 0
 
 
-def test_eager_verify_steps_match_too(tmp_path):
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_mixed_batches_match(tmp_path, enforce_eager):
     make_checkpoint(tmp_path, "llama")
-    want, _, _ = run(tmp_path, "float32", 3, None, enforce_eager=True)
-    got, _, stats = run(tmp_path, "float32", 3, SPEC, enforce_eager=True)
+    want, _, _ = run(tmp_path, "float32", 3, None, mixed=True, enforce_eager=enforce_eager)
+    got, _, stats = run(tmp_path, "float32", 3, SPEC, mixed=True, enforce_eager=enforce_eager)
     assert got == want and stats.spec_verifications > 0

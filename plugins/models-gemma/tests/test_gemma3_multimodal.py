@@ -1,6 +1,7 @@
-"""Gemma 3's multimodal checkpoints served as text: the sparse hub text_config read as transformers reads it, the
-checkpoint opened with the text model's config (what the engine reads at the top level), the language model's
-tensors picked out under either layout and the vision tower's left unread, without a warning.
+"""Gemma 3's multimodal checkpoints served as text, through core's ``NestedTextModel`` (the class's
+``nested_text_model``): the sparse hub text_config read as transformers reads it, the checkpoint opened by core's
+reader with the text model's config (what the engine reads at the top level), the language model's tensors picked
+out under either layout and the vision tower's left unread (never read at all), without a warning.
 
 (The oracle comparisons of their logits and greedy tokens are in test_gemma_vs_transformers.py.)
 """
@@ -18,8 +19,8 @@ from cvllm.config import model_config_from_dict
 from cvllm.testing.checkpoints import EOS_TOKEN_ID
 from cvllm_gemma import plugin
 from cvllm_gemma.gemma2 import layer_types
-from cvllm_gemma.gemma3 import rope_by_layer_type, sliding_window_pattern
-from cvllm_gemma.multimodal import text_model_config, text_weight_name
+from cvllm_gemma.gemma3 import Gemma3ForConditionalGeneration, rope_by_layer_type, sliding_window_pattern
+from cvllm_gemma.multimodal import GEMMA3_TEXT
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -55,15 +56,23 @@ def test_hub_text_config_read_as_transformers_reads_it() -> None:
     import transformers
 
     theirs = transformers.Gemma3Config(**HUB_CONFIG).text_config
-    ours = text_model_config(model_config_from_dict(HUB_CONFIG))
+    ours = GEMMA3_TEXT.text_config(model_config_from_dict(HUB_CONFIG))
     assert {k: ours.get(k) for k in TEXT_KEYS} == {k: getattr(theirs, k) for k in TEXT_KEYS}
     assert layer_types(ours, sliding_window_pattern(ours)) == theirs.layer_types
     assert rope_by_layer_type(ours) == theirs.rope_parameters
     assert ours.architectures == ["Gemma3ForConditionalGeneration"]
     assert ours.eos_token_id == [1, 106] and ours.dtype == "bfloat16"
+    assert ours.raw_config == HUB_CONFIG and ours.get("text_config") is None
+    assert GEMMA3_TEXT.text_config(ours) is ours  # flat already
+
+
+def test_the_class_declares_where_its_text_model_is() -> None:
+    assert Gemma3ForConditionalGeneration.nested_text_model is GEMMA3_TEXT
+    assert GEMMA3_TEXT.config_key == "text_config" and GEMMA3_TEXT.holds(HUB_CONFIG)
 
 
 def test_weight_names() -> None:
+    text_weight_name = GEMMA3_TEXT.weight_name
     layer = "layers.0.self_attn.q_proj.weight"
     assert text_weight_name(f"language_model.model.{layer}") == f"model.{layer}"
     assert text_weight_name(f"model.language_model.{layer}") == f"model.{layer}"
@@ -86,12 +95,23 @@ def test_checkpoint_opens_with_the_text_config(gemma_checkpoint, gemma_plugin_on
     assert "text_config" not in opened.config.to_dict()
 
 
-def test_other_checkpoints_left_to_the_other_readers(gemma_checkpoint, gemma_plugin_only, tmp_path) -> None:
+def test_text_only_checkpoints_opened_as_they_are(gemma_checkpoint, gemma_plugin_only) -> None:
     text_only = gemma_checkpoint("gemma3", spelling="v5")
-    assert plugin.open_checkpoint(str(text_only.path)) is None
-    assert plugin.open_checkpoint(str(tmp_path / "missing")) is None
-    assert plugin.open_checkpoint(str(text_only.path / "config.json")) is None   # a file, not a directory
-    assert plugins.open_checkpoint(str(text_only.path)).config.get("text_config") is None
+    opened = plugins.open_checkpoint(str(text_only.path))
+    assert opened.config.get("text_config") is None and opened.architecture == "Gemma3ForCausalLM"
+    names = [name for name, _ in opened.weights(lazy=True)]
+    assert names and all(name.startswith(("model.", "lm_head.")) for name in names)
+
+
+def test_other_towers_never_read(gemma_checkpoint, gemma_plugin_only) -> None:
+    # the vision tower's tensors are dropped by name, before anything reads them
+    from cvllm.checkpoint import LazyTensor
+
+    opened = plugins.open_checkpoint(str(gemma_checkpoint("gemma3_multimodal").path))
+    weights = list(opened.weights(lazy=True))
+    assert weights and all(name.startswith(("model.layers.", "model.embed_tokens.", "model.norm.", "lm_head."))
+                           for name, _ in weights)
+    assert all(isinstance(tensor, LazyTensor) for _, tensor in weights)
 
 
 @pytest.mark.parametrize("layout", ["saved", "v5"])

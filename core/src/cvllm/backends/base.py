@@ -66,6 +66,12 @@ class Backend:
     #       and one with per-head norms (Qwen3) ``qk_norm=(q_weight, k_weight, eps)``: RMSNorm over each head of q
     #       and k before the rotation (q_norm and k_norm share eps); an interleaved rotary adds ``interleaved=True``
     #   silu_and_mul(x [..., 2I]) -> [..., I]: SiluAndMul (layers/activation.py)
+    #   gelu_and_mul(x [..., 2I], approximate) -> [..., I]: GeluAndMul, ``approximate`` "none" or "tanh"
+    #   fused_add_rms_norm_plus_one(x, residual, weight, eps): GemmaRMSNorm.forward (scales by 1 + weight, in fp32,
+    #       rounded once), residual as fused_add_rms_norm's
+    #   fused_add_layer_norm(x, residual, weight, bias, eps): LayerNorm.forward (bias may be None), residual as
+    #       fused_add_rms_norm's; a 2-D weight [H, D] (bias None) normalises each head of x [T, H, D] with its own
+    #       weight (layers/layernorm.layer_norm_per_head)
     #   linear(x, weight, bias): ``F.linear`` of an unquantized linear layer and of the LM head
     #       (layers/quantization.dense), for a backend with its own matmul for some shapes (CUDA: Triton GEMVs)
     #   fused_moe(hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], local_ids [T, k]) -> [T, H]:
@@ -77,6 +83,11 @@ class Backend:
     #       the sampler (the engine hands it over; no forward pass is in progress when it samples)
     argmax: Callable[[Tensor], Tensor] | None = None
     fused_add_rms_norm: Callable[[Tensor, Tensor | None, Tensor, float], Tensor | tuple[Tensor, Tensor]] | None = None
+    fused_add_rms_norm_plus_one: Callable[[Tensor, Tensor | None, Tensor, float],
+                                          Tensor | tuple[Tensor, Tensor]] | None = None
+    fused_add_layer_norm: Callable[[Tensor, Tensor | None, Tensor, Tensor | None, float],
+                                   Tensor | tuple[Tensor, Tensor]] | None = None
+    gelu_and_mul: Callable[[Tensor, str], Tensor] | None = None
     fused_moe: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
     linear: Callable[[Tensor, Tensor, Tensor | None], Tensor] | None = None
     route_experts: Callable[[Tensor, Tensor | None, Any], tuple[Tensor, Tensor]] | None = None

@@ -2,5 +2,6 @@
 
 from cvllm.checkpoint.base import Checkpoint, CheckpointError
 from cvllm.checkpoint.lazy import LazyTensor, lazy_aware, materialize
+from cvllm.checkpoint.nested import NestedTextModel
 
-__all__ = ["Checkpoint", "CheckpointError", "LazyTensor", "lazy_aware", "materialize"]
+__all__ = ["Checkpoint", "CheckpointError", "LazyTensor", "NestedTextModel", "lazy_aware", "materialize"]

@@ -2,7 +2,8 @@
 
 config.json, one ``model.safetensors`` or shards listed in ``model.safetensors.index.json`` (or, with no
 safetensors, PyTorch ``pytorch_model*.bin`` files: pytorch_bin.py), tokenizer.json + tokenizer_config.json,
-generation_config.json.
+generation_config.json. A class serving the language model of a multimodal checkpoint declares where it is
+(``nested_text_model``, nested.py): its config is flattened and its tensors renamed here.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from functools import partial
 from pathlib import Path
 
 from cvllm.checkpoint.base import Checkpoint, CheckpointError
+from cvllm.checkpoint.nested import NestedTextModel
 from cvllm.checkpoint.pytorch_bin import bin_files, iterate_bins
 from cvllm.checkpoint.safetensors_files import check_safetensors_file, iterate_safetensors
 from cvllm.checkpoint.sentence_transformers import MODULES_FILE, adapt_base_model, read_declared_pooling
@@ -37,16 +39,16 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
-def architecture_config_aliases(raw: dict) -> dict[str, str]:
-    """The ``config_aliases`` of the class registered for the config's architecture (none for an unknown one:
-    building the model says so later)."""
+def architecture_class(raw: dict) -> object | None:
+    """The class registered for the config's architecture (None for an unknown one: building the model says so
+    later)."""
     from cvllm import plugins
 
     names = raw.get("architectures") or []
     registry = plugins.architectures()
     if not names or names[0] not in registry:
-        return {}
-    return dict(getattr(registry.get(names[0]), "config_aliases", None) or {})
+        return None
+    return registry.get(names[0])
 
 
 def open_hf_checkpoint(path: str | Path) -> Checkpoint:
@@ -55,9 +57,18 @@ def open_hf_checkpoint(path: str | Path) -> Checkpoint:
     if not config_file.exists():
         raise CheckpointError(f"{path}: missing config.json (not a Hugging Face model directory)")
     raw = load_json(config_file, "config.json")
-    config = model_config_from_dict(raw, source=str(config_file), aliases=architecture_config_aliases(raw))
+    model_class = architecture_class(raw)
+    aliases = dict(getattr(model_class, "config_aliases", None) or {})
+    nested: NestedTextModel | None = getattr(model_class, "nested_text_model", None)
+    if nested is not None and not nested.holds(raw):
+        nested = None
+    flat = nested.flat_config(raw) if nested is not None else raw
+    config = model_config_from_dict(flat, source=str(config_file), aliases=aliases)
+    config.raw_config = dict(raw)
     files = weight_files(path)
     weights = partial(iterate_bins if files[0].suffix == ".bin" else iterate_safetensors, files)
+    if nested is not None:  # a multimodal checkpoint served by its language model (nested.py)
+        weights = nested.weights(weights)
     pooling = read_declared_pooling(path)
     if (path / MODULES_FILE).exists() and files[0].suffix != ".bin":
         weights = adapt_base_model(config, tensor_names(path, files), weights, path)

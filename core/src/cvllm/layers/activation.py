@@ -19,10 +19,16 @@ class SiluAndMul(nn.Module):
 
 
 class GeluAndMul(nn.Module):
+    """``gelu(gate) * up`` (GeGLU: Gemma's MLP); ``approximate`` as F.gelu's, "none" or "tanh". Inside a forward
+    pass the backend's ``gelu_and_mul(x, approximate)`` where it has one."""
+
     def __init__(self, approximate: str = "none"):
         super().__init__()
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = getattr(forward_backend(), "gelu_and_mul", None)
+        if fused is not None:
+            return fused(x, self.approximate)
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate=self.approximate) * up

@@ -1,4 +1,7 @@
-"""RMSNorm with an optional fused residual add (computed in fp32, as Hugging Face does)."""
+"""RMSNorm (and Gemma's 1 + weight variant) and LayerNorm (and a per-head one), each with an optional fused residual
+add, computed as Hugging Face does. Inside a forward pass each calls its backend's fused kernel where the backend has
+one (``fused_add_rms_norm``, ``fused_add_rms_norm_plus_one``, ``fused_add_layer_norm``) and its torch code
+otherwise."""
 
 from __future__ import annotations
 
@@ -40,10 +43,39 @@ class RMSNorm(nn.Module):
         return self._norm(x), x
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Scales by ``1 + weight`` (Gemma's: checkpoints store the offset from 1, HF initialises the weight to zeros).
+    As transformers computes it: normalised and scaled in fp32, rounded once (``(x * w).to(dtype)``, not
+    ``x.to(dtype) * w``); the backend's ``fused_add_rms_norm_plus_one`` computes this, the plain RMSNorm's fused
+    kernel does not (this class is not ``_fusable``)."""
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``."""
+        backend = forward_backend() if type(self)._norm is GemmaRMSNorm._norm else None
+        fused = getattr(backend, "fused_add_rms_norm_plus_one", None)
+        if fused is not None:
+            return fused(x, residual, self.weight, self.eps)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+
 class LayerNorm(nn.Module):
     """LayerNorm with a weight and (by default) a bias, as ``nn.LayerNorm`` computes it (``F.layer_norm`` in the
     input's dtype: the same kernel transformers calls), with RMSNorm's optional fused residual add (Phi-2,
     StableLM, GPT-NeoX style models)."""
+
+    # whether the backend's fused_add_layer_norm computes this class's forward (not a subclass's own forward)
+    _fusable = True
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._fusable = cls.forward is LayerNorm.forward
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True):
         super().__init__()
@@ -53,7 +85,23 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``."""
+        backend = forward_backend() if self._fusable else None
+        fused = getattr(backend, "fused_add_layer_norm", None)
+        if fused is not None:
+            return fused(x, residual, self.weight, self.bias, self.eps)
         if residual is not None:
             x = x + residual
         out = F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
         return out if residual is None else (out, x)
+
+
+def layer_norm_per_head(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """A LayerNorm (weight, no bias) over each head of ``x`` [..., H * D] with a weight of its own per head,
+    ``weight`` [H, D] (StableLM's ``qk_layernorm``): in fp32 and rounded once at the end, as nn.LayerNorm's kernel
+    computes a low-precision input. The backend's ``fused_add_layer_norm`` takes the 2-D weight as per-head."""
+    heads = x.reshape(-1, *weight.shape)   # [T, H, D]
+    fused = getattr(forward_backend(), "fused_add_layer_norm", None)
+    if fused is not None:
+        return fused(heads, None, weight, None, eps).reshape(x.shape)
+    normed = F.layer_norm(heads.float(), weight.shape[-1:], eps=eps) * weight.float()
+    return normed.to(x.dtype).reshape(x.shape)

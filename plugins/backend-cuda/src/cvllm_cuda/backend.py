@@ -1,9 +1,9 @@
 """The CUDA backend: the engine's device operations on an NVIDIA GPU.
 
-Attention, the KV-cache write (the keys rotated on the way in), RMSNorm with its residual add, rotary and
-SiLU·up are Triton kernels (kernels/); the matmuls are cuBLAS's except for one token (a Triton GEMV) and a few
-where a tuned Triton skinny GEMM beats it (kernels/linear.py). Decode steps replay CUDA graphs captured per batch
-size (graphs.py).
+Attention, the KV-cache write (the keys rotated on the way in), RMSNorm (also Gemma's 1 + weight one) and LayerNorm
+(also per head) with their residual add, rotary, SiLU·up and GELU·up are Triton kernels (kernels/); the matmuls are
+cuBLAS's except for one token (a Triton GEMV) and a few where a tuned Triton skinny GEMM beats it (kernels/linear.py).
+Decode steps replay CUDA graphs captured per batch size (graphs.py).
 """
 
 from __future__ import annotations
@@ -44,18 +44,21 @@ class CudaBackend(Backend):
         torch.cuda.set_device(index)
 
     def __init__(self) -> None:
-        from cvllm_cuda.kernels.activation import silu_and_mul
+        from cvllm_cuda.kernels.activation import gelu_and_mul, silu_and_mul
         from cvllm_cuda.kernels.argmax import argmax
         from cvllm_cuda.kernels.kv_cache import write_kv
+        from cvllm_cuda.kernels.layer_norm import fused_add_layer_norm
         from cvllm_cuda.kernels.linear import linear
         from cvllm_cuda.kernels.paged_attention import paged_attention
-        from cvllm_cuda.kernels.rms_norm import fused_add_rms_norm
+        from cvllm_cuda.kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_plus_one
         from cvllm_cuda.kernels.rotary import rotary, rotary_write_kv
 
         self.device = torch.device("cuda", torch.cuda.current_device())
         self._write_kv, self._paged_attention = write_kv, paged_attention
         # fused kernels the layers call instead of their torch ops (Backend's attributes say how)
         self.fused_add_rms_norm, self.rotary, self.silu_and_mul = fused_add_rms_norm, rotary, silu_and_mul
+        self.fused_add_rms_norm_plus_one, self.fused_add_layer_norm = fused_add_rms_norm_plus_one, fused_add_layer_norm
+        self.gelu_and_mul = gelu_and_mul
         # the keys rotated on their way into the cache, one launch a layer instead of two (CVLLM_FUSED_ROPE_KV=0:
         # rotary, then write_kv, for A/B runs)
         self.rotary_write_kv = rotary_write_kv if os.environ.get("CVLLM_FUSED_ROPE_KV", "1") != "0" else None

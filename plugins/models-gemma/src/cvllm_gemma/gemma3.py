@@ -10,16 +10,14 @@ Gemma3ForCausalLM, not in Gemma3ForConditionalGeneration (null in every publishe
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
-import torch
 from torch import nn
 
 from cvllm.config import ModelConfig
 from cvllm_gemma.gemma2 import FULL, SLIDING, Gemma2DecoderLayer, Gemma2ForCausalLM
 from cvllm_gemma.layers import GemmaAttention, GemmaMLP
-from cvllm_gemma.multimodal import GEMMA3_TEXT_DEFAULTS, text_model_config, text_weight_name
+from cvllm_gemma.multimodal import GEMMA3_TEXT, GEMMA3_TEXT_DEFAULTS
 
 
 def rope_by_layer_type(config: ModelConfig) -> dict[str, dict[str, Any]]:
@@ -69,14 +67,13 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
 
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
-    """Only the language model of a multimodal checkpoint: text in, text out (multimodal.py)."""
+    """Only the language model of a multimodal checkpoint: text in, text out. Core's checkpoint reader flattens
+    the config and renames the tensors as ``nested_text_model`` says (multimodal.py)."""
+
+    nested_text_model = GEMMA3_TEXT
 
     def text_config(self, config: ModelConfig) -> ModelConfig:
-        return text_model_config(config)
+        return GEMMA3_TEXT.text_config(config)  # a config built straight from a nested config.json
 
     def final_soft_cap(self, config: ModelConfig) -> float | None:
         return None
-
-    def checkpoint_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
-        renamed = ((text_weight_name(name), tensor) for name, tensor in weights)
-        return super().checkpoint_weights((name, tensor) for name, tensor in renamed if name is not None)

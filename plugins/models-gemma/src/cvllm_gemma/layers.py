@@ -8,7 +8,6 @@ import functools
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cvllm.config import ModelConfig
@@ -17,24 +16,14 @@ from cvllm.layers import (
     GeluAndMul,
     MergedColumnParallelLinear,
     QKVParallelLinear,
-    RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
     get_rope,
 )
+from cvllm.layers.layernorm import GemmaRMSNorm  # (1 + weight), fused on backends that can (re-exported here)
 
 # transformers' activation names -> F.gelu's ``approximate``
 GELU_APPROXIMATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
-
-
-class GemmaRMSNorm(RMSNorm):
-    """Scales by ``1 + weight``: checkpoints store the offset from 1 (HF initialises the weight to zeros)."""
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # as transformers: normalised and scaled in fp32, rounded once ((x * w).to(dtype), not x.to(dtype) * w).
-        # Overriding _norm makes the class non-fusable: the backend's fused add + RMSNorm computes x * weight.
-        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
 
 @functools.cache

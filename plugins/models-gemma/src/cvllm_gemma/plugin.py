@@ -12,15 +12,6 @@ def register_architectures(register):
 
 
 @hookimpl
-def open_checkpoint(path):
-    # Gemma 3's multimodal directories, opened with their config flattened to the text model's (the engine reads
-    # vocab_size and the context length at the top level); anything else is left to the other readers
-    from cvllm_gemma.multimodal import open_text_checkpoint
-
-    return open_text_checkpoint(path)
-
-
-@hookimpl
 def register_gguf_architectures(register):
     register("gemma", "cvllm_gemma.gguf_adapter:GEMMA")
     register("gemma2", "cvllm_gemma.gguf_adapter:GEMMA2")

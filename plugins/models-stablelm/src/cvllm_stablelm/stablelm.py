@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cvllm.checkpoint.lazy import materialize
@@ -32,6 +31,7 @@ from cvllm.layers import (
     get_rope,
 )
 from cvllm.layers.decoder import DecoderOnlyForCausalLM
+from cvllm.layers.layernorm import layer_norm_per_head
 from cvllm.weight_loading import WeightTransform
 
 # transformers' StableLmConfig default, for configs that name no partial_rotary_factor
@@ -56,10 +56,9 @@ class PerHeadLayerNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.stacked_weight is None:
             self.after_weights_loaded()
-        heads = x.reshape(-1, self.num_heads, self.head_dim)   # [T, H, D]
-        # fp32 and one rounding at the end, as nn.LayerNorm's kernel computes a low-precision input
-        normed = F.layer_norm(heads.float(), (self.head_dim,), eps=self.eps) * self.stacked_weight.float()
-        return normed.to(x.dtype).reshape(x.shape)
+        # fp32 and one rounding at the end, as nn.LayerNorm's kernel computes a low-precision input (one kernel on
+        # backends that fuse it)
+        return layer_norm_per_head(x, self.stacked_weight, self.eps)
 
 
 class StableLmAttention(nn.Module):

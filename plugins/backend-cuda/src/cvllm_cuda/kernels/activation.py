@@ -1,9 +1,14 @@
-"""SiLU(gate) * up over a fused gate+up projection in one Triton launch (cvllm's SiluAndMul, fused).
+"""SiLU(gate) * up and GELU(gate) * up over a fused gate+up projection, each in one Triton launch (cvllm's
+SiluAndMul and GeluAndMul, fused; GeLU-gated MLPs are Gemma's).
 
 torch computes ``F.silu(gate)`` in fp32 as ``gate / (1 + exp(-gate))``, rounds it to the dtype, and the
 product with ``up`` rounds again; the kernel rounds in the same places. On the GPU it takes exp from
 libdevice (the CUDA math library's expf, which torch's CUDA kernel calls too) and divides with IEEE
 rounding, rather than Triton's default approximate exp2 and division.
+
+``F.gelu`` likewise, in fp32 with torch's formulas and constants: ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 *
+x**3)))`` for ``approximate="tanh"``, ``x * 0.5 * (1 + erf(x / sqrt(2)))`` for the exact one, tanh and erf from
+libdevice as torch's CUDA kernel takes them (Triton's interpreter has no libdevice: numpy's erf, and tanh from exp).
 """
 
 from __future__ import annotations
@@ -56,6 +61,65 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     _silu_and_mul_kernel[grid](
         rows, out, intermediate, rows.stride(0),
         LIBDEVICE_EXP=_LIBDEVICE_EXP, BLOCK=min(_BLOCK, next_power_of_2(intermediate)),
+        num_warps=4, enable_fp_fusion=False, **pdl.options(x.device),
+    )
+    return out
+
+
+# F.gelu's constants as torch's CUDA kernel rounds them to fp32: sqrt(2) * (2 / sqrt(pi)) * 0.5, 0.044715, 1 / sqrt(2)
+_GELU_BETA, _GELU_KAPPA, _SQRT1_2 = 0.7978845608028654, 0.044715, 0.7071067811865476
+GELU_APPROXIMATIONS = ("none", "tanh")
+
+
+@triton.jit
+def _gelu_and_mul_kernel(
+    x_ptr, out_ptr, intermediate, stride_xt,
+    TANH: tl.constexpr, LIBDEVICE: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    wait_for_previous_kernel(USE_PDL)
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < intermediate
+    gate = tl.load(x_ptr + token * stride_xt + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + token * stride_xt + intermediate + cols, mask=mask, other=0.0).to(tl.float32)
+    if TANH:
+        beta = tl.full(gate.shape, _GELU_BETA, tl.float32)
+        inner = beta * (gate + _GELU_KAPPA * (gate * gate * gate))
+        if LIBDEVICE:
+            tanh = libdevice.tanh(inner)
+        else:  # the interpreter: 1 - 2 / (exp(2u) + 1) in fp64, rounded to fp32 as an fp32 tanh would be (the
+            # tails need it: 1 + tanh(u) cancels for u < 0, and torch adds 1 to a correctly rounded tanh)
+            u = inner.to(tl.float64)
+            tanh = (1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)).to(tl.float32)
+        gelu = 0.5 * gate * (1.0 + tanh)
+    else:
+        scaled = gate * _SQRT1_2
+        if LIBDEVICE:
+            erf = libdevice.erf(scaled)
+        else:  # the interpreter: fp64 rounded to fp32, for the same reason as tanh's
+            erf = tl.math.erf(scaled.to(tl.float64)).to(tl.float32)
+        gelu = gate * 0.5 * (1.0 + erf)
+    dtype = out_ptr.dtype.element_ty
+    gelu = gelu.to(dtype).to(tl.float32)  # F.gelu rounds to the dtype before the product
+    tl.store(out_ptr + token * intermediate + cols, (gelu * up).to(dtype), mask=mask)
+
+
+def gelu_and_mul(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """``gelu(gate, approximate) * up`` with ``gate, up = x.chunk(2, dim=-1)``: ``[..., 2I]`` -> a new ``[..., I]``
+    tensor; ``approximate`` as F.gelu's ("none" or "tanh")."""
+    assert approximate in GELU_APPROXIMATIONS, approximate
+    assert x.shape[-1] % 2 == 0, x.shape
+    intermediate = x.shape[-1] // 2
+    out = torch.empty((*x.shape[:-1], intermediate), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    grid = (rows.shape[0], cdiv(intermediate, _BLOCK))
+    _gelu_and_mul_kernel[grid](
+        rows, out, intermediate, rows.stride(0),
+        TANH=approximate == "tanh", LIBDEVICE=_LIBDEVICE_EXP, BLOCK=min(_BLOCK, next_power_of_2(intermediate)),
         num_warps=4, enable_fp_fusion=False, **pdl.options(x.device),
     )
     return out

@@ -4,6 +4,10 @@ The numbers follow the torch code of ``cvllm.layers.layernorm.RMSNorm`` (Hugging
 sum is rounded to the activations' dtype, the norm is computed in fp32 and rounded to that dtype,
 and the weight product is rounded again (to the promoted dtype, as ``weight * normed`` is). The only
 difference left is the order of the fp32 sum of squares, a last-bit effect in fp32.
+
+Gemma's norm (``cvllm.layers.layernorm.GemmaRMSNorm``) scales by ``1 + weight`` and, as transformers computes it,
+multiplies the unrounded fp32 norm by ``1 + weight`` in fp32 and rounds once, to the activations' dtype:
+``fused_add_rms_norm_plus_one``, the same kernel with ``PLUS_ONE``.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ def _add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
     num_rows, inner_rows, hidden, eps,
     stride_xa, stride_xb, stride_ra, stride_rb,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, PLUS_ONE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     # rows are the leading dims flattened: row = a * inner_rows + b, so a strided [A, B, N] view
@@ -56,10 +61,13 @@ def _add_rms_norm_kernel(
     sum_sq = tl.sum(xf * xf, axis=1)
     mean_sq = tl.math.div_rn(sum_sq, tl.full(sum_sq.shape, hidden, tl.float32))
     rstd = tl.math.div_rn(tl.full(sum_sq.shape, 1.0, tl.float32), tl.math.sqrt_rn(mean_sq + eps))
-    normed = (xf * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)  # torch rounds the norm to the dtype
-
     weight = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
-    tl.store(out_ptr + dense_offsets, (weight[None, :] * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    if PLUS_ONE:  # Gemma: the fp32 norm times (1 + weight) in fp32, one rounding
+        out = (xf * rstd[:, None]) * (1.0 + weight[None, :])
+    else:
+        normed = (xf * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)  # torch rounds the norm to the dtype
+        out = weight[None, :] * normed
+    tl.store(out_ptr + dense_offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _as_3d(t: torch.Tensor) -> torch.Tensor:
@@ -82,10 +90,23 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: t
     contiguous tensors (no writes into the inputs: safe inside CUDA graphs and autograd-free code
     alike). Nothing is read back to the host.
     """
+    return _launch(x, residual, weight, eps, plus_one=False)
+
+
+def fused_add_rms_norm_plus_one(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                                eps: float) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``GemmaRMSNorm.forward`` in one launch: ``rms_norm(x) * (1 + weight)`` in fp32, rounded once to ``x``'s
+    dtype, or with ``residual`` ``(that of x + residual, x + residual)``; inputs as ``fused_add_rms_norm``'s."""
+    return _launch(x, residual, weight, eps, plus_one=True)
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            plus_one: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     hidden = x.shape[-1]
     assert weight.shape == (hidden,), (weight.shape, x.shape)
     assert hidden <= _MAX_HIDDEN, f"hidden size {hidden} > {_MAX_HIDDEN}"
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    out_dtype = x.dtype if plus_one else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     new_residual = None
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, residual.dtype, x.dtype)
@@ -101,7 +122,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: t
             x3, r3, weight.contiguous(), out, new_residual if new_residual is not None else out,
             num_rows, x3.shape[1], hidden, eps,
             x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
-            HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_N=block_n,
+            HAS_RESIDUAL=residual is not None, PLUS_ONE=plus_one, BLOCK_R=block_r, BLOCK_N=block_n,
             num_warps=min(16, max(1, block_r * block_n // 512)),
             enable_fp_fusion=False,  # no FMA contraction: the products round as torch's do
             **pdl.options(x.device),
