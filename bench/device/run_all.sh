@@ -40,7 +40,8 @@ tests)
         $t/test_embeddings_gpu.py --durations=3
     run gpu-tests-argmax 60 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_argmax.py --durations=3
     run gpu-tests-matmul 100 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_matmul.py --durations=3
-    run gpu-tests-fused 60 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_fused_kernels_gpu.py --durations=3
+    run gpu-tests-fused 120 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_fused_kernels_gpu.py \
+        $t/test_family_kernels_gpu.py --durations=3
     run gpu-tests-kernels 240 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_kernels_gpu.py --durations=3
     run gpu-tests-quant 150 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_quant_matmul.py \
         plugins/quant-gguf/tests/test_gguf_cuda.py plugins/quant-marlin/tests plugins/quant-fp8/tests --durations=3
