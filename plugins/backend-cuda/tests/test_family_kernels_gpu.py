@@ -56,6 +56,18 @@ def assert_ulp_close(out: torch.Tensor, ref: torch.Tensor, max_ulp: int) -> None
         assert mismatches <= MAX_MISMATCH_FRACTION_16, f"{mismatches:.3%} of elements differ"
 
 
+def assert_layer_norm_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """LayerNorm outputs against torch's: torch's CUDA kernel sums in another order (Welford), and where the bias
+    cancels the normalised value an output near 0 differs by many ulp at no absolute cost, so the bound is relative
+    to the outputs' scale: about one rounding of the dtype."""
+    tol = {torch.float32: 1e-5, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[out.dtype]
+    scale = ref.float().abs().max().item()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * scale)
+    if out.dtype != torch.float32:
+        mismatches = (out != ref).float().mean().item()
+        assert mismatches <= MAX_MISMATCH_FRACTION_16, f"{mismatches:.3%} of elements differ"
+
+
 def assert_gelu_close(out: torch.Tensor, ref: torch.Tensor) -> None:
     rtol = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[out.dtype]
     torch.testing.assert_close(out, ref, rtol=rtol, atol=1e-5)
@@ -108,8 +120,8 @@ def test_add_layer_norm(generator, dtype, hidden, rows, bias):
     out, new_residual = fused_add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps)
     ref_out, ref_residual = norm(x, residual)
     assert torch.equal(new_residual, ref_residual)
-    assert_ulp_close(out, ref_out, NORM_MAX_ULP[dtype])
-    assert_ulp_close(fused_add_layer_norm(x, None, norm.weight, norm.bias, norm.eps), norm(x), NORM_MAX_ULP[dtype])
+    assert_layer_norm_close(out, ref_out)
+    assert_layer_norm_close(fused_add_layer_norm(x, None, norm.weight, norm.bias, norm.eps), norm(x))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -120,7 +132,7 @@ def test_per_head_layer_norm(generator, dtype):
     q = qkv[:, :heads * head_dim]
     weight = randn(generator, heads, head_dim, dtype=dtype, scale=0.5, shift=1.0)
     out = fused_add_layer_norm(q.reshape(tokens, heads, head_dim), None, weight, None, 1e-5).reshape(q.shape)
-    assert_ulp_close(out, layer_norm_per_head(q, weight, 1e-5), NORM_MAX_ULP[dtype])
+    assert_layer_norm_close(out, layer_norm_per_head(q, weight, 1e-5))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

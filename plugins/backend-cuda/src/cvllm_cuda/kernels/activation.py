@@ -67,7 +67,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 # F.gelu's constants as torch's CUDA kernel rounds them to fp32: sqrt(2) * (2 / sqrt(pi)) * 0.5, 0.044715, 1 / sqrt(2)
-_GELU_BETA, _GELU_KAPPA, _SQRT1_2 = 0.7978845608028654, 0.044715, 0.7071067811865476
+# (constexpr: a compiled kernel may read only constexpr globals; the interpreter reads any)
+_GELU_BETA = tl.constexpr(0.7978845608028654)
+_GELU_KAPPA = tl.constexpr(0.044715)
+_SQRT1_2 = tl.constexpr(0.7071067811865476)
 GELU_APPROXIMATIONS = ("none", "tanh")
 
 
