@@ -29,6 +29,10 @@ SHAPES = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
                       max_position_embeddings=8192, rms_norm_eps=1e-5),
+    # Llama-3.2-1B's shape: Llama-3-8B's vocabulary, the draft model for it (bench/speculative.py)
+    "llama3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                        num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,
+                        max_position_embeddings=8192, rms_norm_eps=1e-5),
     # Llama-3-70B's shape: 141 GB of bf16 weights, more than one H200 holds (tensor parallelism over 2 or 4)
     "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                        num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,

@@ -1,6 +1,7 @@
 """What a speculative verify step costs, in decode steps, by batch size (issue 22).
 
     python bench/verify_cost.py --json OUT.json [--k 4] [--batch-sizes 1,2,4,8,16,32]
+    python bench/verify_cost.py --draft-model llama3.2-1b --batch-sizes 1   # drafts from a random 1B draft model
 
 A Llama-3-8B shape with random bf16 weights on CUDA (a tiny shape on the CPU), each sequence at a 1024-token
 context. The prompts repeat a phrase, so n-gram speculation proposes K drafts every step, and the random model
@@ -11,6 +12,10 @@ times is the price of verifying K drafts. Speculation pays at a batch size while
 Each batch size runs twice, with 16 and with 144 new tokens, and the step time is the difference over the
 difference in steps: the prefill and the start of each run cancel out. Speculative steps run synchronously
 (async scheduling needs the sampled token on the host to draft), plain ones overlapped, as the engine runs them.
+
+``--draft-model SHAPE`` (a shape of random_checkpoint.py; tiny on the CPU) takes the drafts from a random draft model
+of the target's vocabulary instead (rejected but for chance): the step's cost then includes the draft's K + 1
+forward passes; ``--draft-model self`` drafts with the target itself (every draft accepted).
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32")
+    ap.add_argument("--draft-model", help="a random_checkpoint.py shape, or 'self': draft-model drafts")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (for comparison)")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -74,6 +80,13 @@ def main() -> None:
     # drafts every step (any earlier match, the acceptance floor off) at every measured batch size
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1, "prompt_lookup_max": 4,
             "min_acceptance_rate": 0.0, "disable_by_batch_size": max(sizes)}
+    if args.draft_model == "self":
+        spec = {"method": "draft_model", "model": checkpoint, "num_speculative_tokens": args.k,
+                "min_acceptance_rate": 0.0, "disable_by_batch_size": max(sizes)}
+    elif args.draft_model:   # another seed: a different model of the target's vocabulary
+        draft = random_checkpoint(args.draft_model if device == "cuda" else "tiny", dtype, device, 1)
+        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": args.k,
+                "min_acceptance_rate": 0.0, "disable_by_batch_size": max(sizes)}
     rows = {}
     for name, config in (("plain", None), ("verify", spec)):
         llm = LLM(checkpoint, dtype=str(dtype).removeprefix("torch."), speculative_config=config,
@@ -84,7 +97,7 @@ def main() -> None:
                 rows.setdefault(batch, {})[name] = step_ms(llm, batch)
         finally:
             llm.shutdown()
-    print(f"{shape} K={args.k}{' eager' if args.enforce_eager else ''}")
+    print(f"{shape} K={args.k} {spec['method']}{' eager' if args.enforce_eager else ''}")
     print(f"{'batch':>6}{'decode ms':>11}{'verify ms':>11}{'ratio':>8}{'accept':>8}")
     for batch, row in rows.items():
         row["ratio"] = round(row["verify"]["ms_per_step"] / row["plain"]["ms_per_step"], 3)
@@ -94,8 +107,9 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({
             "benchmark": "verify_cost", "commit": git_commit(), "date": datetime.date.today().isoformat(),
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "shape": shape, "k": args.k,
-            "enforce_eager": args.enforce_eager, "context": 1025,
+            "enforce_eager": args.enforce_eager, "context": 1025, "method": spec["method"],
             "command": f"python bench/verify_cost.py --k {args.k} --batch-sizes {args.batch_sizes}"
+                       + (f" --draft-model {args.draft_model}" if args.draft_model else "")
                        + (" --enforce-eager" if args.enforce_eager else ""),
             "rows": rows}, indent=2) + "\n")
 

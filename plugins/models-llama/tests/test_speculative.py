@@ -1,10 +1,8 @@
 """N-gram speculative decoding on a tiny random Llama: greedy output equals the plain engine's token for token
-(batches, chunked prefill, preemption, stops inside accepted drafts, max_tokens, logprobs), and sampled output has
-the target's distribution (a fixed-seed statistical check on a small support)."""
+(batches, chunked prefill, preemption, stops inside accepted drafts, max_tokens, logprobs). That sampled output has
+the target's exact distribution, for both methods, is tested in test_draft_model.py."""
 
 from __future__ import annotations
-
-from collections import Counter
 
 import pytest
 import torch
@@ -51,7 +49,7 @@ def test_propose_ngram_copies_what_followed_the_latest_match():
 def test_bad_configs_are_refused():
     for bad in ({"method": "medusa"}, {"method": "ngram", "num_speculative_tokens": 0},
                 {"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, {"method": "ngram", "k": 3},
-                {"method": "draft_model", "model": "x"}):
+                {"method": "draft_model"}, {"method": "ngram", "model": "x"}):
         with pytest.raises(ValueError, match="speculative_config"):
             SpeculativeConfig.from_dict(bad)
 
@@ -61,12 +59,14 @@ def test_bad_configs_are_refused():
 def test_greedy_output_is_the_same_token_for_token(path, engine):
     prompts = repetitive_prompts(6, seed=1)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
-    plain, _ = run(path, prompts, params, None, **engine)
+    plain, plain_stats = run(path, prompts, params, None, **engine)
     spec, stats = run(path, prompts, params, NGRAM, **engine)
     assert [[c[:2] for c in out] for out in spec] == [[c[:2] for c in out] for out in plain]
     assert stats.spec_verifications > 0 and 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
     if "num_kv_blocks" in engine:
         assert stats.preemptions > 0
+    else:   # verify chunks (cut short by the token budget or not) never count as prompt tokens
+        assert stats.prompt_tokens_computed == plain_stats.prompt_tokens_computed == sum(map(len, prompts))
 
 
 def test_logprobs_and_max_tokens_stay_right(path):
@@ -96,27 +96,6 @@ def test_a_stop_string_inside_accepted_drafts_ends_the_text_there(path):
     spec = [spec_llm.generate([{"prompt_token_ids": p}], s)[0].outputs[0] for p, s in zip(prompts, params)]
     assert [(c.text, c.finish_reason) for c in spec] == [(c.text, c.finish_reason) for c in plain]
     assert spec_llm.llm_engine.stats.spec_accepted_tokens > 0
-
-
-def test_sampled_output_has_the_targets_distribution(path):
-    """The second and third tokens (sampled at verified draft positions) of 384 seeded requests, with and
-    without speculation: their distributions over a top-k support agree within sampling noise."""
-    # three tokens favoured far above the rest (their own logits decide between them, differently at each
-    # position), which the prompt holds in some order: every position gets drafts, accepted about a third of the time
-    bias = {300: 100.0, 301: 100.0, 302: 100.0}
-    prompts = [repetitive_prompts(1, seed=4)[0] + [300, 301, 302, 301, 300, 302, 300]] * 384
-    params = [SamplingParams(temperature=4.0, top_k=3, seed=s, max_tokens=3, ignore_eos=True, logit_bias=bias)
-              for s in range(384)]
-    engine = {"max_num_seqs": 128, "max_num_batched_tokens": 4096}
-    spec_config = {**NGRAM, "disable_by_batch_size": 1000}
-    plain, _ = run(path, prompts, params, None, **engine)
-    spec, stats = run(path, prompts, params, spec_config, **engine)
-    assert stats.spec_verifications > 0 and stats.spec_accepted_tokens > 0
-    for position in (1, 2):
-        a = Counter(out[0][0][position] for out in plain)
-        b = Counter(out[0][0][position] for out in spec)
-        total_variation = sum(abs(a[t] - b[t]) for t in a.keys() | b.keys()) / (2 * len(prompts))
-        assert total_variation < 0.12, (position, a, b)
 
 
 def test_cvserve_with_speculation_streams_the_same_text_and_counts_it(path):

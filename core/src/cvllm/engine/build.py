@@ -14,6 +14,7 @@ from cvllm.checkpoint.base import Checkpoint
 from cvllm.config import resolve_dtype
 from cvllm.engine.block_manager import BlockManager
 from cvllm.engine.config import EngineConfig
+from cvllm.engine.draft_model import build_draft
 from cvllm.engine.executor import InProcessExecutor
 from cvllm.engine.fake_runner import FakeModelRunner
 from cvllm.engine.llm_engine import LLMEngine
@@ -57,14 +58,21 @@ def build_engine(config: EngineConfig, imports_seconds: float | None = None) -> 
         runner = ModelRunner(model, backend, config.block_size, dtype,
                              kv_cache_torch_dtype(config.kv_cache_dtype, dtype))
     sampler = Sampler(backend.argmax)   # the backend's argmax kernel where it has one (None: torch's)
-    executor = _executor(config, runner, sampler, backend, checkpoint.config.vocab_size)
+    draft = build_draft(config, checkpoint, backend, dtype)   # draft-model speculation's, else None
+    executor = _executor(config, runner, sampler, backend, checkpoint.config.vocab_size, draft)
     phases.mark("weights")
     try:
         context_len = checkpoint.config.get("max_position_embeddings") or 2048
+        if draft is not None and config.max_model_len is None and draft.max_model_len < context_len:
+            logger.warning("max_model_len %d: the draft model's context", draft.max_model_len)
+            context_len = draft.max_model_len
         max_model_len = config.max_model_len or context_len
         if max_model_len > context_len:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context "
                              f"(max_position_embeddings = {context_len})")
+        if draft is not None and max_model_len > draft.max_model_len:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the draft model's context "
+                             f"(max_position_embeddings = {draft.max_model_len})")
         max_num_seqs = config.max_num_seqs or backend.default_max_num_seqs
         num_blocks = kv_blocks(config, backend, executor.memory(), executor.kv_bytes_per_block(), max_model_len,
                                max_num_seqs)
@@ -104,12 +112,12 @@ def build_engine(config: EngineConfig, imports_seconds: float | None = None) -> 
         raise
 
 
-def _executor(config: EngineConfig, runner, sampler, backend, vocab_size: int) -> InProcessExecutor:
+def _executor(config: EngineConfig, runner, sampler, backend, vocab_size: int, draft=None) -> InProcessExecutor:
     if config.tensor_parallel_size > 1 and config.fake_step_ms is None:
         from cvllm.engine.tensor_parallel.executor import TensorParallelExecutor
 
         return TensorParallelExecutor(runner, sampler, backend, vocab_size)
-    return InProcessExecutor(runner, sampler, backend, vocab_size)
+    return InProcessExecutor(runner, sampler, backend, vocab_size, draft)
 
 
 def kv_blocks(config: EngineConfig, backend, memory: tuple[int, int], per_block: int, max_model_len: int,

@@ -44,8 +44,9 @@ class EngineConfig:
     # K experts of every MoE layer in host memory, copied in when routed (layers/expert_offload.py); no CUDA graphs
     num_experts_offload_per_rank: int = 0
     async_scheduling: bool | None = None        # launch step N+1 before reading N's tokens; None: on except on CPU
-    # {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": M, "prompt_lookup_min": m, ...}
-    # (engine/speculative.py); None: no speculative decoding
+    # {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": M, "prompt_lookup_min": m, ...} or
+    # {"method": "draft_model", "model": PATH, "num_speculative_tokens": K} (engine/speculative.py,
+    # engine/draft_model.py); None: no speculative decoding
     speculative_config: dict | None = None
     # Multi-node (tensor_parallel/multinode.py, node.py): this process is node 0's rank 0; other nodes run a launcher
     num_nodes: int = 1

@@ -50,6 +50,9 @@ class LaunchedStep:
 class Executor:
     """What the engine asks of its model workers."""
 
+    # the draft model of draft-model speculation (draft_model.py), run beside the model; None: none
+    draft = None
+
     def kv_bytes_per_block(self) -> int:
         """Device bytes of one KV block (block_size tokens of every attention layer a worker holds)."""
         raise NotImplementedError
@@ -96,6 +99,10 @@ class Executor:
         device (embeddings: engine/embedding.py)."""
         raise NotImplementedError
 
+    def propose_drafts(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        """The draft model's ``ks[i]`` greedy drafts for each ``seqs[i]`` (draft_model.py)."""
+        return self.draft.propose(seqs, ks)
+
     def release(self, seq_id: int) -> None:
         """Sequence ``seq_id`` ended: free what the workers keep for it."""
 
@@ -118,25 +125,31 @@ class InProcessExecutor(Executor):
     """One worker in the engine's process: a model runner (ModelRunner, or FakeModelRunner without a model) and
     the sampler, on the backend's device."""
 
-    def __init__(self, runner, sampler, backend, vocab_size: int):
+    def __init__(self, runner, sampler, backend, vocab_size: int, draft=None):
         self.runner = runner
         self.sampler = sampler
         self.backend = backend
+        self.draft = draft
         # token counts of penalised sequences, on the device: penalties need no host token list (penalties.py)
         self.penalties = PenaltyHistory(vocab_size, backend.device)
 
     def kv_bytes_per_block(self) -> int:
-        return self.runner.kv_bytes_per_block()
+        # a draft model's cache has as many blocks as the model's (draft_model.py): a block costs both
+        return self.runner.kv_bytes_per_block() + (self.draft.kv_bytes_per_block() if self.draft else 0)
 
     def memory(self) -> tuple[int, int]:
         return self.backend.memory()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
+        if self.draft is not None:
+            self.draft.allocate_kv_cache(num_blocks)
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int, verify_seqs: int = 0,
                        verify_query_len: int = 1) -> None:
         self.runner.enable_decode_graphs(max_num_seqs, max_model_len, verify_seqs, verify_query_len)
+        if self.draft is not None:
+            self.draft.capture_graphs(max_num_seqs, max_model_len)
 
     def forward(self, batch: ScheduledBatch, previous: LaunchedStep | None,
                 record: StepRecord | None = None) -> ForwardedStep:
@@ -145,7 +158,7 @@ class InProcessExecutor(Executor):
         previous_tokens = None
         if previous is not None and previous.out is not None:
             previous_tokens = (previous.out.token_ids, {seq.seq_id: i for i, seq in enumerate(previous.sampling)})
-        if record is None:
+        if record is None and self.draft is None:
             logits = self.runner.run(batch, extra_indices=extra, previous_tokens=previous_tokens)
         else:
             logits = self._observed_forward(batch, extra, previous_tokens, record)
@@ -167,8 +180,8 @@ class InProcessExecutor(Executor):
         out = self.sampler(step.logits, rows, history=self.penalties, allowed=allowed) if sampling else None
         readback = None
         if out is not None:   # queued now, so reading it back later does not wait for the next step
-            wanted = [out.token_ids] if out.logprobs is None else [out.token_ids, out.logprobs, out.top_ids,
-                                                                    out.top_logprobs]
+            ids = out.token_ids if out.reported_ids is None else out.reported_ids   # -1: a row's logits were not finite
+            wanted = [ids] if out.logprobs is None else [ids, out.logprobs, out.top_ids, out.top_logprobs]
             readback = self.backend.start_readback(wanted)
         if record is not None:
             record.mark("sample")
@@ -177,15 +190,21 @@ class InProcessExecutor(Executor):
 
     @torch.inference_mode()
     def _observed_forward(self, batch: ScheduledBatch, extra: torch.Tensor | None,
-                          previous_tokens: PreviousTokens | None, record: StepRecord) -> torch.Tensor:
-        """``ModelRunner.run`` in its two halves, with the marks between them."""
-        record.device_mark(self.backend, "launch")
+                          previous_tokens: PreviousTokens | None, record: StepRecord | None) -> torch.Tensor:
+        """``ModelRunner.run`` in its two halves, with the marks between them (``record`` None: no marks), then
+        the draft model's forward on the same inputs (its KV cache mirrors the model's: draft_model.py)."""
+        if record is not None:
+            record.device_mark(self.backend, "launch")
         inputs = self.runner.prepare(batch, previous_tokens)
-        record.mark("prepare")
-        record.device_mark(self.backend, "forward")
+        if record is not None:
+            record.mark("prepare")
+            record.device_mark(self.backend, "forward")
         logits = self.runner.forward(batch, inputs, extra_indices=extra)
-        record.mark("forward")
-        record.device_mark(self.backend, "forwarded")
+        if self.draft is not None:
+            self.draft.shadow(batch, inputs, previous_tokens)
+        if record is not None:
+            record.mark("forward")
+            record.device_mark(self.backend, "forwarded")
         return logits
 
     def prompt_logits(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -206,7 +225,9 @@ class InProcessExecutor(Executor):
     def shutdown(self) -> None:
         if self.runner is None:
             return
-        self.runner = self.penalties = None
+        if self.draft is not None:
+            self.draft.shutdown()
+        self.runner = self.penalties = self.draft = None
         # the runner and its graphs reference each other (the graphs replay the runner's bound forward)
         gc.collect()
         self.backend.empty_cache()

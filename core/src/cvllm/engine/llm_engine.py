@@ -15,7 +15,7 @@ from cvllm.engine.config import EngineConfig
 from cvllm.engine.embedding import embed_all
 from cvllm.engine.executor import Executor, LaunchedStep
 from cvllm.engine.observers import StepObservers, StepRecord
-from cvllm.engine.sampler import make_generator
+from cvllm.engine.sampler import advance_generator, make_generator
 from cvllm.engine.scheduler import EngineStats, ScheduledBatch, Scheduler
 from cvllm.engine.sequence import Sequence
 from cvllm.engine.speculative import SpeculativeConfig, Speculator, sampler_rows
@@ -51,8 +51,9 @@ class LLMEngine:
         self.fault_injector = config.fault_injector   # a test seam: it sees each scheduled batch, and may raise
         self._inflight: LaunchedStep | None = None
         speculative = SpeculativeConfig.from_dict(config.speculative_config)
-        # n-gram drafts verified in one forward (speculative.py); None: off
-        self.speculator = None if speculative is None else Speculator(speculative, scheduler, self.max_model_len)
+        # n-gram or draft-model drafts verified in one forward (speculative.py); None: off
+        self.speculator = None if speculative is None else Speculator(
+            speculative, scheduler, self.max_model_len, executor.propose_drafts if executor.draft else None)
         self.grammars: GrammarMasks | None = None   # structured output's state, made on the first request for it
         # structured requests whose grammars are compiling; they join the scheduler when compiled
         self._compiling: list[tuple[Future, list[Sequence]]] = []
@@ -70,7 +71,10 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[Sequence]:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    resumed: dict[int, list[int]] | None = None) -> list[Sequence]:
+        """``resumed``: a request carried over from an engine core that died (server/supervisor.py): by completion
+        index, the output tokens it had generated (``Sequence.resume``); completions not in it had ended."""
         if self._shut_down:
             raise RuntimeError("this engine was shut down: its model and KV cache are freed")
         if request_id in self.requests:
@@ -92,6 +96,8 @@ class LLMEngine:
         now = time.monotonic()
         seqs = []
         for index in range(params.n):
+            if resumed is not None and index not in resumed:
+                continue
             seq = Sequence(next(self._seq_ids), request_id, prompt_token_ids, params, index, now)
             if params.seed is not None:
                 # distinct, reproducible streams for the n completions of one seeded request
@@ -99,6 +105,10 @@ class LLMEngine:
             seq.min_tokens_stop_ids = stop_ids if params.min_tokens else []
             seq.logprobs = [] if params.logprobs is not None else None
             seq.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
+            if resumed is not None:
+                seq.resume(resumed[index])
+                if seq.generator is not None and not params.greedy and self.speculator is None:
+                    advance_generator(seq.generator, seq.num_output_tokens, self.vocab_size)
             seqs.append(seq)
         if params.structured_outputs is not None:
             self._compiling.append((self._grammar_masks().compile(params.structured_outputs, params.n), seqs))
@@ -139,6 +149,12 @@ class LLMEngine:
                     continue
                 for seq, grammar in zip(seqs, grammars):
                     seq.grammar = grammar
+                    if seq.num_output_tokens and not seq.replay_grammar():   # resumed: its output so far
+                        logger.error("request %s: its output does not fit its grammar: %s", seq.request_id,
+                                     grammar.error())
+                        self._retire(seq, "abort")
+                        failed.append(seq)
+                        continue
                     self.scheduler.add(seq)
         self._compiling = pending
         return failed
@@ -285,10 +301,17 @@ class LLMEngine:
         done = []
         generated = 0
         row = 0   # a speculating sequence has 1 + K rows (its draft positions), the others one
+        not_finite = bool(token_ids) and min(token_ids) < 0   # some row's logits were NaN or +inf (sampler.py)
         for seq in step.sampling:
             seq.num_inflight -= 1
             first, row = row, row + 1 + seq.num_drafts
             tokens = token_ids[first:row]
+            if not_finite and min(tokens) < 0:   # its logits held NaN or +inf (sampler.py): it fails, others go on
+                if not seq.is_finished:
+                    logger.error("request %s: the model's logits are not finite; failing it", seq.request_id)
+                    self._retire(seq, "error")
+                    done.append(seq)
+                continue
             if seq.num_drafts:
                 tokens = self.speculator.verify(seq, tokens)
             if seq.is_finished:      # stopped (or aborted) while this step ran: its tokens are not wanted

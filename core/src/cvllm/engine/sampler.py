@@ -38,12 +38,24 @@ class SamplerOutput:
     logprobs: torch.Tensor | None  # [B] float32, raw logprob of the sampled token
     top_ids: torch.Tensor | None  # [B, K] int64, K = max logprobs asked in the batch
     top_logprobs: torch.Tensor | None  # [B, K] float32
+    # token_ids for the host: -1 where the model's logits held NaN or +inf (the engine fails that request alone);
+    # token_ids itself stays a valid id, as the next step's input on the device
+    reported_ids: torch.Tensor | None = None
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
+
+
+def advance_generator(generator: torch.Generator, num_tokens: int, vocab_size: int) -> None:
+    """Move a seeded sequence's generator past ``num_tokens`` sampled tokens, each one exponential-race draw over
+    the vocabulary (``_exponential_race``), so a request resumed on a new engine core continues its random stream.
+    Exact unless speculative decoding drew for drafts too."""
+    noise = torch.empty(vocab_size, device=generator.device)
+    for _ in range(num_tokens):
+        noise.exponential_(generator=generator)
 
 
 def torch_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -65,6 +77,7 @@ class Sampler:
         ``allowed``: (row indices, int32 bitmask) on the device, the tokens the grammars of those rows allow
         (structured output); applied first, so nothing after it can bring a forbidden token back."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
+        sane = (logits < float("inf")).all(dim=-1)   # False for a row with NaN or +inf (-inf is a masked token)
         params = [row.sampling_params for row in rows]
         asked = [p.logprobs for p in params if p.logprobs is not None]
         processed = any(p.logits_processors for p in params)
@@ -98,11 +111,12 @@ class Sampler:
         if penalised and history is not None:
             history.record(history_rows, token_ids[index])
 
+        reported_ids = torch.where(sane, token_ids, -1)
         if raw_logprobs is None:
-            return SamplerOutput(token_ids, None, None, None)
+            return SamplerOutput(token_ids, None, None, None, reported_ids)
         sampled_logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         top_logprobs, top_ids = raw_logprobs.topk(max(asked), dim=-1)
-        return SamplerOutput(token_ids, sampled_logprobs, top_ids, top_logprobs)
+        return SamplerOutput(token_ids, sampled_logprobs, top_ids, top_logprobs, reported_ids)
 
 
 def _sample_or_argmax(logits: torch.Tensor, rows: Sequence[SamplerRow],

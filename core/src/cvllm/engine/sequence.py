@@ -82,3 +82,27 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def resume(self, output_token_ids: list[int]) -> None:
+        """Continue from what an engine core that died had generated (server/supervisor.py): the tokens are output,
+        so they count for penalties, min_tokens, max_tokens and usage, and the first step recomputes their K/V as it
+        does for a preempted sequence. Their logprobs and the prompt's were reported already (placeholders keep
+        ``logprobs`` indexed by output position)."""
+        if not output_token_ids:
+            return
+        self.token_ids += output_token_ids
+        if self.logprobs is not None:
+            self.logprobs = [None] * len(output_token_ids)
+        self.prompt_logprobs = None
+
+    def replay_grammar(self) -> bool:
+        """Advance a new grammar matcher over the output a resumed sequence already holds, token by token as if it
+        were being generated; False if the grammar refuses one."""
+        outputs = self.token_ids[self.num_prompt_tokens:]
+        del self.token_ids[self.num_prompt_tokens:]
+        for token in outputs:
+            self.token_ids.append(token)
+            if not self.grammar.accept(token, self):
+                self.token_ids += outputs[len(self.token_ids) - self.num_prompt_tokens:]
+                return False
+        return True

@@ -1,5 +1,6 @@
-"""Speculative decoding, n-gram (prompt lookup): draft tokens copied from earlier in the sequence, verified in one
-target forward.
+"""Speculative decoding: draft tokens proposed cheaply, verified in one target forward. Two proposers: n-gram (prompt
+lookup: drafts copied from earlier in the sequence) and a draft model (a small model with the same tokenizer, run
+greedily: draft_model.py).
 
 A sequence's K drafts are appended to its tokens before scheduling, so the scheduler gives it a chunk of 1 + K
 tokens (its last real token and the drafts) and the forward pass writes their KV like any chunk. The sampler then
@@ -8,10 +9,10 @@ generator, the prefix up to that position). Position i's sample t_i is the targe
 ends in draft i; drafts are accepted while draft i+1 == t_i, and the first t_i that differs (or t_K when all are
 accepted) is the bonus token. So a step yields 1..K+1 tokens, each sampled from the target's own distribution
 given what precedes it: greedy output is the same token for token, and sampled output has the target's
-distribution exactly (a deterministic draft is accepted with probability p(draft), the standard rejection rule
-with a one-hot draft, and a rejected position's sample is p conditioned on not being the draft). The KV slots of
-rejected drafts are rolled back by lowering ``num_computed_tokens`` (they are overwritten later); prefix-cache
-blocks are registered only over accepted tokens.
+distribution exactly (a deterministic draft, which both proposers make, is accepted with probability p(draft), the
+standard rejection rule with a one-hot draft, and a rejected position's sample is p conditioned on not being the
+draft). The KV slots of rejected drafts are rolled back by lowering ``num_computed_tokens`` (they are overwritten
+later); prefix-cache blocks are registered only over accepted tokens.
 
 Speculative steps run synchronously: the drafts need the last token on the host. Rows with penalties, logits
 processors, grammars or a pending ``min_tokens`` are not speculated (their processing depends on the tokens before
@@ -21,14 +22,19 @@ each position in ways the per-position rows do not carry).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+METHODS = ("ngram", "draft_model")
 
 
 @dataclass(slots=True)
 class SpeculativeConfig:
     method: str = "ngram"
     num_speculative_tokens: int = 4
+    # draft_model: the draft's checkpoint (a directory or GGUF file, opened as the target is; or a Checkpoint)
+    model: Any = None
     prompt_lookup_max: int = 4           # the longest suffix looked up earlier in the sequence
     prompt_lookup_min: int = 1
     # no speculation in a step with more running sequences than this (then the batch fills the device by itself)
@@ -41,12 +47,13 @@ class SpeculativeConfig:
         if not spec:
             return None
         spec = dict(spec)
-        method = spec.get("method", "ngram")
-        if method == "draft_model" or "model" in spec:
-            raise ValueError("speculative_config: the draft_model method is not implemented yet; use "
-                             "{\"method\": \"ngram\", ...}")
-        if method != "ngram":
-            raise ValueError(f"speculative_config: unknown method {method!r}; known: ngram")
+        # (vLLM's rule: a config naming a model and no method means a draft model)
+        method = spec.setdefault("method", "draft_model" if spec.get("model") is not None else "ngram")
+        if method not in METHODS:
+            raise ValueError(f"speculative_config: unknown method {method!r}; known: {', '.join(METHODS)}")
+        if (method == "draft_model") != (spec.get("model") is not None):
+            raise ValueError("speculative_config: the draft_model method needs \"model\" (the draft's checkpoint) "
+                             "and the ngram method takes none")
         known = {f for f in cls.__dataclass_fields__}
         unknown = sorted(set(spec) - known)
         if unknown:
@@ -154,8 +161,11 @@ class Speculator:
     """The engine's speculation: drafts proposed before scheduling, fitted to what was scheduled, verified when
     the step's tokens are read back (LLMEngine.step and _finish call these)."""
 
-    def __init__(self, config: SpeculativeConfig, scheduler, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, scheduler, max_model_len: int, propose_drafts=None):
+        """``propose_drafts(seqs, ks) -> drafts``: the draft model's greedy proposals (the executor's; draft_model
+        method only)."""
         self.config, self.scheduler, self.max_model_len = config, scheduler, max_model_len
+        self.propose_drafts = propose_drafts
         self.stats = scheduler.stats
         self._drafted: list = []   # the sequences given drafts this step (fit looks at them only)
 
@@ -169,6 +179,7 @@ class Speculator:
         spec = self.config
         if not self.active:
             return
+        wanted = []   # (seq, k): the sequences that draft this step
         for seq in self.scheduler.running:
             params = seq.sampling_params
             if (seq.num_computed_tokens != len(seq.token_ids) - 1 or seq.num_inflight or seq.grammar is not None
@@ -182,9 +193,18 @@ class Speculator:
             k = min(spec.num_speculative_tokens, self.max_model_len - len(seq.token_ids) - 1)
             if params.max_tokens is not None:
                 k = min(k, params.max_tokens - seq.num_output_tokens - 1)
-            if k < 1:
-                continue
-            drafts = propose_ngram(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            if k >= 1:
+                wanted.append((seq, k))
+        if spec.method == "ngram":
+            proposals = [propose_ngram(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+                         for seq, k in wanted]
+        else:
+            # the draft model writes its KV at the verify chunk's positions (draft_model.py), so their blocks are
+            # taken now (the scheduler would take them for the chunk anyway); no room: that sequence does not draft
+            bm = self.scheduler.block_manager
+            wanted = [(seq, k) for seq, k in wanted if bm.grow(seq, len(seq.token_ids) + k)]
+            proposals = self.propose_drafts([seq for seq, _ in wanted], [k for _, k in wanted]) if wanted else []
+        for (seq, _), drafts in zip(wanted, proposals):
             if drafts:
                 seq.token_ids.extend(drafts)
                 seq.num_drafts = len(drafts)
@@ -203,8 +223,10 @@ class Speculator:
             keep = 0 if i is None else batch.num_tokens[i] - 1
             if keep < seq.num_drafts:
                 del seq.token_ids[len(seq.token_ids) - seq.num_drafts + keep:]
-                if i is not None:
-                    batch.num_draft_chunk_tokens -= seq.num_drafts - keep
+                if i is not None and keep == 0:   # its chunk is its last token alone: a plain decode now
+                    batch.num_draft_chunk_tokens -= 1
+                    batch.num_prefill_tokens -= 1
+                    batch.num_decodes += 1
                 seq.num_drafts = keep
                 changed = True
         if changed:

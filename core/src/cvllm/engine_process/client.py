@@ -3,6 +3,11 @@
 Lives in the server's asyncio loop. Commands are written to the pipe from the loop thread (they
 are small); one reader thread receives the core's messages and hands them to the loop with
 ``call_soon_threadsafe``, where they are routed to per-request ``RequestStream``s.
+
+Each stream keeps what resubmitting its request needs: the prompt, the parameters and every token it was sent. With
+``hold_on_death`` (the server's supervisor sets it) a core that dies leaves its streams open, held, instead of
+failing them; ``take_held`` hands them to the supervisor, which ``resume``s them on the next core, where each
+continues after the tokens its client has (server/supervisor.py).
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ import asyncio
 import atexit
 import logging
 import multiprocessing
+import signal
 import threading
+import time
 from collections.abc import Collection
 from multiprocessing.connection import Connection, wait
 
@@ -59,8 +66,15 @@ class EngineDeadError(RequestError):
 class RequestStream:
     """Async iterator over one request's deltas; each ``__anext__`` returns all that are pending."""
 
-    def __init__(self, client: EngineCoreClient, request_id: str, n: int):
+    def __init__(self, client: EngineCoreClient, request_id: str, n: int, prompt_token_ids: list[int] | None = None,
+                 params: SamplingParams | None = None):
+        """``prompt_token_ids`` and ``params``: the request as sent, kept to resubmit it to a new core."""
         self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        # every token the core sent, by completion index: a new core continues after them if this one dies
+        self.outputs: list[list[int]] = [[] for _ in range(n)]
+        self.core_deaths = 0   # engine cores that died while this request was in flight (the poison rule)
         self._client = client
         self._unfinished = set(range(n))   # completion indices still generating
         self._pending: list[SeqDelta] = []
@@ -96,12 +110,25 @@ class RequestStream:
 
     # called by the client, in the loop thread
 
+    def resume_message(self) -> AddRequest:
+        """The request as a new core takes it over: each unfinished completion with the tokens sent so far."""
+        resumed = None
+        if any(self.outputs):   # else nothing was streamed yet: it starts afresh (prompt logprobs, cached tokens)
+            resumed = {index: self.outputs[index] for index in sorted(self._unfinished)}
+        return AddRequest(self.request_id, self.prompt_token_ids, self.params, resumed)
+
     def _deliver(self, delta: SeqDelta) -> None:
         self._pending.append(delta)
+        if delta.token_ids:
+            self.outputs[delta.index] += delta.token_ids
         if delta.finish_reason is not None:
             self._unfinished.discard(delta.index)
             self._ended = not self._unfinished
         self._wake()
+
+    def fail(self, error: RequestError) -> None:
+        """End the stream with ``error`` (the supervisor's, for a request it will not resume)."""
+        self._fail(error)
 
     def _fail(self, error: RequestError) -> None:
         self._error, self._ended = error, True   # deltas already received are still handed out first
@@ -123,6 +150,11 @@ class EngineCoreClient:
         self.info = info
         self.stats = CoreStats(kv_blocks_total=info.num_kv_blocks, kv_blocks_free=info.num_kv_blocks)
         self.dead: str | None = None
+        # the core's death leaves its streams open for a supervisor to resume on the next core (take_held)
+        self.hold_on_death = False
+        self._held = False
+        self._kill_reason: str | None = None
+        self.last_heard = time.monotonic()   # the core's last message, or when work arrived at an idle core
         self._process = process
         self._commands, self._outputs = commands, outputs
         self._loop = loop
@@ -179,10 +211,41 @@ class EngineCoreClient:
             raise EngineDeadError(f"the engine core is not running: {self.dead or 'shutting down'}")
         if request_id in self._streams:
             raise ValueError(f"request id '{request_id}' is already in flight")
-        stream = RequestStream(self, request_id, params.n)
-        self._send(AddRequest(request_id, list(prompt_token_ids), params))
+        stream = RequestStream(self, request_id, params.n, list(prompt_token_ids), params)
+        self._note_work()
+        self._send(AddRequest(request_id, stream.prompt_token_ids, params))
         self._streams[request_id] = stream
         return stream
+
+    def resume(self, stream: RequestStream) -> None:
+        """Take over a stream of a core that died: the request goes on here from the tokens it was sent."""
+        if self.dead is not None or self._closing:
+            raise EngineDeadError(f"the engine core is not running: {self.dead or 'shutting down'}")
+        self._note_work()
+        self._send(stream.resume_message())
+        stream._client = self
+        self._streams[stream.request_id] = stream
+
+    def take_held(self) -> list[RequestStream]:
+        """The streams this dead core held for resuming (``hold_on_death``), in the order they arrived; they are
+        no longer this client's."""
+        streams, self._streams = list(self._streams.values()), {}
+        return streams
+
+    def fail_held(self) -> None:
+        """Give up on the streams held for resuming: they fail with the core's death, as without hold_on_death."""
+        self._held = False
+        self._mark_dead(self.dead or "the engine core is gone")
+
+    def kill(self, reason: str) -> None:
+        """End a core that stopped making progress (SIGKILL); it is then handled as any core that died, ``reason``
+        saying why."""
+        self._kill_reason = reason
+        self._process.kill()
+
+    def _note_work(self) -> None:
+        if not self._streams and not self._embeddings:
+            self.last_heard = time.monotonic()   # an idle core's silence was no hang: the clock starts now
 
     def abort(self, request_id: str, indices: Collection[int] | None = None) -> None:
         """Stop a request, or only its completions ``indices``; the core sends nothing more for those (no finish)."""
@@ -212,6 +275,7 @@ class EngineCoreClient:
         if request_id in self._embeddings or request_id in self._streams:
             raise ValueError(f"request id '{request_id}' is already in flight")
         future = self._loop.create_future()
+        self._note_work()
         self._send(EmbedRequest(request_id, prompts, pooling, dimensions))
         self._embeddings[request_id] = future
         try:
@@ -290,6 +354,7 @@ class EngineCoreClient:
             return False
 
     def _on_message(self, message: FromCore) -> None:
+        self.last_heard = time.monotonic()
         if isinstance(message, StepOutputs):
             self.stats = message.stats
             for delta in message.deltas:
@@ -315,8 +380,10 @@ class EngineCoreClient:
             self._mark_dead(message.message)
 
     def _on_exit(self, exit_code: int | None) -> None:
-        if not self._closing:
-            self._mark_dead(f"the engine core exited unexpectedly (exit code {exit_code})")
+        if self._kill_reason is not None:
+            self._mark_dead(f"the engine core was killed ({describe_exit(exit_code)}): {self._kill_reason}")
+        elif not self._closing:
+            self._mark_dead(f"the engine core exited unexpectedly ({describe_exit(exit_code)})")
         self._exited.set()
 
     def _mark_dead(self, reason: str) -> None:
@@ -324,13 +391,25 @@ class EngineCoreClient:
             self.dead = reason
             if not self._closing:
                 logger.error("engine core dead: %s", reason)
-        streams, self._streams = self._streams, {}
-        for stream in streams.values():
-            stream._fail(EngineDeadError(self.dead))
+                self._held = self.hold_on_death
+        if not self._held:
+            streams, self._streams = self._streams, {}
+            for stream in streams.values():
+                stream._fail(EngineDeadError(self.dead))
         embeddings, self._embeddings = self._embeddings, {}
         for future in embeddings.values():
             if not future.done():
                 future.set_exception(EngineDeadError(self.dead))
+
+
+def describe_exit(exit_code: int | None) -> str:
+    """A process's end in words: its exit code, or the signal that killed it (multiprocessing's negative codes)."""
+    if exit_code is not None and exit_code < 0:
+        try:
+            return f"exit code {exit_code}: killed by {signal.Signals(-exit_code).name}"
+        except ValueError:
+            return f"exit code {exit_code}: killed by signal {-exit_code}"
+    return f"exit code {exit_code}"
 
 
 # Engine cores this process started and has not shut down: ended at its exit (one atexit hook for all of them)

@@ -41,6 +41,12 @@ class DeltaBuilder:
                                 seq.num_prompt_tokens))
         return out
 
+    def resumed(self, seqs: Iterable[Sequence]) -> None:
+        """Sequences that continue a dead core's output (``Sequence.resume``): what they hold was reported."""
+        for seq in seqs:
+            if seq.num_output_tokens:
+                self._sent[seq.seq_id] = seq.num_output_tokens
+
     def release_finished(self, deltas: Iterable[SeqDelta]) -> None:
         """After a step's deltas were built: forget the requests whose every completion has now finished, here
         and in the engine."""

@@ -18,6 +18,9 @@ class AddRequest(msgspec.Struct, tag=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams   # a Struct: decoding it in the core runs its validation again (see reject_command)
+    # a request carried over from a core that died (server/supervisor.py): by completion index, the output tokens
+    # already streamed to the client, which the new core continues; completions left out had ended. None: a new one
+    resumed: dict[int, list[int]] | None = None
 
 
 class AbortRequests(msgspec.Struct, tag=True):

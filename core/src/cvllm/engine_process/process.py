@@ -7,7 +7,11 @@ the other with one ``StepOutputs`` per step. When there is no work the loop bloc
 an idle server uses no CPU.
 
 Tests exercise the failed-step path with a healthy model through ``EngineConfig.fault_injector``
-(cvllm.testing.faults), which travels to this process inside the config.
+(cvllm.testing.faults), which travels to this process inside the config; one with an ``install(engine)`` method
+(``FaultPlan``) is installed on the engine once it is built, to reach the forward pass and sampling too.
+
+While it works, the core says something at least every ``HEARTBEAT_S`` (its counters, when a long prefill has no
+tokens to report), so the API process's supervisor can tell a slow core from a hung one (--engine-hang-timeout).
 
 Most step errors fail only that step's requests. A device error or an ``EngineBrokenError`` (a tensor-parallel
 worker died or hung) ends the core instead: it sends ``CoreDead`` with the reason, which fails every open request and
@@ -20,6 +24,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import time
 from multiprocessing.connection import Connection, wait
 from typing import NoReturn
 
@@ -41,6 +46,7 @@ from cvllm.engine_process.messages import (
     FromCore,
     Ready,
     RequestFailed,
+    SeqDelta,
     Shutdown,
     StepOutputs,
     ToCore,
@@ -49,6 +55,10 @@ from cvllm.engine_process.messages import (
 from cvllm.startup import process_age
 
 logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0   # the longest a working core stays silent (the hang detector's timeout is far longer)
+NOT_FINITE = "the model's logits for this request were NaN or infinite"
+
 
 def run_core(config: EngineConfig, commands: Connection, outputs: Connection, log_level: int = logging.INFO) -> None:
     """The child process's entry point: build the engine, say Ready (or CoreDead), then serve."""
@@ -62,6 +72,8 @@ def run_core(config: EngineConfig, commands: Connection, outputs: Connection, lo
         logger.exception("the engine could not start")
         channel.send_quietly(CoreDead(describe(e)))
         sys.exit(1)
+    if hasattr(config.fault_injector, "install"):   # a test's fault plan (cvllm.testing.faults)
+        config.fault_injector.install(engine)
     core = EngineCore(engine, channel)
     signal.signal(signal.SIGTERM, _terminate)   # a launcher (torchrun) may signal the whole group
     try:
@@ -145,6 +157,7 @@ class EngineCore:
         self.deltas = DeltaBuilder(engine)   # the same conversion the in-process client uses
         self.embedder = Embedder(engine)     # embedding requests, a forward pass of them between steps
         self._stats_sent = True
+        self._said_at = time.monotonic()   # the last StepOutputs sent
         # ready when a tensor-parallel worker process ends (TensorParallelExecutor.sentinels); none in one process
         self._worker_sentinels = engine.executor.sentinels()
 
@@ -195,7 +208,12 @@ class EngineCore:
 
     def _add(self, command: AddRequest) -> None:
         try:
-            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+            if command.resumed is None:
+                self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+            else:
+                seqs = self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                               resumed=command.resumed)
+                self.deltas.resumed(seqs)
         except Exception as e:
             invalid = isinstance(e, (ValueError, TypeError))
             if invalid:
@@ -245,13 +263,29 @@ class EngineCore:
         except Exception as e:
             self._fail_step(e)
             return True
+        if any(delta.finish_reason == "error" for delta in deltas):
+            deltas = self._fail_not_finite(deltas)
         self.deltas.release_finished(deltas)
-        if deltas:   # a step that only ran a prefill chunk has nothing to say
+        # a step that only ran a prefill chunk has nothing to say, but says it is alive now and then (the heartbeat)
+        if deltas or time.monotonic() - self._said_at > HEARTBEAT_S:
             self.channel.send(StepOutputs(deltas, core_stats(self.engine)))
-        self._stats_sent = bool(deltas)
+            self._said_at = time.monotonic()
+            self._stats_sent = True
+        else:
+            self._stats_sent = False
         # progress: tokens came back, a batch ran, or one is still in flight (async scheduling)
         return bool(seqs) or bool(self.engine.last_batch and self.engine.last_batch.seqs) \
             or self.engine.has_step_in_flight
+
+    def _fail_not_finite(self, deltas: list[SeqDelta]) -> list[SeqDelta]:
+        """The engine ended these completions because their logits were not finite: their requests fail (no more of
+        their tokens go out), the others' deltas are returned."""
+        failed = sorted({delta.request_id for delta in deltas if delta.finish_reason == "error"})
+        for request_id in failed:
+            self.deltas.abort(request_id)
+        self.channel.send(RequestFailed(failed, NOT_FINITE))
+        failed_ids = set(failed)
+        return [delta for delta in deltas if delta.request_id not in failed_ids]
 
     def _wait_idle(self) -> None:
         """Idle with tensor-parallel workers: block until a command arrives, or end the core now if a worker ends

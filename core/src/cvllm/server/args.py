@@ -31,6 +31,7 @@ class ServerArgs:
     log_level: str = "info"
     startup_timeout: float | None = None      # seconds to wait for the engine core to load
     max_restarts: int = 3                     # engine-core restarts within 10 minutes before the server gives up
+    engine_hang_timeout: float = 60.0         # seconds a working core may say nothing before it is restarted; 0: off
     ui: bool = True                           # the chat page (--no-ui: off)
     ui_port: int | None = None                # None: the page on the API's port; else its own (--ui-server)
     task: str = "auto"                        # --task: auto | generate | embed (cvllm/pooling.py)

@@ -237,7 +237,7 @@ def server_args_from(ns: argparse.Namespace) -> ServerArgs:
         max_body_bytes=ns.max_body_size, cors_allow_origins=parse_name_list(ns.allowed_origins, []),
         cors_allow_credentials=ns.allow_credentials, cors_allow_methods=parse_name_list(ns.allowed_methods, ["*"]),
         cors_allow_headers=parse_name_list(ns.allowed_headers, ["*"]), shutdown_timeout=ns.shutdown_timeout,
-        max_restarts=ns.max_restarts,
+        max_restarts=ns.max_restarts, engine_hang_timeout=ns.engine_hang_timeout,
         default_sampling=default_sampling, generation_config=ns.generation_config,
         reasoning_parser=ns.reasoning_parser, tool_call_parser=ns.tool_call_parser, log_level=ns.log_level,
         startup_timeout=ns.startup_timeout, task=ns.task, **ui_settings(ns),

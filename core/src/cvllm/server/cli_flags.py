@@ -71,6 +71,7 @@ _port = _checked(int, lambda v: 0 <= v <= 65535, "a port number (0-65535)")
 _nonzero_port = _checked(int, lambda v: 0 < v <= 65535, "a port number (1-65535)")   # a peer's: 0 means none
 _fraction = _checked(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]")
 _seconds = _checked(float, lambda v: v > 0, "a positive number of seconds")
+_seconds_or_off = _checked(float, lambda v: v >= 0, "a number of seconds (0: off)")
 
 
 def _device_ids(text: str) -> list[int]:
@@ -165,6 +166,10 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-restarts", type=_non_negative_int, default=3, metavar="N",
                    help="restart a dead engine core up to N times within 10 minutes, then exit non-zero so a "
                         "supervisor takes over (default: 3; 0: exit at the first death)")
+    g.add_argument("--engine-hang-timeout", type=_seconds_or_off,
+                   default=60.0, metavar="S",
+                   help="kill and restart an engine core that has requests in flight but has made no progress for "
+                        "S seconds (default: 60; 0: never)")
     g.add_argument("--log", "--log-level", dest="log_level", action=_OneValue, nargs="?", const="debug",
                    type=str.lower, choices=LOG_LEVELS, default="info", metavar="LEVEL",
                    help=f"{'|'.join(LOG_LEVELS)} (default: info; --log alone: debug)")
@@ -220,7 +225,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         "the GPU's (default: on, except on the CPU backend)")
     g.add_argument("--speculative-config", type=_json_object, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_max": 4}\' (docs/speculative.md)')
+                        '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, '
+                        '"num_speculative_tokens": 4}\' (docs/speculative.md)')
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: launch every decode step's kernels one by one (default: graphs on CUDA)")
     g.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling (default: 0)")

@@ -31,6 +31,9 @@ def start_request(state: ServerState, request_id: str, prompt_ids: list[int], pa
         raise engine_error(e) from None
     timer = state.metrics.timer(arrival, len(prompt_ids))
     choices = [ChoiceState(first_index + i, state.tokenizer, params) for i in range(params.n)]
+    faults = state.args.engine.fault_injector
+    if hasattr(faults, "wrap_choices"):   # a test's fault plan reaching detokenization (cvllm.testing.faults)
+        faults.wrap_choices(prompt_ids, choices)
     return RequestTracker(stream, choices, prompt_ids, timer, arrival)
 
 

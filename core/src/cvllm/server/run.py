@@ -111,6 +111,7 @@ async def run_server(args: ServerArgs) -> None:
             return
         try:
             state.client = starting.result()
+            state.client.hold_on_death = True   # at once: a death before the supervisor runs is resumed too
         except EngineStartupError as e:
             state.startup_error = f"The engine failed to start: {e}"
             stop.set()

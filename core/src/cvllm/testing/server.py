@@ -33,6 +33,9 @@ from cvllm.engine.config import EngineConfig
 from cvllm.server.args import ServerArgs
 from cvllm.server.run import serve
 spec = json.loads(sys.argv[1])
+if spec["engine"].get("fault_injector"):   # a fault plan, as a list of Fault fields (cvllm.testing.faults)
+    from cvllm.testing.faults import FaultPlan
+    spec["engine"]["fault_injector"] = FaultPlan.of(*spec["engine"]["fault_injector"])
 logging.basicConfig(level=str(spec.pop("log_level", "INFO")).upper(),
                     format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 args = ServerArgs(engine=EngineConfig(**spec.pop("engine")), **spec)
