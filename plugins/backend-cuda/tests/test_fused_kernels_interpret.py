@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from cvllm.testing.numerics import assert_ulp_close
 from cvllm.testing.requirements import import_or_skip
 
 import_or_skip("triton")  # a skip locally, an error under CI=true
@@ -33,27 +34,6 @@ FUSED = {"fused_add_rms_norm": fused_add_rms_norm, "rotary": rotary, "rotary_wri
 # rounded value now and then (2 ulp after the product that follows), so mismatches must also be rare.
 MAX_ULP = {torch.float32: 8, torch.float16: 2}
 MAX_MISMATCH_FRACTION = {torch.float32: 0.5, torch.float16: 1e-3}
-
-
-def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Representable numbers between ``a`` and ``b`` elementwise (0: bit-equal; +0 and -0 are equal)."""
-    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
-    bits = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[a.dtype]
-    magnitude = (1 << (torch.finfo(a.dtype).bits - 1)) - 1
-
-    def ordered(t: torch.Tensor) -> torch.Tensor:  # sign-magnitude bits to a monotonic integer
-        i = t.detach().cpu().contiguous().view(bits).long()
-        return torch.where(i < 0, -(i & magnitude), i)
-
-    return (ordered(a) - ordered(b)).abs()
-
-
-def assert_ulp_close(out: torch.Tensor, ref: torch.Tensor, max_ulp: int, max_mismatch_fraction: float) -> None:
-    assert out.dtype == ref.dtype and out.shape == ref.shape, (out.dtype, ref.dtype, out.shape, ref.shape)
-    ulps = ulp_distance(out, ref)
-    mismatches = (ulps > 0).float().mean().item()
-    assert ulps.max().item() <= max_ulp, f"{ulps.max().item()} ulp apart (<= {max_ulp}); {mismatches:.2%} differ"
-    assert mismatches <= max_mismatch_fraction, f"{mismatches:.3%} of elements differ (<= {max_mismatch_fraction})"
 
 
 def randn(generator: torch.Generator, *shape: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
