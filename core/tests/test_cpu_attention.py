@@ -203,3 +203,111 @@ def test_write_kv_casts_and_skips_negative_slots():
     untouched = torch.ones(12, dtype=torch.bool)
     untouched[[5, 11]] = False
     assert flat_k[untouched].abs().max() == 0 and flat_v[untouched].abs().max() == 0
+
+
+# -- the decode rows' fused path (cpu_decode.py: SDPA over the gathered blocks) ------------------------------------
+
+def poison_unused(paged: PagedSeqs, seq_lens: list[int], block_size: int) -> None:
+    """NaN in every cache slot no sequence holds (the cache is never zero-filled): past each end, unused blocks."""
+    held = torch.zeros(paged.k_cache.shape[:2], dtype=torch.bool)
+    for b, n in enumerate(seq_lens):
+        for t in range(n):
+            held[paged.block_tables[b, t // block_size], t % block_size] = True
+    paged.k_cache[~held] = float("nan")
+    paged.v_cache[~held] = float("nan")
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Counts the fused decode path's calls: the tests below must exercise it, not the reference."""
+    import cvllm.backends.cpu as cpu
+
+    calls = []
+    real = cpu.decode_attention
+
+    def spy(*args, **kwargs):
+        calls.append(args[3])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu, "decode_attention", spy)
+    return calls
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("context_lens", [[37], [0, 4, 15, 63], [16, 16]])
+def test_fused_decode_matches_dense(kv_heads, block_size, window, context_lens, fused_calls):
+    gen = torch.Generator().manual_seed(kv_heads + 10 * block_size + len(context_lens))
+    seq_lens = [c + 1 for c in context_lens]
+    paged = paginate(seq_lens, kv_heads, block_size, gen)
+    poison_unused(paged, seq_lens, block_size)
+    backend = CpuBackend()
+    ctx = make_context(backend, context_lens, [1] * len(seq_lens), paged.block_tables, block_size)
+    q = torch.randn(len(seq_lens), HEADS, HEAD_DIM, generator=gen) * 3
+    out = backend.attention(q, paged.k_cache, paged.v_cache, ctx, layer(window))
+    for b, c in enumerate(context_lens):
+        expected = dense_attention(q[b:b + 1], paged.keys[b], paged.values[b], torch.tensor([c]),
+                                   sliding_window=window)
+        torch.testing.assert_close(out[b:b + 1], expected, **TOL)
+    assert len(fused_calls) == 1
+    keys = fused_calls[0]
+    if len(seq_lens) == 1:   # one sequence: a slice of its keys, no mask, nothing to zero
+        assert keys.mask is None and keys.past_end is None and keys.stop - keys.start == min(seq_lens[0], window or 99)
+    elif len(set(seq_lens)) > 1 or block_size > 1 and seq_lens[0] % block_size:
+        assert keys.mask is not None and keys.past_end is not None
+    if window and len(seq_lens) == 1 and block_size <= 4:   # blocks wholly before the window are not gathered
+        assert keys.num_blocks < -(-seq_lens[0] // block_size)
+
+
+def test_fused_decode_rows_of_a_mixed_batch(fused_calls):
+    gen = torch.Generator().manual_seed(5)
+    context_lens, query_lens = [c for c, _ in MIXED], [n for _, n in MIXED]
+    seq_lens = [c + n for c, n in MIXED]
+    paged = paginate(seq_lens, 2, 4, gen)
+    poison_unused(paged, seq_lens, 4)
+    backend = CpuBackend()
+    ctx = make_context(backend, context_lens, query_lens, paged.block_tables, 4)
+    q = torch.randn(sum(query_lens), HEADS, HEAD_DIM, generator=gen)
+    out = backend.attention(q, paged.k_cache, paged.v_cache, ctx, layer())
+    for b, (c, n) in enumerate(MIXED):
+        start = ctx.query_start_loc_cpu[b]
+        expected = dense_attention(q[start:start + n], paged.keys[b], paged.values[b], torch.arange(c, c + n))
+        torch.testing.assert_close(out[start:start + n], expected, **TOL)
+    assert len(fused_calls) == 1   # the two decode rows, together
+
+
+def test_fused_decode_bf16_and_reused_buffers():
+    """A bf16 cache is read as bf16 (float32 accumulation): within bf16 rounding of the float32 reference; the
+    gather buffers are allocated once and reused by the next layer and step."""
+    gen = torch.Generator().manual_seed(11)
+    context_lens = [100, 7, 50]
+    seq_lens = [c + 1 for c in context_lens]
+    paged = paginate(seq_lens, 2, 16, gen)
+    poison_unused(paged, seq_lens, 16)
+    k_cache, v_cache = paged.k_cache.bfloat16(), paged.v_cache.bfloat16()
+    backend = CpuBackend()
+    ctx = make_context(backend, context_lens, [1] * 3, paged.block_tables, 16)
+    q = torch.randn(3, HEADS, HEAD_DIM, generator=gen).bfloat16()
+    out = backend.attention(q, k_cache, v_cache, ctx, layer())
+    assert out.dtype == torch.bfloat16
+    buffer = backend._gather_buffers._flat[torch.bfloat16]
+    ref = paged_attention_reference(q[:, None].float(), k_cache, v_cache, ctx.backend_data.decode_tables,
+                                    ctx.backend_data.decode_positions, ctx.backend_data.decode_lens, SCALE, None, None)
+    torch.testing.assert_close(out.float(), ref[:, 0].bfloat16().float(), rtol=2e-2, atol=4e-3)
+    backend.attention(q, k_cache, v_cache, ctx, layer())
+    assert backend._gather_buffers._flat[torch.bfloat16] is buffer
+
+
+def test_fused_decode_off_uses_the_reference(fused_calls, monkeypatch):
+    monkeypatch.setattr(CpuBackend, "fused_decode", False)
+    gen = torch.Generator().manual_seed(2)
+    paged = paginate([9, 20], 2, 4, gen)
+    backend = CpuBackend()
+    ctx = make_context(backend, [8, 19], [1, 1], paged.block_tables, 4)
+    q = torch.randn(2, HEADS, HEAD_DIM, generator=gen)
+    out = backend.attention(q, paged.k_cache, paged.v_cache, ctx, layer())
+    for b, c in enumerate([8, 19]):
+        torch.testing.assert_close(out[b:b + 1], dense_attention(q[b:b + 1], paged.keys[b], paged.values[b],
+                                                                 torch.tensor([c])), **TOL)
+    assert not fused_calls

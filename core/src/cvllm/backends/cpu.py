@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from cvllm.backends.base import Backend
+from cvllm.backends.cpu_decode import DecodeKeys, GatherBuffers, decode_attention
 from cvllm.forward_context import ForwardContext
 from cvllm.layers import kv_fp8
 
@@ -95,6 +96,7 @@ class CpuBackend(Backend):
     device = torch.device("cpu")
     dist_backend = "gloo"
     default_dtype = torch.float32
+    fused_decode = True   # decode rows through SDPA (cpu_decode.py); False: the float32 reference (A/B measurements)
 
     @classmethod
     def is_available(cls) -> bool:
@@ -110,6 +112,7 @@ class CpuBackend(Backend):
         # every layer of a forward pass writes through the same slot mapping: look for padding once
         self._slots_seen: torch.Tensor | None = None
         self._slots_kept: torch.Tensor | None = None
+        self._gather_buffers = GatherBuffers()
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping, scales=None) -> None:
         if slot_mapping is not self._slots_seen:
@@ -135,12 +138,20 @@ class CpuBackend(Backend):
         args = (layer.scale, layer.sliding_window, layer.logits_soft_cap)
         # an FP8 cache: the stored values times the layer's scales, in float32
         scales = (layer.k_scale, layer.v_scale) if kv_fp8.is_fp8(k_cache) else None
+        fused = self.fused_decode and scales is None and not layer.logits_soft_cap   # SDPA has neither
         if plan.decode_only:  # every row decodes one token, in order: no gather or scatter of rows
+            if fused:
+                return decode_attention(q, k_cache, v_cache, plan.decode_keys(layer.sliding_window), layer.scale,
+                                        self._gather_buffers)
             return paged_attention_reference(q[:, None], k_cache, v_cache, plan.decode_tables, plan.decode_positions,
                                              plan.decode_lens, *args, plan.visible(-1, layer.sliding_window),
                                              plan.past_end(-1), scales)[:, 0]
         out = torch.empty_like(q)
-        if plan.decode_tokens is not None:
+        if plan.decode_tokens is not None and fused:
+            out[plan.decode_tokens] = decode_attention(q[plan.decode_tokens], k_cache, v_cache,
+                                                       plan.decode_keys(layer.sliding_window), layer.scale,
+                                                       self._gather_buffers)
+        elif plan.decode_tokens is not None:
             # All single-token rows in one padded batch: gathers the blocks they use, one einsum.
             o = paged_attention_reference(q[plan.decode_tokens][:, None], k_cache, v_cache, plan.decode_tables,
                                           plan.decode_positions, plan.decode_lens, *args,
@@ -159,22 +170,25 @@ class _AttentionPlan:
     decode_tables: torch.Tensor | None      # [Bd, blocks]
     decode_positions: torch.Tensor | None   # [Bd, 1]
     decode_lens: torch.Tensor | None        # [Bd]
+    decode_lens_cpu: list[int]
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]
     block_size: int = 0
     decode_only: bool = False               # decode_tokens is every row of the batch, in order
     # visibility masks by (prefill index or -1 for the decode rows, sliding window): layers share them
     masks: dict[tuple[int, int | str | None], torch.Tensor] = field(default_factory=dict)
+    spans: dict[int | None, DecodeKeys] = field(default_factory=dict)   # the decode rows' keys, by sliding window
 
     @classmethod
     def build(cls, ctx: ForwardContext) -> _AttentionPlan:
         starts, qlens, seq_lens = ctx.query_start_loc_cpu, ctx.query_lens_cpu, ctx.seq_lens_cpu
         block_size = ctx.block_size
         rows = [i for i, n in enumerate(qlens) if n == 1]
-        plan = cls(None, None, None, None, [], block_size)
+        plan = cls(None, None, None, None, [], [], block_size)
         if rows:
             index = torch.tensor(rows)
             plan.decode_tokens = torch.tensor([starts[i] for i in rows])
             plan.decode_lens = ctx.seq_lens[index]
+            plan.decode_lens_cpu = [seq_lens[i] for i in rows]
             plan.decode_positions = (plan.decode_lens - 1)[:, None]
             plan.decode_tables = ctx.block_tables[index, :-(-max(seq_lens[i] for i in rows) // block_size)].long()
             plan.decode_only = len(rows) == len(qlens) and starts[:len(rows)] == list(range(len(rows)))
@@ -197,6 +211,12 @@ class _AttentionPlan:
             tables, positions, lens = self._part(part)
             self.masks[key] = visible_keys(positions, lens, tables.shape[1] * self.block_size, sliding_window)
         return self.masks[key]
+
+    def decode_keys(self, sliding_window: int | None) -> DecodeKeys:
+        if sliding_window not in self.spans:
+            self.spans[sliding_window] = DecodeKeys.build(self.decode_tables, self.decode_lens_cpu, self.block_size,
+                                                          sliding_window)
+        return self.spans[sliding_window]
 
     def past_end(self, part: int) -> torch.Tensor:
         key = (part, "past_end")
