@@ -214,14 +214,15 @@ def test_layers_use_the_backends_kernels_inside_a_forward_pass(generator):
 
 
 def test_gemma_norm_is_never_handed_to_the_plain_rms_norm_kernel(generator):
-    """A backend with only the plain fused RMSNorm: the (1 + weight) norm keeps its torch code (and attention does
-    not fuse it into the rotary launch: it is not ``_fusable``)."""
+    """A backend with only the plain fused RMSNorm: the (1 + weight) norm keeps its torch code (it names its own
+    kernel, which this backend lacks; attention fuses only plain RMSNorms into the rotary launch)."""
     norm = GemmaRMSNorm(64)
     norm.weight.data = randn(generator, 64, dtype=torch.float32, scale=0.5)
     x = randn(generator, 2, 64, dtype=torch.float32)
     with forward_context(_context(SimpleNamespace(fused_add_rms_norm=fused_add_rms_norm))):
         got = norm(x)
-    assert torch.equal(got, norm._norm(x)) and not GemmaRMSNorm._fusable and RMSNorm._fusable
+    assert torch.equal(got, norm._norm(x))
+    assert GemmaRMSNorm._fused_kernel == "fused_add_rms_norm_plus_one" and RMSNorm._fused_kernel == "fused_add_rms_norm"
 
 
 def test_subclasses_with_their_own_math_are_not_fused(generator):

@@ -32,9 +32,16 @@ def test_rms_norm_as_transformers(dtype: torch.dtype) -> None:
     assert not torch.equal(F.rms_norm(x, (HIDDEN,), eps=1e-6) * (1 + weight), oracle(x))
 
 
-def test_rms_norm_is_not_handed_to_fused_kernels() -> None:
-    # backends' fused_add_rms_norm computes x * w: a (1 + w) norm must take its own torch path
-    assert GemmaRMSNorm._fusable is False
+def test_rms_norm_is_handed_only_to_its_own_fused_kernel() -> None:
+    # backends' fused_add_rms_norm computes x * w: a (1 + w) norm goes to fused_add_rms_norm_plus_one (and not into
+    # the rotary kernel's plain q/k norm); a subclass that changes the norm again without naming a kernel runs torch
+    assert GemmaRMSNorm._fusable and GemmaRMSNorm._fused_kernel == "fused_add_rms_norm_plus_one"
+
+    class Shifted(GemmaRMSNorm):
+        def _norm(self, x: torch.Tensor) -> torch.Tensor:
+            return super()._norm(x) + 1
+
+    assert not Shifted._fusable
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

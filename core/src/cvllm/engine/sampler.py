@@ -77,7 +77,9 @@ class Sampler:
         ``allowed``: (row indices, int32 bitmask) on the device, the tokens the grammars of those rows allow
         (structured output); applied first, so nothing after it can bring a forbidden token back."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
-        sane = (logits < float("inf")).all(dim=-1)   # False for a row with NaN or +inf (-inf is a masked token)
+        # False for a row with NaN or +inf (-inf is a masked token): its max is NaN or +inf. One reduction, no
+        # [B, V] boolean temporary, on the hot path of every step
+        sane = logits.amax(dim=-1) < float("inf")
         params = [row.sampling_params for row in rows]
         asked = [p.logprobs for p in params if p.logprobs is not None]
         processed = any(p.logits_processors for p in params)

@@ -57,7 +57,8 @@ class Attention(nn.Module):
         fused = ctx.backend.rotary_write_kv if rotary_emb is not None else None
         calibrating = fp8 and self.kv_scales_pending and not ctx.is_decode_only
         norm_fused = (qk_norm is not None and fused is not None and not calibrating
-                      and all(norm._fusable for norm in qk_norm) and rotary_emb.rotary_dim == self.head_dim)
+                      and all(norm._fusable and norm._fused_kernel == "fused_add_rms_norm" for norm in qk_norm)
+                      and rotary_emb.rotary_dim == self.head_dim)   # (the rotary kernel's norm is the plain one)
         if qk_norm is not None and not norm_fused:
             q_norm, k_norm = qk_norm
             q = q_norm(q.reshape(-1, self.num_heads, self.head_dim)).reshape(q.shape)

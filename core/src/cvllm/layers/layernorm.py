@@ -13,13 +13,17 @@ from cvllm.backends.base import forward_backend
 
 
 class RMSNorm(nn.Module):
-    # whether the backend's fused_add_rms_norm computes this class's forward; a subclass that
-    # changes _norm (e.g. a (1 + weight) scale) must not be handed to it
+    # the backend's fused kernel that computes this class's _norm (with the residual add)
+    _fused_kernel = "fused_add_rms_norm"
+    # whether it may be used: a subclass that changes _norm (e.g. a (1 + weight) scale) must name the kernel that
+    # computes its own _norm beside it (GemmaRMSNorm), else it runs its torch code
     _fusable = True
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        cls._fusable = cls._norm is RMSNorm._norm and cls.forward is RMSNorm.forward
+        norm_owner = next(k for k in cls.__mro__ if "_norm" in vars(k))
+        kernel_owner = next(k for k in cls.__mro__ if "_fused_kernel" in vars(k))
+        cls._fusable = cls.forward is RMSNorm.forward and norm_owner is kernel_owner
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -33,8 +37,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``."""
-        backend = forward_backend() if self._fusable else None
-        fused = None if backend is None else backend.fused_add_rms_norm
+        fused = getattr(forward_backend(), self._fused_kernel, None) if self._fusable else None
         if fused is not None:
             return fused(x, residual, self.weight, self.eps)
         if residual is None:
@@ -47,22 +50,13 @@ class GemmaRMSNorm(RMSNorm):
     """Scales by ``1 + weight`` (Gemma's: checkpoints store the offset from 1, HF initialises the weight to zeros).
     As transformers computes it: normalised and scaled in fp32, rounded once (``(x * w).to(dtype)``, not
     ``x.to(dtype) * w``); the backend's ``fused_add_rms_norm_plus_one`` computes this, the plain RMSNorm's fused
-    kernel does not (this class is not ``_fusable``)."""
+    kernel does not."""
+
+    _fused_kernel = "fused_add_rms_norm_plus_one"
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``."""
-        backend = forward_backend() if type(self)._norm is GemmaRMSNorm._norm else None
-        fused = getattr(backend, "fused_add_rms_norm_plus_one", None)
-        if fused is not None:
-            return fused(x, residual, self.weight, self.eps)
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
 
 
 class LayerNorm(nn.Module):
