@@ -6,6 +6,7 @@ split-sum launches, PDL overlap, and back-to-back kernels.
 
     python bench/quant_gemv_stack.py --json $OUT/quant_gemv_stack.json          # on the H200 (~4 min)
     python bench/quant_gemv_stack.py --layouts q4_k --configs "32,32,4,1" --pps 4
+    python bench/quant_gemv_stack.py --defaults --variants "base,prefetch,prefetch+early"   # pdl.py's A/B
 
 Prints microseconds per layer (the four GEMVs), TB/s over the planes' and factors' bytes, and bf16 ``F.linear``
 on the same stack.
@@ -22,7 +23,8 @@ from pathlib import Path
 import torch
 from common import captured_us
 
-from cvllm_cuda.kernels import quant_gemv_int8, quant_tiles
+from cvllm_cuda.kernels import pdl, quant_gemv_int8, quant_tiles
+from cvllm_cuda.kernels.gemv import gemv
 from cvllm_cuda.kernels.quant_gemv import quant_gemv
 from cvllm_cuda.kernels.sizes import cdiv
 from cvllm_cuda.quant_planes import QuantLayout, QuantWeight
@@ -74,8 +76,23 @@ def main() -> None:
     ap.add_argument("--configs", help='"BN,BW,WARPS,STAGES;..." (default: a grid)')
     ap.add_argument("--pps", default="4,8,16", help="programs per SM the K split aims at (0: K never split)")
     ap.add_argument("--budget-s", type=float, default=420)
+    ap.add_argument("--defaults", action="store_true", help="each layout's default config and split only")
+    ap.add_argument("--variants", default="prefetch+early",
+                    help="comma-separated: base (no prefetch, no early launch), prefetch, prefetch+early, early")
     ap.add_argument("--json")
     args = ap.parse_args()
+    results: dict = {}
+    for variant in args.variants.split(","):
+        pdl.PREFETCH = "prefetch" in variant
+        pdl.EARLY_LAUNCH = "early" in variant
+        pdl.prefetch_enabled.cache_clear()
+        print(f"== {variant}", flush=True)
+        results[variant] = run_variant(args)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def run_variant(args) -> dict:
     started = time.perf_counter()
     results: dict = {"bf16": {}, "planes": {}}
     xs = {k: torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for k in {k for _, k in SHAPES.values()}}
@@ -88,11 +105,18 @@ def main() -> None:
             for s, (n, k) in SHAPES.items():
                 torch.matmul(xs[k], layer[s].T, out=outs[n])
 
+    def bf16_gemv_stack(dense=dense):   # the Triton GEMV the CUDA backend runs for one token (kernels/linear.py)
+        for layer in dense:
+            for s, (n, k) in SHAPES.items():
+                outs[n] = gemv(xs[k], layer[s])
+
     bf16 = captured_us(bf16_stack, args.layers)
+    bf16_gemv = captured_us(bf16_gemv_stack, args.layers)
     dense_bytes = sum(n * k * 2 for n, k in SHAPES.values())
-    results["bf16"] = {"us_per_layer": bf16, "tb_s": dense_bytes / bf16 / 1e6}
-    print(f"bf16 F.linear: {bf16:7.1f} us/layer {dense_bytes / bf16 / 1e6:5.2f} TB/s", flush=True)
-    del dense, bf16_stack
+    results["bf16"] = {"us_per_layer": bf16, "tb_s": dense_bytes / bf16 / 1e6, "gemv_us_per_layer": bf16_gemv}
+    print(f"bf16 F.linear: {bf16:7.1f} us/layer {dense_bytes / bf16 / 1e6:5.2f} TB/s; Triton GEMV {bf16_gemv:7.1f} "
+          f"us/layer {dense_bytes / bf16_gemv / 1e6:5.2f} TB/s", flush=True)
+    del dense, bf16_stack, bf16_gemv_stack
     torch.cuda.empty_cache()
     for name in args.layouts.split(","):
         layout = LAYOUTS[name]
@@ -100,7 +124,14 @@ def main() -> None:
         nbytes = sum(w.nbytes() for w in layers[0].values())
         kernel = quant_gemv_int8.quant_gemv_int8 if layout.int8_activations else quant_gemv
         rows = {}
-        for cfg in gemv_configs(args.configs):
+        if args.defaults:
+            def stack(layers=layers, kernel=kernel):
+                for layer in layers:
+                    for s, (n, k) in SHAPES.items():
+                        kernel(xs[k], layer[s], outs[n])
+
+            rows["default"] = captured_us(stack, args.layers)
+        for cfg in [] if args.defaults else gemv_configs(args.configs):
             for pps in (int(p) for p in args.pps.split(",")):
                 if time.perf_counter() - started > args.budget_s:
                     break
@@ -126,8 +157,7 @@ def main() -> None:
                   flush=True)
         del layers
         torch.cuda.empty_cache()
-        if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=1))
+    return results
 
 
 if __name__ == "__main__":
