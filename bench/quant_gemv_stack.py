@@ -6,7 +6,7 @@ split-sum launches, PDL overlap, and back-to-back kernels.
 
     python bench/quant_gemv_stack.py --json $OUT/quant_gemv_stack.json          # on the H200 (~4 min)
     python bench/quant_gemv_stack.py --layouts q4_k --configs "32,32,4,1" --pps 4
-    python bench/quant_gemv_stack.py --defaults --variants "base,prefetch,prefetch+early"   # pdl.py's A/B
+    python bench/quant_gemv_stack.py --defaults --layouts q4_k,q8_0      # each layout's default tiles and split
 
 Prints microseconds per layer (the four GEMVs), TB/s over the planes' and factors' bytes, and bf16 ``F.linear``
 on the same stack.
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from common import captured_us
 
-from cvllm_cuda.kernels import pdl, quant_gemv_int8, quant_tiles
+from cvllm_cuda.kernels import quant_gemv_int8, quant_tiles
 from cvllm_cuda.kernels.gemv import gemv
 from cvllm_cuda.kernels.quant_gemv import quant_gemv
 from cvllm_cuda.kernels.sizes import cdiv
@@ -77,22 +77,8 @@ def main() -> None:
     ap.add_argument("--pps", default="4,8,16", help="programs per SM the K split aims at (0: K never split)")
     ap.add_argument("--budget-s", type=float, default=420)
     ap.add_argument("--defaults", action="store_true", help="each layout's default config and split only")
-    ap.add_argument("--variants", default="prefetch+early",
-                    help="comma-separated: base (no prefetch, no early launch), prefetch, prefetch+early, early")
     ap.add_argument("--json")
     args = ap.parse_args()
-    results: dict = {}
-    for variant in args.variants.split(","):
-        pdl.PREFETCH = "prefetch" in variant
-        pdl.EARLY_LAUNCH = "early" in variant
-        pdl.prefetch_enabled.cache_clear()
-        print(f"== {variant}", flush=True)
-        results[variant] = run_variant(args)
-        if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=1))
-
-
-def run_variant(args) -> dict:
     started = time.perf_counter()
     results: dict = {"bf16": {}, "planes": {}}
     xs = {k: torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for k in {k for _, k in SHAPES.values()}}
@@ -157,7 +143,8 @@ def run_variant(args) -> dict:
                   flush=True)
         del layers
         torch.cuda.empty_cache()
-    return results
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

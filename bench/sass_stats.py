@@ -35,18 +35,13 @@ PLANES = {"low_ptr": "*i32", "high_ptr": "*i32", "d_ptr": "*fp16", "m_ptr": "*fp
 DIVISIBLE = {"N", "K", "SPLIT_WORDS", "one_bits"}
 
 
-def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], prefetch: bool = False):
-    """(jit function, signature, constexprs, num_warps) of one GEMV configuration (``prefetch``: with the L2
-    prefetch before the PDL wait, for a split of 512 words)."""
+def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...]):
+    """(jit function, signature, constexprs, num_warps) of one GEMV configuration."""
     block_n, block_w, warps, *stages = config
     gw = group_words(layout, block_w)
-    elements = 512 * 32 // layout.low_bits
-    rows = tuple(triton.next_power_of_2(max(1, r)) for r in (
-        512, elements * layout.high_bits // 32, elements // layout.super_group, elements // layout.scale_group))
     common = {**layout.kernel_args(), "BLOCK_N": block_n, "BLOCK_W": block_w, "GROUP_WORDS": gw,
               "GROUP_SUM": groups_in_thread(block_n, block_w, gw, warps), "STAGES": stages[0] if stages else 1,
-              "EVEN": True, "INTERPRET": False, "PREFETCH": prefetch, "PREFETCH_ROWS": rows, "D_BYTES": 2,
-              "USE_PDL": prefetch}
+              "EVEN": True, "INTERPRET": False, "USE_PDL": False}
     if kind == "int8-gemv":
         signature = {"packs_ptr": "*i32", "xd_ptr": "*fp32", "xsum_ptr": "*fp32", "xblock_sum_ptr": "*fp32",
                      "out_ptr": "*bf16", **PLANES, "N": "i32", "K": "i32", "SPLIT_WORDS": "i32"}
@@ -76,10 +71,9 @@ def main() -> None:
     ap.add_argument("--layout", default="q4_k", choices=sorted(LAYOUTS))
     ap.add_argument("--config", default="32,64,4,3", help="BLOCK_N,BLOCK_W,WARPS[,STAGES]")
     ap.add_argument("--dump", type=Path, help="write the TTGIR, PTX and SASS here")
-    ap.add_argument("--prefetch", action="store_true", help="with the weight prefetch before the PDL wait")
     args = ap.parse_args()
     config = tuple(int(v) for v in args.config.split(","))
-    kernel = compile_sm90(*kernel_spec(args.kind, LAYOUTS[args.layout], config, args.prefetch))
+    kernel = compile_sm90(*kernel_spec(args.kind, LAYOUTS[args.layout], config))
     dump = args.dump or Path(f"/tmp/sass-{args.kind}")
     dump.mkdir(parents=True, exist_ok=True)
     (dump / "kernel.cubin").write_bytes(kernel.asm["cubin"])

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from cvllm_cuda.kernels import gpu, pdl
-from cvllm_cuda.kernels.pdl import prefetch_l2, wait_for_previous_kernel
+from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.sizes import cdiv
 from cvllm_cuda.kernels.tuned_matmul import TUNED_GEMV
 
@@ -45,16 +45,10 @@ def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr,
     N, K, stride_wn,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr, CHUNKS: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PREFETCH:   # the weight is not the previous kernel's output: ask for its rows while that kernel runs (pdl.py)
-        # each row in CHUNKS parts, one per thread (a tensor smaller than the program would repeat them in threads)
-        part = tl.arange(0, BLOCK_N * CHUNKS)
-        chunk = K // CHUNKS
-        prefetch_l2(w_ptr + (tl.program_id(0) * BLOCK_N + part // CHUNKS).to(tl.int64) * stride_wn
-                    + part % CHUNKS * chunk, chunk * (w_ptr.dtype.element_ty.primitive_bitwidth // 8))
     wait_for_previous_kernel(USE_PDL)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     row_ok = rows < N
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
@@ -106,14 +100,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if x.stride(0) != 1:
         x = x.contiguous()
     even = n % cfg.block_n == 0 and k % cfg.block_k == 0
-    chunks = max(1, 32 * cfg.num_warps // cfg.block_n)
-    prefetch = (even and x.is_cuda and pdl.prefetch_enabled(gpu.device_index(x.device))
-                and weight.stride(0) * weight.element_size() % 16 == 0
-                and k * weight.element_size() % (16 * chunks) == 0 and weight.data_ptr() % 16 == 0)
     _gemv_kernel[(cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, scale if scale is not None else weight, out, n, k,
         weight.stride(0), HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, EVEN=even, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, PREFETCH=prefetch, CHUNKS=chunks,
+        BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(x.device),
     )
     return out

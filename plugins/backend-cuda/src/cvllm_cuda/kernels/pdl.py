@@ -10,13 +10,6 @@ predecessor is an ordinary launch (a torch op) waits for nothing. CUDA-graph cap
 
 CVLLM_PDL=0 turns it off (an A/B switch); GPUs before compute capability 9.0 and Triton's interpreter
 never use it.
-
-Weight prefetch across the boundary (``prefetch_l2``): a weight matmul's weights are not written by the kernels
-before it, so its programs may ask the L2 for them before ``griddepcontrol.wait``, while the previous kernel still
-runs; the loads after the wait then find them there. A prefetch is only a hint to the L2, which is where every
-SM's writes land, so it can never return stale data. For it to start early, the small kernels that run between two
-matmuls (the activation quantizer, the split-K sums) let their successor launch before they wait
-(``EARLY_LAUNCH``): still correct, as the successor itself waits for them to complete.
 """
 
 from __future__ import annotations
@@ -31,10 +24,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from cvllm_cuda.kernels import gpu
 
-EARLY = tl.constexpr(2)   # USE_PDL's value for a kernel that lets its successor launch before it waits
-EARLY_LAUNCH = os.environ.get("CVLLM_PDL_EARLY", "1") != "0"
-PREFETCH = os.environ.get("CVLLM_PREFETCH", "1") != "0"
-
 
 @functools.cache
 def _enabled(device_index: int) -> bool:
@@ -44,40 +33,17 @@ def _enabled(device_index: int) -> bool:
 
 
 _ON, _OFF = {"USE_PDL": True, "launch_pdl": True}, {"USE_PDL": False}
-_EARLY = {"USE_PDL": 2, "launch_pdl": True}
 
 
-def options(device: torch.device, early: bool = False) -> dict:
+def options(device: torch.device) -> dict:
     """Keyword arguments of a launch on ``device``: the kernel's USE_PDL and Triton's launch_pdl (not to be
-    modified: the same dict every call). ``early``: the kernel lets its successor launch before it waits (short
-    kernels between weight matmuls, so that the next matmul's prefetch starts while they run)."""
-    if device.type != "cuda" or not _enabled(gpu.device_index(device)):
-        return _OFF
-    return _EARLY if early and EARLY_LAUNCH else _ON
-
-
-@functools.cache
-def prefetch_enabled(device_index: int) -> bool:
-    """Whether weight kernels prefetch before waiting (``cp.async.bulk.prefetch`` is sm_90+; CVLLM_PREFETCH=0
-    turns it off, an A/B switch)."""
-    return PREFETCH and _enabled(device_index)
+    modified: the same dict every call)."""
+    return _ON if device.type == "cuda" and _enabled(gpu.device_index(device)) else _OFF
 
 
 @triton.jit
 def wait_for_previous_kernel(USE_PDL: tl.constexpr):
-    """Call first in a kernel launched with options(): waits for the previous grid, then lets the next one launch
-    (USE_PDL == EARLY: the other way round)."""
-    if USE_PDL == EARLY:
-        gdc_launch_dependents()
-        gdc_wait()
-    elif USE_PDL:
+    """Call first in a kernel launched with options(): waits for the previous grid, then lets the next one launch."""
+    if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(ptrs, nbytes):
-    """Ask the L2 for ``nbytes`` from each of ``ptrs`` (16-byte aligned; ``nbytes`` a multiple of 16). Weights only:
-    see the module docstring."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                              [ptrs, tl.full(ptrs.shape, nbytes, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)

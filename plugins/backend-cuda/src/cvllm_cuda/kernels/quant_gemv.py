@@ -25,8 +25,6 @@ from cvllm_cuda.kernels.quant_tiles import (
     groups_in_thread,
     kernel_tensors,
     load_masked,
-    prefetch_args,
-    prefetch_weight,
     split_k,
     word_factors,
 )
@@ -87,8 +85,7 @@ def _gemv_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, 
                  SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
                  HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                  GROUP_WORDS: tl.constexpr, GROUP_SUM: tl.constexpr, STAGES: tl.constexpr, EVEN: tl.constexpr,
-                 INTERPRET: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_ROWS: tl.constexpr,
-                 D_BYTES: tl.constexpr, USE_PDL: tl.constexpr):
+                 INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (i, j) sums words j * SPLIT_WORDS .. (j + 1) * SPLIT_WORDS of output features i * BLOCK_N ...; with
     more than one split, ``out`` is the float32 [splits, N] of the partial sums (``sum_splits_kernel`` adds them).
 
@@ -96,18 +93,14 @@ def _gemv_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, 
     scale group, or a part of one), loaded once per group and column. Per element: a shift, an or and a fused
     multiply-add of ``1 + q / 2**bits`` with x; per word, ``sum (1 + q/2**bits) x = sum x + sum(q x) / 2**bits``
     turns into the weights' sum with one more multiply-add: ``scale * sum(q x) + offset * sum(x)``."""
-    PER_WORD: tl.constexpr = 32 // LOW_BITS
-    start = tl.program_id(1) * SPLIT_WORDS
-    num_words = tl.minimum(K // PER_WORD, start + SPLIT_WORDS)
-    if PREFETCH:   # the weight is not the previous kernel's output: ask for it while that kernel runs (pdl.py)
-        prefetch_weight(low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, start, num_words - start, N,
-                        tl.program_id(0) * BLOCK_N, LOW_BITS, HIGH_BITS, SCALE_GROUP, SUPER_GROUP, A_MODE, B_MODE,
-                        HAS_M, BLOCK_N, PREFETCH_ROWS, D_BYTES)
     wait_for_previous_kernel(USE_PDL)
+    PER_WORD: tl.constexpr = 32 // LOW_BITS
     GROUPS: tl.constexpr = BLOCK_W // GROUP_WORDS
     UNIT: tl.constexpr = 1.0 if FLOAT8 else float(1 << (LOW_BITS + HIGH_BITS))
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols3 = cols[None, None, :]
+    start = tl.program_id(1) * SPLIT_WORDS
+    num_words = tl.minimum(K // PER_WORD, start + SPLIT_WORDS)
     group_first = tl.arange(0, GROUPS) * GROUP_WORDS                                 # [GROUPS]
     tile_words = group_first[:, None, None] + tl.arange(0, GROUP_WORDS)[None, :, None]   # [GROUPS, GROUP_WORDS, 1]
     # a group's words share their factors: with GROUP_SUM (the tile's layout keeps a group's words in one thread,
@@ -169,11 +162,10 @@ def quant_gemv(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: 
     target = out if splits == 1 else torch.empty((splits, n), dtype=torch.float32, device=x.device)
     lay = weight.layout
     gw = group_words(lay, block_w)
-    even = even_tiles(n, k, lay.low_bits, block_n, split_words)
     _gemv_kernel[(cdiv(n, block_n), splits)](
         x, target, *kernel_tensors(weight), n, k, split_words, ONE_BITS, **lay.kernel_args(), BLOCK_N=block_n,
         BLOCK_W=block_w, GROUP_WORDS=gw, GROUP_SUM=groups_in_thread(block_n, block_w, gw, warps),
-        STAGES=stages[0] if stages else 1, EVEN=even, INTERPRET=bool(triton.knobs.runtime.interpret),
-        num_warps=warps, **prefetch_args(weight, block_n, split_words, even, x.device), **pdl_options(x.device))
+        STAGES=stages[0] if stages else 1, EVEN=even_tiles(n, k, lay.low_bits, block_n, split_words),
+        INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=warps, **pdl_options(x.device))
     if splits > 1:
         add_splits(target, out, splits, n)

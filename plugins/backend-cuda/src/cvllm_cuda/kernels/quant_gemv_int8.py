@@ -39,8 +39,6 @@ from cvllm_cuda.kernels.quant_tiles import (
     groups_in_thread,
     kernel_tensors,
     load_masked,
-    prefetch_args,
-    prefetch_weight,
     split_k,
     word_factors,
 )
@@ -52,8 +50,9 @@ BLOCK = 32   # inputs per activation scale
 # layers in one CUDA graph, H200, 2026-12-03): Q4_K 56.4 us a layer (the float GEMV's tiles (32, 32, 4): 60.7),
 # Q8_0 79.3 (106.6); 2-bit unswept
 INT8_GEMV_CONFIGS = {2: GEMV_CONFIGS[2], 4: (32, 64, 4, 3), 8: (64, 64, 4)}
-# K split only until every SM has a program: Q4_K 54.7 us a layer, 56.8 at 4 programs per SM, 56.5 never split
-INT8_PROGRAMS_PER_SM = 1
+# programs per SM the K split aims at, by low-plane bits: Q4_K 54.7 us a layer at 1 (every SM one program), 56.8 at
+# 4, 56.5 never split; Q8_0 79.3 at 4 but 109.9 at 1 (2026-12-03, quant_gemv_stack.py: its default at c2b7b60)
+INT8_PROGRAMS_PER_SM = {2: 4, 4: 1, 8: 4}
 ENV = "CVLLM_QUANT_INT8_ACTIVATIONS"
 
 
@@ -117,24 +116,19 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_
                       SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
                       HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                       GROUP_WORDS: tl.constexpr, GROUP_SUM: tl.constexpr, STAGES: tl.constexpr,
-                      EVEN: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr,
-                      PREFETCH_ROWS: tl.constexpr, D_BYTES: tl.constexpr, USE_PDL: tl.constexpr):
+                      EVEN: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
     """The float GEMV's tiling and splits (quant_matmul._gemv_kernel), integer dot products per word. Where a factor
     group is one activation block (32 inputs: Q4_0, Q4_1, Q4_K, Q8_0), the group's word products are added as
     integers and turned into a float once per group and column, not once per word."""
-    PER_WORD: tl.constexpr = 32 // LOW_BITS
-    start = tl.program_id(1) * SPLIT_WORDS
-    num_words = tl.minimum(K // PER_WORD, start + SPLIT_WORDS)
-    if PREFETCH:   # the weight is not the previous kernel's output: ask for it while that kernel runs (pdl.py)
-        prefetch_weight(low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, start, num_words - start, N,
-                        tl.program_id(0) * BLOCK_N, LOW_BITS, HIGH_BITS, SCALE_GROUP, SUPER_GROUP, A_MODE, B_MODE,
-                        HAS_M, BLOCK_N, PREFETCH_ROWS, D_BYTES)
     wait_for_previous_kernel(USE_PDL)
+    PER_WORD: tl.constexpr = 32 // LOW_BITS
     PHASES: tl.constexpr = 8 // LOW_BITS
     BYTE_MASK: tl.constexpr = 0x0F0F0F0F if LOW_BITS == 4 else 0x03030303 if LOW_BITS == 2 else -1
     GROUPS: tl.constexpr = BLOCK_W // GROUP_WORDS
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols3 = cols[None, None, :]
+    start = tl.program_id(1) * SPLIT_WORDS
+    num_words = tl.minimum(K // PER_WORD, start + SPLIT_WORDS)
     group_first = tl.arange(0, GROUPS) * GROUP_WORDS
     tile_words = group_first[:, None, None] + tl.arange(0, GROUP_WORDS)[None, :, None]   # [GROUPS, GROUP_WORDS, 1]
     ONE_BLOCK: tl.constexpr = GROUP_WORDS * PER_WORD == 32 and GROUP_SUM   # (quant_tiles.groups_in_thread)
@@ -191,7 +185,7 @@ def quantize_activations(x: torch.Tensor, low_bits: int) -> tuple[torch.Tensor, 
     block_sums = torch.empty(k // BLOCK, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(k // BLOCK, QUANTIZE_BLOCKS),)
     _quantize_kernel[grid](x, packs, scales, sums, block_sums, k, LOW_BITS=low_bits, BLOCKS=QUANTIZE_BLOCKS,
-                           num_warps=4, **pdl_options(x.device, early=True))
+                           num_warps=4, **pdl_options(x.device))
     return packs, scales, sums, block_sums
 
 
@@ -211,15 +205,15 @@ def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, con
     block_n, block_w, warps, *stages = config or INT8_GEMV_CONFIGS[lay.low_bits]
     n, k = weight.out_features, weight.in_features
     activations = quantize_activations(x, lay.low_bits)
-    splits, split_words = split_k(cdiv(n, block_n), k, lay.low_bits, block_w, x.device, splits, INT8_PROGRAMS_PER_SM)
+    splits, split_words = split_k(cdiv(n, block_n), k, lay.low_bits, block_w, x.device, splits,
+                                  INT8_PROGRAMS_PER_SM[lay.low_bits])
     target = out if splits == 1 else torch.empty((splits, n), dtype=torch.float32, device=x.device)
     gw = group_words(lay, block_w)
-    even = even_tiles(n, k, lay.low_bits, block_n, split_words)
     _gemv_int8_kernel[(cdiv(n, block_n), splits)](
         *activations, target, *kernel_tensors(weight), n, k, split_words, **lay.kernel_args(), BLOCK_N=block_n,
         BLOCK_W=block_w, GROUP_WORDS=gw, STAGES=stages[0] if stages else 1,
-        GROUP_SUM=groups_in_thread(block_n, block_w, gw, warps), EVEN=even,
-        INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=warps,
-        **prefetch_args(weight, block_n, split_words, even, x.device), **pdl_options(x.device))
+        GROUP_SUM=groups_in_thread(block_n, block_w, gw, warps),
+        EVEN=even_tiles(n, k, lay.low_bits, block_n, split_words),
+        INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=warps, **pdl_options(x.device))
     if splits > 1:
         add_splits(target, out, splits, n)

@@ -14,16 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
-from cvllm_cuda.kernels import gpu, pdl
+from cvllm_cuda.kernels import gpu
 from cvllm_cuda.kernels.pdl import options as pdl_options
-from cvllm_cuda.kernels.pdl import prefetch_l2, wait_for_previous_kernel
+from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.sizes import cdiv
 from cvllm_cuda.quant_planes import QuantWeight
 
 # the split kernels divide K until there are about this many programs per SM
 PROGRAMS_PER_SM = 4
-# the most plane rows (words) a GEMV program prefetches into L2 before it waits for the previous kernel
-PREFETCH_WORDS = 512
 
 
 @triton.jit
@@ -104,38 +102,6 @@ def quant_element(low, high, first, S: tl.constexpr, LOW_BITS: tl.constexpr, HIG
 
 
 @triton.jit
-def prefetch_rows(ptr, first, count, N, col0, ROWS: tl.constexpr, ROW_BYTES: tl.constexpr):
-    """Prefetch into L2 rows ``first .. first + count - 1`` (at most ROWS; the rest repeat the last) of an array
-    [rows, N] (a plane or factors), ROW_BYTES from column ``col0`` of each."""
-    rows = first + tl.minimum(tl.arange(0, ROWS), count - 1)
-    prefetch_l2(ptr + rows * N + col0, ROW_BYTES)
-
-
-@triton.jit
-def prefetch_weight(low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, start, count, N, col0,
-                    LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
-                    SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, HAS_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, D_BYTES: tl.constexpr):
-    """Prefetch a GEMV program's share of a weight (low-plane words ``start .. start + count - 1`` of BLOCK_N output
-    features from ``col0``, and the high plane's and factors' rows for them) before it waits: see pdl.py. ROWS:
-    (low, high, super-group, scale-group) rows at most, powers of two."""
-    PER_WORD: tl.constexpr = 32 // LOW_BITS
-    prefetch_rows(low_ptr, start, count, N, col0, ROWS[0], BLOCK_N * 4)
-    elements = count * PER_WORD
-    first = start * PER_WORD
-    if HIGH_BITS > 0:
-        prefetch_rows(high_ptr, first * HIGH_BITS // 32, elements * HIGH_BITS // 32, N, col0, ROWS[1], BLOCK_N * 4)
-    supers = tl.maximum(elements // SUPER_GROUP, 1)
-    prefetch_rows(d_ptr, first // SUPER_GROUP, supers, N, col0, ROWS[2], BLOCK_N * D_BYTES)
-    if HAS_M:
-        prefetch_rows(m_ptr, first // SUPER_GROUP, supers, N, col0, ROWS[2], BLOCK_N * D_BYTES)
-    if A_MODE > 0:
-        prefetch_rows(a_ptr, first // SCALE_GROUP, elements // SCALE_GROUP, N, col0, ROWS[3], BLOCK_N)
-    if B_MODE == 2:
-        prefetch_rows(b_ptr, first // SCALE_GROUP, elements // SCALE_GROUP, N, col0, ROWS[3], BLOCK_N)
-
-
-@triton.jit
 def sum_splits_kernel(partial_ptr, out_ptr, N, SPLITS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_previous_kernel(USE_PDL)
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -204,19 +170,6 @@ def groups_in_thread(block_n: int, block_w: int, group_words: int, warps: int) -
     return warps // warps_n <= max(1, groups // along_groups)
 
 
-def prefetch_args(weight: QuantWeight, block_n: int, split_words: int, even: bool, device: torch.device) -> dict:
-    """The GEMVs' PREFETCH, PREFETCH_ROWS and D_BYTES: on where the device can (pdl.prefetch_enabled), the tiles are
-    even and every prefetched row is 16-byte aligned (N a multiple of 16, BLOCK_N of the one-byte factors' 16)."""
-    on = (even and device.type == "cuda" and pdl.prefetch_enabled(gpu.device_index(device))
-          and weight.out_features % 16 == 0 and block_n % 16 == 0 and weight.d.element_size() in (2, 4))
-    lay = weight.layout
-    words = min(split_words, PREFETCH_WORDS)
-    elements = words * 32 // lay.low_bits
-    rows = tuple(triton.next_power_of_2(max(1, r)) for r in (
-        words, elements * lay.high_bits // 32, elements // lay.super_group, elements // lay.scale_group))
-    return {"PREFETCH": on, "PREFETCH_ROWS": rows, "D_BYTES": weight.d.element_size()}
-
-
 def even_tiles(n: int, k: int, low_bits: int, block_n: int, split_words: int) -> bool:
     """Whether every GEMV tile lies inside the weight (the kernels' unmasked form, EVEN)."""
     return n % block_n == 0 and (k * low_bits // 32) % split_words == 0
@@ -227,6 +180,6 @@ def add_splits(partials: torch.Tensor, out: torch.Tensor, splits: int, n: int) -
     t = out.shape[0] if out.dim() == 2 else 1
     target = out if out.is_contiguous() else torch.empty((t, n), dtype=out.dtype, device=out.device)
     sum_splits_kernel[(cdiv(t * n, 1024),)](partials, target, t * n, SPLITS=splits, BLOCK=1024, num_warps=4,
-                                       **pdl_options(out.device, early=True))
+                                       **pdl_options(out.device))
     if target is not out:
         out.copy_(target)
