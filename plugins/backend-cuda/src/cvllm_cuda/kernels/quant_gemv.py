@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cvllm_cuda.kernels import gpu
 from cvllm_cuda.kernels.pdl import options as pdl_options
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.quant_tiles import (
@@ -29,6 +30,7 @@ from cvllm_cuda.kernels.quant_tiles import (
     word_factors,
 )
 from cvllm_cuda.kernels.sizes import cdiv
+from cvllm_cuda.kernels.tuned_matmul import TUNED_QUANT_GEMV, quant_gemv_key
 from cvllm_cuda.quant_planes import QuantWeight
 
 # (BLOCK_N, BLOCK_W, num_warps[, stages]) by low-plane bits, and how many programs per SM K is split for, from
@@ -155,10 +157,11 @@ def _gemv_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, 
 def quant_gemv(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple | None = None,
                splits: int | None = None) -> None:
     """out[0] = weight @ x[0] (x [1, K] and out [1, N], contiguous)."""
-    block_n, block_w, warps, *stages = config or GEMV_CONFIGS[weight.layout.low_bits]
     n, k = weight.out_features, weight.in_features
+    tuned = None if config else gpu.tuned_entry(TUNED_QUANT_GEMV, x.device, quant_gemv_key(n, k, weight.layout))
+    block_n, block_w, warps, *stages = tuned[:4] if tuned else config or GEMV_CONFIGS[weight.layout.low_bits]
     splits, split_words = split_k(cdiv(n, block_n), k, weight.layout.low_bits, block_w, x.device, splits,
-                                  GEMV_PROGRAMS_PER_SM)
+                                  tuned[4] if tuned else GEMV_PROGRAMS_PER_SM)
     target = out if splits == 1 else torch.empty((splits, n), dtype=torch.float32, device=x.device)
     lay = weight.layout
     gw = group_words(lay, block_w)

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cvllm_cuda.kernels import gpu
 from cvllm_cuda.kernels.pdl import options as pdl_options
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.quant_gemv import GEMV_CONFIGS
@@ -43,6 +44,7 @@ from cvllm_cuda.kernels.quant_tiles import (
     word_factors,
 )
 from cvllm_cuda.kernels.sizes import cdiv
+from cvllm_cuda.kernels.tuned_matmul import TUNED_QUANT_GEMV, quant_gemv_key
 from cvllm_cuda.quant_planes import QuantLayout, QuantWeight
 
 BLOCK = 32   # inputs per activation scale
@@ -202,11 +204,12 @@ def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, con
                     splits: int | None = None) -> None:
     """out[0] = weight @ x[0] with x rounded to int8 per 32 inputs (x [1, K] and out [1, N], contiguous)."""
     lay = weight.layout
-    block_n, block_w, warps, *stages = config or INT8_GEMV_CONFIGS[lay.low_bits]
     n, k = weight.out_features, weight.in_features
+    tuned = None if config else gpu.tuned_entry(TUNED_QUANT_GEMV, x.device, quant_gemv_key(n, k, lay))
+    block_n, block_w, warps, *stages = tuned[:4] if tuned else config or INT8_GEMV_CONFIGS[lay.low_bits]
     activations = quantize_activations(x, lay.low_bits)
     splits, split_words = split_k(cdiv(n, block_n), k, lay.low_bits, block_w, x.device, splits,
-                                  INT8_PROGRAMS_PER_SM[lay.low_bits])
+                                  tuned[4] if tuned else INT8_PROGRAMS_PER_SM[lay.low_bits])
     target = out if splits == 1 else torch.empty((splits, n), dtype=torch.float32, device=x.device)
     gw = group_words(lay, block_w)
     _gemv_int8_kernel[(cdiv(n, block_n), splits)](

@@ -3,6 +3,9 @@ result file of its sweep).
 
 TUNED_GEMV, one-token GEMV tiles (kernels/gemv.py): {gpu name: {(out_features, in_features, dtype):
 (block_n, block_k, num_warps, num_stages)}}; gemv.gemv_config reads them, missing keys take its default.
+TUNED_QUANT_GEMV, one-token low-bit GEMV tiles (kernels/quant_gemv.py, quant_gemv_int8.py), from
+bench/tune_quant_gemv.py: {gpu name: {quant_gemv_key(...): (block_n, block_w, num_warps, num_stages, programs per SM
+the K split aims at)}}; missing keys take the kernels' defaults.
 TUNED_SKINNY, few-row matmul tiles (kernels/skinny_gemm.py): {gpu name: {(block_m, out_features, in_features,
 dtype): (block_n, block_k, num_warps, num_stages[, split_k])}}, only where the sweep measured the kernel faster
 than cuBLAS; linear.linear() runs cuBLAS for every shape without an entry."""
@@ -42,3 +45,12 @@ TUNED_SKINNY: dict[str, dict[tuple[int, int, int, str], tuple[int, ...]]] = {
         (64, 128256, 4096, "bfloat16"): (128, 128, 8, 4),
     },
 }
+
+
+def quant_gemv_key(out_features: int, in_features: int, layout) -> tuple[int, int, int, int, bool]:
+    """TUNED_QUANT_GEMV's key of a weight shape in a plane layout (quant_planes.QuantLayout): the planes' widths and
+    the activations' kind decide the tiles, not the factors' groups."""
+    return (out_features, in_features, layout.low_bits, layout.high_bits, layout.int8_activations)
+
+
+TUNED_QUANT_GEMV: dict[str, dict[tuple[int, int, int, int, bool], tuple[int, int, int, int, int]]] = {}
