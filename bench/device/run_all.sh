@@ -52,7 +52,8 @@ tests)
     # the FP8 KV cache kernels: the same tests as in the interpreter, compiled (no gpu marker: they run on CPU too)
     run gpu-tests-kv-fp8 90 python3 -m pytest -p no:cacheprovider -q $t/test_kv_fp8.py --durations=3
     # issue 19: the MLA and fused-MoE kernels compiled, DeepSeek end to end on CUDA
-    run gpu-tests-moe 200 python3 -m pytest -p no:cacheprovider -q $t/test_mla_attention.py $t/test_fused_moe.py $t/test_moe_routing.py $t/test_expert_offload_gpu.py \
+    run gpu-tests-moe 260 python3 -m pytest -p no:cacheprovider -q $t/test_mla_attention.py $t/test_fused_moe.py $t/test_moe_routing.py $t/test_expert_offload_gpu.py \
+        $t/test_moe_planes_gemv.py $t/test_fused_moe_planes.py \
         --durations=3
     run gpu-tests-deepseek 150 python3 -m pytest -m gpu -p no:cacheprovider -q plugins/models-deepseek/tests
     # issue 20: Phi, Gemma, GLM and StableLM on CUDA with graphs, against transformers

@@ -10,17 +10,23 @@ this is the kernel and its reference test.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from cvllm_cuda.kernels import pdl
+from cvllm_cuda.kernels import moe_gemv, pdl
 from cvllm_cuda.kernels.fused_moe import pair_layout
+from cvllm_cuda.kernels.moe_planes_gemv import moe_planes_gemv
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.quant_tiles import quant_element, tile, upcast
 from cvllm_cuda.quant_planes import QuantWeight
 
 _PLANES = ("low", "high", "d", "m", "a", "b")
+# decode steps of up to this many (token, expert) pairs take the expert GEMVs of moe_planes_gemv.py
+# (CVLLM_MOE_PLANES_GEMV=0: the grouped GEMM always, an A/B switch)
+PAIR_GEMV_MAX = moe_gemv.PAIR_GEMV_MAX if os.environ.get("CVLLM_MOE_PLANES_GEMV", "1") != "0" else 0
 
 
 def stack_experts(experts: list[QuantWeight]) -> QuantWeight:
@@ -115,11 +121,14 @@ def fused_moe_planes(hidden: torch.Tensor, gate_up: list[QuantWeight], down: Qua
                      ) -> torch.Tensor:
     """``fused_moe`` with stacked low-bit experts: ``gate_up`` the parts of each expert's [2I, H] rows in order
     (one part, or gate then up), ``down`` [H, I]; ids local to this rank (E: another rank's expert). ``perms``:
-    per part (gate_up's, then down), None or int32 [E, K]: the order of the inputs each expert's planes hold."""
+    per part (gate_up's, then down), None or int32 [E, K]: the order of the inputs each expert's planes hold.
+    Decode steps of up to PAIR_GEMV_MAX pairs take moe_planes_gemv.py's two expert GEMVs (silu fused there)."""
     tokens, top_k = local_ids.shape
     num_local = down.low.shape[0]
     if hidden.stride(1) != 1:
         hidden = hidden.contiguous()
+    if tokens * top_k <= PAIR_GEMV_MAX and len(gate_up) <= 2:
+        return moe_planes_gemv(hidden, gate_up, down, topk_weights, local_ids, perms)
     pairs = tokens * top_k
     sorted_pairs, block_expert, block_m = pair_layout(local_ids, num_local)
     weights = topk_weights.reshape(-1).float()
