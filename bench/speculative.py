@@ -106,6 +106,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=400)
     ap.add_argument("--model", help="the target (default: the demo model)")
     ap.add_argument("--draft-model", help="the draft_model method's draft: a checkpoint with the target's tokenizer")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="launch each step before the last one is read back (the GPU's default; speculator.py)")
     ap.add_argument("--json")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -116,8 +118,9 @@ def main() -> None:
     path = args.model or str(demo_model())
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     results = {}
+    async_scheduling = args.async_scheduling or None   # (None: the backend's default)
     for name, task in TASKS.items():
-        results[name] = run_pair(lambda s: LLM(path, speculative_config=s),
+        results[name] = run_pair(lambda s: LLM(path, speculative_config=s, async_scheduling=async_scheduling),
                                  [[{"role": "user", "content": task}]], params, spec)
     print(f"{'task':<10}{'plain tok/s':>12}{method + ' tok/s':>18}{'speedup':>9}{'accept':>8}"
           f"{'tok/verify':>11}{'same':>6}")
@@ -130,7 +133,8 @@ def main() -> None:
             "benchmark": "speculative", "commit": git_commit(), "date": datetime.date.today().isoformat(),
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
             "command": " ".join(["python bench/speculative.py", *command_flags(sys.argv[1:])]),
-            "k": args.k, "max_tokens": args.max_tokens, "results": results}, indent=2) + "\n")
+            "k": args.k, "max_tokens": args.max_tokens, "async_scheduling": args.async_scheduling,
+            "results": results}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +34,11 @@ class ForwardedStep:
     logits: torch.Tensor            # [len(sampling) + drafts, V], on the device
     scoring: bool
     speculative: bool               # some sampling sequence verifies drafts (its 1 + K positions are rows)
+    num_drafts: list[int] | None = None   # each sampling sequence's drafts when it was forwarded (speculative)
+
+    def sampler_rows(self) -> list:
+        """The sampler's rows: a sequence verifying K drafts has K + 1 (speculative.py)."""
+        return sampler_rows(self.sampling, self.num_drafts) if self.num_drafts else self.sampling
 
 
 @dataclass(slots=True)
@@ -44,7 +49,25 @@ class LaunchedStep:
     # waits for the sampled ids' copy to the host: [token ids] or [token ids, logprobs, top ids, top logprobs]
     readback: Callable[[], list[torch.Tensor]] | None
     scoring: bool                   # it recorded prompt logprobs (such steps finish at once)
-    speculative: bool = False       # it verified drafts: 1 + K rows for a speculating sequence (finishes at once)
+    speculative: bool = False       # it verifies drafts: 1 + K rows for a speculating sequence
+    num_drafts: list[int] | None = None       # each sampling sequence's drafts (None: none has any)
+    drafts: list[list[int]] | None = None     # ... their tokens, taken off the sequences once launched (speculator.py)
+    # sequences whose rows are void: the step was launched on a wrong guess of the previous one's outcome
+    void: set[int] = field(default_factory=set)
+
+    def rows(self):
+        """(sequence, its first row, the row after its last, its drafts) per sampling sequence, in row order."""
+        row = 0
+        for j, seq in enumerate(self.sampling):
+            drafts = self.drafts[j] if self.drafts else []
+            k = self.num_drafts[j] if self.num_drafts else 0
+            yield seq, row, row + 1 + k, drafts
+            row += 1 + k
+
+    def fill_rows(self) -> dict[int, int]:
+        """seq_id -> the row of its next token were every draft accepted: what the next step's decode rows whose
+        last token is still on the device read (async scheduling)."""
+        return {seq.seq_id: end - 1 for seq, _, end, _ in self.rows()}
 
 
 class Executor:
@@ -157,16 +180,18 @@ class InProcessExecutor(Executor):
         scoring, extra = prompt_logprob_rows(batch)
         previous_tokens = None
         if previous is not None and previous.out is not None:
-            previous_tokens = (previous.out.token_ids, {seq.seq_id: i for i, seq in enumerate(previous.sampling)})
+            previous_tokens = (previous.out.token_ids, previous.fill_rows())
         if record is None and self.draft is None:
             logits = self.runner.run(batch, extra_indices=extra, previous_tokens=previous_tokens)
         else:
             logits = self._observed_forward(batch, extra, previous_tokens, record)
+        speculative = batch.num_draft_chunk_tokens > 0
+        num_drafts = [seq.num_drafts for seq in sampling] if speculative else None
         if scoring:
-            num_rows = len(sampling) + sum(seq.num_drafts for seq in sampling)
+            num_rows = len(sampling) + sum(num_drafts or ())
             record_prompt_logprobs(batch, scoring, logits[num_rows:])
             logits = logits[:num_rows]
-        return ForwardedStep(sampling, logits, bool(scoring), batch.num_draft_chunk_tokens > 0)
+        return ForwardedStep(sampling, logits, bool(scoring), speculative, num_drafts)
 
     def sample(self, step: ForwardedStep, allowed: tuple[list[int], torch.Tensor] | None,
                record: StepRecord | None = None) -> LaunchedStep:
@@ -175,9 +200,8 @@ class InProcessExecutor(Executor):
             rows, bits = allowed
             device = self.backend.device
             allowed = (upload(torch.tensor(rows), device), upload(bits, device))   # no wait for the device
-        speculative = step.speculative
-        rows = sampler_rows(sampling) if speculative else sampling   # a row per draft position
-        out = self.sampler(step.logits, rows, history=self.penalties, allowed=allowed) if sampling else None
+        out = self.sampler(step.logits, step.sampler_rows(), history=self.penalties, allowed=allowed) \
+            if sampling else None
         readback = None
         if out is not None:   # queued now, so reading it back later does not wait for the next step
             ids = out.token_ids if out.reported_ids is None else out.reported_ids   # -1: a row's logits were not finite
@@ -186,7 +210,7 @@ class InProcessExecutor(Executor):
         if record is not None:
             record.mark("sample")
             record.device_mark(self.backend, "sampled")
-        return LaunchedStep(sampling, out, readback, step.scoring, speculative)
+        return LaunchedStep(sampling, out, readback, step.scoring, step.speculative, step.num_drafts)
 
     @torch.inference_mode()
     def _observed_forward(self, batch: ScheduledBatch, extra: torch.Tensor | None,

@@ -18,7 +18,8 @@ from cvllm.engine.observers import StepObservers, StepRecord
 from cvllm.engine.sampler import advance_generator, make_generator
 from cvllm.engine.scheduler import EngineStats, ScheduledBatch, Scheduler
 from cvllm.engine.sequence import Sequence
-from cvllm.engine.speculative import SpeculativeConfig, Speculator, sampler_rows
+from cvllm.engine.speculative import SpeculativeConfig
+from cvllm.engine.speculator import Speculator
 from cvllm.outputs import Logprob
 from cvllm.pooling import PoolingConfig
 from cvllm.sampling_params import SamplingParams
@@ -207,7 +208,8 @@ class LLMEngine:
         rows take their input ids from N's sampled tensor on the device, and N's tokens are returned one
         call later. A sequence that stopped at N has one token computed in N+1 for nothing; it is dropped.
         Steps that need every earlier token on the host (pending min_tokens, prompt logprobs) run
-        synchronously; penalties read token counts kept on the device (penalties.py) and overlap.
+        synchronously; penalties read token counts kept on the device (penalties.py) and overlap. With n-gram
+        speculation, N+1 is launched on a guess of N's outcome, checked when N is read back (speculator.py).
 
         With an observer registered, the step's StepRecord (batch shape, host phases) goes to it at the end."""
         record = self.observers.start() if self.observers.active else None
@@ -215,9 +217,9 @@ class LLMEngine:
         launched = None
         try:
             done = self._admit_compiled(block=prev is None and not self.scheduler.has_unfinished())
-            if prev is not None and not self._can_overlap():
+            if prev is not None and not self._can_overlap(prev):
                 done, prev = done + self._finish(prev, record), None     # schedule with every token known
-            if self.speculator is not None and prev is None:
+            if self.speculator is not None:
                 self.speculator.propose()
             self.last_batch = batch = self.scheduler.schedule()   # the engine core reads it when a step fails
             if self.speculator is not None:
@@ -234,7 +236,8 @@ class LLMEngine:
                     done, prev = done + finished, None
             if prev is not None:
                 done += self._finish(prev, record)
-            if launched is not None and (not self.async_scheduling or launched.scoring or launched.speculative):
+            if launched is not None and (not self.async_scheduling or launched.scoring
+                                         or (launched.speculative and not self.speculator.overlaps)):
                 done += self._finish(launched, record)
             else:
                 self._inflight = launched
@@ -246,23 +249,24 @@ class LLMEngine:
                     for seq in step.sampling:
                         seq.num_inflight = 0
             self._inflight = None
+            if self.speculator is not None:
+                self.speculator.reset()
             raise
         if record is not None:   # outside the try: the step itself succeeded, whatever an observer does
             self.observers.send(record, len(done))
         return done
 
-    def _can_overlap(self) -> bool:
-        """Whether the next batch may be sampled before the last one's tokens are on the host."""
+    def _can_overlap(self, prev: LaunchedStep) -> bool:
+        """Whether the next batch may be sampled before ``prev``'s tokens are on the host (with speculation: set up
+        on a guess of ``prev``'s outcome)."""
         if not self.async_scheduling:
             return False
-        if self.speculator is not None and self.speculator.active:
-            return False   # drafts need every token on the host
         for seq in itertools.chain(self.scheduler.running, self.scheduler.waiting):
             params = seq.sampling_params
             if (params.min_tokens and seq.num_output_tokens + seq.num_inflight <= params.min_tokens) \
                     or (seq.prompt_logprobs is not None and seq.wants_prompt_logprobs):
                 return False
-        return True
+        return self.speculator is None or self.speculator.guess(prev)
 
     def _launch(self, batch: ScheduledBatch, prev: LaunchedStep | None,
                 record: StepRecord | None) -> tuple[LaunchedStep, list[Sequence] | None]:
@@ -275,6 +279,8 @@ class LLMEngine:
                                                        for i in batch.sample_indices)
         forwarded = self.executor.forward(batch, prev, record) if structured else None
         step = None if structured else self.executor.execute(batch, prev, record)
+        if step is not None and self.speculator is not None:
+            self.speculator.detach(step)   # drafts and guessed tokens off the sequences before blocks are cached
         self.scheduler.advance(batch)
         sampling = forwarded.sampling if structured else step.sampling
         for seq in sampling:
@@ -283,7 +289,9 @@ class LLMEngine:
         if structured:
             if prev is not None:
                 finished = self._finish(prev, record)
-            step = self.executor.sample(forwarded, self.grammars.bitmask(sampler_rows(sampling)), record)
+            step = self.executor.sample(forwarded, self.grammars.bitmask(forwarded.sampler_rows()), record)
+            if self.speculator is not None:
+                self.speculator.detach(step)
         if record is not None:
             record.mark("advance")
         return step, finished
@@ -300,20 +308,22 @@ class LLMEngine:
             sampled_lp, top_ids, top_lp = host[1:]
         done = []
         generated = 0
-        row = 0   # a speculating sequence has 1 + K rows (its draft positions), the others one
         not_finite = bool(token_ids) and min(token_ids) < 0   # some row's logits were NaN or +inf (sampler.py)
-        for seq in step.sampling:
+        for seq, first, end, drafts in step.rows():   # a speculating sequence has 1 + K rows, the others one
+            if seq.seq_id in step.void:   # launched on a wrong guess (speculator.py): nothing to read
+                continue
             seq.num_inflight -= 1
-            first, row = row, row + 1 + seq.num_drafts
-            tokens = token_ids[first:row]
+            tokens = token_ids[first:end]
             if not_finite and min(tokens) < 0:   # its logits held NaN or +inf (sampler.py): it fails, others go on
                 if not seq.is_finished:
                     logger.error("request %s: the model's logits are not finite; failing it", seq.request_id)
                     self._retire(seq, "error")
                     done.append(seq)
+                if self.speculator is not None:
+                    self.speculator.pending.pop(seq.seq_id, None)
                 continue
-            if seq.num_drafts:
-                tokens = self.speculator.verify(seq, tokens)
+            if self.speculator is not None:
+                tokens = self.speculator.settle(seq, drafts, tokens)
             if seq.is_finished:      # stopped (or aborted) while this step ran: its tokens are not wanted
                 continue
             for i, token in enumerate(tokens, first):

@@ -39,6 +39,8 @@ class EngineStats:
     spec_draft_tokens: int = 0    # speculative decoding: drafts verified, and accepted
     spec_accepted_tokens: int = 0
     spec_verifications: int = 0   # sequence-steps that verified drafts
+    spec_guesses: int = 0         # steps launched before the verify step they follow was read back (per sequence)
+    spec_guess_misses: int = 0    # ... whose guess of its outcome was wrong (their rows were void)
 
 
 @dataclass(slots=True)
@@ -100,6 +102,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = self._chunk(seq, budget)
+            if n == 0:   # it waits for the step in flight (speculator.py's hold)
+                i += 1
+                continue
             while not bm.grow(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]   # newest first; never one already scheduled (they sit before i)
                 self._preempt(victim)
@@ -159,6 +164,7 @@ class Scheduler:
             # drafts count once verified (the engine adds the accepted ones): no prefix-cache block holds a
             # token that may be rejected
             seq.num_computed_tokens += n - seq.num_drafts
+            seq.num_drafts = 0   # (the launched step keeps them: executor.py's LaunchedStep)
             self.block_manager.cache_full_blocks(seq)
         self.stats.prompt_tokens_computed += batch.num_prefill_tokens - batch.num_draft_chunk_tokens
 

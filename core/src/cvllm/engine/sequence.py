@@ -17,7 +17,8 @@ class Sequence:
     __slots__ = ("seq_id", "request_id", "index", "token_ids", "num_prompt_tokens", "sampling_params",
                  "status", "num_computed_tokens", "num_hashed_blocks", "block_table", "generator",
                  "min_tokens_stop_ids", "finish_reason", "stop_reason", "logprobs", "prompt_logprobs", "arrival",
-                 "num_inflight", "num_cached_tokens", "grammar", "num_drafts", "spec_proposed", "spec_accepted")
+                 "num_inflight", "num_cached_tokens", "grammar", "num_drafts", "spec_proposed", "spec_accepted",
+                 "spec_rejected")
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
                  index: int = 0, arrival: float = 0.0):
@@ -53,6 +54,7 @@ class Sequence:
         self.num_drafts = 0
         self.spec_proposed = 0
         self.spec_accepted = 0
+        self.spec_rejected = False               # its last verify step rejected a draft
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id}, {self.status.name}, tokens={self.num_tokens}, "

@@ -14,9 +14,10 @@ standard rejection rule with a one-hot draft, and a rejected position's sample i
 draft). The KV slots of rejected drafts are rolled back by lowering ``num_computed_tokens`` (they are overwritten
 later); prefix-cache blocks are registered only over accepted tokens.
 
-Speculative steps run synchronously: the drafts need the last token on the host. Rows with penalties, logits
-processors, grammars or a pending ``min_tokens`` are not speculated (their processing depends on the tokens before
-each position in ways the per-position rows do not carry).
+The engine's side (proposing, fitting, verifying, and with async scheduling launching the next step on a guess of
+this one's outcome) is speculator.py. Rows with penalties, logits processors, grammars or a pending ``min_tokens``
+are not speculated (their processing depends on the tokens before each position in ways the per-position rows do
+not carry).
 """
 
 from __future__ import annotations
@@ -136,11 +137,11 @@ class DraftPosition:
         return self.seq.min_tokens_stop_ids
 
 
-def sampler_rows(sampling) -> list:
-    """The sampler's rows for a step's sampling sequences: a speculating one (``num_drafts`` K) gives K + 1."""
+def sampler_rows(sampling, num_drafts: list[int]) -> list:
+    """The sampler's rows for a step's sampling sequences, whose drafts are still at the end of their tokens: one
+    with ``num_drafts`` K gives K + 1."""
     rows = []
-    for seq in sampling:
-        k = seq.num_drafts
+    for seq, k in zip(sampling, num_drafts):
         if not k:
             rows.append(seq)
         else:
@@ -155,98 +156,3 @@ def accepted(drafts: list[int], targets: list[int]) -> int:
     while a < len(drafts) and drafts[a] == targets[a]:
         a += 1
     return a
-
-
-class Speculator:
-    """The engine's speculation: drafts proposed before scheduling, fitted to what was scheduled, verified when
-    the step's tokens are read back (LLMEngine.step and _finish call these)."""
-
-    def __init__(self, config: SpeculativeConfig, scheduler, max_model_len: int, propose_drafts=None):
-        """``propose_drafts(seqs, ks) -> drafts``: the draft model's greedy proposals (the executor's; draft_model
-        method only)."""
-        self.config, self.scheduler, self.max_model_len = config, scheduler, max_model_len
-        self.propose_drafts = propose_drafts
-        self.stats = scheduler.stats
-        self._drafted: list = []   # the sequences given drafts this step (fit looks at them only)
-
-    @property
-    def active(self) -> bool:
-        """Small enough a batch that speculation pays (past it the batch fills the device by itself)."""
-        return len(self.scheduler.running) <= self.config.disable_by_batch_size
-
-    def propose(self) -> None:
-        """Drafts for the running sequences that decode next step, appended to their tokens (sync steps only)."""
-        spec = self.config
-        if not self.active:
-            return
-        wanted = []   # (seq, k): the sequences that draft this step
-        for seq in self.scheduler.running:
-            params = seq.sampling_params
-            if (seq.num_computed_tokens != len(seq.token_ids) - 1 or seq.num_inflight or seq.grammar is not None
-                    or params.needs_penalties or params.logits_processors
-                    or (params.min_tokens and seq.num_output_tokens < params.min_tokens)
-                    or (seq.spec_proposed >= MIN_PROPOSALS
-                        and seq.spec_accepted < spec.min_acceptance_rate * seq.spec_proposed)):
-                continue
-            # the chunk's positions stay inside the context, and every accepted draft and the bonus token fit in
-            # max_tokens
-            k = min(spec.num_speculative_tokens, self.max_model_len - len(seq.token_ids) - 1)
-            if params.max_tokens is not None:
-                k = min(k, params.max_tokens - seq.num_output_tokens - 1)
-            if k >= 1:
-                wanted.append((seq, k))
-        if spec.method == "ngram":
-            proposals = [propose_ngram(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
-                         for seq, k in wanted]
-        else:
-            # the draft model writes its KV at the verify chunk's positions (draft_model.py), so their blocks are
-            # taken now (the scheduler would take them for the chunk anyway); no room: that sequence does not draft
-            bm = self.scheduler.block_manager
-            wanted = [(seq, k) for seq, k in wanted if bm.grow(seq, len(seq.token_ids) + k)]
-            proposals = self.propose_drafts([seq for seq, _ in wanted], [k for _, k in wanted]) if wanted else []
-        for (seq, _), drafts in zip(wanted, proposals):
-            if drafts:
-                seq.token_ids.extend(drafts)
-                seq.num_drafts = len(drafts)
-                self._drafted.append(seq)
-
-    def fit(self, batch) -> None:
-        """Drafts of sequences the scheduler left out (or preempted) are dropped; a chunk the token budget cut
-        keeps the drafts it holds, so that the sequence still samples."""
-        if not self._drafted:
-            return
-        scheduled = {seq.seq_id: i for i, seq in enumerate(batch.seqs)}
-        changed = False
-        drafted, self._drafted = self._drafted, []
-        for seq in drafted:   # (running, or preempted by this schedule)
-            i = scheduled.get(seq.seq_id)
-            keep = 0 if i is None else batch.num_tokens[i] - 1
-            if keep < seq.num_drafts:
-                del seq.token_ids[len(seq.token_ids) - seq.num_drafts + keep:]
-                if i is not None and keep == 0:   # its chunk is its last token alone: a plain decode now
-                    batch.num_draft_chunk_tokens -= 1
-                    batch.num_prefill_tokens -= 1
-                    batch.num_decodes += 1
-                seq.num_drafts = keep
-                changed = True
-        if changed:
-            batch.sample_indices = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens))
-                                    if seq.num_computed_tokens + n == len(seq.token_ids)]
-
-    def verify(self, seq, targets: list[int]) -> list[int]:
-        """A speculating sequence's K drafts taken off its tokens, the accepted ones' KV kept; returns the tokens
-        it gained: the accepted drafts and the target's token after them."""
-        k = seq.num_drafts
-        drafts = seq.token_ids[-k:]
-        del seq.token_ids[-k:]
-        seq.num_drafts = 0
-        a = accepted(drafts, targets)
-        seq.num_computed_tokens += a   # the last real token and the accepted drafts are in the cache
-        seq.spec_proposed += k
-        seq.spec_accepted += a
-        self.stats.spec_draft_tokens += k
-        self.stats.spec_accepted_tokens += a
-        self.stats.spec_verifications += 1
-        if not seq.is_finished:
-            self.scheduler.block_manager.cache_full_blocks(seq)
-        return targets[:a + 1]

@@ -138,8 +138,8 @@ def poison_logits(step, faults: list[Fault]):
     NaN or +inf."""
     logits = step.logits.clone()
     row = 0
-    for seq in step.sampling:
-        rows = 1 + seq.num_drafts if step.speculative else 1
+    for j, seq in enumerate(step.sampling):
+        rows = 1 + step.num_drafts[j] if step.num_drafts else 1
         for fault in faults:
             if fault.matches_seq(seq):
                 logits[row:row + rows] = float("nan") if fault.action == "nan" else float("inf")

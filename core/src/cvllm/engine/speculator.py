@@ -1,0 +1,264 @@
+"""The engine's speculation, step by step: drafts proposed before scheduling, fitted to what was scheduled, taken
+off the sequences once launched, verified when the step's tokens are read back (speculative.py says how a verify
+step is exact); and, with async scheduling, the next step launched on a guess of the in-flight step's outcome.
+
+Asynchronous speculative steps (n-gram method). A verify step yields 1..K + 1 tokens, so the step after it depends
+on how many drafts were accepted, and its drafts on the tokens themselves: the host cannot build it before the
+verify step's tokens are read back, and a synchronous step costs the host's work plus the device's. So while
+verify step t runs on the device, ``guess`` assumes its outcome: every draft accepted, then the bonus token the
+n-gram lookup predicts after them (the token that followed the matched text; where the lookup finds none, the bonus
+stays on the device and step t + 1 reads it there as an async decode does). Step t + 1 is scheduled, drafted and
+launched on that guess, exactly as the synchronous path would after that outcome; then t is read back and
+``settle`` checks the guess per sequence. Right: t + 1 stands, and the host's work overlapped the device's.
+Wrong: that sequence's rows of t + 1 are void (computed for nothing, dropped when read back), its state is rolled
+back to t's real outcome (``num_computed_tokens`` lowered: the KV t + 1 wrote past it is overwritten later, in
+stream order) and its seeded generator to its state before t + 1's draws; its next step is then proposed from the
+real tokens. So every step's drafts are the ones the synchronous path proposes (greedy output is the same token for
+token, sampled output has the target's distribution, and a seeded request makes the same draws), except that a
+sequence whose bonus token could not be guessed starts drafting one step later (never for seeded sampled ones:
+for them the step runs synchronously instead).
+
+The guessed tokens never reach ``token_ids`` outside ``LLMEngine.step`` (``detach`` takes them off once the step
+is launched, before the scheduler registers prefix-cache blocks), so output and the prefix cache only see verified
+tokens. The draft-model method stays synchronous (its drafts need the last token on the device and host both).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cvllm.engine.sequence import Sequence, SequenceStatus
+from cvllm.engine.speculative import MIN_PROPOSALS, SpeculativeConfig, accepted, propose_ngram
+
+
+@dataclass(slots=True)
+class Guess:
+    """A sequence's assumed outcome of the in-flight step, on which the next step is launched."""
+    seq: Sequence
+    expected: list[int | None]   # the tokens assumed: every draft, then the bonus token (None: left on the device)
+    base: int                    # its verified tokens (len(token_ids)) when guessed
+    num_inflight: int
+    generator_state: torch.Tensor | None   # a seeded generator before the next step's draws
+    step: object | None = None   # the LaunchedStep launched on the guess
+
+    def holds(self, tokens: list[int]) -> bool:
+        return len(tokens) == len(self.expected) and all(e is None or e == t for e, t in zip(self.expected, tokens))
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, scheduler, max_model_len: int, propose_drafts=None):
+        """``propose_drafts(seqs, ks) -> drafts``: the draft model's greedy proposals (the executor's; draft_model
+        method only)."""
+        self.config, self.scheduler, self.max_model_len = config, scheduler, max_model_len
+        self.propose_drafts = propose_drafts
+        self.stats = scheduler.stats
+        self._drafted: list[Sequence] = []   # the sequences given drafts this step (fit looks at them only)
+        self.pending: dict[int, Guess] = {}   # seq_id -> its guess, from ``guess`` until ``settle`` (one step() call)
+        self._held: list[tuple[Sequence, int]] = []   # (sequence, its num_inflight) left out of the next step
+
+    @property
+    def active(self) -> bool:
+        """Small enough a batch that speculation pays (past it the batch fills the device by itself)."""
+        return len(self.scheduler.running) <= self.config.disable_by_batch_size
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether a verify step may stay in flight while the next one is launched (async scheduling)."""
+        return self.config.method == "ngram"
+
+    def budget(self, seq: Sequence, num_tokens: int, proposed: int, accepted_: int) -> int:
+        """How many drafts ``seq`` may verify next, were it ``num_tokens`` long with that acceptance so far: 0 for
+        rows whose processing depends on the tokens before each position, and so that the chunk stays inside the
+        context and every accepted draft and the bonus token fit in max_tokens."""
+        params, spec = seq.sampling_params, self.config
+        num_output = num_tokens - seq.num_prompt_tokens
+        if (seq.grammar is not None or params.needs_penalties or params.logits_processors
+                or (params.min_tokens and num_output < params.min_tokens)
+                or (proposed >= MIN_PROPOSALS and accepted_ < spec.min_acceptance_rate * proposed)):
+            return 0
+        k = min(spec.num_speculative_tokens, self.max_model_len - num_tokens - 1)
+        if params.max_tokens is not None:
+            k = min(k, params.max_tokens - num_output - 1)
+        return max(k, 0)
+
+    def propose(self) -> None:
+        """Drafts for the running sequences whose every token is on the host, appended to their tokens."""
+        spec = self.config
+        if not self.active:
+            return
+        wanted = []   # (seq, k): the sequences that draft this step
+        for seq in self.scheduler.running:
+            if (seq.num_computed_tokens != len(seq.token_ids) - 1 or seq.num_inflight
+                    or seq.seq_id in self.pending):
+                continue
+            k = self.budget(seq, len(seq.token_ids), seq.spec_proposed, seq.spec_accepted)
+            if k >= 1:
+                wanted.append((seq, k))
+        if spec.method == "ngram":
+            proposals = [propose_ngram(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+                         for seq, k in wanted]
+        else:
+            # the draft model writes its KV at the verify chunk's positions (draft_model.py), so their blocks are
+            # taken now (the scheduler would take them for the chunk anyway); no room: that sequence does not draft
+            bm = self.scheduler.block_manager
+            wanted = [(seq, k) for seq, k in wanted if bm.grow(seq, len(seq.token_ids) + k)]
+            proposals = self.propose_drafts([seq for seq, _ in wanted], [k for _, k in wanted]) if wanted else []
+        for (seq, _), drafts in zip(wanted, proposals):
+            self._add_drafts(seq, drafts)
+
+    def _add_drafts(self, seq: Sequence, drafts: list[int]) -> None:
+        if drafts:
+            seq.token_ids.extend(drafts)
+            seq.num_drafts = len(drafts)
+            self._drafted.append(seq)
+
+    def guess(self, prev) -> bool:
+        """Set the sequences of ``prev`` (the step in flight) up for the next step as if ``prev``'s outcome were the
+        guessed one, drafts included; False, with nothing changed, where the next step must wait for ``prev``'s
+        tokens (the draft-model method while speculation is active, structured output beside drafts). A sequence
+        not worth a guess sits the next step out (``hold``)."""
+        if not self.overlaps:
+            return not self.active
+        drafting = self.active
+        if (drafting or prev.speculative) and any(seq.grammar is not None for seq in self.scheduler.running):
+            return False   # (their matchers read the last step back mid-launch, before detach: LLMEngine._launch)
+        spec = self.config
+        for seq, _, _, drafts in prev.rows():
+            if seq.seq_id in prev.void or seq.status is not SequenceStatus.RUNNING:
+                continue
+            k, base = len(drafts), len(seq.token_ids)
+            if k and seq.spec_rejected:   # its drafts were rejected last time: likely again, and the guess wrong
+                self.hold(seq)
+                continue
+            assumed = seq.token_ids + drafts
+            bonus, more = None, []
+            budget = self.budget(seq, base + k + 1, seq.spec_proposed + k, seq.spec_accepted + k) if drafting else 0
+            if budget:
+                # (a guess, checked before it counts: the shortest match is allowed, it is right more often)
+                hit = propose_ngram(assumed, 1, 1, spec.prompt_lookup_max)
+                if hit:
+                    bonus = hit[0]
+                    more = propose_ngram(assumed + hit, budget, spec.prompt_lookup_min, spec.prompt_lookup_max)
+                elif seq.generator is not None and not seq.sampling_params.greedy:
+                    self.hold(seq)   # the synchronous path's drafts for it depend on the bonus token: wait for it
+                    continue
+            if not k and bonus is None:
+                continue   # an async decode: its next input is read on the device
+            state = seq.generator.get_state() if seq.generator is not None else None
+            self.pending[seq.seq_id] = Guess(seq, drafts + [bonus], base, seq.num_inflight, state)
+            seq.token_ids.extend(drafts)
+            seq.num_computed_tokens = base + k   # (the last token and the drafts: computed by prev)
+            if bonus is not None:   # known on the host, so nothing of this sequence is left in flight for the next
+                seq.token_ids.append(bonus)
+                seq.num_inflight = 0
+                self._add_drafts(seq, more)
+        return True
+
+    def hold(self, seq: Sequence) -> None:
+        """Leave ``seq`` out of the next step: with no token in flight to compute, the scheduler skips it (fit sets
+        it back); it runs again once the step in flight is read back."""
+        self._held.append((seq, seq.num_inflight))
+        seq.num_inflight = 0
+
+    def fit(self, batch) -> None:
+        """Drafts of sequences the scheduler left out (or preempted) are dropped; a chunk the token budget cut
+        keeps the drafts it holds, so that the sequence still samples. A guessed sequence left out is set back."""
+        scheduled = {seq.seq_id: i for i, seq in enumerate(batch.seqs)}
+        for seq, num_inflight in self._held:
+            seq.num_inflight = num_inflight
+        self._held = []
+        for seq_id, guess in list(self.pending.items()):
+            if seq_id not in scheduled:
+                self._unguess(guess)
+        if not self._drafted:
+            return
+        changed = False
+        drafted, self._drafted = self._drafted, []
+        for seq in drafted:   # (running, or preempted by this schedule)
+            i = scheduled.get(seq.seq_id)
+            keep = 0 if i is None else batch.num_tokens[i] - 1
+            if keep < seq.num_drafts:
+                del seq.token_ids[len(seq.token_ids) - seq.num_drafts + keep:]
+                if i is not None and keep == 0:   # its chunk is its last token alone: a plain decode now
+                    batch.num_draft_chunk_tokens -= 1
+                    batch.num_prefill_tokens -= 1
+                    batch.num_decodes += 1
+                seq.num_drafts = keep
+                changed = True
+        if changed:
+            batch.sample_indices = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens))
+                                    if seq.num_computed_tokens + n == seq.num_tokens]
+
+    def _unguess(self, guess: Guess) -> None:
+        seq = guess.seq
+        del seq.token_ids[guess.base:]
+        seq.num_drafts = 0
+        seq.num_inflight = guess.num_inflight
+        if seq.status is SequenceStatus.RUNNING:   # (a preempted one recomputes from 0)
+            seq.num_computed_tokens = guess.base
+        del self.pending[seq.seq_id]
+
+    def detach(self, step) -> None:
+        """Once ``step`` is launched (before the scheduler registers its prefix-cache blocks): each sequence's
+        drafts move from its tokens onto the step, and a guessed sequence's assumed tokens come off (``settle``
+        puts the real ones on)."""
+        drafts = []
+        for j, seq in enumerate(step.sampling):
+            k = step.num_drafts[j] if step.num_drafts else 0
+            drafts.append(seq.token_ids[len(seq.token_ids) - k:] if k else [])
+            guess = self.pending.get(seq.seq_id)
+            if guess is not None and guess.step is None:
+                del seq.token_ids[guess.base:]
+                seq.num_inflight = guess.num_inflight
+                guess.step = step
+            elif k:
+                del seq.token_ids[-k:]
+        if step.num_drafts:
+            step.drafts = drafts
+
+    def settle(self, seq: Sequence, drafts: list[int], targets: list[int]) -> list[int]:
+        """A read-back sequence's new tokens: its accepted drafts and the target's token after them (``targets``
+        itself without drafts). Keeps its accepted drafts' KV, and checks the guess the next step was launched on."""
+        tokens = targets
+        a = 0
+        if drafts:
+            a = accepted(drafts, targets)
+            tokens = targets[:a + 1]
+            seq.spec_proposed += len(drafts)
+            seq.spec_accepted += a
+            seq.spec_rejected = a < len(drafts)
+            self.stats.spec_draft_tokens += len(drafts)
+            self.stats.spec_accepted_tokens += a
+            self.stats.spec_verifications += 1
+        guess = self.pending.pop(seq.seq_id, None)
+        running = seq.status is SequenceStatus.RUNNING
+        if guess is None:
+            if running:
+                seq.num_computed_tokens += a   # the last token and the accepted drafts are in the cache
+        elif guess.holds(tokens):
+            self.stats.spec_guesses += 1
+        elif guess.step is not None:   # the next step was launched on a wrong guess: its rows of it are void
+            self.stats.spec_guesses += 1
+            self.stats.spec_guess_misses += 1
+            guess.step.void.add(seq.seq_id)
+            seq.num_inflight -= 1
+            if running:
+                seq.num_computed_tokens = guess.base + len(tokens) - 1
+            if guess.generator_state is not None:
+                seq.generator.set_state(guess.generator_state)
+        if running:
+            self.scheduler.block_manager.cache_full_blocks(seq)
+        return tokens
+
+    def reset(self) -> None:
+        """A step failed: forget its guesses and drafts (its requests are failed by the caller)."""
+        for guess in list(self.pending.values()):
+            if guess.step is None:
+                self._unguess(guess)
+        for seq, num_inflight in self._held:
+            seq.num_inflight = num_inflight
+        self.pending.clear()
+        self._held = []
+        self._drafted = []

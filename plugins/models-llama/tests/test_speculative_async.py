@@ -1,0 +1,106 @@
+"""Asynchronous n-gram speculative steps (engine/speculator.py) on a tiny random Llama: each step launched on a guess
+of the in-flight verify step's outcome gives the synchronous path's output: greedy token for token (batches, chunked
+prefill, preemption, stop strings and max_tokens inside accepted drafts, logprobs), and seeded sampled requests the
+same draws. Both sides of the guess are exercised: steps launched on a right guess, and void ones after a wrong one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cvllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+ENGINE = {"dtype": "float32", "block_size": 16, "max_num_seqs": 8, "max_num_batched_tokens": 128}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
+    """Prompts that repeat a random phrase (test_speculative.py's): drafts copied from them are often right."""
+    generator = torch.Generator().manual_seed(seed)
+    prompts = []
+    for _ in range(n):
+        phrase = torch.randint(3, 512, (int(torch.randint(3, 9, (1,), generator=generator)),), generator=generator)
+        prompts.append(phrase.repeat(4).tolist() + torch.randint(3, 512, (2,), generator=generator).tolist())
+    return prompts
+
+
+def run(path, prompts, params, speculative: dict | None, **engine):
+    llm = LLM(model=str(path), **{**ENGINE, **engine}, speculative_config=speculative)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [[(list(c.token_ids), c.finish_reason, c.text) for c in out.outputs] for out in outputs], \
+        llm.llm_engine.stats
+
+
+def assert_guessed_both_ways(stats) -> None:
+    assert stats.spec_guesses > stats.spec_guess_misses > 0, (stats.spec_guesses, stats.spec_guess_misses)
+    assert stats.overlapped_steps > 0 and stats.spec_verifications > 0
+
+
+@pytest.fixture(scope="module")
+def path(tiny_checkpoint):
+    return tiny_checkpoint("llama").path
+
+
+# two tokens favoured far above the rest: the output is made of them, so drafts copied from it are often right (and
+# sometimes wrong), and so are the guesses of a verify step's outcome
+BIAS = {300: 100.0, 301: 100.0}
+
+
+@pytest.mark.parametrize("engine", [{}, {"max_num_batched_tokens": 16}, {"num_kv_blocks": 10}],
+                         ids=["batch", "chunked-prefill", "preemption"])
+def test_greedy_output_is_the_synchronous_paths(path, engine):
+    prompts = repetitive_prompts(6, seed=1)
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2,
+                             logit_bias=BIAS if i % 2 else None) for i in range(len(prompts))]
+    plain, _ = run(path, prompts, params, None, **engine)
+    spec, stats = run(path, prompts, params, NGRAM, async_scheduling=True, **engine)
+    assert [[c[:2] for c in out] for out in spec] == [[c[:2] for c in out] for out in plain]
+    assert_guessed_both_ways(stats)
+    if "num_kv_blocks" in engine:
+        assert stats.preemptions > 0
+
+
+def test_stop_strings_and_max_tokens_inside_accepted_drafts(path):
+    prompts = repetitive_prompts(4, seed=3)
+    free, _ = run(path, prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logit_bias=BIAS),
+                  None)
+    stops = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logit_bias=BIAS, stop=[out[0][2][20:26]])
+             for out in free]
+    lengths = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logit_bias=BIAS, logprobs=3)
+               for n in (1, 2, 7, 13)]
+    for params, reason in ((stops, "stop"), (lengths, "length")):
+        plain = [run(path, [p], s, None)[0][0][0] for p, s in zip(prompts, params)]
+        llm = LLM(model=str(path), **ENGINE, speculative_config=NGRAM, async_scheduling=True)
+        spec = [llm.generate([{"prompt_token_ids": p}], s)[0].outputs[0] for p, s in zip(prompts, params)]
+        assert [(list(c.token_ids), c.finish_reason, c.text) for c in spec] == plain
+        assert all(c.finish_reason == reason for c in spec) and llm.llm_engine.stats.spec_guesses > 0
+
+
+def test_seeded_sampled_requests_make_the_synchronous_paths_draws(path):
+    """Sampled with seeds: the same tokens as the synchronous path, from the same drafts (a step launched on a wrong
+    guess draws from the sequence's generator, which is set back; where the bonus token cannot be guessed, the step
+    waits, so that the drafts stay the synchronous path's)."""
+    prompts = repetitive_prompts(6, seed=4)
+    params = [SamplingParams(temperature=1.0 + 0.2 * (i % 2), top_k=2 if i % 3 else 0, seed=i, max_tokens=40,
+                             ignore_eos=True, logit_bias=BIAS) for i in range(len(prompts))]
+    sync, sync_stats = run(path, prompts, params, NGRAM)
+    spec, stats = run(path, prompts, params, NGRAM, async_scheduling=True)
+    assert spec == sync
+    assert_guessed_both_ways(stats)
+    assert (stats.spec_draft_tokens, stats.spec_accepted_tokens) == (sync_stats.spec_draft_tokens,
+                                                                     sync_stats.spec_accepted_tokens)
+
+
+def test_a_batch_past_disable_by_batch_size_overlaps_and_then_speculates(path):
+    """12 sequences (more than disable_by_batch_size 8) of different lengths: plain async steps first, verify steps
+    launched on guesses once fewer remain."""
+    generator = torch.Generator().manual_seed(5)
+    prompts = [p[:int(torch.randint(4, len(p) + 1, (1,), generator=generator))] for p in repetitive_prompts(12, 5)]
+    params = [SamplingParams(temperature=0, max_tokens=8 + 4 * i, ignore_eos=True, logit_bias=BIAS)
+              for i in range(len(prompts))]
+    plain, _ = run(path, prompts, params, None, max_num_seqs=12)
+    spec, stats = run(path, prompts, params, NGRAM, async_scheduling=True, max_num_seqs=12)
+    assert spec == plain
+    assert_guessed_both_ways(stats)
