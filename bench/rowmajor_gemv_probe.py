@@ -84,7 +84,8 @@ def row_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor, config: tuple[int
 
 
 def reference(x: torch.Tensor, weight: dict) -> torch.Tensor:
-    """float32: the weights dequantized (Q4_K's formula), times x rounded as the kernel rounds it."""
+    """The weights dequantized (Q4_K's formula, float32 as the kernel forms them) times x rounded as the kernel rounds
+    it, summed in float64 (a float32 matmul on a GPU may take TF32)."""
     from cvllm_cuda.kernels.quant_gemv_int8 import dequantized_activations
     n, kw = weight["w"].shape
     shifts = torch.arange(8, device=x.device) * 4
@@ -94,7 +95,7 @@ def reference(x: torch.Tensor, weight: dict) -> torch.Tensor:
     d = weight["d"].float().repeat_interleave(256, 1)
     m = weight["m"].float().repeat_interleave(256, 1)
     w = q * d * a - m * b
-    return dequantized_activations(x).float()[0] @ w.t()
+    return (dequantized_activations(x).double()[0] @ w.double().t()).float()
 
 
 def check(device: str, n: int = 256, k: int = 1024) -> float:
