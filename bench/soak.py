@@ -1,6 +1,6 @@
 """Soak: mixed traffic against a live cvserve while its engine core is killed and faults are injected (issue 23).
 
-    python bench/soak.py                                  # 10 minutes on the CPU
+    python bench/soak.py                                  # 2 minutes of warm-up, then 10 on the CPU
     python bench/soak.py --minutes 3 --json out.json
     python bench/soak.py --backend cuda --clients 8
 
@@ -9,18 +9,23 @@ cvllm.testing.faults plan, which the cvserve command line cannot), then:
 
 1. reference: every request of a fixed-seed catalog once, with no fault: streamed and non-streamed completions and
    chat completions, n > 1, logprobs, stop strings, greedy (checked) and seeded sampling (only counted);
-2. soak: ``--clients`` concurrent clients draw requests from the catalog (some close the connection mid-stream),
-   while every ``--fault-every`` seconds one fault of a cycle strikes: kill -9 of the engine core; a request whose
-   logits are NaN; one whose detokenization raises; one that raises a device error on every core it reaches (the
-   poison rule fails it after two deaths); one that hangs every core it reaches (killed after
-   ``--hang-timeout``, then the poison rule);
-3. idle: traffic stops; the KV blocks in use (/metrics) must go back to 0 and the processes' RSS near where it was.
+2. warm-up (``--warmup-minutes``), then soak (``--minutes``): ``--clients`` concurrent clients draw requests from
+   the catalog (some close the connection mid-stream), while every ``--fault-every`` seconds one fault of a cycle
+   strikes: kill -9 of the engine core; a request whose logits are NaN; one whose detokenization raises; one that
+   raises a device error on every core it reaches (the poison rule fails it); one that hangs every core it reaches
+   (killed after ``--hang-timeout``, then the poison rule);
+3. idle, after each: traffic stops; the KV blocks in use (/metrics) must go back to 0; after ``--settle-s`` more
+   (past the server's keep-alive timeout and its idle release of memory) the processes' RSS is measured. The one
+   after the warm-up is the baseline (the allocators' pools filled by this traffic once); the one after the soak
+   must be back to it (``--max-rss-growth-mb``).
 
 Every answer of a greedy request must equal its reference (text, finish reason, token count, logprobs' tokens):
 a stream resumed on a new core goes on where it stopped. Requests fail only with the injected errors or the poison
-rule (which also fails the requests in flight through both deaths a poison request causes); none is lost (no
-answer, or a stream cut without an error or a finish) or duplicated (a stream that repeats tokens). New requests
-that meet a core restarting get 503 and are retried. Not in CI: a bounded run, minutes long.
+rule (a request in flight through several deaths: the others in flight through both deaths with a poison request
+are retried one at a time, so it fails a catalog request only when an unrelated fault, such as the next kill -9,
+strikes while that request is on trial); none is lost (no answer, or a stream cut without an error or a finish) or
+duplicated (a stream that repeats tokens). New requests that meet a core restarting get 503 and are retried. Not
+in CI: a bounded run, minutes long.
 """
 
 from __future__ import annotations
@@ -414,6 +419,35 @@ async def sample_memory(server: LiveServer, samples: list, stop: asyncio.Event, 
             pass
 
 
+async def load(client: httpx.AsyncClient, server: LiveServer, specs: list[Spec], references: dict[str, Answer],
+               tally: Tally, args: argparse.Namespace, minutes: float, seed: int) -> float:
+    """``--clients`` clients and the fault cycle for ``minutes``; the seconds it took."""
+    url = server.url + "/v1"
+    until = time.monotonic() + minutes * 60
+    started = time.perf_counter()
+    await asyncio.gather(
+        *(traffic(client, url, specs, references, tally, random.Random(seed * 1000 + c), until, args.cancel_share)
+          for c in range(args.clients)),
+        faults(client, url, server, specs, references, tally, random.Random(seed - 1), args.fault_every, until))
+    return time.perf_counter() - started
+
+
+async def settle(client: httpx.AsyncClient, server: LiveServer, args: argparse.Namespace) -> dict:
+    """Traffic has stopped: wait until nothing is in flight and no KV block is used (at most ``--idle-s``), then
+    ``--settle-s`` more, past the server's keep-alive timeout and its idle release (server/memory.py), and measure."""
+    idle_started = time.monotonic()
+    kv_used = in_flight = None
+    while time.monotonic() - idle_started < args.idle_s:
+        kv_used = await metric(client, server.url, "cvllm:kv_cache_blocks_used")
+        in_flight = await metric(client, server.url, "cvllm:num_requests_in_flight")
+        if kv_used == 0 and in_flight == 0 and time.monotonic() - idle_started > 5:
+            break
+        await asyncio.sleep(0.5)
+    drained_s = time.monotonic() - idle_started
+    await asyncio.sleep(args.settle_s)
+    return {"kv_used": kv_used, "in_flight": in_flight, "drained_s": round(drained_s, 1), **memory(server)}
+
+
 async def soak(server: LiveServer, args: argparse.Namespace) -> dict:
     root, url = server.url, server.url + "/v1"
     rng = random.Random(args.seed)
@@ -429,35 +463,28 @@ async def soak(server: LiveServer, args: argparse.Namespace) -> dict:
 
         tally, samples, stop_sampling = Tally(), [], asyncio.Event()
         sampler = asyncio.create_task(sample_memory(server, samples, stop_sampling))
-        until = time.monotonic() + args.minutes * 60
-        started = time.perf_counter()
-        await asyncio.gather(
-            *(traffic(client, url, specs, references, tally, random.Random(args.seed * 1000 + c), until,
-                      args.cancel_share) for c in range(args.clients)),
-            faults(client, url, server, specs, references, tally, random.Random(args.seed - 1), args.fault_every,
-                   until))
-        soak_s = time.perf_counter() - started
-
-        idle_started = time.monotonic()   # traffic has stopped: the server should let go of everything
-        kv_used = in_flight = None
-        while time.monotonic() - idle_started < args.idle_s:
-            kv_used = await metric(client, root, "cvllm:kv_cache_blocks_used")
-            in_flight = await metric(client, root, "cvllm:num_requests_in_flight")
-            if kv_used == 0 and in_flight == 0 and time.monotonic() - idle_started > 5:
-                break
-            await asyncio.sleep(0.5)
-        idle_s = time.monotonic() - idle_started
+        # The baseline: what the server holds, idle, after a warm-up of the same traffic and faults (the
+        # allocators' pools and caches filled once); the end is measured the same way after the soak.
+        warmup_s, baseline_sample = 0.0, 0
+        if args.warmup_minutes:
+            warmup_s = await load(client, server, specs, references, tally, args, args.warmup_minutes, args.seed + 1)
+            memory_at["baseline"] = {k: v for k, v in (await settle(client, server, args)).items() if k.endswith("_mb")}
+        baseline_sample = len(samples)   # the samples before it are the warm-up's
+        soak_s = await load(client, server, specs, references, tally, args, args.minutes, args.seed)
+        end = await settle(client, server, args)
         stop_sampling.set()
         await sampler
-        memory_at["end_idle"] = memory(server)
+        memory_at["end_idle"] = {k: v for k, v in end.items() if k.endswith("_mb")}
         kv_total = await metric(client, root, "cvllm:kv_cache_blocks_total")
     log = server.log()
     return {"catalog": len(specs), "checked_in_catalog": len(references), "reference_s": round(reference_s, 1),
-            "soak_s": round(soak_s, 1), "idle_wait_s": round(idle_s, 1), "tally": tally,
-            "kv_blocks_used_end": kv_used, "kv_blocks_total": kv_total, "in_flight_end": in_flight,
-            "memory": memory_at, "memory_samples": samples,
+            "warmup_s": round(warmup_s, 1), "soak_s": round(soak_s, 1), "idle_wait_s": end["drained_s"],
+            "tally": tally, "kv_blocks_used_end": end["kv_used"], "kv_blocks_total": kv_total,
+            "in_flight_end": end["in_flight"], "memory": memory_at, "memory_samples": samples,
+            "baseline_sample": baseline_sample,
             "core_deaths": log.count("engine core dead:"), "core_restarts": log.count("engine core restarted in"),
             "resumed": sum(int(n) for n in re.findall(r"(\d+) request\(s\) resumed", log)),
+            "quarantined": sum(len(m.split(", ")) for m in re.findall(r"requests (.*) were in flight when", log)),
             "hung_cores_killed": log.count("is hung: it made no progress"),
             "core_replaced": core_pid(server) != core_at_start}
 
@@ -466,9 +493,16 @@ def summary(run: dict) -> dict:
     t: Tally = run["tally"]
     mem, samples = run["memory"], run["memory_samples"]
 
-    def peak(key: str) -> float | None:
-        values = [s[key] for s in samples if s[key] is not None]
+    def peak(key: str, start: int = 0, stop: int | None = None) -> float | None:
+        values = [s[key] for s in samples[start:stop] if s[key] is not None]
         return max(values) if values else None
+
+    def rss(proc: str) -> dict:
+        key = f"{proc}_mb"
+        return {"start": mem["start"][key], "after_reference": mem["after_reference"][key],
+                "baseline": mem.get("baseline", {}).get(key),
+                "peak_warmup": peak(key, 0, run["baseline_sample"]) if "baseline" in mem else None,
+                "peak": peak(key, run["baseline_sample"]), "end_idle": mem["end_idle"][key]}
 
     return {
         "sent": sum(t.sent.values()), "sent_by_kind": dict(t.sent),
@@ -480,13 +514,11 @@ def summary(run: dict) -> dict:
         "mismatched": len(t.mismatched), "retried_503": t.retried_503,
         "max_logprob_abs_diff": t.max_logprob_diff,
         "faults": dict(t.faults), "core_deaths": run["core_deaths"], "core_restarts": run["core_restarts"],
-        "requests_resumed": run["resumed"], "hung_cores_killed": run["hung_cores_killed"],
+        "requests_resumed": run["resumed"], "suspects_retried_alone": run["quarantined"],
+        "hung_cores_killed": run["hung_cores_killed"],
         "kv_blocks_used_end": run["kv_blocks_used_end"], "kv_blocks_total": run["kv_blocks_total"],
         "in_flight_end": run["in_flight_end"],
-        "rss_mb": {"api": {"start": mem["start"]["api_mb"], "after_reference": mem["after_reference"]["api_mb"],
-                           "peak": peak("api_mb"), "end_idle": mem["end_idle"]["api_mb"]},
-                   "core": {"start": mem["start"]["core_mb"], "after_reference": mem["after_reference"]["core_mb"],
-                            "peak": peak("core_mb"), "end_idle": mem["end_idle"]["core_mb"]}},
+        "rss_mb": {"api": rss("api"), "core": rss("core")},
         "api_rss_growth_mb": growth(mem, "api_mb"), "core_rss_growth_mb": growth(mem, "core_mb"),
         "problems": {"unexpected": t.unexpected[:10], "lost": t.lost[:10], "duplicated": t.duplicated[:5],
                      "mismatched": t.mismatched[:5]},
@@ -494,9 +526,10 @@ def summary(run: dict) -> dict:
 
 
 def growth(mem: dict, key: str) -> float | None:
-    """RSS idle at the end against warm (after the reference pass); the core's is a later core's at the end."""
-    end, warm = mem["end_idle"][key], mem["after_reference"][key]
-    return None if end is None or warm is None else round(end - warm, 1)
+    """RSS idle at the end against the baseline (idle after the warm-up; without one, after the reference pass).
+    The core's is a later core's at the end."""
+    end, base = mem["end_idle"][key], mem.get("baseline", mem["after_reference"])[key]
+    return None if end is None or base is None else round(end - base, 1)
 
 
 def print_table(s: dict) -> None:
@@ -507,13 +540,15 @@ def print_table(s: dict) -> None:
             ("failed, unexpected", s["failed_unexpected"]), ("lost", s["lost"]), ("duplicated", s["duplicated"]),
             ("mismatched", s["mismatched"]), ("503 retried (core restarting)", s["retried_503"]),
             ("faults", s["faults"]), ("core deaths / restarts", f"{s['core_deaths']} / {s['core_restarts']}"),
-            ("requests resumed on a new core", s["requests_resumed"]), ("hung cores killed", s["hung_cores_killed"]),
+            ("requests resumed on a new core", s["requests_resumed"]),
+            ("suspects retried one at a time", s["suspects_retried_alone"]),
+            ("hung cores killed", s["hung_cores_killed"]),
             ("KV blocks used at the end", f"{s['kv_blocks_used_end']:g} of {s['kv_blocks_total']:g}")]
     for proc in ("api", "core"):
         r = s["rss_mb"][proc]
-        rows.append((f"RSS {proc} MB (start, warm, peak, end)",
-                     " / ".join("-" if r[k] is None else f"{r[k]:.0f}"
-                                for k in ("start", "after_reference", "peak", "end_idle"))))
+        rows.append((f"RSS {proc} MB (start, warm, warm-up peak, baseline, peak, end)",
+                     " / ".join("-" if r[k] is None else f"{r[k]:.1f}"
+                                for k in ("start", "after_reference", "peak_warmup", "baseline", "peak", "end_idle"))))
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
@@ -561,9 +596,15 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--hang-timeout", type=float, default=5.0, help="the server's --engine-hang-timeout")
     ap.add_argument("--request-timeout", type=float, default=120.0, help="seconds without a byte: the request is lost")
-    ap.add_argument("--idle-s", type=float, default=60.0, help="at most this long for the server to let go at the end")
-    ap.add_argument("--max-rss-growth-mb", type=float, default=64.0,
-                    help="a process's RSS idle at the end may exceed its warm RSS by this much")
+    ap.add_argument("--warmup-minutes", type=float, default=2.0,
+                    help="the same traffic and faults first (default: one fault cycle at --fault-every 15); the "
+                         "RSS idle after it is the baseline")
+    ap.add_argument("--idle-s", type=float, default=60.0, help="at most this long for the requests to drain")
+    ap.add_argument("--settle-s", type=float, default=40.0,
+                    help="then idle this long before measuring: past the server's keep-alive timeout (30 s) and "
+                         "its idle release of memory (35 s)")
+    ap.add_argument("--max-rss-growth-mb", type=float, default=2.0,
+                    help="a process's RSS idle at the end may exceed its baseline by this much")
     ap.add_argument("--server-log", help="keep the server's log here")
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args()
@@ -593,8 +634,9 @@ def main() -> None:
                   "date": datetime.now(UTC).isoformat(timespec="seconds"), "cpus": os.cpu_count(),
                   "config": config, "fault_cycle": FAULT_CYCLE, "catalog": run["catalog"],
                   "checked_in_catalog": run["checked_in_catalog"], "reference_s": run["reference_s"],
-                  "soak_s": run["soak_s"], "idle_wait_s": run["idle_wait_s"], "clean": ok, "results": s,
-                  "memory_samples": run["memory_samples"]}
+                  "warmup_s": run["warmup_s"], "soak_s": run["soak_s"], "idle_wait_s": run["idle_wait_s"],
+                  "clean": ok, "results": s, "memory_samples": run["memory_samples"],
+                  "baseline_sample": run["baseline_sample"]}
         Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
     sys.exit(0 if ok else 1)
 

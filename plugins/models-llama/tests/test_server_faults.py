@@ -1,14 +1,17 @@
 """Faults under a live cvserve, with nothing lost (issue 23): kill -9 of the engine core during 16 greedy streams and
 every stream ends with the output it would have had; a hung core is killed and replaced; a request in flight through
-two core deaths in a row fails instead of killing a third; SIGTERM while the core restarts still drains; NaN logits
-or a detokenization error fail only their request. Faults come from a cvllm.testing.faults plan the server's
-config carries."""
+two core deaths in a row fails instead of killing a third, or, when others were in flight with it through both, is
+retried alone first, and they finish; SIGTERM while the core restarts still drains; NaN logits or a detokenization
+error fail only their request; a client that stops reading is dropped after the send timeout. Faults come from a
+cvllm.testing.faults plan the server's config carries."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -150,6 +153,26 @@ def test_a_request_in_flight_through_two_deaths_fails_and_others_go_on(model_dir
         assert server.process.poll() is None   # two restarts of at most 3
 
 
+def test_requests_beside_a_poison_request_through_both_deaths_are_retried_alone_and_finish(model_dir):
+    death = {"stage": "forward", "action": "device_error", "prompt_token": DEATH_TOKEN}
+    requests = [body(i, 30) for i in range(3)]
+    with LiveServer(engine(model_dir, SLOW_STEPS, death), max_restarts=3) as server:
+        expected = [stream.result() for stream in streams(server, requests)]
+        beside = streams(server, requests)
+        wait_for(lambda: all(stream.chunks >= 2 for stream in beside), 60)
+        poison = complete(server, {**body(4), "prompt": [DEATH_TOKEN, 7]})
+        # all four were in flight at both deaths; retried one at a time, the poison request kills a third core
+        assert poison.status_code == 500
+        assert ("each time the engine core died, 3 times in a row (the last time retried as the only suspect)"
+                in poison.json()["error"]["message"])
+        assert [stream.result() for stream in beside] == expected
+        log = server.log()
+        assert log.count("engine core dead: device error: CUDA error: injected device fault") == 3
+        assert "retrying them one at a time" in log
+        wait_for(lambda: server.health() == 200)
+        assert server.process.poll() is None   # three restarts of at most 3
+
+
 def test_sigterm_while_the_core_restarts_still_drains(model_dir):
     requests = [body(i, 30) for i in range(4)]
     with LiveServer(engine(model_dir, SLOW_STEPS), max_restarts=2) as server:
@@ -176,3 +199,46 @@ def test_nan_logits_or_a_detokenization_error_fail_only_their_request(model_dir)
         assert results[2][3]["type"] == "server_error"
         assert complete(server, bad[0]).status_code == 500
         assert server.health() == 200 and server.process.poll() is None   # the core never died
+
+
+def server_connection_open(server: LiveServer, client_port: int) -> bool:
+    """Whether the server still holds its end of the connection from ``client_port`` (the kernel's TCP table)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, remote = (int(address.rsplit(":", 1)[1], 16) for address in line.split()[1:3])
+            if (local, remote) == (server.port, client_port):
+                return True
+    return False
+
+
+def in_flight(server: LiveServer) -> float:
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    return float(re.search(r"^cvllm:num_requests_in_flight\{[^}]*\} (\S+)$", metrics, re.M).group(1))
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_USER_TIMEOUT"), reason="TCP_USER_TIMEOUT is Linux's")
+def test_a_client_that_stops_reading_is_dropped_after_the_send_timeout(model_dir):
+    slow = {"stage": "forward", "action": "sleep", "seconds": 0.1}   # 200 steps: 20 s, if nobody stops it
+    with LiveServer(engine(model_dir, slow), send_timeout=2) as server:
+        # a stream of ~1 MB (8 choices with 20 logprobs a token) to a client with a 4 KB receive buffer that
+        # never reads and never closes: the server's buffers fill, its sends stall
+        request = json.dumps({"prompt": prompt(1), "max_tokens": 200, "n": 8, "logprobs": 20, "ignore_eos": True,
+                              "stream": True}).encode()
+        stalled = socket.socket()
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.connect(("127.0.0.1", server.port))
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(request), request))
+        client_port = stalled.getsockname()[1]
+        try:
+            started = time.monotonic()
+            wait_for(lambda: in_flight(server) == 1, 10)
+            wait_for(lambda: not server_connection_open(server, client_port), 15)
+            assert time.monotonic() - started > 2   # not at once: only after its data went unread for 2 s
+            wait_for(lambda: in_flight(server) == 0, 5)   # its request was aborted in the core, long before its end
+            assert time.monotonic() - started < 15
+            assert complete(server, body(1, 8)).status_code == 200
+            log = server.log()
+            assert "dropped a connection whose client left what it was sent unread" in log and "Traceback" not in log
+        finally:
+            stalled.close()

@@ -24,6 +24,7 @@ class ServerArgs:
     cors_allow_methods: list[str] = field(default_factory=lambda: ["*"])
     cors_allow_headers: list[str] = field(default_factory=lambda: ["*"])
     shutdown_timeout: float = 30.0            # seconds to finish in-flight requests after SIGTERM/Ctrl-C
+    send_timeout: float = 60.0                # seconds a client may leave sent data unread: dropped (listen.py)
     default_sampling: dict[str, Any] = field(default_factory=dict)  # --temperature, --top-p ... (request wins)
     generation_config: str = "auto"           # "vllm": ignore the model's sampling defaults (--generation-config)
     reasoning_parser: str | None = None       # None: the model's own declaration, if any

@@ -18,7 +18,8 @@ from hypercorn.config import Config
 from cvllm.engine_process.client import EngineCoreClient, EngineStartupError
 from cvllm.server.app import build_app
 from cvllm.server.args import ServerArgs
-from cvllm.server.listen import BACKLOG, AddressError, bind_address, listen_socket
+from cvllm.server.listen import BACKLOG, AddressError, bind_address, listen_socket, quiet_dropped_connections
+from cvllm.server.memory import freeze_startup_objects, release_memory_loop
 from cvllm.server.reasoning import reasoning_parser
 from cvllm.server.state import ServerState
 from cvllm.server.supervisor import supervise
@@ -26,6 +27,8 @@ from cvllm.server.tool_calls import tool_parser
 from cvllm.server.ui import build_ui_app
 
 logger = logging.getLogger("cvllm.server")
+
+KEEP_ALIVE_S = 30   # an idle connection is closed after this long
 
 
 class EngineGaveUp(RuntimeError):
@@ -43,7 +46,7 @@ def _hypercorn_config(args: ServerArgs, listener_fd: int) -> Config:
     config.graceful_timeout = args.shutdown_timeout
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
-    config.keep_alive_timeout = 30
+    config.keep_alive_timeout = KEEP_ALIVE_S
     config.backlog = BACKLOG
     return config
 
@@ -61,9 +64,10 @@ async def run_server(args: ServerArgs) -> None:
         raise StartupError(str(e)) from None
     # Bound before the model is opened, and by us rather than inside hypercorn: a port in use fails at once,
     # as one AddressError (hypercorn would fail after its lifespan started, in a cascade of tracebacks).
-    listener = listen_socket(args.host, args.port)
+    listener = listen_socket(args.host, args.port, args.send_timeout)
     try:
-        ui_listener = listen_socket(args.host, args.ui_port) if args.ui and args.ui_port is not None else None
+        ui_listener = (listen_socket(args.host, args.ui_port, args.send_timeout)
+                       if args.ui and args.ui_port is not None else None)
     except AddressError:
         listener.close()
         raise
@@ -83,6 +87,7 @@ async def run_server(args: ServerArgs) -> None:
         launch.kill()
         raise
     loop = asyncio.get_running_loop()
+    quiet_dropped_connections(loop)
     stop = asyncio.Event()
     signals = 0
 
@@ -118,10 +123,14 @@ async def run_server(args: ServerArgs) -> None:
             await _finish(serving)
             raise
         _log_ready(state, args)
+        freeze_startup_objects()
         supervising = asyncio.ensure_future(supervise(state, args, stop))
+        # past the keep-alive timeout, the idle server's last connections are closed: their garbage goes too
+        releasing = asyncio.ensure_future(release_memory_loop(state, idle_s=KEEP_ALIVE_S + 5))
         await _finish(serving)
-        supervising.cancel()
-        await asyncio.gather(supervising, return_exceptions=True)
+        for task in (supervising, releasing):
+            task.cancel()
+        await asyncio.gather(supervising, releasing, return_exceptions=True)
         if state.gave_up:
             raise EngineGaveUp(state.gave_up)
     finally:
