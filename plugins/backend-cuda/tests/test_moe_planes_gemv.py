@@ -161,9 +161,10 @@ def test_expert_gemvs_match_the_dequantized_experts_and_the_grouped_gemm(gate_up
             assert_float32_close(got, grouped(*args, silu_and_mul, perms).double())
 
 
-def test_default_tiles_and_masks():
-    """fused_moe_planes' dispatch to the expert GEMVs with their default tiles, top_k 6 (pair slots past k masked),
-    and a Q8_0 shape whose rows and K steps do not fill the tiles (the masked loads)."""
+def test_default_tiles_and_masks(monkeypatch):
+    """fused_moe_planes' dispatch to the expert GEMVs (CVLLM_MOE_PLANES_GEMV=1) with their default tiles, top_k 6
+    (pair slots past k masked), and a Q8_0 shape whose rows and K steps do not fill the tiles (the masked loads)."""
+    monkeypatch.setattr(planes_module, "PAIR_GEMV_MAX", 16)
     gen = torch.Generator().manual_seed(6)
     for hidden_size, inter in [(256, 256), (96, 160)]:
         layout = "q6_k" if hidden_size % 256 == 0 else "q8_0"

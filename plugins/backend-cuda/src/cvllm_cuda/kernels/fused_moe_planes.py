@@ -24,9 +24,10 @@ from cvllm_cuda.kernels.quant_tiles import quant_element, tile, upcast
 from cvllm_cuda.quant_planes import QuantWeight
 
 _PLANES = ("low", "high", "d", "m", "a", "b")
-# decode steps of up to this many (token, expert) pairs take the expert GEMVs of moe_planes_gemv.py
-# (CVLLM_MOE_PLANES_GEMV=0: the grouped GEMM always, an A/B switch)
-PAIR_GEMV_MAX = moe_gemv.PAIR_GEMV_MAX if os.environ.get("CVLLM_MOE_PLANES_GEMV", "1") != "0" else 0
+# With CVLLM_MOE_PLANES_GEMV=1, decode steps of up to this many (token, expert) pairs take the expert GEMVs of
+# moe_planes_gemv.py. Off by default: on the H200 (2026-12-03, 10e3f26) its compiled tests failed in 8 cases
+# (against the dequantized experts and the grouped GEMM; not yet looked into), though the interpreter's pass
+PAIR_GEMV_MAX = moe_gemv.PAIR_GEMV_MAX if os.environ.get("CVLLM_MOE_PLANES_GEMV", "0") == "1" else 0
 
 
 def stack_experts(experts: list[QuantWeight]) -> QuantWeight:
@@ -122,7 +123,8 @@ def fused_moe_planes(hidden: torch.Tensor, gate_up: list[QuantWeight], down: Qua
     """``fused_moe`` with stacked low-bit experts: ``gate_up`` the parts of each expert's [2I, H] rows in order
     (one part, or gate then up), ``down`` [H, I]; ids local to this rank (E: another rank's expert). ``perms``:
     per part (gate_up's, then down), None or int32 [E, K]: the order of the inputs each expert's planes hold.
-    Decode steps of up to PAIR_GEMV_MAX pairs take moe_planes_gemv.py's two expert GEMVs (silu fused there)."""
+    With CVLLM_MOE_PLANES_GEMV=1, decode steps of up to PAIR_GEMV_MAX pairs take moe_planes_gemv.py's two expert
+    GEMVs (silu fused there)."""
     tokens, top_k = local_ids.shape
     num_local = down.low.shape[0]
     if hidden.stride(1) != 1:
