@@ -25,6 +25,7 @@ from cvllm.testing.requirements import demo_model
 
 PARTS = (  # (part, predicate on an op's name and input shapes)
     ("LM head (bf16 matmul over the vocabulary)", lambda name, shapes: name == "aten::mm" and "49152" in shapes),
+    ("LM head (int4 planes of the Q8_0 embedding)", lambda name, shapes: "int4pack" in name and "98304" in shapes),
     ("int4 linears", lambda name, shapes: "int4pack" in name),
     ("attention (gather + SDPA)", lambda name, shapes: "scaled_dot_product" in name or name == "aten::index_select"),
     ("attention (float32 reference ops)", lambda name, shapes: name in ("aten::bmm", "aten::masked_fill_",

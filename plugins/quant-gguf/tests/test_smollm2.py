@@ -60,25 +60,38 @@ def test_greedy_float32_equals_transformers(llm_fp32):
     assert stats.prefill_chunks > 0 and stats.mixed_steps > 0  # chunked prefill beside decodes, through the paged cache
 
 
-def test_bfloat16_fast_path_answers_paris(llm_bf16):
+def test_bfloat16_fast_path_stays_near_the_exact_answers(llm_bf16):
+    """The bf16 fast path (int4-packed linears, the LM head from the Q8_0 embedding's int4 planes) next to
+    transformers' float32 greedy tokens: at each case's first answer token the exact choice is among the fast path's
+    top 3, within 0.3 nats of its best. Greedy answers themselves are not compared: several of these first tokens are
+    near ties (the Paris question's "The" leads "L" by 0.08 in exact arithmetic, under one bf16 step at that logit's
+    size), so which one bf16 picks turns on roundings, and any change of them (a kernel, a summation order) flips it.
+    """
     model = llm_bf16.llm_engine.runner.model
     assert model.model.layers[0].self_attn.qkv_proj.gguf_compute == "int4pack"
-    france = REFERENCE["cases"][0]
-    assert france["text"] == "What is the capital of France?"
-    # without ignore_eos the answer ends at <|im_end|> (the GGUF's eos id 2), as the reference's 8th token
-    output = llm_bf16.generate({"prompt_token_ids": france["prompt_token_ids"]},
-                               SamplingParams(temperature=0, max_tokens=32))[0].outputs[0]
-    assert output.token_ids == france["output_token_ids"][:8]
-    assert output.token_ids[-1] == 2 and output.finish_reason == "stop"
+    assert model.model.embed_tokens.gguf_compute == "int4planes"
+    cases = REFERENCE["cases"]
+    assert cases[0]["text"] == "What is the capital of France?"
+    outputs = llm_bf16.generate([{"prompt_token_ids": case["prompt_token_ids"]} for case in cases],
+                                SamplingParams(temperature=0, max_tokens=1, logprobs=5))
+    for case, output in zip(cases, outputs, strict=True):
+        top = output.outputs[0].logprobs[0]
+        exact = case["output_token_ids"][0]
+        best = max(entry.logprob for entry in top.values())
+        assert exact in top and best - top[exact].logprob <= 0.3, (case["text"], exact, top)
 
 
-def test_bfloat16_chat_through_the_gguf_tokenizer(llm_bf16):
-    if llm_bf16.get_tokenizer() is None:
+def test_chat_through_the_gguf_tokenizer(llm_fp32):
+    if llm_fp32.get_tokenizer() is None:
         pytest.skip("cvllm_gguf.tokenizer (the GGUF tokenizer) is not available yet")
-    output = llm_bf16.chat([{"role": "user", "content": "What is the capital of France?"}],
+    output = llm_fp32.chat([{"role": "user", "content": "What is the capital of France?"}],
                            SamplingParams(temperature=0, max_tokens=32))[0]
     assert output.prompt_token_ids == REFERENCE["cases"][0]["prompt_token_ids"]
+    # the exact path: its first token is not a bf16 coin flip (test_bfloat16_fast_path_stays_near_the_exact_answers)
     assert output.outputs[0].text == PARIS
+    # without ignore_eos the answer ends at <|im_end|> (the GGUF's eos id 2), as the reference's 8th token
+    assert output.outputs[0].token_ids == REFERENCE["cases"][0]["output_token_ids"][:8]
+    assert output.outputs[0].token_ids[-1] == 2 and output.outputs[0].finish_reason == "stop"
 
 
 def test_default_sampling_answers_paris_more_often_than_not(llm_bf16):

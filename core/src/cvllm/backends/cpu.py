@@ -8,8 +8,10 @@ from typing import Any
 
 import torch
 
+from cvllm.backends import cpu_kernels, cpu_kind
 from cvllm.backends.base import Backend
 from cvllm.backends.cpu_decode import DecodeKeys, GatherBuffers, decode_attention
+from cvllm.backends.cpu_fused import make_fused_kernels
 from cvllm.forward_context import ForwardContext
 from cvllm.layers import kv_fp8
 
@@ -97,6 +99,7 @@ class CpuBackend(Backend):
     dist_backend = "gloo"
     default_dtype = torch.float32
     fused_decode = True   # decode rows through SDPA (cpu_decode.py); False: the float32 reference (A/B measurements)
+    fused_kernels = True  # small bf16 add + RMSNorm in C (cpu_kernels.py); False: torch code (A/B measurements)
 
     @classmethod
     def is_available(cls) -> bool:
@@ -113,6 +116,12 @@ class CpuBackend(Backend):
         self._slots_seen: torch.Tensor | None = None
         self._slots_kept: torch.Tensor | None = None
         self._gather_buffers = GatherBuffers()
+        cpu_kind.log_kind()
+        # the decode rows' add + RMSNorm as one C call (cpu_kernels.py); None: torch code
+        lib = cpu_kernels.load() if self.fused_kernels else None
+        if lib is not None:
+            for name, kernel in make_fused_kernels(lib).items():
+                setattr(self, name, kernel)
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping, scales=None) -> None:
         if slot_mapping is not self._slots_seen:

@@ -18,6 +18,7 @@ from cvllm.engine.step_inputs import PreviousTokens, build_host_step, to_device
 from cvllm.forward_context import ForwardContext, forward_context
 from cvllm.layers import kv_fp8
 from cvllm.layers.attention import Attention
+from cvllm.layers.embedding import takes_table_method
 from cvllm.layers.fused_moe import FusedMoE
 from cvllm.layers.quantization import attach_linear_methods, isq_quantizer
 from cvllm.progress import Progress
@@ -85,8 +86,16 @@ def attach_quantization(model: nn.Module, checkpoint: Checkpoint, dtype: torch.d
             if isinstance(module, FusedMoE) and (method := moe_method(name, module)) is not None:
                 module.set_moe_method(method)
                 moe += 1
-    logger.info("%s quantization: %d linear layers%s", checkpoint.quant_method, changed,
-                f", {moe} MoE layers" if moe else "")
+    # and the token embedding and LM head (its ``embedding_method(name, table)``; None: the table stays float)
+    embedding_method = getattr(factory, "embedding_method", None)
+    tables = []
+    if embedding_method is not None:
+        for name, module in model.named_modules():
+            if takes_table_method(module) and (method := embedding_method(name, module)) is not None:
+                module.set_table_method(method)
+                tables.append(name)
+    logger.info("%s quantization: %d linear layers%s%s", checkpoint.quant_method, changed,
+                f", {moe} MoE layers" if moe else "", f", tables {', '.join(tables)}" if tables else "")
 
 
 def build_model(checkpoint: Checkpoint, backend, dtype: torch.dtype, isq: str | None = None,

@@ -19,8 +19,24 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings = num_embeddings
         self.per_rank = -(-num_embeddings // self.tp_size)  # ceil: the last rank's slice is zero-padded
         self.vocab_start = self.tp_rank * self.per_rank
+        self.embedding_dim = embedding_dim
         self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        # a quantizer's method for this table (``set_table_method``): it holds the rows as it likes and computes the
+        # lookup (``embed``) and, for an LM head or one tied to this table, the logits (``apply``)
+        self.quant_method = None
+        self.tied_heads: list[ParallelLMHead] = []   # heads that read this table (tie_to)
+
+    def set_table_method(self, method) -> None:
+        """Keep the table in ``method``'s form (a quantized checkpoint's own blocks): it creates the parameters the
+        checkpoint loads into, as a LinearMethod does for a [per_rank, embedding_dim] weight. Called on the meta
+        model, before loading; heads tied to this table drop their share of the float weight and read it here."""
+        dtype = self.weight.dtype
+        del self.weight
+        for head in self.tied_heads:
+            del head.weight
+        self.quant_method = method
+        method.create_weights(self, self.embedding_dim, self.per_rank, dtype)
 
     @lazy_aware
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | LazyTensor) -> None:
@@ -34,6 +50,8 @@ class VocabParallelEmbedding(nn.Module):
         param.data[part.shape[0]:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:   # given only at tensor-parallel size 1
+            return self.quant_method.embed(self, input_ids)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
@@ -55,12 +73,29 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
+        self.tied_to = [embedding]   # in a list: not a submodule of the head
+        embedding.tied_heads.append(self)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = dense(hidden, self.weight, self.bias)
+        table = self.tied_to[0] if getattr(self, "tied_to", None) else self
+        if table.quant_method is not None:   # the quantized table's own matmul (a quantizer's set_table_method)
+            logits = table.quant_method.apply(table, hidden, self.bias)
+        else:
+            logits = dense(hidden, self.weight, self.bias)
         if self.tp_size > 1:
             logits = all_gather_last_dim(logits)
         return logits[..., : self.num_embeddings]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.compute_logits(hidden)
+
+
+def takes_table_method(module: nn.Module) -> bool:
+    """Whether ``module`` is a table that may be given a quantizer's method (``set_table_method``): an embedding or
+    LM head at tensor-parallel size 1 whose class computes as these do (not one that reads its weight in its own way,
+    e.g. a scaled embedding), and not a head tied to another table (that table's method serves it)."""
+    if not isinstance(module, VocabParallelEmbedding) or module.tp_size != 1 or getattr(module, "tied_to", None):
+        return False
+    if isinstance(module, ParallelLMHead):
+        return type(module).compute_logits is ParallelLMHead.compute_logits
+    return type(module).forward is VocabParallelEmbedding.forward

@@ -42,12 +42,14 @@ from cvllm.layers.quantization import LinearMethod, LinearMethodFactory
 from cvllm.sampling_params import SamplingParams
 from cvllm_gguf.adapters import expand_blocks, hf_config, tensor_names
 from cvllm_gguf.dequant import dequantize
+from cvllm_gguf.int4planes import planes_usable
 from cvllm_gguf.lazy_weights import blocks, dequantized, stacked_blocks
 from cvllm_gguf.linear_method import GGUFLinearMethod
 from cvllm_gguf.mixed import MixedGGUFLinearMethod
 from cvllm_gguf.moe import GGUFExpertsMethod
 from cvllm_gguf.quant_types import FLOAT_DTYPES, GGMLType
 from cvllm_gguf.reader import GGUFFile, TensorInfo, open_gguf_files
+from cvllm_gguf.table_method import GGUFTableMethod
 
 logger = logging.getLogger(__name__)
 
@@ -246,7 +248,19 @@ def gguf_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMet
         quant.quantized_experts.update(stems)
         return GGUFExpertsMethod(gate, down)
 
+    def embedding_method(name: str, table: nn.Module) -> GGUFTableMethod | None:
+        """The token embedding or an untied LM head kept in its blocks (table_method.py) on the CPU's fast path;
+        None: loaded dequantized, as before. Not where CUDA is present: there the table serves the GPU backend,
+        whose LM head reads a float copy."""
+        qtype = quant.weight_types.get(name)
+        if mode != "fast" or qtype is None or torch.cuda.is_available() \
+                or not planes_usable(qtype, table.num_embeddings, table.embedding_dim):
+            return None
+        quant.quantized_modules.add(name)
+        return GGUFTableMethod(qtype, mode)
+
     method_for.moe_method = moe_method
+    method_for.embedding_method = embedding_method
     return method_for
 
 

@@ -1,0 +1,96 @@
+"""The CPU backend's C add + RMSNorm (backends/cpu_kernels.py, cpu_fused.py) against the torch code RMSNorm runs
+without it: the residual sum bit-equal, the norm equal but for a rare one-bf16-step difference (another order of the
+sum of squares), and the torch code itself where the kernel does not apply (float32, prefill-sized inputs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cvllm.backends import cpu_kernels
+from cvllm.backends.cpu import CpuBackend
+from cvllm.backends.cpu_kind import log_kind
+from cvllm.layers.layernorm import RMSNorm
+from cvllm.layers.rotary import get_rope
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler for the CPU kernels")
+
+
+def torch_norm(x, residual, weight, eps):
+    if residual is None:
+        return weight * F.rms_norm(x, weight.shape, eps=eps)
+    x = x + residual
+    return weight * F.rms_norm(x, weight.shape, eps=eps), x
+
+
+def one_step_apart(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal, or the bf16 values one representable step apart (their bit patterns differ by one)."""
+    bits = (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+    return bool((bits <= 1).all()) and float((a != b).float().mean()) < 0.01
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rms_norm_matches_the_torch_code(rows, with_residual):
+    backend = CpuBackend()
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=gen) * 8).bfloat16()
+    x[:, 3] *= 40   # an outlier feature, as real activations have
+    residual = (torch.randn(rows, 576, generator=gen) * 4).bfloat16() if with_residual else None
+    weight = (torch.rand(576, generator=gen) + 0.5).bfloat16()
+    ours, theirs = backend.fused_add_rms_norm(x, residual, weight, 1e-5), torch_norm(x, residual, weight, 1e-5)
+    if with_residual:
+        assert torch.equal(ours[1], theirs[1])
+        ours, theirs = ours[0], theirs[0]
+    assert ours.dtype == torch.bfloat16 and one_step_apart(ours, theirs)
+
+
+def test_nan_and_inf_propagate_as_in_torch():
+    backend = CpuBackend()
+    x = torch.ones(2, 64, dtype=torch.bfloat16)
+    x[0, 5], x[1, 9] = float("nan"), float("inf")
+    weight = torch.ones(64, dtype=torch.bfloat16)
+    ours, theirs = backend.fused_add_rms_norm(x, None, weight, 1e-6), torch_norm(x, None, weight, 1e-6)
+    assert torch.equal(ours.isnan(), theirs.isnan())
+
+
+@pytest.mark.parametrize("dtype,rows", [(torch.float32, 1), (torch.bfloat16, 65)])
+def test_outside_the_kernel_the_torch_code_runs(dtype, rows):
+    backend = CpuBackend()
+    x, residual = torch.randn(rows, 64).to(dtype), torch.randn(rows, 64).to(dtype)
+    weight = torch.rand(64).to(dtype)
+    ours, theirs = backend.fused_add_rms_norm(x, residual, weight, 1e-5), torch_norm(x, residual, weight, 1e-5)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+
+
+def test_the_layer_takes_the_kernel_inside_a_forward_pass():
+    backend = CpuBackend()
+    assert backend.fused_add_rms_norm is not None and RMSNorm._fusable
+    assert "CPU kernels: torch" in log_kind()
+
+
+@pytest.mark.parametrize("rows", [1, 9, 64, 65])
+def test_rotary_is_the_layers_own_rounding(rows):
+    """neox rotary of q and k (views into one qkv row, as the attention layers pass them): bit-equal to
+    RotaryEmbedding's torch code, in C up to 64 rows and through that code beyond."""
+    backend = CpuBackend()
+    rope = get_rope(64, 4096, {"rope_type": "default", "rope_theta": 100000.0})
+    gen = torch.Generator().manual_seed(rows)
+    q, k, _ = (torch.randn(rows, 960, generator=gen) * 3).bfloat16().split([576, 192, 192], dim=-1)
+    positions = torch.randint(0, 4096, (rows,), generator=gen)
+    ours = backend.rotary(positions, q, k, rope.cos_sin_for(positions, q), 64)
+    theirs = rope(positions, q, k)   # outside a forward pass: the layer's torch code
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+
+
+def test_partial_and_interleaved_rotary_run_the_torch_code():
+    backend = CpuBackend()
+    q, k = torch.randn(3, 4 * 64).bfloat16(), torch.randn(3, 2 * 64).bfloat16()
+    positions = torch.tensor([0, 5, 9])
+    for rope in (get_rope(64, 64, {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+                 get_rope(64, 64, {"rope_type": "default", "rope_theta": 1e4}, interleaved=True)):
+        extra = {"interleaved": True} if rope.interleaved else {}
+        ours = backend.rotary(positions, q, k, rope.cos_sin_for(positions, q), 64, **extra)
+        theirs = rope(positions, q, k)
+        assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])

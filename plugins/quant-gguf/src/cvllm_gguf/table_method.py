@@ -1,0 +1,72 @@
+"""A GGUF token embedding or LM head kept in its quantized form (core's ``VocabParallelEmbedding.set_table_method``).
+
+On the CPU's fast path (a bf16 engine), a table of a type with an int4 plane form (int4planes.py: Q8_0, Q4_*, Q5_*,
+Q4_K, Q5_K) is repacked once into the planes torch's int4-packed matmul reads: the LM head (tied or not) is that
+matmul, the lookups read the same planes back row by row, and no float copy of the table is kept (SmolLM2-135M's
+49152 x 576 Q8_0 embedding: 35 MB of planes instead of a 57 MB bf16 copy, and the matmul reads fewer bytes).
+Everywhere else (other types, a layout whose rows cannot be read back: the raw blocks stay for the lookups) the
+fallbacks are the plain ones: the table dequantized once to the engine's dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cvllm.layers.quantization import dense
+from cvllm_gguf.dequant import dequantize
+from cvllm_gguf.int4planes import int4_planes, planes_linear, planes_rows, planes_usable, rows_readable
+from cvllm_gguf.linear_method import GGUFLinearMethod
+
+logger = logging.getLogger(__name__)
+
+
+class GGUFTableMethod(GGUFLinearMethod):
+    """A table of ``out_features`` rows (the vocabulary) of ``in_features`` (the hidden size) in GGUF blocks."""
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
+        super().create_weights(layer, input_size, output_size, dtype)
+        layer.table_dtype = dtype   # the engine's: lookups return it
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        out_features, in_features = layer.gguf_shape
+        qweight = layer.qweight.data
+        if self.mode == "fast" and qweight.device.type == "cpu" and planes_usable(self.qtype, *layer.gguf_shape):
+            planes = int4_planes(qweight, self.qtype, in_features)
+            layer.int4_planes = planes
+            layer.gguf_compute = "int4planes"
+            readable = rows_readable(planes)
+            if readable:
+                layer.qweight.data = torch.empty(0, dtype=torch.uint8)
+            logger.info("%s table %d x %d: int4 planes, %.1f MB (a bf16 copy: %.1f MB)%s", self.qtype.name,
+                        out_features, in_features, planes.nbytes / 1e6, out_features * in_features * 2 / 1e6,
+                        "" if readable else f"; its {qweight.nbytes / 1e6:.1f} MB of blocks stay for the lookups")
+            return
+        dtype = torch.float32 if self.mode == "exact" else layer.table_dtype
+        layer.weight = dequantize(qweight, self.qtype, layer.gguf_shape).to(dtype)
+        layer.qweight.data = torch.empty(0, dtype=torch.uint8, device=qweight.device)
+        layer.gguf_compute = "dense"
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.gguf_compute is None:
+            self.process_weights_after_loading(layer)
+        if layer.gguf_compute == "int4planes":
+            out = planes_linear(x, layer.int4_planes)
+            if bias is not None:
+                out = out + bias.to(out.dtype)
+            return out if out.dtype == x.dtype else out.to(x.dtype)
+        return dense(x, layer.weight, bias)
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        if layer.gguf_compute is None:
+            self.process_weights_after_loading(layer)
+        if layer.gguf_compute != "int4planes":
+            return F.embedding(ids, layer.weight)
+        flat = ids.reshape(-1)
+        if layer.qweight.numel():   # the planes' rows cannot be read back here: the blocks stayed
+            rows = dequantize(layer.qweight.data[flat], self.qtype, (flat.numel(), layer.gguf_shape[1]))
+            return rows.to(layer.table_dtype).view(*ids.shape, -1)
+        return planes_rows(layer.int4_planes, flat, layer.table_dtype).view(*ids.shape, -1)
