@@ -4,6 +4,7 @@ Backend contract's declared defaults."""
 import pytest
 
 from cvllm import plugins
+from cvllm.backends import cpu_kernels
 from cvllm.backends.base import Backend
 from cvllm.backends.cpu import CpuBackend
 from cvllm.backends.selection import select_backend
@@ -95,8 +96,10 @@ def test_the_contract_declares_its_defaults():
     assert backend.wrap_decode(lambda *args: None, 4, 4) is None   # no graphs: decode steps run eagerly
     assert backend.default_kv_cache_bytes(10 << 30) == 4 << 30 and backend.default_kv_cache_bytes(2 << 30) == 1 << 30
     assert Backend().default_kv_cache_bytes(1000) == 900
-    assert all(getattr(backend, kernel) is None for kernel in ("argmax", "fused_add_rms_norm", "linear", "rotary",
-                                                               "rotary_write_kv", "silu_and_mul"))
+    assert all(getattr(backend, kernel) is None for kernel in ("argmax", "linear", "rotary_write_kv", "silu_and_mul"))
+    # the add + RMSNorm and rotary are small C kernels where a C compiler built them (cpu_kernels.py), else torch's
+    fused = cpu_kernels.load() is not None
+    assert all((getattr(backend, kernel) is not None) == fused for kernel in ("fused_add_rms_norm", "rotary"))
 
 
 def test_collectives_are_identities_at_world_size_one():
