@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from cvllm.backends import cpu_kernels
 from cvllm.backends.cpu import CpuBackend
 from cvllm.backends.cpu_kind import log_kind
+from cvllm.forward_context import ForwardContext, forward_context
 from cvllm.layers.layernorm import RMSNorm
 from cvllm.layers.rotary import get_rope
 
@@ -55,12 +56,21 @@ def test_nan_and_inf_propagate_as_in_torch():
     assert torch.equal(ours.isnan(), theirs.isnan())
 
 
+def in_forward_pass(backend, call):
+    """``call()`` inside a forward pass on ``backend``: the layers read its kernels (backends/base.forward_backend)."""
+    with forward_context(ForwardContext(backend, *([None] * 4), [], [], [], 1, 1, True)), torch.inference_mode():
+        return call()
+
+
 @pytest.mark.parametrize("dtype,rows", [(torch.float32, 1), (torch.bfloat16, 65)])
-def test_outside_the_kernel_the_torch_code_runs(dtype, rows):
+def test_outside_the_kernel_the_layer_runs_its_torch_code(dtype, rows):
+    """The kernel declines what it does not take (float32, prefill-sized inputs) and RMSNorm computes it itself."""
     backend = CpuBackend()
     x, residual = torch.randn(rows, 64).to(dtype), torch.randn(rows, 64).to(dtype)
-    weight = torch.rand(64).to(dtype)
-    ours, theirs = backend.fused_add_rms_norm(x, residual, weight, 1e-5), torch_norm(x, residual, weight, 1e-5)
+    norm = RMSNorm(64, eps=1e-5)
+    norm.weight.data = torch.rand(64).to(dtype)
+    assert backend.fused_add_rms_norm(x, residual, norm.weight, 1e-5) is None
+    ours, theirs = in_forward_pass(backend, lambda: norm(x, residual)), torch_norm(x, residual, norm.weight, 1e-5)
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
 
 
@@ -79,18 +89,25 @@ def test_rotary_is_the_layers_own_rounding(rows):
     gen = torch.Generator().manual_seed(rows)
     q, k, _ = (torch.randn(rows, 960, generator=gen) * 3).bfloat16().split([576, 192, 192], dim=-1)
     positions = torch.randint(0, 4096, (rows,), generator=gen)
-    ours = backend.rotary(positions, q, k, rope.cos_sin_for(positions, q), 64)
+    kernel = backend.rotary(positions, q, k, rope.cos_sin_for(positions, q), 64)
+    assert (kernel is None) == (rows > cpu_kernels.MAX_ROWS)   # beyond: declined, the layer's torch code runs
+    ours = in_forward_pass(backend, lambda: rope(positions, q, k))
     theirs = rope(positions, q, k)   # outside a forward pass: the layer's torch code
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    if kernel is not None:
+        assert torch.equal(kernel[0], theirs[0]) and torch.equal(kernel[1], theirs[1])
 
 
 def test_partial_and_interleaved_rotary_run_the_torch_code():
+    """The kernel declines partial and interleaved rotary; the layer inside a forward pass then gives its torch
+    code's numbers."""
     backend = CpuBackend()
     q, k = torch.randn(3, 4 * 64).bfloat16(), torch.randn(3, 2 * 64).bfloat16()
     positions = torch.tensor([0, 5, 9])
     for rope in (get_rope(64, 64, {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
                  get_rope(64, 64, {"rope_type": "default", "rope_theta": 1e4}, interleaved=True)):
         extra = {"interleaved": True} if rope.interleaved else {}
-        ours = backend.rotary(positions, q, k, rope.cos_sin_for(positions, q), 64, **extra)
-        theirs = rope(positions, q, k)
+        assert backend.rotary(positions, q, k, rope.cos_sin_for(positions, q), 64, **extra) is None
+        ours = in_forward_pass(backend, lambda rope=rope: rope(positions, q, k))
+        theirs = rope(positions, q, k)   # outside a forward pass: no backend kernel at all
         assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])

@@ -52,8 +52,10 @@ class Backend:
 
     # Optional fused kernels. The layers call one when the backend of the forward pass in progress
     # has it (not None) and run their torch code otherwise, so model code never changes; a fused
-    # kernel must return the numbers of that torch code (same roundings) in new tensors. Set plain
-    # functions on the instance (or as staticmethods): a function class attribute would bind ``self``.
+    # kernel must return the numbers of that torch code (same roundings) in new tensors. ``fused_add_rms_norm``
+    # and ``rotary`` may return None for inputs they do not take (the CPU's C kernels: small bf16 decode rows
+    # only); the layer then runs its torch code. Set plain functions on the instance (or as staticmethods): a
+    # function class attribute would bind ``self``.
     #   fused_add_rms_norm(x, residual, weight, eps): RMSNorm.forward (layers/layernorm.py); residual
     #       may be None: ``weight * rms_norm(x)``, else ``(weight * rms_norm(x + residual), x + residual)``
     #   rotary(positions, q, k, cos_sin, head_dim) -> (q, k): RotaryEmbedding's neox rotation of every

@@ -1,32 +1,12 @@
 """The CPU backend's ``fused_add_rms_norm`` and ``rotary`` (two of Backend's optional fused kernels): small bf16
-inputs (decode rows) go to the C kernels of cpu_kernels.py, anything else (float32: the exact path, prefill chunks,
-partial or interleaved rotary) to the same torch code the layers run without them."""
+inputs (decode rows) go to the C kernels of cpu_kernels.py; anything else (float32: the exact path, prefill chunks,
+partial or interleaved rotary) is declined with None, and the layer runs its own torch code (backends/base.py)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
-import torch.nn.functional as F
 
 from cvllm.backends.cpu_kernels import MAX_ROWS
-from cvllm.layers.rotary import RotaryEmbedding, _side_by_side
-
-
-def torch_rotary(positions, q, k, cos_sin, head_dim, interleaved=False):
-    """RotaryEmbedding.forward's own torch code (its methods, on the table it passed): what runs without a kernel."""
-    shape = SimpleNamespace(rotary_dim=cos_sin.shape[1], head_dim=head_dim)
-    if interleaved:
-        rows = cos_sin[positions]
-        return (RotaryEmbedding._rotate_pairs(shape, q, rows),
-                None if k is None else RotaryEmbedding._rotate_pairs(shape, k, rows))
-    cos, sin = cos_sin[positions].chunk(2, dim=-1)
-    cos, sin = torch.cat([cos, cos], dim=-1)[:, None], torch.cat([-sin, sin], dim=-1)[:, None]
-    qk = None if k is None else _side_by_side(q, k)
-    if qk is not None:
-        return RotaryEmbedding._rotate(shape, qk, cos, sin).split([q.shape[-1], k.shape[-1]], dim=-1)
-    return (RotaryEmbedding._rotate(shape, q, cos, sin),
-            None if k is None else RotaryEmbedding._rotate(shape, k, cos, sin))
 
 
 def _small_bf16(*tensors: torch.Tensor) -> bool:
@@ -42,10 +22,7 @@ def make_fused_kernels(lib) -> dict:
         operands = (x, weight) if residual is None else (x, residual, weight)
         if weight.dim() != 1 or x.shape[-1] != cols or not 0 < rows <= MAX_ROWS or not _small_bf16(*operands) \
                 or (residual is not None and residual.shape != x.shape):
-            if residual is None:
-                return weight * F.rms_norm(x, weight.shape, eps=eps)
-            x = x + residual
-            return weight * F.rms_norm(x, weight.shape, eps=eps), x
+            return None
         out = torch.empty_like(x)
         summed = None if residual is None else torch.empty_like(x)
         lib.add_rms_norm_bf16(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
@@ -58,7 +35,7 @@ def make_fused_kernels(lib) -> dict:
                 or q.stride(-1) != 1 or q.dtype != torch.bfloat16 or cos_sin.dtype != torch.bfloat16 \
                 or not cos_sin.is_contiguous() or positions.dtype != torch.int64 or positions.numel() != rows \
                 or (k is not None and (k.dim() != 2 or k.stride() != q.stride() or k.dtype != q.dtype)):
-            return torch_rotary(positions, q, k, cos_sin, head_dim, interleaved)
+            return None
         positions = positions.contiguous()
         q_out = q.new_empty(q.shape)
         k_out = None if k is None else k.new_empty(k.shape)

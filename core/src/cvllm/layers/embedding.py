@@ -26,6 +26,7 @@ class VocabParallelEmbedding(nn.Module):
         # lookup (``embed``) and, for an LM head or one tied to this table, the logits (``apply``)
         self.quant_method = None
         self.tied_heads: list[ParallelLMHead] = []   # heads that read this table (tie_to)
+        self.tied_to: list[VocabParallelEmbedding] = []   # a head's: the table it reads (a list: not a submodule)
 
     def set_table_method(self, method) -> None:
         """Keep the table in ``method``'s form (a quantized checkpoint's own blocks): it creates the parameters the
@@ -73,11 +74,11 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
-        self.tied_to = [embedding]   # in a list: not a submodule of the head
+        self.tied_to = [embedding]
         embedding.tied_heads.append(self)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        table = self.tied_to[0] if getattr(self, "tied_to", None) else self
+        table = self.tied_to[0] if self.tied_to else self
         if table.quant_method is not None:   # the quantized table's own matmul (a quantizer's set_table_method)
             logits = table.quant_method.apply(table, hidden, self.bias)
         else:
@@ -94,7 +95,7 @@ def takes_table_method(module: nn.Module) -> bool:
     """Whether ``module`` is a table that may be given a quantizer's method (``set_table_method``): an embedding or
     LM head at tensor-parallel size 1 whose class computes as these do (not one that reads its weight in its own way,
     e.g. a scaled embedding), and not a head tied to another table (that table's method serves it)."""
-    if not isinstance(module, VocabParallelEmbedding) or module.tp_size != 1 or getattr(module, "tied_to", None):
+    if not isinstance(module, VocabParallelEmbedding) or module.tp_size != 1 or module.tied_to:
         return False
     if isinstance(module, ParallelLMHead):
         return type(module).compute_logits is ParallelLMHead.compute_logits

@@ -38,8 +38,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``."""
         fused = getattr(forward_backend(), self._fused_kernel, None) if self._fusable else None
-        if fused is not None:
-            return fused(x, residual, self.weight, self.eps)
+        if fused is not None and (out := fused(x, residual, self.weight, self.eps)) is not None:
+            return out   # (None: the kernel does not take these inputs, backends/base.py)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -163,12 +163,13 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos_sin = self.cos_sin_for(positions, q)
         backend = forward_backend()
+        # the backend's kernel gathers cos/sin by position itself; None: it does not take these inputs (base.py)
+        if backend is not None and backend.rotary is not None:
+            pair = {"interleaved": True} if self.interleaved else {}
+            if (out := backend.rotary(positions, q, k, cos_sin, self.head_dim, **pair)) is not None:
+                return out
         if self.interleaved:
-            if backend is not None and backend.rotary is not None:
-                return backend.rotary(positions, q, k, cos_sin, self.head_dim, interleaved=True)
             return self._rotate_pairs(q, cos_sin[positions]), self._rotate_pairs(k, cos_sin[positions])
-        if backend is not None and backend.rotary is not None:  # the backend gathers cos/sin by position itself
-            return backend.rotary(positions, q, k, cos_sin, self.head_dim)
         cos, sin = self._lookup(positions)
         qk = _side_by_side(q, k)
         if qk is not None:  # the first columns of a fused qkv output: one rotation of both takes half the ops
