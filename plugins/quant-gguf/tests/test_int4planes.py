@@ -60,9 +60,11 @@ def test_q8_0_planes_hold_its_integers_exactly():
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_engine_tables_read_the_blocks(tmp_path, make_rows, tied):
-    """The tiny model (Q8_0 embedding, Q5_0 LM head when untied) on the bf16 path: the tables become int4 planes, no
-    float table is kept, and the logits match the same model's exact float32 path within bf16's reach."""
+def test_engine_tables_read_the_blocks(tmp_path, make_rows, tied, monkeypatch):
+    """The tiny model (Q8_0 embedding, Q5_0 LM head when untied) on the bf16 path with CVLLM_GGUF_QUANTIZED_TABLES=1:
+    the tables become int4 planes, no float table is kept, and the logits match the same model's exact float32 path
+    within bf16's reach."""
+    monkeypatch.setenv("CVLLM_GGUF_QUANTIZED_TABLES", "1")
     path, _, _ = write_tiny_llama(tmp_path, make_rows, tied=tied)
     fast = LLM(model=str(path), dtype="bfloat16", num_kv_blocks=32)
     model = fast.llm_engine.runner.model
@@ -87,8 +89,17 @@ def test_engine_tables_read_the_blocks(tmp_path, make_rows, tied):
     assert len(fast.generate([{"prompt_token_ids": [5, 17, 33, 2]}], params)[0].outputs[0].token_ids) == 4
 
 
-def test_float32_engine_keeps_the_exact_table(tmp_path, make_rows):
+def test_float32_engine_keeps_the_exact_table(tmp_path, make_rows, monkeypatch):
+    monkeypatch.setenv("CVLLM_GGUF_QUANTIZED_TABLES", "1")
     path, _, _ = write_tiny_llama(tmp_path, make_rows, tied=True)
     model = LLM(model=str(path), dtype="float32", num_kv_blocks=32).llm_engine.runner.model
     assert model.model.embed_tokens.quant_method is None
     assert model.model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_tables_stay_float_by_default(tmp_path, make_rows, monkeypatch):
+    monkeypatch.delenv("CVLLM_GGUF_QUANTIZED_TABLES", raising=False)
+    path, _, _ = write_tiny_llama(tmp_path, make_rows, tied=True)
+    model = LLM(model=str(path), dtype="bfloat16", num_kv_blocks=32).llm_engine.runner.model
+    assert model.model.embed_tokens.quant_method is None
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16

@@ -4,6 +4,8 @@ partial or interleaved rotary) is declined with None, and the layer runs its own
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from cvllm.backends.cpu_kernels import MAX_ROWS
@@ -45,4 +47,11 @@ def make_fused_kernels(lib) -> dict:
                         cos_sin.data_ptr())
         return q_out, k_out
 
-    return {"fused_add_rms_norm": fused_add_rms_norm, "rotary": rotary}
+    kernels = {"rotary": rotary}
+    # The add + RMSNorm sums the squares in another order than torch's rms_norm, so a norm lands one bf16 step off
+    # now and then, against the contract (base.py: the torch code's roundings); on the demo model that flipped the
+    # README question's near tie ("The capital of France is Paris." became "L'Étoile, la Marseillaise, ..."). Off
+    # until its sum follows torch's order; CVLLM_CPU_FUSED_NORM=1 turns it on (an A/B).
+    if os.environ.get("CVLLM_CPU_FUSED_NORM", "0") == "1":
+        kernels["fused_add_rms_norm"] = fused_add_rms_norm
+    return kernels
