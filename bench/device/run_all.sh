@@ -9,7 +9,8 @@
 # the batch-1 GEMV's tile sweep over a stack of layers (~8 min; QUANT_LAYOUTS=q4_k,q8_0 narrows the sweep);
 # "kvfp8": 256 streams through cvserve with a 16-bit and an FP8 KV cache (~8 min);
 # "spec" (issue 22): the cost of a speculative verify step by batch size, and the demo model with n-gram drafts;
-# "moe" (issue 19): batch-1 latency and 64 streams of the Qwen3-30B-A3B and DeepSeek-V2-Lite shapes (~8 min).
+# "moe" (issue 19): batch-1 latency and 64 streams of the Qwen3-30B-A3B and DeepSeek-V2-Lite shapes (~8 min);
+# "selfquant" (issue 18): the int8 GEMVs with and without their own activation rounding (~4 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
 # NVLink multicast stays off on the shared multi-GPU hosts (h200_setup.sh sets these too; the benchmarks pass them on)
@@ -127,6 +128,15 @@ quant)
     # STAGES;..." narrows the grid); the JSON is rewritten after every layout: a run cut by the timeout keeps those
     run quant-gemv-stack 240 python3 bench/quant_gemv_stack.py --budget-s 200 ${QUANT_LAYOUTS:+--layouts "$QUANT_LAYOUTS"} \
         ${QUANT_CONFIGS:+--configs "$QUANT_CONFIGS"} --json "$out/$day-h200-quant_gemv_stack-$commit.json" ;;
+selfquant)
+    # issue 18's experiment: the int8 GEMVs rounding their own slices of x (no quantizer kernels) against the
+    # quantizer kernels, in the stack of layers and in the model rows (~4 min)
+    run quant-gemv-stack-defaults 150 python3 bench/quant_gemv_stack.py --defaults --layouts q4_k,q8_0 \
+        --json "$out/$day-h200-quant_gemv_stack-selfquant-$commit.json"
+    for q in q4k q8_0; do
+        run latency-isq-$q-selfquant 100 env CVLLM_QUANT_GEMV_SELF_QUANTIZE=1 python3 bench/latency.py --skip-hf \
+            --contexts 1024 --decode-tokens 128 --isq $q --json "$out/$day-h200-latency-isq-$q-selfquant-$commit.json"
+    done ;;
 kvfp8)
     # 256 streams through cvserve with a 16-bit and an FP8 KV cache (issue 18: FP8 KV >= 1.15x)
     for kv in auto fp8; do
@@ -134,6 +144,6 @@ kvfp8)
             --kv-cache-dtype $kv --json "$out/$day-h200-serving-kv_$kv-$commit.json"
     done ;;
 *)
-    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|kvfp8|moe" >&2
+    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|kvfp8|moe|selfquant" >&2
     exit 2 ;;
 esac
