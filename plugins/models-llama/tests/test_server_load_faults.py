@@ -104,16 +104,27 @@ def dechunk(body: bytes) -> bytes:
 
 # -- (a) a burst of long prompts exhausts the KV pool ---------------------------------------------------------------
 
-POOL_BLOCKS, BURST, PROMPT_TOKENS, BURST_TOKENS = 32, 16, 96, 16
+BURST, PROMPT_TOKENS, BURST_TOKENS, BLOCK_SIZE = 16, 96, 16, 16
+# A prompt fills 6 blocks exactly, so its first decode takes a 7th, which lasts to its 16th token. The pool holds two
+# decoding requests and one prompt: whenever two decode and a third waits, the third is admitted (its prompt just
+# fits) and, unless one of the two ends that step, finds no block for its first decode: it is preempted, however the
+# burst's requests reach the engine, all at once or one a step. Missing it would take a burst run at most two at a
+# time, its requests some 8 steps apart (one lives 16): they reach the engine within ~10 steps, loaded machine or
+# not. (With 32 blocks, 4 decodes and 4 spare, the pool overflowed only when one step admitted three or more prompts
+# to make five in flight: when a loaded machine let the first three in one a step, it never did.)
+PROMPT_BLOCKS = PROMPT_TOKENS // BLOCK_SIZE
+POOL_BLOCKS = 2 * (PROMPT_BLOCKS + 1) + PROMPT_BLOCKS   # 20
+# (the KV a request writes, its prompt and all its tokens but the last, fills those 7 blocks and no 8th)
+assert PROMPT_TOKENS % BLOCK_SIZE == 0 and PROMPT_TOKENS + BURST_TOKENS - 1 <= (PROMPT_BLOCKS + 1) * BLOCK_SIZE
 
 
 def long_prompt(i: int) -> list[int]:
-    # 96 tokens fill 6 blocks exactly, so each first decode needs a 7th: 5 prompts fit the pool, none can go on
     return [(11 + 37 * i + 7 * j) % 480 + 10 for j in range(PROMPT_TOKENS)]
 
 
 def test_a_burst_past_the_kv_pool_preempts_and_loses_nothing(model_dir):
-    with LiveServer(engine(model_dir, num_kv_blocks=POOL_BLOCKS, max_num_seqs=BURST), log_level="warning") as server:
+    settings = engine(model_dir, num_kv_blocks=POOL_BLOCKS, block_size=BLOCK_SIZE, max_num_seqs=BURST)
+    with LiveServer(settings, log_level="warning") as server:
         before = metric(metrics(server), "cvllm:num_preemptions_total")
 
         async def one(client: httpx.AsyncClient, i: int) -> tuple[str, str, int]:
