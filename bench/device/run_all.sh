@@ -10,7 +10,8 @@
 # "kvfp8": 256 streams through cvserve with a 16-bit and an FP8 KV cache (~8 min);
 # "spec" (issue 22): the cost of a speculative verify step by batch size, and the demo model with n-gram drafts;
 # "moe" (issue 19): batch-1 latency and 64 streams of the Qwen3-30B-A3B and DeepSeek-V2-Lite shapes (~8 min);
-# "selfquant" (issue 18): the int8 GEMVs with and without their own activation rounding (~4 min).
+# "selfquant" (issue 18): the int8 GEMVs with and without their own activation rounding (~4 min);
+# "quant64" (issue 18): 64 streams of bf16, q4k and gptq, Llama-3-8B shape (~7 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
 # NVLink multicast stays off on the shared multi-GPU hosts (h200_setup.sh sets these too; the benchmarks pass them on)
@@ -137,6 +138,14 @@ selfquant)
         run latency-isq-$q-selfquant 100 env CVLLM_QUANT_GEMV_SELF_QUANTIZE=1 python3 bench/latency.py --skip-hf \
             --contexts 1024 --decode-tokens 128 --isq $q --json "$out/$day-h200-latency-isq-$q-selfquant-$commit.json"
     done ;;
+quant64)
+    # issue 18: 64 streams of 1024 in / 1024 out, Llama-3-8B shape, bf16 against 4-bit (the dequantize-in-tile GEMM
+    # serves 2-128 rows), offline engine (~2 min a row)
+    for q in none q4k gptq; do
+        run throughput64-isq-$q 170 python3 bench/throughput.py --shape llama3-8b --skip-hf --num-requests 64 \
+            --min-len 1024 --max-len 1024 --max-num-seqs 64 $([ $q = none ] || echo --isq $q) \
+            --json "$out/$day-h200-throughput64-isq-$q-$commit.json"
+    done ;;
 kvfp8)
     # 256 streams through cvserve with a 16-bit and an FP8 KV cache (issue 18: FP8 KV >= 1.15x)
     for kv in auto fp8; do
@@ -144,6 +153,6 @@ kvfp8)
             --kv-cache-dtype $kv --json "$out/$day-h200-serving-kv_$kv-$commit.json"
     done ;;
 *)
-    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|kvfp8|moe|selfquant" >&2
+    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|kvfp8|moe|selfquant|quant64" >&2
     exit 2 ;;
 esac
