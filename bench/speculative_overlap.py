@@ -10,6 +10,9 @@ sleeps until the step it reads has. So the host's work overlaps the device's exa
 step before waiting for the last one. The model: a "copy model" whose next token is a fixed permutation of the last
 one, except at positions a hash picks (``--deviate`` of them): outputs that repeat with now and then a change, which
 n-gram drafts copy from. Batch 1, greedy; each configuration's outputs must equal plain decoding's.
+
+Also reported: the median microseconds of a step() call, apart for steps that verify drafts; with ``--decode-ms 0
+--verify-ms 0`` that is the engine's host time per step alone (issue 22: on a small model it bounds tok/s).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -83,7 +87,7 @@ class CopyModelRunner:
     def __init__(self, device: SimulatedDevice, decode_s: float, verify_s: float, deviate: int, seed: int):
         self.device, self.decode_s, self.verify_s, self.deviate = device, decode_s, verify_s, deviate
         self.block_size, self.num_blocks = BLOCK, 0
-        self.permutation = copy_permutation(seed)
+        self.permutation = copy_permutation(seed).tolist()
 
     def kv_bytes_per_block(self) -> int:
         return 1
@@ -100,12 +104,15 @@ class CopyModelRunner:
 
     def forward(self, batch, inputs, all_logits=False, extra_indices=None):
         input_ids, positions, _, logits_indices = inputs
-        ids, pos = input_ids[logits_indices], positions[logits_indices]
-        nxt = self.permutation[ids]
-        changed = (pos * 2654435761 % 1000003) % self.deviate == 0    # a change of the text here: a token skipped
-        nxt = torch.where(changed, self.permutation[nxt], nxt)
+        # in Python on the few sampled rows: torch ops here would charge the host for a forward pass it does not run
+        ids, pos, nxt = input_ids.tolist(), positions.tolist(), []
+        for row in logits_indices.tolist():
+            token = self.permutation[ids[row]]
+            if (pos[row] * 2654435761 % 1000003) % self.deviate == 0:   # a change of the text here: a token skipped
+                token = self.permutation[token]
+            nxt.append(token)
         logits = torch.zeros(len(nxt), VOCAB)
-        logits[torch.arange(len(nxt)), nxt] = 1.0
+        logits[range(len(nxt)), nxt] = 1.0
         self.device.launch(self.verify_s if batch.num_draft_chunk_tokens else self.decode_s)
         return logits
 
@@ -139,12 +146,20 @@ def run(args, async_scheduling: bool, speculative: dict | None) -> dict:
     deltas = DeltaBuilder(engine)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     outputs, wall, steps = [], 0.0, 0
+    # per step() call, by what it launched: a batch without drafts, one verifying drafts, or nothing (a sequence sat
+    # the step out: speculator.py's hold)
+    step_us: dict[str, list[float]] = {"plain": [], "verify": [], "empty": []}
     for index in range(args.requests + 1):   # the first request warms up
         started = time.perf_counter()
         engine.add_request(str(index), prompt(args, index), params)
         while engine.has_unfinished():
+            began = time.perf_counter()
             deltas.deltas(engine.step())   # (the engine core's per-step output work)
-            steps += index > 0
+            if index:
+                steps += 1
+                batch = engine.last_batch
+                kind = "empty" if not batch.seqs else "verify" if batch.num_draft_chunk_tokens else "plain"
+                step_us[kind].append((time.perf_counter() - began) * 1e6)
         if index:
             wall += time.perf_counter() - started
             outputs.append(engine.requests[str(index)][0].output_token_ids)
@@ -156,6 +171,7 @@ def run(args, async_scheduling: bool, speculative: dict | None) -> dict:
             "tokens": tokens, "acceptance_rate": round(stats.spec_accepted_tokens / stats.spec_draft_tokens, 3)
             if stats.spec_draft_tokens else None, "guesses": stats.spec_guesses,
             "guess_misses": stats.spec_guess_misses, "overlapped_steps": stats.overlapped_steps,
+            "us_per_step_median": {kind: round(statistics.median(t), 1) if t else None for kind, t in step_us.items()},
             "outputs": outputs}
 
 
@@ -176,11 +192,16 @@ def main() -> None:
                "ngram async": (True, spec)}
     results = {name: run(args, *config) for name, config in configs.items()}
     reference = results["plain sync"]["outputs"]
-    print(f"{'':<13}{'tok/s':>8}{'ms/step':>9}{'steps':>7}{'accept':>8}{'guesses':>9}{'missed':>8}{'same':>6}")
+    print(f"{'':<13}{'tok/s':>8}{'ms/step':>9}{'steps':>7}{'accept':>8}{'guesses':>9}{'missed':>8}{'same':>6}"
+          f"{'us plain':>10}{'us verify':>10}")
     for name, r in results.items():
         r["same_outputs"] = r.pop("outputs") == reference
+        median = r["us_per_step_median"]
         print(f"{name:<13}{r['tok_s']:>8}{r['ms_per_step']:>9}{r['steps']:>7}{r['acceptance_rate']!s:>8}"
-              f"{r['guesses']:>9}{r['guess_misses']:>8}{r['same_outputs']!s:>6}")
+              f"{r['guesses']:>9}{r['guess_misses']:>8}{r['same_outputs']!s:>6}{median['plain']!s:>10}"
+              f"{median['verify']!s:>10}")
+    print("us plain / us verify: median microseconds of a step() call (with its output deltas) that launched a batch "
+          "without drafts / one verifying drafts")
     base = results["plain async"]["tok_s"]
     print(f"ngram sync {results['ngram sync']['tok_s'] / base:.2f}x, ngram async "
           f"{results['ngram async']['tok_s'] / base:.2f}x plain async's tok/s")

@@ -81,6 +81,11 @@ class Sampler:
         # [B, V] boolean temporary, on the hot path of every step
         sane = logits.amax(dim=-1) < float("inf")
         params = [row.sampling_params for row in rows]
+        if allowed is None and all(_plain_greedy(p) for p in params):
+            # the usual batch-1 step: only the argmax (what the general path below computes for such rows, in one
+            # pass over the rows instead of one per feature: host time a step, where the device waits for it)
+            token_ids = self.argmax(logits)
+            return SamplerOutput(token_ids, None, None, None, torch.where(sane, token_ids, -1))
         asked = [p.logprobs for p in params if p.logprobs is not None]
         processed = any(p.logits_processors for p in params)
         # A plain greedy batch needs only the argmax, the same on 16-bit logits as on their (exact) fp32 copy:
@@ -119,6 +124,12 @@ class Sampler:
         sampled_logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         top_logprobs, top_ids = raw_logprobs.topk(max(asked), dim=-1)
         return SamplerOutput(token_ids, sampled_logprobs, top_ids, top_logprobs, reported_ids)
+
+
+def _plain_greedy(p: SamplingParams) -> bool:
+    """A greedy row that nothing else applies to: its token is the argmax of its logits."""
+    return (p.greedy and p.logprobs is None and not p.logits_processors and not p.logit_bias
+            and not p.needs_penalties and not p.min_tokens)
 
 
 def _sample_or_argmax(logits: torch.Tensor, rows: Sequence[SamplerRow],

@@ -22,10 +22,9 @@ not carry).
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 METHODS = ("ngram", "draft_model")
 
@@ -70,31 +69,46 @@ class SpeculativeConfig:
 
 
 MIN_PROPOSALS = 16
+TOKEN_BYTES = 8   # token_bytes: int64
 
 
 def propose_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """Up to ``k`` tokens that followed the latest earlier occurrence of the sequence's last n tokens (the longest
-    n in [min_n, max_n] that occurs), or [] when none does. One pass over the sequence (the earlier places of its
-    last token), then at most ``max_n`` comparisons per such place: a few hundred microseconds at 32k tokens."""
-    length = len(tokens)
+    n in [min_n, max_n] that occurs), or [] when none does."""
+    return lookup_ngram(token_bytes(tokens), k, min_n, max_n)
+
+
+def token_bytes(tokens: list[int]) -> bytes:
+    """Tokens as the int64 bytes ``lookup_ngram`` searches."""
+    return array.array("q", tokens).tobytes()
+
+
+def lookup_ngram(data: bytes | bytearray, k: int, min_n: int, max_n: int) -> list[int]:
+    """``propose_ngram`` on the tokens' ``token_bytes``: C's substring search (``rfind``) finds the latest earlier
+    occurrence of a suffix with no Python loop over the tokens; a microsecond at thousands of tokens, where converting
+    the list costs more (the speculator keeps each sequence's bytes: Sequence.ngram_bytes)."""
+    length = len(data) // TOKEN_BYTES
     if length < min_n + 1:
         return []
-    array = np.asarray(tokens, dtype=np.int64)
-    starts = np.flatnonzero(array[:length - 1] == array[-1])   # earlier places of the last token
-    if not starts.size:
+    # the shortest suffix first: where it did not occur before (a miss), no longer one did, and one search says so
+    start = _after_latest(data, min_n)
+    if start < 0:
         return []
-    # how far back each place matches the sequence's end, up to max_n tokens
-    matched = np.ones(starts.size, dtype=np.int64)
-    alive = np.ones(starts.size, dtype=bool)
-    for back in range(1, min(max_n, length - 1)):
-        ok = (starts - back >= 0) & (array[np.maximum(starts - back, 0)] == array[length - 1 - back])
-        alive &= ok
-        matched += alive
-    best = int(matched.max())
-    if best < min_n:
-        return []
-    start = int(starts[np.flatnonzero(matched == best)[-1]]) + 1   # the latest place of the longest match
-    return array[start:start + k].tolist()
+    for n in range(min(max_n, length - 1), min_n, -1):   # then the longest that occurs
+        after = _after_latest(data, n)
+        if after >= 0:
+            start = after
+            break
+    return array.array("q", data[start * TOKEN_BYTES:(start + k) * TOKEN_BYTES]).tolist()
+
+
+def _after_latest(data: bytes | bytearray, n: int) -> int:
+    """The token after the latest occurrence of the last ``n`` tokens that ends before the last token; -1: none."""
+    suffix = data[len(data) - n * TOKEN_BYTES:]
+    at = data.rfind(suffix, 0, len(data) - TOKEN_BYTES)
+    while at > 0 and at % TOKEN_BYTES:   # a match across token boundaries: look before it
+        at = data.rfind(suffix, 0, at + len(suffix) - 1)
+    return -1 if at < 0 else at // TOKEN_BYTES + n
 
 
 class DraftPosition:

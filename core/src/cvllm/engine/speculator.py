@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from cvllm.engine.sequence import Sequence, SequenceStatus
-from cvllm.engine.speculative import MIN_PROPOSALS, SpeculativeConfig, accepted, propose_ngram
+from cvllm.engine.speculative import MIN_PROPOSALS, TOKEN_BYTES, SpeculativeConfig, accepted, lookup_ngram, token_bytes
 
 
 @dataclass(slots=True)
@@ -97,7 +97,7 @@ class Speculator:
             if k >= 1:
                 wanted.append((seq, k))
         if spec.method == "ngram":
-            proposals = [propose_ngram(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            proposals = [lookup_ngram(verified_bytes(seq), k, spec.prompt_lookup_min, spec.prompt_lookup_max)
                          for seq, k in wanted]
         else:
             # the draft model writes its KV at the verify chunk's positions (draft_model.py), so their blocks are
@@ -124,7 +124,6 @@ class Speculator:
         drafting = self.active
         if (drafting or prev.speculative) and any(seq.grammar is not None for seq in self.scheduler.running):
             return False   # (their matchers read the last step back mid-launch, before detach: LLMEngine._launch)
-        spec = self.config
         for seq, _, _, drafts in prev.rows():
             if seq.seq_id in prev.void or seq.status is not SequenceStatus.RUNNING:
                 continue
@@ -132,16 +131,11 @@ class Speculator:
             if k and seq.spec_rejected:   # its drafts were rejected last time: likely again, and the guess wrong
                 self.hold(seq)
                 continue
-            assumed = seq.token_ids + drafts
             bonus, more = None, []
             budget = self.budget(seq, base + k + 1, seq.spec_proposed + k, seq.spec_accepted + k) if drafting else 0
             if budget:
-                # (a guess, checked before it counts: the shortest match is allowed, it is right more often)
-                hit = propose_ngram(assumed, 1, 1, spec.prompt_lookup_max)
-                if hit:
-                    bonus = hit[0]
-                    more = propose_ngram(assumed + hit, budget, spec.prompt_lookup_min, spec.prompt_lookup_max)
-                elif seq.generator is not None and not seq.sampling_params.greedy:
+                bonus, more = self._lookup_after(seq, drafts, budget)
+                if bonus is None and seq.generator is not None and not seq.sampling_params.greedy:
                     self.hold(seq)   # the synchronous path's drafts for it depend on the bonus token: wait for it
                     continue
             if not k and bonus is None:
@@ -155,6 +149,24 @@ class Speculator:
                 seq.num_inflight = 0
                 self._add_drafts(seq, more)
         return True
+
+    def _lookup_after(self, seq: Sequence, drafts: list[int], budget: int) -> tuple[int | None, list[int]]:
+        """The bonus token the n-gram lookup predicts after ``seq``'s tokens and ``drafts`` (None: no match), and up
+        to ``budget`` drafts after it. The assumed tokens go on the sequence's lookup bytes for the searches and come
+        off again (copying the bytes would cost more than searching them, on a long sequence)."""
+        spec = self.config
+        data = verified_bytes(seq)
+        verified = len(data)
+        data += token_bytes(drafts)
+        try:
+            # (a guess, checked before it counts: the shortest match is allowed, it is right more often)
+            hit = lookup_ngram(data, 1, 1, spec.prompt_lookup_max)
+            if not hit:
+                return None, []
+            data += token_bytes(hit)
+            return hit[0], lookup_ngram(data, budget, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        finally:
+            del data[verified:]
 
     def hold(self, seq: Sequence) -> None:
         """Leave ``seq`` out of the next step: with no token in flight to compute, the scheduler skips it (fit sets
@@ -262,3 +274,14 @@ class Speculator:
         self.pending.clear()
         self._held = []
         self._drafted = []
+
+
+def verified_bytes(seq: Sequence) -> bytearray:
+    """``seq``'s tokens as ``token_bytes``, each converted once (Sequence.ngram_bytes). Called only while every token
+    in ``token_ids`` is verified (drafts and guessed tokens are appended after), and verified tokens never change,
+    so the bytes kept stay a prefix of them."""
+    data = seq.ngram_bytes
+    have = len(data) // TOKEN_BYTES
+    if have < len(seq.token_ids):
+        data += token_bytes(seq.token_ids[have:])
+    return data

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import array
 import itertools
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cvllm.engine.scheduler import ScheduledBatch
@@ -25,17 +27,22 @@ ALIGN = 16
 # the step still in flight: its sampled token ids on the device, and each sampling sequence's row in them
 PreviousTokens = tuple[torch.Tensor, dict[int, int]]
 
+NUMPY_DTYPES = {torch.int64: np.dtype(np.int64), torch.int32: np.dtype(np.int32)}
+
 
 @dataclass(slots=True)
 class HostStep:
     """The host tensors of a step and what the ForwardContext keeps as host lists. ``tensors``, in this order (the
     order of ``layout``): input ids, positions, query starts, sequence lengths, slots, block tables, logits rows,
-    fill ([2, F]: rows here, rows in the in-flight step's sampled ids)."""
+    fill ([2, F]: rows here, rows in the in-flight step's sampled ids). ``packed``: the buffer they are views of,
+    laid out as ``pack`` lays them out (what a device upload and a tensor-parallel broadcast send); None: not
+    packed yet."""
     tensors: list[torch.Tensor]
     query_start: list[int]
     query_lens: list[int]
     seq_lens: list[int]
     is_decode_only: bool
+    packed: torch.Tensor | None = None
 
     @property
     def num_fill(self) -> int:
@@ -44,7 +51,9 @@ class HostStep:
 
 
 def build_host_step(batch: ScheduledBatch, block_size: int, previous_rows: dict[int, int] | None) -> HostStep:
-    """Flat varlen tensors for the batch. Python touches each sequence, never each token.
+    """Flat varlen tensors for the batch, written straight into their packed buffer. Python touches each
+    sequence, never each token; the per-token arithmetic is NumPy's (a call costs a tenth of a torch op's on
+    tensors this small: at batch 1 the fixed cost per op is the whole cost).
 
     ``previous_rows``: seq_id -> row in the sampled ids of the step still in flight; a sequence whose last token
     is among them gets a placeholder id and a ``fill`` entry (row here, row there)."""
@@ -63,29 +72,55 @@ def build_host_step(batch: ScheduledBatch, block_size: int, previous_rows: dict[
             input_ids.append(0)
     seq_lens = [s + n for s, n in zip(starts, qlens)]
     query_start = [0, *itertools.accumulate(qlens)]
+    # a sampled sequence's last row; a speculating one's last 1 + K (every draft position is sampled: speculative.py)
+    logits_rows = [row for i in batch.sample_indices
+                   for row in range(query_start[i + 1] - 1 - seqs[i].num_drafts, query_start[i + 1])]
     max_blocks = max(len(seq.block_table) for seq in seqs)
-    # one flat int32 buffer, padded per row, viewed as [B, max_blocks]: each row is a memcpy of the
-    # sequence's int32 block table (18x cheaper than converting a list's ints at 256 sequences)
+    # the block tables as one flat int32 buffer, padded per row: each row is a memcpy of the sequence's int32
+    # block table (18x cheaper than converting a list's ints at 256 sequences)
     tables = array.array("i")
     padding = array.array("i", [0]) * max_blocks
     for seq in seqs:
         tables.extend(seq.block_table)
         tables.extend(padding[len(seq.block_table):])
 
-    qlens_t = torch.tensor(qlens)
-    seq_index = torch.repeat_interleave(torch.arange(len(seqs)), qlens_t)
-    query_start_t = torch.tensor(query_start, dtype=torch.int32)
-    positions = (torch.arange(len(input_ids)) - query_start_t[:-1].long()[seq_index]
-                 + torch.tensor(starts)[seq_index])
-    block_tables = torch.frombuffer(tables, dtype=torch.int32).view(len(seqs), max_blocks)
-    slots = block_tables[seq_index, positions // bs].long() * bs + positions % bs
-    # a sampled sequence's last row; a speculating one's last 1 + K (every draft position is sampled: speculative.py)
-    logits_indices = torch.tensor([row for i in batch.sample_indices
-                                   for row in range(query_start[i + 1] - 1 - seqs[i].num_drafts, query_start[i + 1])],
-                                  dtype=torch.long)
-    tensors = [torch.tensor(input_ids), positions, query_start_t, torch.tensor(seq_lens, dtype=torch.int32), slots,
-               block_tables, logits_indices, torch.tensor([fill_at, fill_from], dtype=torch.long).view(2, -1)]
-    return HostStep(tensors, query_start, list(qlens), seq_lens, batch.num_prefill_tokens == 0)
+    num_seqs, num_tokens = len(seqs), len(input_ids)
+    shapes = layout(num_tokens, num_seqs, max_blocks, len(logits_rows), len(fill_at))
+    packed = np.zeros(packed_size(shapes), dtype=np.uint8)
+    views = _numpy_views(packed, shapes)
+    ids, positions, query_start_v, seq_lens_v, slots, block_tables, logits_indices, fill = views
+    ids[:] = input_ids
+    query_start_v[:] = query_start
+    seq_lens_v[:] = seq_lens
+    block_tables.reshape(-1)[:] = np.frombuffer(tables, dtype=np.int32)
+    logits_indices[:] = logits_rows
+    fill[0], fill[1] = fill_at, fill_from
+    if num_tokens == num_seqs and min(qlens) == 1:   # a token each (decodes): the positions are the starts
+        positions[:] = starts
+        seq_index = np.arange(num_seqs)
+    else:                         # each chunk's positions run on from its start
+        seq_index = np.repeat(np.arange(num_seqs), qlens)
+        np.subtract(np.arange(num_tokens), np.repeat(np.subtract(query_start[:-1], starts), qlens), out=positions)
+    np.multiply(block_tables[seq_index, positions // bs], bs, out=slots, dtype=np.int64)
+    slots += positions % bs
+    return HostStep([torch.from_numpy(v) for v in views], query_start, list(qlens), seq_lens,
+                    batch.num_prefill_tokens == 0, torch.from_numpy(packed))
+
+
+def packed_size(shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
+    """Bytes of the packed buffer of tensors of these shapes (``pack``: each starts at a multiple of ``ALIGN``)."""
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in shapes]
+    return sum(size + (-size % ALIGN) for size in sizes)
+
+
+def _numpy_views(packed: np.ndarray, shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> list[np.ndarray]:
+    """``unpack`` on a NumPy buffer."""
+    out, offset = [], 0
+    for shape, dtype in shapes:
+        out.append(np.ndarray(shape, NUMPY_DTYPES[dtype], packed, offset))
+        size = math.prod(shape) * dtype.itemsize
+        offset += size + (-size % ALIGN)
+    return out
 
 
 def layout(num_tokens: int, num_seqs: int, max_blocks: int, num_logits: int, num_fill: int
@@ -107,11 +142,17 @@ def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def unpack(packed: torch.Tensor, shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
-    """``pack``'s inverse: views into ``packed`` (on whatever device it is), no copies."""
+    """``pack``'s inverse: views into ``packed`` (on whatever device it is), no copies. Each is one ``as_strided`` of
+    the buffer viewed in its dtype: a slice and two views per tensor cost twice the host time, every step."""
+    typed: dict[torch.dtype, torch.Tensor] = {}
     out, offset = [], 0
     for shape, dtype in shapes:
-        size = torch.Size(shape).numel() * dtype.itemsize
-        out.append(packed[offset:offset + size].view(dtype).view(shape))
+        base = typed.get(dtype)
+        if base is None:
+            base = typed[dtype] = packed.view(dtype)
+        strides = (shape[1], 1) if len(shape) == 2 else (1,)
+        out.append(base.as_strided(shape, strides, base.storage_offset() + offset // dtype.itemsize))
+        size = math.prod(shape) * dtype.itemsize
         offset += size + (-size % ALIGN)
     return out
 
@@ -123,26 +164,26 @@ def host_step_from_packed(packed: torch.Tensor, num_tokens: int, num_seqs: int, 
     query_start = tensors[2].tolist()
     seq_lens = tensors[3].tolist()
     query_lens = [b - a for a, b in zip(query_start, query_start[1:])]
-    return HostStep(tensors, query_start, query_lens, seq_lens, is_decode_only)
+    return HostStep(tensors, query_start, query_lens, seq_lens, is_decode_only, packed)
 
 
-def to_device(host: HostStep, backend, block_size: int, previous_ids: torch.Tensor | None = None,
-              packed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, torch.Tensor]:
+def to_device(host: HostStep, backend, block_size: int, previous_ids: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, torch.Tensor]:
     """(input ids, positions, context, logits rows) on the backend's device, in one non-blocking upload (a decode
-    step has eight inputs, and each copy has a fixed cost). They travel as bytes and are viewed back in their own
-    dtypes: no conversion kernel on the device. ``previous_ids``: the in-flight step's sampled ids on the device,
-    for the ``fill`` rows (None: leave them, a tensor-parallel worker gets them from rank 0). ``packed``:
-    ``pack(host.tensors)`` when the caller has it already."""
+    step has eight inputs, and each copy has a fixed cost) of ``host.packed`` (packed here if the host step has
+    none). They travel as bytes and are viewed back in their own dtypes: no conversion kernel on the device.
+    ``previous_ids``: the in-flight step's sampled ids on the device, for the ``fill`` rows (None: leave them, a
+    tensor-parallel worker gets them from rank 0)."""
     device = backend.device
     if device.type == "cpu":
         ids, positions, query_start, seq_lens, slots, tables, logits_indices, fill = host.tensors
     else:
-        packed = pack(host.tensors) if packed is None else packed
+        packed = pack(host.tensors) if host.packed is None else host.packed
         shapes = [(tuple(t.shape), t.dtype) for t in host.tensors]
         ids, positions, query_start, seq_lens, slots, tables, logits_indices, fill = unpack(
             upload(packed, device), shapes)
     if previous_ids is not None and host.num_fill:   # sampled ids feed the next step's input ids on the device
-        ids[fill[0]] = previous_ids[fill[1]]
+        ids.index_copy_(0, fill[0], previous_ids.index_select(0, fill[1]))   # (cheaper to call than ids[...] = ...)
     ctx = ForwardContext(
         backend=backend,
         query_start_loc=query_start,

@@ -22,7 +22,7 @@ from cvllm.distributed import set_tensor_parallel
 from cvllm.engine.errors import EngineBrokenError
 from cvllm.engine.executor import InProcessExecutor
 from cvllm.engine.model_runner import ModelRunner, build_model, is_decode_path
-from cvllm.engine.step_inputs import build_host_step, pack, to_device
+from cvllm.engine.step_inputs import build_host_step, to_device
 from cvllm.engine.tensor_parallel import messages, rendezvous
 from cvllm.engine.tensor_parallel.watchdog import DEATH_GRACE_S, WorkerWatch, stall_timeout_s
 from cvllm.engine.tensor_parallel.worker import WorkerSpec
@@ -148,10 +148,9 @@ class BroadcastingRunner:
 
     def prepare(self, batch, previous_tokens=None):
         host = build_host_step(batch, self.inner.block_size, previous_tokens[1] if previous_tokens else None)
-        packed = pack(host.tensors)   # the bytes rank 0 uploads are the bytes the workers get
         inputs = to_device(host, self.inner.backend, self.inner.block_size,
-                           previous_tokens[0] if previous_tokens else None, packed=packed)
-        self._sent_host = (host, packed)
+                           previous_tokens[0] if previous_tokens else None)
+        self._sent_host = (host, host.packed)   # the bytes rank 0 uploads are the bytes the workers get
         return inputs
 
     @torch.inference_mode()

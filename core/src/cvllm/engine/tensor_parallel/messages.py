@@ -84,7 +84,7 @@ def receive_step(header: torch.Tensor, backend, block_size: int):
     packed = payload[:packed_bytes]
     host = host_step_from_packed(packed, num_tokens, num_seqs, max_blocks, num_logits, num_fill,
                                  bool(flags & DECODE_ONLY))
-    input_ids, positions, ctx, logits_indices = to_device(host, backend, block_size, packed=packed)
+    input_ids, positions, ctx, logits_indices = to_device(host, backend, block_size)
     if num_fill:
         dist.broadcast(input_ids, 0)   # rank 0's, with the in-flight tokens in place
     if num_extra:
