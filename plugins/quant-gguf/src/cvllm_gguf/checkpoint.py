@@ -255,10 +255,9 @@ def gguf_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMet
         None: loaded dequantized, as before. Not where CUDA is present: there the table serves the GPU backend,
         whose LM head reads a float copy."""
         qtype = quant.weight_types.get(name)
-        # opt-in (CVLLM_GGUF_QUANTIZED_TABLES=1) for now: its bf16-rounded scales move the logits (mean |error| 0.022
-        # against the bf16 copy's 0.013), and the demo model's greedy answer to the README's question derailed
-        # ("L'Étoile, la Marseillaise, ..." for "Paris") where a near tie flipped
-        if os.environ.get(QUANTIZED_TABLES_ENV, "0") != "1":
+        # CVLLM_GGUF_QUANTIZED_TABLES=0: a dequantized copy (an A/B). The planes' logits come from core's C kernel
+        # with float32 scales and sums (int4planes.py): nearer the exact ones than a bf16 copy's
+        if os.environ.get(QUANTIZED_TABLES_ENV, "1") == "0":
             return None
         if mode != "fast" or qtype is None or torch.cuda.is_available() \
                 or not planes_usable(qtype, table.num_embeddings, table.embedding_dim):

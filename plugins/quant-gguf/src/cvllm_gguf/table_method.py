@@ -2,8 +2,9 @@
 
 On the CPU's fast path (a bf16 engine), a table of a type with an int4 plane form (int4planes.py: Q8_0, Q4_*, Q5_*,
 Q4_K, Q5_K) is repacked once into the planes torch's int4-packed matmul reads: the LM head (tied or not) is that
-matmul, the lookups read the same planes back row by row, and no float copy of the table is kept (SmolLM2-135M's
-49152 x 576 Q8_0 embedding: 35 MB of planes instead of a 57 MB bf16 copy, and the matmul reads fewer bytes).
+matmul (core's C kernel with float32 scales and sums where it is built: int4planes.py), the lookups read the same
+planes back row by row, and no float copy of the table is kept (SmolLM2-135M's 49152 x 576 Q8_0 embedding: 28 MB of
+planes and 14 MB of float32 scales instead of a 57 MB bf16 copy).
 Everywhere else (other types, a layout whose rows cannot be read back: the raw blocks stay for the lookups) the
 fallbacks are the plain ones: the table dequantized once to the engine's dtype.
 """
@@ -54,10 +55,12 @@ class GGUFTableMethod(GGUFLinearMethod):
         if layer.gguf_compute is None:
             self.process_weights_after_loading(layer)
         if layer.gguf_compute == "int4planes":
+            # float32 logits where the C kernel computed them (int4planes.py): the runner takes float32 logits
+            # anyway, and rounding them to bf16 would add back an error the kernel avoided
             out = planes_linear(x, layer.int4_planes)
             if bias is not None:
                 out = out + bias.to(out.dtype)
-            return out if out.dtype == x.dtype else out.to(x.dtype)
+            return out
         return dense(x, layer.weight, bias)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
