@@ -79,7 +79,8 @@ def run_pair(make_llm, prompts, params, spec: dict) -> dict:
             wall += seconds
         drafted, accepted, verifications, steps = (after - b for after, b in zip(
             (stats.spec_draft_tokens, stats.spec_accepted_tokens, stats.spec_verifications, stats.steps), before))
-        result[name] = {"tok_s": round(tokens / wall, 1), "tokens": tokens, "wall_s": round(wall, 3), "steps": steps,
+        result[name] = {"async_scheduling": llm.llm_engine.async_scheduling,   # (the engine's, default or not)
+                        "tok_s": round(tokens / wall, 1), "tokens": tokens, "wall_s": round(wall, 3), "steps": steps,
                         "ms_per_step": round(1e3 * wall / steps, 3),
                         "outputs": outputs, "draft_tokens": drafted, "accepted_tokens": accepted,
                         "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
@@ -133,7 +134,7 @@ def main() -> None:
             "benchmark": "speculative", "commit": git_commit(), "date": datetime.date.today().isoformat(),
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
             "command": " ".join(["python bench/speculative.py", *command_flags(sys.argv[1:])]),
-            "k": args.k, "max_tokens": args.max_tokens, "async_scheduling": args.async_scheduling,
+            "k": args.k, "max_tokens": args.max_tokens, "async_scheduling_flag": args.async_scheduling,
             "results": results}, indent=2) + "\n")
 
 
