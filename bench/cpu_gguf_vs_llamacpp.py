@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -66,6 +67,21 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None
             pass
         time.sleep(0.5)
     raise RuntimeError(f"{url} did not answer within {timeout} s")
+
+
+@contextlib.contextmanager
+def served(command: list[str], env: dict, port: int, health: str, log: Path):
+    """A server started from ``command`` (output to ``log``), yielded once ``health`` answers, then stopped."""
+    proc = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}{health}", proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def ours_bs1(gguf: str) -> float:
@@ -118,17 +134,8 @@ async def concurrent_round(base: str, n: int, eos_ids: list[int]) -> dict:
 
 def serve_and_load(command: list[str], port: int, n: int, eos_ids: list[int], log: Path,
                    health: str) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
-    proc = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}{health}", proc)
-        return asyncio.run(concurrent_round(f"http://127.0.0.1:{port}", n, eos_ids))
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with served(command, {**os.environ, "OMP_NUM_THREADS": "2"}, port, health, log) as url:
+        return asyncio.run(concurrent_round(url, n, eos_ids))
 
 
 def main() -> None:

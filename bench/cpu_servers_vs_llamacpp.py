@@ -39,7 +39,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import free_port, git_commit  # noqa: E402
-from cpu_gguf_vs_llamacpp import LLAMACPP_BS1, PROMPT, wait_healthy  # noqa: E402
+from cpu_gguf_vs_llamacpp import LLAMACPP_BS1, PROMPT, served  # noqa: E402
 
 NEW_TOKENS = 128
 EOS_IDS = [0, 2]  # SmolLM2: <|endoftext|>, <|im_end|>
@@ -115,16 +115,8 @@ async def load_server(base: str, streams: int, rounds: int) -> dict:
 
 
 def serve(command: list[str], env: dict, health: str, port: int, streams: int, rounds: int, log: Path) -> dict:
-    proc = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}{health}", proc)
-        return asyncio.run(load_server(f"http://127.0.0.1:{port}", streams, rounds))
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with served(command, env, port, health, log) as url:
+        return asyncio.run(load_server(url, streams, rounds))
 
 
 def main() -> None:
