@@ -100,7 +100,7 @@ def test_the_contract_declares_its_defaults():
     # the rotary and the add + RMSNorm are small C kernels where a C compiler built them (cpu_kernels.py; the norm
     # also only where it is bit-equal to torch's here), else the layers' torch code
     assert (backend.rotary is not None) == (cpu_kernels.load() is not None)
-    assert backend.fused_add_rms_norm is None or cpu_kernels.load() is not None
+    assert (backend.fused_add_rms_norm is not None) == (cpu_kernels.load() is not None)
 
 
 def test_collectives_are_identities_at_world_size_one():
