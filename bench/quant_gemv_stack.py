@@ -7,7 +7,6 @@ split-sum launches, PDL overlap, and back-to-back kernels.
     python bench/quant_gemv_stack.py --json $OUT/quant_gemv_stack.json          # on the H200 (~4 min)
     python bench/quant_gemv_stack.py --layouts q4_k --configs "32,32,4,1" --pps 4
     python bench/quant_gemv_stack.py --defaults --layouts q4_k,q8_0      # each layout's default tiles and split
-                                                         # (int8 layouts also with SELF_QUANTIZE: no quantizer kernel)
 
 Prints microseconds per layer (the four GEMVs), TB/s over the planes' and factors' bytes, and bf16 ``F.linear``
 on the same stack.
@@ -118,12 +117,6 @@ def main() -> None:
                         kernel(xs[k], layer[s], outs[n])
 
             rows["default"] = captured_us(stack, args.layers)
-            if layout.int8_activations:   # each GEMV program rounding its own slice of x, no quantizer kernels
-                quant_gemv_int8.SELF_QUANTIZE = True
-                try:
-                    rows["default, self-quantize"] = captured_us(stack, args.layers)
-                finally:
-                    quant_gemv_int8.SELF_QUANTIZE = False
         for cfg in [] if args.defaults else gemv_configs(args.configs):
             for pps in (int(p) for p in args.pps.split(",")):
                 if time.perf_counter() - started > args.budget_s:

@@ -43,12 +43,8 @@ def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...]):
               "GROUP_SUM": groups_in_thread(block_n, block_w, gw, warps), "STAGES": stages[0] if stages else 1,
               "EVEN": True, "INTERPRET": False, "USE_PDL": False}
     if kind == "int8-gemv":
-        signature = {"x_ptr": "*bf16", "packs_ptr": "*i32", "xd_ptr": "*fp32", "xsum_ptr": "*fp32",
-                     "xblock_sum_ptr": "*fp32", "out_ptr": "*bf16", **PLANES,
-                     "N": "i32", "K": "i32", "SPLIT_WORDS": "i32"}
-        tail = {k: common.pop(k) for k in ("INTERPRET", "USE_PDL")}   # the kernel's parameter order
-        common.update(SELF_QUANTIZE=quant_gemv_int8.SELF_QUANTIZE, QUANTIZE_STEP=quant_gemv_int8.QUANTIZE_BLOCKS,
-                      **tail)
+        signature = {"packs_ptr": "*i32", "xd_ptr": "*fp32", "xsum_ptr": "*fp32", "xblock_sum_ptr": "*fp32",
+                     "out_ptr": "*bf16", **PLANES, "N": "i32", "K": "i32", "SPLIT_WORDS": "i32"}
         return quant_gemv_int8._gemv_int8_kernel, signature, common, warps
     signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", **PLANES, "N": "i32", "K": "i32", "SPLIT_WORDS": "i32",
                  "one_bits": "i32"}

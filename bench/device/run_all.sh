@@ -10,7 +10,6 @@
 # "kvfp8": 256 streams through cvserve with a 16-bit and an FP8 KV cache (~8 min);
 # "spec" (issue 22): the cost of a speculative verify step by batch size, and the demo model with n-gram drafts;
 # "moe" (issue 19): batch-1 latency and 64 streams of the Qwen3-30B-A3B and DeepSeek-V2-Lite shapes (~8 min);
-# "selfquant" (issue 18): the int8 GEMVs with and without their own activation rounding (~4 min);
 # "quant64" (issue 18): 64 streams of bf16, q4k and gptq, Llama-3-8B shape (~7 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
@@ -129,15 +128,6 @@ quant)
     # STAGES;..." narrows the grid); the JSON is rewritten after every layout: a run cut by the timeout keeps those
     run quant-gemv-stack 240 python3 bench/quant_gemv_stack.py --budget-s 200 ${QUANT_LAYOUTS:+--layouts "$QUANT_LAYOUTS"} \
         ${QUANT_CONFIGS:+--configs "$QUANT_CONFIGS"} --json "$out/$day-h200-quant_gemv_stack-$commit.json" ;;
-selfquant)
-    # issue 18's experiment: the int8 GEMVs rounding their own slices of x (no quantizer kernels) against the
-    # quantizer kernels, in the stack of layers and in the model rows (~4 min)
-    run quant-gemv-stack-defaults 150 python3 bench/quant_gemv_stack.py --defaults --layouts q4_k,q8_0 \
-        --json "$out/$day-h200-quant_gemv_stack-selfquant-$commit.json"
-    for q in q4k q8_0; do
-        run latency-isq-$q-selfquant 100 env CVLLM_QUANT_GEMV_SELF_QUANTIZE=1 python3 bench/latency.py --skip-hf \
-            --contexts 1024 --decode-tokens 128 --isq $q --json "$out/$day-h200-latency-isq-$q-selfquant-$commit.json"
-    done ;;
 quant64)
     # issue 18: 64 streams of 1024 in / 1024 out, Llama-3-8B shape, bf16 against 4-bit (the dequantize-in-tile GEMM
     # serves 2-128 rows), offline engine (~2 min a row)
@@ -153,6 +143,6 @@ kvfp8)
             --kv-cache-dtype $kv --json "$out/$day-h200-serving-kv_$kv-$commit.json"
     done ;;
 *)
-    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|kvfp8|moe|selfquant|quant64" >&2
+    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|kvfp8|moe|quant64" >&2
     exit 2 ;;
 esac

@@ -203,23 +203,6 @@ def test_int8_activation_gemv_equals_the_rounded_reference(name, config, n):
     torch.testing.assert_close(quant_matmul(x, weight).cpu(), out.cpu(), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("name", ["q4_k", "q8_0", "q2_k"])
-@pytest.mark.parametrize("splits", [1, 3])
-def test_int8_gemv_rounding_its_own_slices_of_x(name, splits, monkeypatch):
-    """SELF_QUANTIZE (each program rounds its K slice of x, no quantizer kernel): the same output as the quantizer
-    kernel's path, bit for bit, in one split and in three (slices of whole blocks, the last one shorter)."""
-    layout = dataclasses.replace(LAYOUTS.get(name) or QuantLayout(4, 0, 32, 32, b_const=-8), int8_activations=True)
-    weight = random_weight(layout, 48, 1024, DEVICE, seed=5)
-    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(5)).to(DEVICE)
-    outs = []
-    for self_quantize in (False, True):
-        monkeypatch.setattr(quant_gemv_int8, "SELF_QUANTIZE", self_quantize)
-        out = torch.full((1, 48), float("nan"), device=DEVICE)
-        quant_gemv_int8.quant_gemv_int8(x, weight, out, (16, 8, 4), splits)
-        outs.append(out.cpu())
-    assert torch.equal(outs[0], outs[1])
-
-
 def test_int8_activations_are_off_for_high_planes_fp8_and_the_switch(monkeypatch):
     assert not quant_gemv_int8.applies(dataclasses.replace(LAYOUTS["q6_k"], int8_activations=True), 1024)
     assert not quant_gemv_int8.applies(LAYOUTS["q4_k"], 1024)   # not set: GPTQ's W4A16, FP8

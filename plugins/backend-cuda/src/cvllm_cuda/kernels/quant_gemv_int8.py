@@ -48,10 +48,6 @@ from cvllm_cuda.kernels.tuned_matmul import TUNED_QUANT_GEMV, quant_gemv_key
 from cvllm_cuda.quant_planes import QuantLayout, QuantWeight
 
 BLOCK = 32   # inputs per activation scale
-QUANTIZE_BLOCKS = 8   # 32-input blocks per program of the activation quantizer (and per step of SELF_QUANTIZE)
-# Each GEMV program rounds its own slice of x, instead of a quantizer kernel before every GEMV (an experiment, off
-# until timed on the H200: bench/quant_gemv_stack.py --self-quantize)
-SELF_QUANTIZE = os.environ.get("CVLLM_QUANT_GEMV_SELF_QUANTIZE", "0") == "1"
 # (BLOCK_N, BLOCK_W, num_warps[, stages]) by low-plane bits, from bench/quant_gemv_stack.py (a stack of Llama-3-8B
 # layers in one CUDA graph, H200, 2026-12-03): Q4_K 56.4 us a layer (the float GEMV's tiles (32, 32, 4): 60.7),
 # Q8_0 79.3 (106.6); 2-bit unswept
@@ -74,17 +70,9 @@ def _quantize_kernel(x_ptr, packs_ptr, d_ptr, sums_ptr, block_sums_ptr, K, LOW_B
     """BLOCKS blocks of 32 inputs per program: their scales, packs [K / 4], word sums [K * LOW_BITS / 32] and block
     sums [K / 32]."""
     wait_for_previous_kernel(USE_PDL)
-    _quantize_blocks(x_ptr, packs_ptr, d_ptr, sums_ptr, block_sums_ptr, tl.program_id(0) * BLOCKS, K, LOW_BITS,
-                     BLOCKS)
-
-
-@triton.jit
-def _quantize_blocks(x_ptr, packs_ptr, d_ptr, sums_ptr, block_sums_ptr, first, K, LOW_BITS: tl.constexpr,
-                     BLOCKS: tl.constexpr):
-    """Blocks ``first`` to ``first + BLOCKS`` (those below K / 32) of x rounded to int8: see _quantize_kernel."""
     PER_WORD: tl.constexpr = 32 // LOW_BITS
     PHASES: tl.constexpr = 8 // LOW_BITS
-    blocks = first + tl.arange(0, BLOCKS)
+    blocks = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
     ok = blocks < K // 32
     x = tl.load(x_ptr + blocks[:, None] * 32 + tl.arange(0, 32)[None, :], mask=ok[:, None], other=0.0).to(
         tl.float32)
@@ -98,7 +86,7 @@ def _quantize_blocks(x_ptr, packs_ptr, d_ptr, sums_ptr, block_sums_ptr, first, K
     q3 = tl.reshape(q, (BLOCKS * 32 // PER_WORD, 4, PHASES))
     shifts = (tl.arange(0, 4) * 8)[None, :, None]
     packs = tl.reduce((q3 & 0xFF) << shifts, 1, _bit_or)                       # [words, PHASES]
-    words = first * (32 // PER_WORD) + tl.arange(0, BLOCKS * 32 // PER_WORD)
+    words = tl.program_id(0) * (BLOCKS * 32 // PER_WORD) + tl.arange(0, BLOCKS * 32 // PER_WORD)
     word_ok = words < K // PER_WORD
     tl.store(packs_ptr + words[:, None] * PHASES + tl.arange(0, PHASES)[None, :], packs, mask=word_ok[:, None])
     word_d = tl.reshape(tl.broadcast_to(d[:, None], (BLOCKS, 32 // PER_WORD)), (BLOCKS * 32 // PER_WORD,))
@@ -124,21 +112,16 @@ def _dot4(a, b, c, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _gemv_int8_kernel(x_ptr, packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr,
-                      a_ptr, b_ptr, N, K, SPLIT_WORDS,
+def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr,
+                      b_ptr, N, K, SPLIT_WORDS,
                       LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
                       SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
                       HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                       GROUP_WORDS: tl.constexpr, GROUP_SUM: tl.constexpr, STAGES: tl.constexpr,
-                      EVEN: tl.constexpr, SELF_QUANTIZE: tl.constexpr, QUANTIZE_STEP: tl.constexpr,
-                      INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
+                      EVEN: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
     """The float GEMV's tiling and splits (quant_matmul._gemv_kernel), integer dot products per word. Where a factor
     group is one activation block (32 inputs: Q4_0, Q4_1, Q4_K, Q8_0), the group's word products are added as
-    integers and turned into a float once per group and column, not once per word.
-
-    SELF_QUANTIZE: every program rounds its own K slice of x (``x_ptr``) into the activation buffers first, instead
-    of a quantizer kernel before it. Programs of the same slice write the same values to the same places, and a
-    program reads only after a barrier over its own writes, so which program's write lands last does not matter."""
+    integers and turned into a float once per group and column, not once per word."""
     wait_for_previous_kernel(USE_PDL)
     PER_WORD: tl.constexpr = 32 // LOW_BITS
     PHASES: tl.constexpr = 8 // LOW_BITS
@@ -148,10 +131,6 @@ def _gemv_int8_kernel(x_ptr, packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_pt
     cols3 = cols[None, None, :]
     start = tl.program_id(1) * SPLIT_WORDS
     num_words = tl.minimum(K // PER_WORD, start + SPLIT_WORDS)
-    if SELF_QUANTIZE:   # the slice's blocks of 32 inputs (a split is a whole number of blocks: BLOCK_W words)
-        for b0 in range(start * PER_WORD // 32, num_words * PER_WORD // 32, QUANTIZE_STEP):
-            _quantize_blocks(x_ptr, packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, b0, K, LOW_BITS, QUANTIZE_STEP)
-        tl.debug_barrier()
     group_first = tl.arange(0, GROUPS) * GROUP_WORDS
     tile_words = group_first[:, None, None] + tl.arange(0, GROUP_WORDS)[None, :, None]   # [GROUPS, GROUP_WORDS, 1]
     ONE_BLOCK: tl.constexpr = GROUP_WORDS * PER_WORD == 32 and GROUP_SUM   # (quant_tiles.groups_in_thread)
@@ -195,21 +174,17 @@ def _gemv_int8_kernel(x_ptr, packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_pt
     tl.store(out_ptr + tl.program_id(1) * N + cols, total.to(out_ptr.dtype.element_ty), mask=cols < N)
 
 
-
-
-def _activation_buffers(x: torch.Tensor, low_bits: int) -> tuple[torch.Tensor, ...]:
-    k = x.shape[-1]
-    return (torch.empty(k // 4, dtype=torch.int32, device=x.device),
-            torch.empty(k // BLOCK, dtype=torch.float32, device=x.device),
-            torch.empty(k * low_bits // 32, dtype=torch.float32, device=x.device),
-            torch.empty(k // BLOCK, dtype=torch.float32, device=x.device))
+QUANTIZE_BLOCKS = 8   # 32-input blocks per program of the activation quantizer
 
 
 def quantize_activations(x: torch.Tensor, low_bits: int) -> tuple[torch.Tensor, ...]:
     """x [1, K] -> (packs int32 [K / 4], scales float32 [K / 32], word sums float32 [K * low_bits / 32], block sums
     float32 [K / 32])."""
     k = x.shape[-1]
-    packs, scales, sums, block_sums = _activation_buffers(x, low_bits)
+    packs = torch.empty(k // 4, dtype=torch.int32, device=x.device)
+    scales = torch.empty(k // BLOCK, dtype=torch.float32, device=x.device)
+    sums = torch.empty(k * low_bits // 32, dtype=torch.float32, device=x.device)
+    block_sums = torch.empty(k // BLOCK, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(k // BLOCK, QUANTIZE_BLOCKS),)
     _quantize_kernel[grid](x, packs, scales, sums, block_sums, k, LOW_BITS=low_bits, BLOCKS=QUANTIZE_BLOCKS,
                            num_warps=4, **pdl_options(x.device))
@@ -232,17 +207,16 @@ def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, con
     n, k = weight.out_features, weight.in_features
     tuned = None if config else gpu.tuned_entry(TUNED_QUANT_GEMV, x.device, quant_gemv_key(n, k, lay))
     block_n, block_w, warps, *stages = tuned[:4] if tuned else config or INT8_GEMV_CONFIGS[lay.low_bits]
-    activations = _activation_buffers(x, lay.low_bits) if SELF_QUANTIZE else quantize_activations(x, lay.low_bits)
+    activations = quantize_activations(x, lay.low_bits)
     splits, split_words = split_k(cdiv(n, block_n), k, lay.low_bits, block_w, x.device, splits,
                                   tuned[4] if tuned else INT8_PROGRAMS_PER_SM[lay.low_bits])
     target = out if splits == 1 else torch.empty((splits, n), dtype=torch.float32, device=x.device)
     gw = group_words(lay, block_w)
     _gemv_int8_kernel[(cdiv(n, block_n), splits)](
-        x, *activations, target, *kernel_tensors(weight), n, k, split_words, **lay.kernel_args(), BLOCK_N=block_n,
+        *activations, target, *kernel_tensors(weight), n, k, split_words, **lay.kernel_args(), BLOCK_N=block_n,
         BLOCK_W=block_w, GROUP_WORDS=gw, STAGES=stages[0] if stages else 1,
         GROUP_SUM=groups_in_thread(block_n, block_w, gw, warps),
-        EVEN=even_tiles(n, k, lay.low_bits, block_n, split_words), SELF_QUANTIZE=SELF_QUANTIZE,
-        QUANTIZE_STEP=QUANTIZE_BLOCKS,
+        EVEN=even_tiles(n, k, lay.low_bits, block_n, split_words),
         INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=warps, **pdl_options(x.device))
     if splits > 1:
         add_splits(target, out, splits, n)
