@@ -70,6 +70,77 @@ def _gemm_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, 
 
 
 @triton.jit
+def element_values(low, high, first, S, scale, offset, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr,
+                   FLOAT8: tl.constexpr):
+    """float32 values of elements ``first + S`` (S a tensor broadcast against the words): quant_element's integer
+    (or FP8 value) times scale plus offset."""
+    q = (low >> (S * LOW_BITS)) & ((1 << LOW_BITS) - 1)
+    if FLOAT8:
+        v = q.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        if HIGH_BITS > 0:
+            q = q | (((high >> ((first % (32 // HIGH_BITS) + S) * HIGH_BITS)) & ((1 << HIGH_BITS) - 1)) << LOW_BITS)
+        v = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return v * scale + offset
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gemm_unpacked_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, T, N, K, stride_xt,
+                          stride_ot, SPLIT_WORDS,
+                          LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
+                          SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr,
+                          B_CONST: tl.constexpr, HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, GATHER: tl.constexpr, IEEE: tl.constexpr,
+                          UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
+    """out tile [BLOCK_M, BLOCK_N] += x tile [BLOCK_M, BLOCK_K] @ W^T tile [BLOCK_K, BLOCK_N], one ``tl.dot`` a K step
+    over the tile's elements in order (BLOCK_K = BLOCK_W words' elements): the x tile is one contiguous load. The
+    weight tile is unpacked from words [BLOCK_W, BLOCK_N] broadcast against the element positions and reshaped
+    (GATHER False), or loaded as [BLOCK_K, BLOCK_N] words, each word once per element it holds (GATHER: cached
+    loads instead of a reshape). Split over K like the GEMV."""
+    wait_for_previous_kernel(USE_PDL)
+    PER_WORD: tl.constexpr = 32 // LOW_BITS
+    BLOCK_K: tl.constexpr = BLOCK_W * PER_WORD
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ts = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    t_ok = ts < T
+    x_rows = x_ptr + ts.to(tl.int64)[:, None] * stride_xt
+    start = tl.program_id(2) * SPLIT_WORDS
+    num_words = tl.minimum(K // PER_WORD, start + SPLIT_WORDS)
+    out_ptr += tl.program_id(2).to(tl.int64) * T * N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for w0 in range(start, num_words, BLOCK_W):
+        ks = w0 * PER_WORD + tl.arange(0, BLOCK_K)
+        k_ok = ks < num_words * PER_WORD
+        x = tl.load(x_rows + ks[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        if GATHER:
+            words = ks // PER_WORD
+            first, low, high, scale, offset = tile(low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, words, k_ok, cols,
+                                                    col_ok, N, LOW_BITS, HIGH_BITS, SCALE_GROUP, SUPER_GROUP, A_MODE,
+                                                    B_MODE, B_CONST, HAS_M)
+            w = element_values(low, high, first, (ks % PER_WORD)[:, None], scale, offset, LOW_BITS, HIGH_BITS,
+                               FLOAT8)
+        else:
+            words = w0 + tl.arange(0, BLOCK_W)
+            first, low, high, scale, offset = tile(low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, words,
+                                                    words < num_words, cols, col_ok, N, LOW_BITS, HIGH_BITS,
+                                                    SCALE_GROUP, SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
+            S = tl.arange(0, PER_WORD)[None, :, None]
+            w3 = element_values(low[:, None, :], high[:, None, :], first[:, None, :], S, scale[:, None, :],
+                                offset[:, None, :], LOW_BITS, HIGH_BITS, FLOAT8)
+            w = tl.reshape(w3, (BLOCK_K, BLOCK_N))
+        w = w.to(x.dtype)
+        if UPCAST:
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        elif IEEE:
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+    out_ptrs = out_ptr + ts.to(tl.int64)[:, None] * stride_ot + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _dequantize_kernel(out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K,
                        LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
                        SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
@@ -92,29 +163,39 @@ def _dequantize_kernel(out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N
 
 # (BLOCK_N, BLOCK_W, num_warps, num_stages) of the GEMM and (BLOCK_N, BLOCK_W, num_warps) of the dequantization,
 # by low-plane bits; set from bench/quant_matmul_sweep.py
-GEMM_CONFIGS = {2: (32, 64, 4, 3), 4: (32, 64, 4, 3), 8: (32, 64, 4, 3)}
+GEMM_CONFIGS = {2: (64, 8, 4, 3), 4: (64, 16, 4, 3), 8: (64, 32, 4, 3)}
 DEQUANT_CONFIGS = {2: (256, 8, 4), 4: (256, 8, 4), 8: (128, 4, 4)}
 # rows of x up to which the dequantize-in-tile GEMM runs; more rows (prefill) dequantize the weight once and call
 # cuBLAS. Decode batches stay below it: dequantizing every weight to bf16 each step writes and reads back a bf16
 # model per step. 128 is reasoned, not yet measured (the sweep times 64 and 256 rows both ways)
 GEMM_MAX_ROWS = 128
+# which GEMM kernel: "per-position" (_gemm_kernel), "unpacked" or "gather" (_gemm_unpacked_kernel)
+GEMM_VARIANT = "unpacked"
 
 
 def quant_gemm(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple | None = None,
                splits: int | None = None) -> None:
     """out = x @ weight.T for x [T, K] (last dimension contiguous) and out [T, N] (last dimension contiguous).
     ``config``: (BLOCK_N, BLOCK_W, num_warps, num_stages[, BLOCK_M])."""
-    block_n, block_w, warps, stages, *block_m = config or GEMM_CONFIGS[weight.layout.low_bits]
+    block_n, block_w, warps, stages, *rest = config or GEMM_CONFIGS[weight.layout.low_bits]
     t, n, k = x.shape[0], weight.out_features, weight.in_features
-    block_m = block_m[0] if block_m else 16 if t <= 16 else 32 if t <= 32 else 64 if t <= 64 else 128
+    block_m = rest[0] if rest and rest[0] else 16 if t <= 16 else 32 if t <= 32 else 64 if t <= 64 else 128
+    variant = rest[1] if len(rest) > 1 else GEMM_VARIANT
     programs = cdiv(n, block_n) * cdiv(t, block_m)
     splits, split_words = split_k(programs, k, weight.layout.low_bits, block_w, x.device, splits)
     target = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
     grid = (cdiv(n, block_n), cdiv(t, block_m), splits)
-    _gemm_kernel[grid](x, target, *kernel_tensors(weight), t, n, k, x.stride(0), target.stride(-2), split_words,
-                       **weight.layout.kernel_args(), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w,
-                       IEEE=x.dtype == torch.float32, UPCAST=upcast(x.dtype), num_warps=warps, num_stages=stages,
-                       **pdl_options(x.device))
+    if variant == "per-position":
+        _gemm_kernel[grid](x, target, *kernel_tensors(weight), t, n, k, x.stride(0), target.stride(-2), split_words,
+                           **weight.layout.kernel_args(), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w,
+                           IEEE=x.dtype == torch.float32, UPCAST=upcast(x.dtype), num_warps=warps, num_stages=stages,
+                           **pdl_options(x.device))
+    else:
+        _gemm_unpacked_kernel[grid](x, target, *kernel_tensors(weight), t, n, k, x.stride(0), target.stride(-2),
+                                    split_words, **weight.layout.kernel_args(), BLOCK_M=block_m, BLOCK_N=block_n,
+                                    BLOCK_W=block_w, GATHER=variant == "gather", IEEE=x.dtype == torch.float32,
+                                    UPCAST=upcast(x.dtype), num_warps=warps, num_stages=stages,
+                                    **pdl_options(x.device))
     if splits > 1:
         add_splits(target, out, splits, n)
 
