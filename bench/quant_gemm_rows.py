@@ -1,14 +1,13 @@
 """The low-bit GEMM of decode batches (cvllm_cuda/kernels/quant_matmul.py, 2 to GEMM_MAX_ROWS rows) on
-Llama-3-8B's projection shapes: each kernel variant ("per-position": a ``tl.dot`` per element position of the words;
-"unpacked": one ``tl.dot`` a K step over the words unpacked by a reshape; "gather": the same with each word loaded
-once per element) and tile config, against bf16 ``F.linear`` and dequantize + cuBLAS, by rows of x. The kernels
-compile first in worker processes (Triton's disk cache), each config checked against float32 on a smaller weight;
-then the main process times them one at a time. Prints, per layout and rows, a layer's four GEMMs summed for the
-best config of each variant; ``--best-config FILE`` writes the fastest q4_k/q8_0 configs at ``--pick-rows`` rows.
+Llama-3-8B's projection shapes, by rows of x: the unpacked kernel's tiles and the per-position kernel's default,
+against bf16 cuBLAS and dequantize + cuBLAS, each timed as a layer's four GEMMs captured in one CUDA graph (two
+layers' weights, so that they come from HBM; a launch's host cost is not counted, as in the decode graphs). The
+kernels compile first in worker processes (Triton's disk cache), each tile checked against float32 on a smaller
+weight; the main process then times them one at a time. ``--best-config FILE`` writes the fastest unpacked tile per
+plane width at ``--pick-rows`` rows.
 
     python bench/quant_gemm_rows.py --json $OUT/quant_gemm_rows.json          # on the H200 (~3 min)
-
-Times are triton.testing.do_bench medians (the L2 flushed before each call), microseconds.
+    TRITON_INTERPRET=1 python bench/quant_gemm_rows.py --smoke                # the code path, on a CPU
 """
 
 from __future__ import annotations
@@ -21,27 +20,27 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-import triton
 
+sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "plugins/backend-cuda/tests"))
+from common import captured_us  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 DEV = "cuda" if torch.cuda.is_available() else "cpu"   # cpu: Triton's interpreter (a smoke run: --smoke)
 ROWS = (4, 16, 64, 128)
-# (BLOCK_N, BLOCK_W at 4-bit, warps, stages): BLOCK_W scales with the plane width so that a K step stays
-# BLOCK_W * 32 / bits elements
-UNPACKED = [(64, 16, 4, 3), (128, 16, 4, 3), (64, 32, 4, 3), (128, 8, 4, 4), (256, 16, 8, 3), (128, 16, 8, 3),
-            (64, 16, 4, 4), (32, 16, 4, 3)]
-GATHER = UNPACKED[:4]
-PER_POSITION = [(32, 64, 4, 3)]   # the old default
+LAYERS = 2
+# the unpacked kernel's (BLOCK_N, BLOCK_W at 4-bit, warps, stages): BLOCK_W scales with the plane width, so that a K
+# step is BLOCK_W * 8 elements at every width. (On the H200 at 0396969: (64, 32, 4, 3) and (256, 16, 8, 3) ran out
+# of shared memory for q4_k.)
+UNPACKED = [(128, 8, 4, 4), (64, 16, 4, 4), (64, 16, 4, 3), (128, 16, 4, 3), (128, 8, 4, 3), (128, 8, 8, 4),
+            (256, 8, 8, 3), (64, 8, 4, 4), (32, 16, 4, 3), (128, 4, 4, 4)]
 
 
 def configs(low_bits: int):
-    scale = lambda bw: max(1, bw * low_bits // 4)   # noqa: E731
-    for variant, table in (("per-position", PER_POSITION), ("unpacked", UNPACKED), ("gather", GATHER)):
-        for bn, bw, warps, stages in table:
-            yield variant, (bn, bw if variant == "per-position" else scale(bw), warps, stages)
+    from cvllm_cuda.kernels.quant_matmul import PER_POSITION_CONFIGS
+    yield "per-position", PER_POSITION_CONFIGS[low_bits]
+    for bn, bw, warps, stages in UNPACKED:
+        yield "unpacked", (bn, max(1, bw * low_bits // 4), warps, stages)
 
 
 def planes_on_gpu(layout, n: int, k: int):
@@ -61,8 +60,8 @@ def planes_on_gpu(layout, n: int, k: int):
 
 
 def compile_and_check(job):
-    """Worker: compile one (layout, variant, config) at every rows and shape; its max error against float32."""
-    name, variant, cfg, shapes = job
+    """Worker: compile one (layout, kernel, tile) at every rows and shape; its max error against float32."""
+    name, kernel, cfg, shapes = job
     from test_quant_matmul import LAYOUTS, random_weight
 
     from cvllm_cuda.kernels.quant_matmul import quant_gemm
@@ -76,25 +75,27 @@ def compile_and_check(job):
         for t in ROWS:
             x = torch.randn(t, k0, device=DEV, dtype=torch.bfloat16)
             out = torch.empty(t, n0, device=DEV, dtype=torch.bfloat16)
-            quant_gemm(x, small, out, (*cfg, 0, variant))
+            quant_gemm(x, small, out, cfg, kernel=kernel)
             ref = x.float() @ ref_w
             err = max(err, ((out.float() - ref).abs().max() / ref.abs().max()).item())
         for n, k in shapes:
             weight = planes_on_gpu(layout, n, k)
             for t in ROWS:
                 x = torch.randn(t, k, device=DEV, dtype=torch.bfloat16)
-                quant_gemm(x, weight, torch.empty(t, n, device=DEV, dtype=torch.bfloat16), (*cfg, 0, variant))
+                quant_gemm(x, weight, torch.empty(t, n, device=DEV, dtype=torch.bfloat16), cfg, kernel=kernel)
         return job[:3], err, None
     except Exception as exc:   # out of shared memory or registers, a compile error
         return job[:3], None, f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
-def time_us(fn) -> float:
+def layer_us(gemm) -> float:
+    """``gemm(layer, shape)`` for every layer and shape, captured in one CUDA graph: microseconds a layer."""
+    run = lambda: [gemm(layer, shape) for layer in range(LAYERS) for shape in SHAPES]   # noqa: E731
     if DEV == "cpu":   # the smoke run: the code path, not a time
         started = time.perf_counter()
-        fn()
-        return (time.perf_counter() - started) * 1e6
-    return triton.testing.do_bench(fn, warmup=5, rep=25) * 1e3
+        run()
+        return (time.perf_counter() - started) * 1e6 / LAYERS
+    return captured_us(run, per=LAYERS)
 
 
 def main() -> None:
@@ -102,7 +103,7 @@ def main() -> None:
     ap.add_argument("--layouts", default="q4_k,q8_0,gptq4_g128,q6_k")
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--pick-rows", type=int, default=64)
-    ap.add_argument("--best-config", help="write {low_bits: [BN, BW, warps, stages, 0, variant]} here")
+    ap.add_argument("--best-config", help="write {low_bits: [BLOCK_N, BLOCK_W, warps, stages]} here")
     ap.add_argument("--json")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, two layouts (TRITON_INTERPRET=1, no GPU)")
     args = ap.parse_args()
@@ -114,59 +115,55 @@ def main() -> None:
 
     from cvllm_cuda.kernels.quant_matmul import dequantize_weight, quant_gemm
     names = args.layouts.split(",")
-    jobs = [(name, variant, cfg, list(SHAPES.values()))
-            for name in names for variant, cfg in configs(LAYOUTS[name].low_bits)]
+    jobs = [(name, kernel, cfg, list(SHAPES.values()))
+            for name in names for kernel, cfg in configs(LAYOUTS[name].low_bits)]
     started = time.perf_counter()
     with mp.get_context("spawn").Pool(args.workers) as pool:
         checked = pool.map(compile_and_check, jobs, chunksize=1)
     print(f"compiled and checked {len(jobs)} kernels in {time.perf_counter() - started:.0f} s", flush=True)
     results = {"bf16": {}, "dequant+cublas": {}, "gemm": {}, "errors": {}}
-    for (name, variant, cfg), err, problem in checked:
-        results["errors"][f"{name}/{variant}/{cfg}"] = problem or err
+    for (name, kernel, cfg), err, problem in checked:
+        results["errors"][f"{name}/{kernel}/{cfg}"] = problem or err
         if problem:
-            print(f"  {name} {variant} {cfg}: {problem}", flush=True)
-    for shape, (n, k) in SHAPES.items():
-        w16 = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
-        for t in ROWS:
-            x = torch.randn(t, k, device=DEV, dtype=torch.bfloat16)
-            results["bf16"][f"{shape}/{t}"] = time_us(lambda: F.linear(x, w16))  # noqa: B023, F821  (called at once)
-        del w16
+            print(f"  {name} {kernel} {cfg}: {problem}", flush=True)
+        elif err > 2e-2:
+            print(f"  {name} {kernel} {cfg}: max error {err:.1e} of the largest output", flush=True)
+    xs = {t: {s: torch.randn(t, k, device=DEV, dtype=torch.bfloat16) for s, (_, k) in SHAPES.items()} for t in ROWS}
+    outs = {t: {s: torch.empty(t, n, device=DEV, dtype=torch.bfloat16) for s, (n, _) in SHAPES.items()} for t in ROWS}
+    w16 = [{s: torch.randn(n, k, device=DEV, dtype=torch.bfloat16) for s, (n, k) in SHAPES.items()}
+           for _ in range(LAYERS)]
+    for t in ROWS:
+        results["bf16"][t] = layer_us(lambda i, s: torch.matmul(xs[t][s], w16[i][s].t(), out=outs[t][s]))  # noqa: B023
+    w16.clear()
     for name in names:
-        layout = LAYOUTS[name]
-        for shape, (n, k) in SHAPES.items():
-            weight = planes_on_gpu(layout, n, k)
-            x = torch.randn(64, k, device=DEV, dtype=torch.bfloat16)
-            results["dequant+cublas"][f"{name}/{shape}/64"] = time_us(
-                lambda: x @ dequantize_weight(weight, torch.bfloat16))  # noqa: B023, F821
-            for t in ROWS:
-                x = torch.randn(t, k, device=DEV, dtype=torch.bfloat16)
-                out = torch.empty(t, n, device=DEV, dtype=torch.bfloat16)
-                for (jname, variant, cfg), _, problem in checked:
-                    if jname != name or problem:
-                        continue
-                    results["gemm"][f"{name}/{variant}/{cfg}/{shape}/{t}"] = time_us(
-                        lambda: quant_gemm(x, weight, out, (*cfg, 0, variant)))  # noqa: B023, F821
-            del weight
-    # a layer's four GEMMs summed, per layout, rows and variant: the best config of each
+        weights = [{s: planes_on_gpu(LAYOUTS[name], n, k) for s, (n, k) in SHAPES.items()} for _ in range(LAYERS)]
+        results["dequant+cublas"][f"{name}/64"] = layer_us(lambda i, s: torch.matmul(
+            xs[64][s], dequantize_weight(weights[i][s], torch.bfloat16), out=outs[64][s]))  # noqa: B023
+        for t in ROWS:
+            for (jname, kernel, cfg), _, problem in checked:
+                if jname == name and not problem:
+                    results["gemm"][f"{name}/{kernel}/{cfg}/{t}"] = layer_us(
+                        lambda i, s: quant_gemm(xs[t][s], weights[i][s], outs[t][s], cfg, kernel=kernel))  # noqa: B023
+        weights.clear()   # (before the next layout's are drawn)
+    # per layout and rows: bf16, the per-position kernel, the best unpacked tile
     best_cfg = {}
     table = {}
     for name in names:
         for t in ROWS:
-            bf16 = sum(results["bf16"][f"{s}/{t}"] for s in SHAPES)
-            line = f"{name:11s} T={t:<4d} bf16 {bf16:7.1f} us"
-            for variant in ("per-position", "unpacked", "gather"):
-                sums = {}
-                for (jname, v, cfg), _, problem in checked:
-                    if jname == name and v == variant and not problem:
-                        sums[cfg] = sum(results["gemm"][f"{name}/{v}/{cfg}/{s}/{t}"] for s in SHAPES)
-                if sums:
-                    cfg, us = min(sums.items(), key=lambda kv: kv[1])
-                    table[f"{name}/{t}/{variant}"] = [list(cfg), us]
-                    line += f" | {variant} {us:7.1f} {cfg}"
-                    if t == args.pick_rows and name in ("q4_k", "q8_0", "gptq4_g128"):
-                        bits = LAYOUTS[name].low_bits
-                        if bits not in best_cfg or us < best_cfg[bits][1]:
-                            best_cfg[bits] = ([*cfg, 0, variant], us)
+            line = f"{name:11s} T={t:<4d} bf16 {results['bf16'][t]:7.1f} us a layer"
+            for kernel in ("per-position", "unpacked"):
+                timed = {cfg: results["gemm"][f"{name}/{kernel}/{cfg}/{t}"]
+                         for (jname, k, cfg), _, problem in checked if jname == name and k == kernel and not problem}
+                if timed:
+                    cfg, us = min(timed.items(), key=lambda kv: kv[1])
+                    table[f"{name}/{t}/{kernel}"] = [list(cfg), us]
+                    line += f" | {kernel} {us:7.1f} {cfg}"
+                    bits = LAYOUTS[name].low_bits
+                    faster = bits not in best_cfg or us < best_cfg[bits][1]
+                    if kernel == "unpacked" and t == args.pick_rows and faster:
+                        best_cfg[bits] = (list(cfg), us)
+            if t == 64:
+                line += f" | dequantize + cuBLAS {results['dequant+cublas'][f'{name}/64']:7.1f}"
             print(line, flush=True)
     results["table"] = table
     if args.best_config:

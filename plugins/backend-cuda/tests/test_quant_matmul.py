@@ -20,6 +20,7 @@ from cvllm_cuda.kernels.quant_matmul import (  # noqa: E402
     GEMM_CONFIGS,
     GEMM_MAX_ROWS,
     GEMV_CONFIGS,
+    PER_POSITION_CONFIGS,
     dequantize_weight,
     quant_gemm,
     quant_gemv,
@@ -152,7 +153,49 @@ def test_gemm_config_may_set_block_m():
 
 
 def test_configs_cover_every_plane_width():
-    assert set(GEMV_CONFIGS) == set(GEMM_CONFIGS) == set(DEQUANT_CONFIGS) == {2, 4, 8}
+    assert set(GEMV_CONFIGS) == set(GEMM_CONFIGS) == set(PER_POSITION_CONFIGS) == set(DEQUANT_CONFIGS) == {2, 4, 8}
+
+
+@pytest.mark.parametrize("name", ["q4_k", "q6_k", "q2_k", "q8_0", "fp8_block128"])
+def test_per_position_kernel_equals_the_reference(name):
+    """The per-position GEMM (kept for tiles the unpacked kernel's does not fit) on its own."""
+    weight = random_weight(LAYOUTS[name], 13, 512, DEVICE, seed=11)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(11)).to(DEVICE)
+    out = torch.empty(3, 13, device=DEVICE)
+    quant_gemm(x, weight, out, kernel="per-position")
+    ref = x @ dequantize_planes(weight).T
+    torch.testing.assert_close(out.cpu(), ref.cpu(), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_a_tile_that_does_not_fit_falls_back_to_the_per_position_kernel(monkeypatch, caplog):
+    """Out of shared memory for the unpacked kernel's default tile (a GPU's limit: raised by hand here): the call
+    still answers, through the per-position kernel, and later calls of that layout and row tile go there at once."""
+    from triton.runtime.errors import OutOfResources
+
+    from cvllm_cuda.kernels import quant_matmul as qm
+    calls = []
+    real = qm._gemm
+
+    def gemm(x, weight, out, config, splits, kernel):
+        calls.append(kernel)
+        if kernel == "unpacked":
+            raise OutOfResources(270336, 232448, "shared memory")
+        real(x, weight, out, config, splits, kernel)
+
+    monkeypatch.setattr(qm, "_gemm", gemm)
+    monkeypatch.setattr(qm, "_DOES_NOT_FIT", set())
+    monkeypatch.setattr(qm, "_COMPILED", set())
+    weight = random_weight(LAYOUTS["q4_k"], 20, 256, DEVICE, seed=12)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    ref = x @ dequantize_planes(weight).T
+    for _ in range(2):
+        out = torch.empty(4, 20, device=DEVICE)
+        quant_gemm(x, weight, out)
+        torch.testing.assert_close(out.cpu(), ref.cpu(), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert calls == ["unpacked", "per-position", "per-position"]
+    assert "per-position kernel serves it" in caplog.text and "OutOfResources" in caplog.text
+    with pytest.raises(OutOfResources):   # an explicit tile is the caller's: no fallback
+        quant_gemm(x, weight, out, config=(128, 8, 4, 4), kernel="unpacked")
 
 
 @needs_gpu
@@ -160,7 +203,10 @@ def test_configs_cover_every_plane_width():
 @pytest.mark.parametrize("name", LAYOUTS)
 @pytest.mark.parametrize("t", [1, 2, 8, 16, 33, 300])
 def test_gpu_shapes(name, t):
+    from cvllm_cuda.kernels import quant_matmul as qm
     check(random_weight(LAYOUTS[name], 1000, 4096, DEVICE, seed=t), t, torch.bfloat16)
+    # the default GEMM tile compiled for every layout: no fallback to the per-position kernel
+    assert not qm._DOES_NOT_FIT, qm._DOES_NOT_FIT
 
 
 @needs_gpu

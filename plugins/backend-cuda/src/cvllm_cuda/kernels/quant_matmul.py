@@ -3,9 +3,10 @@ planes [K * bits / 32, N], factors [K / group, N]), dequantized in registers as 
 
 - One row of x (the batch-1 decode step): the GEMV, quant_gemv_int8.py where the layout allows llama.cpp's int8
   activations, else quant_gemv.py.
-- 2 to GEMM_MAX_ROWS rows (decode batches): per element position S one ``tl.dot`` of the x columns ``first + S``
-  with the dequantized tile (the sum over K does not care about the order of its terms), float32 accumulators,
-  split over K like the GEMV.
+- 2 to GEMM_MAX_ROWS rows (decode batches, speculative verify steps): a K step's words unpacked into one tile
+  [BLOCK_K, BLOCK_N] in order, one ``tl.dot`` with a contiguous x tile, float32 accumulators, split over K like the
+  GEMV. (The older per-position kernel, a ``tl.dot`` per element position S of the words with the x columns
+  ``first + S``, stays for a tile that does not fit.)
 - More rows (prefill): one kernel writes W^T in x's dtype, and cuBLAS multiplies.
 
 Launches allocate only the output (and the split partial sums) and never read a value back to the host: they are
@@ -14,9 +15,12 @@ captured in the decode CUDA graphs.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
+from triton.errors import TritonError
 
 from cvllm_cuda.kernels.pdl import options as pdl_options
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
@@ -25,8 +29,10 @@ from cvllm_cuda.kernels.quant_tiles import add_splits, kernel_tensors, quant_ele
 from cvllm_cuda.kernels.sizes import cdiv
 from cvllm_cuda.quant_planes import QuantWeight
 
-__all__ = ["DEQUANT_CONFIGS", "GEMM_CONFIGS", "GEMM_MAX_ROWS", "GEMV_CONFIGS", "dequantize_weight", "quant_gemm",
-           "quant_gemv", "quant_linear", "quant_matmul"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["DEQUANT_CONFIGS", "GEMM_CONFIGS", "GEMM_MAX_ROWS", "GEMV_CONFIGS", "PER_POSITION_CONFIGS",
+           "dequantize_weight", "quant_gemm", "quant_gemv", "quant_linear", "quant_matmul"]
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -90,13 +96,12 @@ def _gemm_unpacked_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr
                           LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
                           SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr,
                           B_CONST: tl.constexpr, HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, GATHER: tl.constexpr, IEEE: tl.constexpr,
-                          UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                          USE_PDL: tl.constexpr):
     """out tile [BLOCK_M, BLOCK_N] += x tile [BLOCK_M, BLOCK_K] @ W^T tile [BLOCK_K, BLOCK_N], one ``tl.dot`` a K step
-    over the tile's elements in order (BLOCK_K = BLOCK_W words' elements): the x tile is one contiguous load. The
-    weight tile is unpacked from words [BLOCK_W, BLOCK_N] broadcast against the element positions and reshaped
-    (GATHER False), or loaded as [BLOCK_K, BLOCK_N] words, each word once per element it holds (GATHER: cached
-    loads instead of a reshape). Split over K like the GEMV."""
+    (BLOCK_K = the BLOCK_W words' elements, in order): the words [BLOCK_W, BLOCK_N] are broadcast against their
+    element positions and reshaped into the tile, so the x tile is one contiguous load. Split over K like the
+    GEMV."""
     wait_for_previous_kernel(USE_PDL)
     PER_WORD: tl.constexpr = 32 // LOW_BITS
     BLOCK_K: tl.constexpr = BLOCK_W * PER_WORD
@@ -111,25 +116,15 @@ def _gemm_unpacked_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for w0 in range(start, num_words, BLOCK_W):
         ks = w0 * PER_WORD + tl.arange(0, BLOCK_K)
-        k_ok = ks < num_words * PER_WORD
-        x = tl.load(x_rows + ks[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-        if GATHER:
-            words = ks // PER_WORD
-            first, low, high, scale, offset = tile(low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, words, k_ok, cols,
-                                                    col_ok, N, LOW_BITS, HIGH_BITS, SCALE_GROUP, SUPER_GROUP, A_MODE,
-                                                    B_MODE, B_CONST, HAS_M)
-            w = element_values(low, high, first, (ks % PER_WORD)[:, None], scale, offset, LOW_BITS, HIGH_BITS,
-                               FLOAT8)
-        else:
-            words = w0 + tl.arange(0, BLOCK_W)
-            first, low, high, scale, offset = tile(low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, words,
-                                                    words < num_words, cols, col_ok, N, LOW_BITS, HIGH_BITS,
-                                                    SCALE_GROUP, SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
-            S = tl.arange(0, PER_WORD)[None, :, None]
-            w3 = element_values(low[:, None, :], high[:, None, :], first[:, None, :], S, scale[:, None, :],
-                                offset[:, None, :], LOW_BITS, HIGH_BITS, FLOAT8)
-            w = tl.reshape(w3, (BLOCK_K, BLOCK_N))
-        w = w.to(x.dtype)
+        x = tl.load(x_rows + ks[None, :], mask=t_ok[:, None] & (ks < num_words * PER_WORD)[None, :], other=0.0)
+        words = w0 + tl.arange(0, BLOCK_W)
+        first, low, high, scale, offset = tile(low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, words,
+                                                words < num_words, cols, col_ok, N, LOW_BITS, HIGH_BITS,
+                                                SCALE_GROUP, SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
+        S = tl.arange(0, PER_WORD)[None, :, None]
+        w3 = element_values(low[:, None, :], high[:, None, :], first[:, None, :], S, scale[:, None, :],
+                            offset[:, None, :], LOW_BITS, HIGH_BITS, FLOAT8)
+        w = tl.reshape(w3, (BLOCK_K, BLOCK_N)).to(x.dtype)
         if UPCAST:
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         elif IEEE:
@@ -161,41 +156,66 @@ def _dequantize_kernel(out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N
         tl.store(ptrs, w.to(out_ptr.dtype.element_ty), mask=word_ok[:, None] & col_ok[None, :])
 
 
-# (BLOCK_N, BLOCK_W, num_warps, num_stages) of the GEMM and (BLOCK_N, BLOCK_W, num_warps) of the dequantization,
-# by low-plane bits; set from bench/quant_matmul_sweep.py
-GEMM_CONFIGS = {2: (64, 8, 4, 3), 4: (64, 16, 4, 3), 8: (64, 32, 4, 3)}
+# (BLOCK_N, BLOCK_W, num_warps, num_stages) of the GEMM, by low-plane bits: the unpacked kernel, a K step of 64
+# elements at every width. 4-bit: the fastest of bench/quant_gemm_rows.py's tiles at 4, 64 and 128 rows on the H200
+# (q4_k); 2- and 8-bit take the same step and tile, not yet timed
+GEMM_CONFIGS = {2: (128, 4, 4, 4), 4: (128, 8, 4, 4), 8: (128, 16, 4, 4)}
+# the per-position kernel's (a tl.dot per element position of the words, x read at a stride): 8x slower than the
+# unpacked one at 64 rows and 17x at 128, kept for a layout and row tile the unpacked tile does not fit (out of shared
+# memory; logged once)
+PER_POSITION_CONFIGS = {2: (32, 64, 4, 3), 4: (32, 64, 4, 3), 8: (32, 64, 4, 3)}
+# (BLOCK_N, BLOCK_W, num_warps) of the dequantization, set from bench/quant_matmul_sweep.py
 DEQUANT_CONFIGS = {2: (256, 8, 4), 4: (256, 8, 4), 8: (128, 4, 4)}
 # rows of x up to which the dequantize-in-tile GEMM runs; more rows (prefill) dequantize the weight once and call
 # cuBLAS. Decode batches stay below it: dequantizing every weight to bf16 each step writes and reads back a bf16
-# model per step. 128 is reasoned, not yet measured (the sweep times 64 and 256 rows both ways)
+# model per step. 128 is reasoned, not yet measured end to end
 GEMM_MAX_ROWS = 128
-# which GEMM kernel: "per-position" (_gemm_kernel), "unpacked" or "gather" (_gemm_unpacked_kernel)
-GEMM_VARIANT = "unpacked"
+_COMPILED: set = set()      # (layout, BLOCK_M) the unpacked kernel's default tile has run for
+_DOES_NOT_FIT: set = set()  # (layout, BLOCK_M) it failed to compile for: the per-position kernel serves those
+
+
+def _block_m(t: int) -> int:
+    return 16 if t <= 16 else 32 if t <= 32 else 64 if t <= 64 else 128
 
 
 def quant_gemm(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple | None = None,
-               splits: int | None = None) -> None:
+               splits: int | None = None, kernel: str = "unpacked") -> None:
     """out = x @ weight.T for x [T, K] (last dimension contiguous) and out [T, N] (last dimension contiguous).
-    ``config``: (BLOCK_N, BLOCK_W, num_warps, num_stages[, BLOCK_M])."""
-    block_n, block_w, warps, stages, *rest = config or GEMM_CONFIGS[weight.layout.low_bits]
+    ``config``: (BLOCK_N, BLOCK_W, num_warps, num_stages[, BLOCK_M]) of ``kernel`` ("unpacked" or
+    "per-position")."""
+    key = (weight.layout, _block_m(x.shape[0]))
+    if config is not None or kernel != "unpacked" or key in _COMPILED:
+        _gemm(x, weight, out, config, splits, kernel)
+        return
+    if key not in _DOES_NOT_FIT:
+        try:   # the first launch compiles: a tile this GPU cannot hold (shared memory) fails here, before any work
+            _gemm(x, weight, out, None, splits, "unpacked")
+            _COMPILED.add(key)
+            return
+        except (TritonError, RuntimeError) as exc:
+            _DOES_NOT_FIT.add(key)
+            logger.warning("the unpacked low-bit GEMM's tile does not compile for %s at %d-row tiles (%s: %s); the "
+                           "slower per-position kernel serves it", weight.layout, key[1], type(exc).__name__,
+                           str(exc)[:200])
+    _gemm(x, weight, out, None, splits, "per-position")
+
+
+def _gemm(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple | None, splits: int | None,
+          kernel: str) -> None:
+    unpacked = kernel == "unpacked"
+    configs = GEMM_CONFIGS if unpacked else PER_POSITION_CONFIGS
+    block_n, block_w, warps, stages, *block_m = config or configs[weight.layout.low_bits]
     t, n, k = x.shape[0], weight.out_features, weight.in_features
-    block_m = rest[0] if rest and rest[0] else 16 if t <= 16 else 32 if t <= 32 else 64 if t <= 64 else 128
-    variant = rest[1] if len(rest) > 1 else GEMM_VARIANT
+    block_m = block_m[0] if block_m else _block_m(t)
     programs = cdiv(n, block_n) * cdiv(t, block_m)
     splits, split_words = split_k(programs, k, weight.layout.low_bits, block_w, x.device, splits)
     target = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
     grid = (cdiv(n, block_n), cdiv(t, block_m), splits)
-    if variant == "per-position":
-        _gemm_kernel[grid](x, target, *kernel_tensors(weight), t, n, k, x.stride(0), target.stride(-2), split_words,
-                           **weight.layout.kernel_args(), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w,
-                           IEEE=x.dtype == torch.float32, UPCAST=upcast(x.dtype), num_warps=warps, num_stages=stages,
-                           **pdl_options(x.device))
-    else:
-        _gemm_unpacked_kernel[grid](x, target, *kernel_tensors(weight), t, n, k, x.stride(0), target.stride(-2),
-                                    split_words, **weight.layout.kernel_args(), BLOCK_M=block_m, BLOCK_N=block_n,
-                                    BLOCK_W=block_w, GATHER=variant == "gather", IEEE=x.dtype == torch.float32,
-                                    UPCAST=upcast(x.dtype), num_warps=warps, num_stages=stages,
-                                    **pdl_options(x.device))
+    (_gemm_unpacked_kernel if unpacked else _gemm_kernel)[grid](
+        x, target, *kernel_tensors(weight), t, n, k, x.stride(0), target.stride(-2), split_words,
+        **weight.layout.kernel_args(), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w,
+        IEEE=x.dtype == torch.float32, UPCAST=upcast(x.dtype), num_warps=warps, num_stages=stages,
+        **pdl_options(x.device))
     if splits > 1:
         add_splits(target, out, splits, n)
 
