@@ -10,7 +10,9 @@
 # "kvfp8": 256 streams through cvserve with a 16-bit and an FP8 KV cache (~8 min);
 # "spec" (issue 22): the cost of a speculative verify step by batch size, and the demo model with n-gram drafts;
 # "moe" (issue 19): batch-1 latency and 64 streams of the Qwen3-30B-A3B and DeepSeek-V2-Lite shapes (~8 min);
-# "quant64" (issue 18): 64 streams of bf16, q4k and gptq, Llama-3-8B shape (~7 min).
+# "quant64" (issue 18): 64 streams of bf16, q4k and gptq, Llama-3-8B shape (~7 min);
+# "quantgemm" (issue 18): the low-bit GEMM of 2-128 rows by tile and rows, every layout, captured (~4 min), then
+# 64 streams of q4k (~1 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
 # NVLink multicast stays off on the shared multi-GPU hosts (h200_setup.sh sets these too; the benchmarks pass them on)
@@ -136,6 +138,10 @@ quant64)
             --min-len 1024 --max-len 1024 --max-num-seqs 64 $([ $q = none ] || echo --isq $q) \
             --json "$out/$day-h200-throughput64-isq-$q-$commit.json"
     done ;;
+quantgemm)
+    run quant-gemm-rows 300 python3 bench/quant_gemm_rows.py --json "$out/$day-h200-quant_gemm_rows-$commit.json"
+    run throughput64-isq-q4k 170 python3 bench/throughput.py --shape llama3-8b --skip-hf --num-requests 64 \
+        --min-len 1024 --max-len 1024 --max-num-seqs 64 --isq q4k --json "$out/$day-h200-throughput64-isq-q4k-$commit.json" ;;
 kvfp8)
     # 256 streams through cvserve with a 16-bit and an FP8 KV cache (issue 18: FP8 KV >= 1.15x)
     for kv in auto fp8; do
@@ -143,6 +149,6 @@ kvfp8)
             --kv-cache-dtype $kv --json "$out/$day-h200-serving-kv_$kv-$commit.json"
     done ;;
 *)
-    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|kvfp8|moe|quant64" >&2
+    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|kvfp8|moe|quant64|quantgemm" >&2
     exit 2 ;;
 esac
