@@ -44,7 +44,8 @@ def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...]):
               "EVEN": True, "INTERPRET": False, "USE_PDL": False}
     if kind == "int8-gemv":
         signature = {"packs_ptr": "*i32", "xd_ptr": "*fp32", "xsum_ptr": "*fp32", "xblock_sum_ptr": "*fp32",
-                     "out_ptr": "*bf16", **PLANES, "N": "i32", "K": "i32", "SPLIT_WORDS": "i32"}
+                     "out_ptr": "*bf16", **PLANES, "N": "i32", "K": "i32", "SPLIT_WORDS": "i32", "T": "i32",
+                     "stride_ot": "i32"}
         return quant_gemv_int8._gemv_int8_kernel, signature, common, warps
     signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", **PLANES, "N": "i32", "K": "i32", "SPLIT_WORDS": "i32",
                  "one_bits": "i32"}

@@ -249,6 +249,34 @@ def test_int8_activation_gemv_equals_the_rounded_reference(name, config, n):
     torch.testing.assert_close(quant_matmul(x, weight).cpu(), out.cpu(), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("name", ["q4_k", "q8_0", "q2_k"])
+@pytest.mark.parametrize("splits", [None, 3])   # None: the default (2 in the interpreter at K 1024)
+def test_a_few_rows_take_the_int8_gemv_each_row_as_if_alone(name, splits):
+    """Up to MAX_ROWS rows (a decode batch, a speculative verify step) go through the int8 GEMV, every row's output
+    bit for bit what that row alone gives (so a verify step's logits round as the plain steps' do), with the K split
+    in parts and into rows of a wider output; past MAX_ROWS, the float GEMM."""
+    layout = dataclasses.replace(LAYOUTS[name], int8_activations=True)
+    weight = random_weight(layout, 24, 1024, DEVICE, seed=13)
+    rows = quant_gemv_int8.MAX_ROWS
+    x = torch.randn(rows + 1, 1024, generator=torch.Generator().manual_seed(13)).to(DEVICE)
+    alone = torch.cat([quant_matmul(x[i:i + 1], weight) for i in range(rows)])
+    wide = torch.full((rows, 40), float("nan"), device=DEVICE)
+    quant_gemv_int8.quant_gemv_int8(x[:rows], weight, wide[:, 8:32], splits=splits)
+    if splits is None:
+        assert torch.equal(quant_matmul(x[:rows], weight), alone)
+        assert torch.equal(quant_matmul(x[:3], weight), alone[:3])
+        assert torch.equal(wide[:, 8:32], alone)
+    else:   # the sums of 3 parts: not the default split's bits, the same numbers within float32 rounding
+        torch.testing.assert_close(wide[:, 8:32].cpu(), alone.cpu(), rtol=1e-5, atol=1e-5 * alone.abs().max().item())
+    assert wide[:, :8].isnan().all() and wide[:, 32:].isnan().all()
+    w = dequantize_planes(weight).to(DEVICE)
+    rounded = quant_gemv_int8.dequantized_activations(x[:rows]) @ w.T
+    torch.testing.assert_close(alone.cpu(), rounded.cpu(), rtol=1e-5, atol=1e-5 * rounded.abs().max().item())
+    # one row more: the float GEMM (x not rounded)
+    torch.testing.assert_close(quant_matmul(x, weight).cpu(), (x @ w.T).cpu(), rtol=1e-5,
+                               atol=1e-5 * rounded.abs().max().item())
+
+
 def test_int8_activations_are_off_for_high_planes_fp8_and_the_switch(monkeypatch):
     assert not quant_gemv_int8.applies(dataclasses.replace(LAYOUTS["q6_k"], int8_activations=True), 1024)
     assert not quant_gemv_int8.applies(LAYOUTS["q4_k"], 1024)   # not set: GPTQ's W4A16, FP8

@@ -55,10 +55,11 @@ def test_planes_path_reshapes_and_adds_the_bias(qtype, make_rows, one_torch_thre
         layers[form] = layer.to(DEVICE)
     for shape in ((1, k), (2, 3, k), (4, 5, k)):
         x = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape))).to(DEVICE)
-        # one row of a layout without a high plane: llama.cpp's int8 activations (quant_gemv_int8), the same rounding
-        one_row_int8 = x.numel() == k and quant_gemv_int8.applies(LAYOUTS[qtype], k)
+        # up to MAX_ROWS rows of a layout without a high plane: llama.cpp's int8 activations (quant_gemv_int8), the
+        # same rounding
+        int8_rows = x.numel() // k <= quant_gemv_int8.MAX_ROWS and quant_gemv_int8.applies(LAYOUTS[qtype], k)
         got = layers["planes"](x)
-        want = layers["exact"](quant_gemv_int8.dequantized_activations(x) if one_row_int8 else x)
+        want = layers["exact"](quant_gemv_int8.dequantized_activations(x) if int8_rows else x)
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 

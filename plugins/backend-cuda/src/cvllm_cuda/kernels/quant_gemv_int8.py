@@ -7,7 +7,7 @@ or in the exponent, multiply-add, and its share of x), which on the H200 is more
 one ``dp4a`` multiplies four weight bytes by four activation bytes and adds them to an int32: a word of eight
 4-bit weights is two masks, a shift and two ``dp4a``, under one instruction per element.
 
-- ``quantize_activations``: x [1, K] -> per 32 inputs d = max|x| / 127 and q = round(x / d) (half away from
+- ``quantize_activations``: x [T, K] -> per 32 inputs d = max|x| / 127 and q = round(x / d) (half away from
   zero), packed four per int32 in the order the weight words' bytes come out (below); per weight word, the sum
   of its inputs ``d * sum(q)`` (the formats' offsets multiply it).
 - ``_gemv_int8_kernel``: a low-plane word of ``32 / bits`` elements masked with 0x0F0F0F0F (4-bit; 0x03030303
@@ -48,6 +48,10 @@ from cvllm_cuda.kernels.tuned_matmul import TUNED_QUANT_GEMV, quant_gemv_key
 from cvllm_cuda.quant_planes import QuantLayout, QuantWeight
 
 BLOCK = 32   # inputs per activation scale
+# rows of x up to which quant_matmul takes this GEMV (decode batches, speculative verify steps of a few drafts): a
+# row's numerics then do not depend on how many rows share the step, as llama.cpp's CUDA backend takes its q8_1
+# matrix-vector kernel up to 8 columns
+MAX_ROWS = 8
 # (BLOCK_N, BLOCK_W, num_warps[, stages]) by low-plane bits, from bench/quant_gemv_stack.py (a stack of Llama-3-8B
 # layers in one CUDA graph, H200, 2026-12-03): Q4_K 56.4 us a layer (the float GEMV's tiles (32, 32, 4): 60.7),
 # Q8_0 79.3 (106.6); 2-bit unswept
@@ -111,9 +115,9 @@ def _dot4(a, b, c, INTERPRET: tl.constexpr):
                                          is_pure=True, pack=1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "stride_ot"])   # one binary for every T: a row's bits as when alone
 def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr,
-                      b_ptr, N, K, SPLIT_WORDS,
+                      b_ptr, N, K, SPLIT_WORDS, T, stride_ot,
                       LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
                       SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
                       HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
@@ -121,15 +125,23 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_
                       EVEN: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
     """The float GEMV's tiling and splits (quant_matmul._gemv_kernel), integer dot products per word. Where a factor
     group is one activation block (32 inputs: Q4_0, Q4_1, Q4_K, Q8_0), the group's word products are added as
-    integers and turned into a float once per group and column, not once per word."""
+    integers and turned into a float once per group and column, not once per word. Row ``program_id(0)`` of T
+    (a few rows: each row's programs are the one-row kernel's, so a row's output does not depend on the others;
+    the rows of a tile run side by side, so its weights come from HBM about once); out row t of split j at
+    ``(j * T + t) * N`` with splits, else at ``t * stride_ot``."""
     wait_for_previous_kernel(USE_PDL)
     PER_WORD: tl.constexpr = 32 // LOW_BITS
     PHASES: tl.constexpr = 8 // LOW_BITS
     BYTE_MASK: tl.constexpr = 0x0F0F0F0F if LOW_BITS == 4 else 0x03030303 if LOW_BITS == 2 else -1
     GROUPS: tl.constexpr = BLOCK_W // GROUP_WORDS
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = tl.program_id(0)
+    packs_ptr += row * (K // 4)
+    xd_ptr += row * (K // 32)
+    xblock_sum_ptr += row * (K // 32)
+    xsum_ptr += row * (K // PER_WORD)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols3 = cols[None, None, :]
-    start = tl.program_id(1) * SPLIT_WORDS
+    start = tl.program_id(2) * SPLIT_WORDS
     num_words = tl.minimum(K // PER_WORD, start + SPLIT_WORDS)
     group_first = tl.arange(0, GROUPS) * GROUP_WORDS
     tile_words = group_first[:, None, None] + tl.arange(0, GROUP_WORDS)[None, :, None]   # [GROUPS, GROUP_WORDS, 1]
@@ -171,16 +183,20 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_
         low_ptrs += BLOCK_W * N
         pack_ptrs += BLOCK_W * PHASES
     total = tl.sum(tl.sum(acc, axis=1), axis=0)
-    tl.store(out_ptr + tl.program_id(1) * N + cols, total.to(out_ptr.dtype.element_ty), mask=cols < N)
+    if tl.num_programs(2) > 1:
+        out_ptr += (tl.program_id(2) * T + row).to(tl.int64) * N
+    else:
+        out_ptr += row.to(tl.int64) * stride_ot
+    tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=cols < N)
 
 
 QUANTIZE_BLOCKS = 8   # 32-input blocks per program of the activation quantizer
 
 
 def quantize_activations(x: torch.Tensor, low_bits: int) -> tuple[torch.Tensor, ...]:
-    """x [1, K] -> (packs int32 [K / 4], scales float32 [K / 32], word sums float32 [K * low_bits / 32], block sums
-    float32 [K / 32])."""
-    k = x.shape[-1]
+    """x [T, K] (contiguous) -> (packs int32 [T * K / 4], scales float32 [T * K / 32], word sums float32
+    [T * K * low_bits / 32], block sums float32 [T * K / 32]), row after row: a block of 32 never spans two rows."""
+    k = x.numel()
     packs = torch.empty(k // 4, dtype=torch.int32, device=x.device)
     scales = torch.empty(k // BLOCK, dtype=torch.float32, device=x.device)
     sums = torch.empty(k * low_bits // 32, dtype=torch.float32, device=x.device)
@@ -202,18 +218,24 @@ def dequantized_activations(x: torch.Tensor) -> torch.Tensor:
 
 def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple | None = None,
                     splits: int | None = None) -> None:
-    """out[0] = weight @ x[0] with x rounded to int8 per 32 inputs (x [1, K] and out [1, N], contiguous)."""
+    """out[t] = weight @ x[t] with x rounded to int8 per 32 inputs, for x [T, K] (contiguous; T up to MAX_ROWS) and
+    out [T, N] (last dimension contiguous). Every row's output is bit for bit what a call with that row alone
+    gives: the tiles and K splits depend on the weight only."""
     lay = weight.layout
     n, k = weight.out_features, weight.in_features
+    t = x.shape[0]
+    if not x.is_contiguous():
+        x = x.contiguous()
     tuned = None if config else gpu.tuned_entry(TUNED_QUANT_GEMV, x.device, quant_gemv_key(n, k, lay))
     block_n, block_w, warps, *stages = tuned[:4] if tuned else config or INT8_GEMV_CONFIGS[lay.low_bits]
     activations = quantize_activations(x, lay.low_bits)
     splits, split_words = split_k(cdiv(n, block_n), k, lay.low_bits, block_w, x.device, splits,
                                   tuned[4] if tuned else INT8_PROGRAMS_PER_SM[lay.low_bits])
-    target = out if splits == 1 else torch.empty((splits, n), dtype=torch.float32, device=x.device)
+    target = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
     gw = group_words(lay, block_w)
-    _gemv_int8_kernel[(cdiv(n, block_n), splits)](
-        *activations, target, *kernel_tensors(weight), n, k, split_words, **lay.kernel_args(), BLOCK_N=block_n,
+    _gemv_int8_kernel[(t, cdiv(n, block_n), splits)](
+        *activations, target, *kernel_tensors(weight), n, k, split_words, t, out.stride(0), **lay.kernel_args(),
+        BLOCK_N=block_n,
         BLOCK_W=block_w, GROUP_WORDS=gw, STAGES=stages[0] if stages else 1,
         GROUP_SUM=groups_in_thread(block_n, block_w, gw, warps),
         EVEN=even_tiles(n, k, lay.low_bits, block_n, split_words),

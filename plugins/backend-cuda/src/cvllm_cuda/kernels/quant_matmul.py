@@ -2,7 +2,8 @@
 planes [K * bits / 32, N], factors [K / group, N]), dequantized in registers as it is read (quant_tiles.py).
 
 - One row of x (the batch-1 decode step): the GEMV, quant_gemv_int8.py where the layout allows llama.cpp's int8
-  activations, else quant_gemv.py.
+  activations (up to its MAX_ROWS rows: each row's output then is what it would be alone, so a speculative verify
+  step's rows round as the plain steps do), else quant_gemv.py.
 - 2 to GEMM_MAX_ROWS rows (decode batches, speculative verify steps): a K step's words unpacked into one tile
   [BLOCK_K, BLOCK_N] in order, one ``tl.dot`` with a contiguous x tile, float32 accumulators, split over K like the
   GEMV. (The older per-position kernel, a ``tl.dot`` per element position S of the words with the x columns
@@ -244,12 +245,11 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor | None 
         out = torch.empty((t, weight.out_features), dtype=x.dtype, device=x.device)
     if t == 0 or weight.out_features == 0:
         return out
-    if t == 1:
-        from cvllm_cuda.kernels import quant_gemv_int8  # (it builds on this module)
-        if quant_gemv_int8.applies(weight.layout, weight.in_features):
-            quant_gemv_int8.quant_gemv_int8(x, weight, out)
-        else:
-            quant_gemv(x, weight, out)
+    from cvllm_cuda.kernels import quant_gemv_int8  # (it builds on this module)
+    if t <= quant_gemv_int8.MAX_ROWS and quant_gemv_int8.applies(weight.layout, weight.in_features):
+        quant_gemv_int8.quant_gemv_int8(x, weight, out)
+    elif t == 1:
+        quant_gemv(x, weight, out)
     elif t <= GEMM_MAX_ROWS:
         quant_gemm(x, weight, out)
     else:
