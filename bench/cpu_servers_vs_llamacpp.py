@@ -126,6 +126,8 @@ def main() -> None:
     ap.add_argument("--llamacpp-pythonpath", help="put this llama-cpp-python build first on llama.cpp's path")
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--llamacpp-server-threads", type=int, default=2,
+                    help="llama.cpp's server threads (1: its HTTP thread and the client keep a core of the two)")
     ap.add_argument("--json")
     args = ap.parse_args()
     load_before = os.getloadavg()
@@ -144,7 +146,8 @@ def main() -> None:
                              args.streams, args.rounds, Path(tmp) / "cvserve.log")
         port = free_port()
         theirs["http"] = serve([args.llamacpp_python, "-m", "llama_cpp.server", "--model", args.gguf, "--port",
-                                str(port), "--n_threads", "2", "--n_threads_batch", "2", "--n_ctx", "4096",
+                                str(port), "--n_threads", str(args.llamacpp_server_threads), "--n_threads_batch",
+                                str(args.llamacpp_server_threads), "--n_ctx", "4096",
                                 "--interrupt_requests", "False"], theirs_env, "/v1/models", port, args.streams,
                                args.rounds, Path(tmp) / "llamacpp.log")
     c = f"c{args.streams}_output_tok_s"
@@ -153,7 +156,9 @@ def main() -> None:
         "bench": "cpu_servers_vs_llamacpp", "model": Path(args.gguf).name, "threads": 2, "commit": git_commit(),
         "command": " ".join(["python bench/cpu_servers_vs_llamacpp.py --gguf GGUF",
                              "--llamacpp-pythonpath LLAMACPP_BUILD" if args.llamacpp_pythonpath else "",
-                             f"--streams {args.streams} --rounds {args.rounds}"]).replace("  ", " "),
+                             f"--streams {args.streams} --rounds {args.rounds}",
+                             f"--llamacpp-server-threads {args.llamacpp_server_threads}"
+                             if args.llamacpp_server_threads != 2 else ""]).replace("  ", " ").strip(),
         "env": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if k in os.environ},
         "load_before": load_before, "load_after": os.getloadavg(),
         "ratios": {"bs1_http": ours["http"]["bs1_decode_tok_s"] / theirs["http"]["bs1_decode_tok_s"],
