@@ -20,7 +20,7 @@ from cvllm_cuda.kernels import moe_gemv, pdl
 from cvllm_cuda.kernels.fused_moe import pair_layout
 from cvllm_cuda.kernels.moe_planes_gemv import moe_planes_gemv
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
-from cvllm_cuda.kernels.quant_tiles import quant_element, tile, upcast
+from cvllm_cuda.kernels.quant_tiles import dot_into, quant_element, tile, upcast
 from cvllm_cuda.quant_planes import QuantWeight
 
 _PLANES = ("low", "high", "d", "m", "a", "b")
@@ -87,12 +87,7 @@ def _moe_planes_gemm(a_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, weights
             x = tl.load(a_ptr + rows[:, None] * stride_am + inputs[None, :],
                         mask=pair_ok[:, None] & word_ok[None, :], other=0.0)
             w = (quant_element(low, high, first, S, LOW_BITS, HIGH_BITS, FLOAT8) * scale + offset).to(x.dtype)
-            if UPCAST:
-                acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-            elif IEEE:
-                acc = tl.dot(x, w, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, w, acc)
+            acc = dot_into(x, w, acc, IEEE, UPCAST)
     out = acc.to(out_ptr.dtype.element_ty)
     if SCALE_ROWS:   # as the torch path: the expert's output and the weight in the activations' dtype
         out = out * tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0).to(out_ptr.dtype.element_ty)[:, None]

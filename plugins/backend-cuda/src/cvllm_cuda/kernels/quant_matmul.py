@@ -26,7 +26,7 @@ from triton.errors import TritonError
 from cvllm_cuda.kernels.pdl import options as pdl_options
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.quant_gemv import GEMV_CONFIGS, quant_gemv
-from cvllm_cuda.kernels.quant_tiles import add_splits, kernel_tensors, quant_element, split_k, tile, upcast
+from cvllm_cuda.kernels.quant_tiles import add_splits, dot_into, kernel_tensors, quant_element, split_k, tile, upcast
 from cvllm_cuda.kernels.sizes import cdiv
 from cvllm_cuda.quant_planes import QuantWeight
 
@@ -34,46 +34,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DEQUANT_CONFIGS", "GEMM_CONFIGS", "GEMM_MAX_ROWS", "GEMV_CONFIGS", "PER_POSITION_CONFIGS",
            "dequantize_weight", "quant_gemm", "quant_gemv", "quant_linear", "quant_matmul"]
-
-
-@triton.jit(do_not_specialize=["T"])
-def _gemm_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, T, N, K, stride_xt, stride_ot,
-                 SPLIT_WORDS,
-                 LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
-                 SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
-                 HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_W: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr):
-    """out tile [BLOCK_M, BLOCK_N] += x tile @ W^T tile, one ``tl.dot`` per element position S of the words (the
-    sum over K does not care in which order its terms come). Split over K like the GEMV: with more than one split,
-    ``out`` is float32 [splits, T, N] (stride_ot N)."""
-    wait_for_previous_kernel(USE_PDL)
-    PER_WORD: tl.constexpr = 32 // LOW_BITS
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    ts = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    t_ok = ts < T
-    x_rows = x_ptr + ts.to(tl.int64)[:, None] * stride_xt
-    start = tl.program_id(2) * SPLIT_WORDS
-    num_words = tl.minimum(K // PER_WORD, start + SPLIT_WORDS)
-    out_ptr += tl.program_id(2).to(tl.int64) * T * N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for w0 in range(start, num_words, BLOCK_W):
-        words = w0 + tl.arange(0, BLOCK_W)
-        word_ok = words < num_words
-        first, low, high, scale, offset = tile(low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, words, word_ok, cols,
-                                                col_ok, N, LOW_BITS, HIGH_BITS, SCALE_GROUP, SUPER_GROUP, A_MODE,
-                                                B_MODE, B_CONST, HAS_M)
-        for S in tl.static_range(PER_WORD):
-            x = tl.load(x_rows + (words * PER_WORD + S)[None, :], mask=t_ok[:, None] & word_ok[None, :], other=0.0)
-            w = (quant_element(low, high, first, S, LOW_BITS, HIGH_BITS, FLOAT8) * scale + offset).to(x.dtype)
-            if UPCAST:   # the same bf16-rounded operands multiplied as float32 (see upcast)
-                acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-            elif IEEE:
-                acc = tl.dot(x, w, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, w, acc)
-    out_ptrs = out_ptr + ts.to(tl.int64)[:, None] * stride_ot + cols[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -92,20 +52,20 @@ def element_values(low, high, first, S, scale, offset, LOW_BITS: tl.constexpr, H
 
 
 @triton.jit(do_not_specialize=["T"])
-def _gemm_unpacked_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, T, N, K, stride_xt,
-                          stride_ot, SPLIT_WORDS,
-                          LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
-                          SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr,
-                          B_CONST: tl.constexpr, HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                          USE_PDL: tl.constexpr):
-    """out tile [BLOCK_M, BLOCK_N] += x tile [BLOCK_M, BLOCK_K] @ W^T tile [BLOCK_K, BLOCK_N], one ``tl.dot`` a K step
-    (BLOCK_K = the BLOCK_W words' elements, in order): the words [BLOCK_W, BLOCK_N] are broadcast against their
-    element positions and reshaped into the tile, so the x tile is one contiguous load. Split over K like the
-    GEMV."""
+def _gemm_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, T, N, K, stride_xt, stride_ot,
+                 SPLIT_WORDS,
+                 LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
+                 SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
+                 HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_W: tl.constexpr, UNPACKED: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                 USE_PDL: tl.constexpr):
+    """out tile [BLOCK_M, BLOCK_N] += x tile @ W^T tile over K steps of BLOCK_W words. UNPACKED: the words
+    [BLOCK_W, BLOCK_N] broadcast against their element positions and reshaped into one tile [BLOCK_K, BLOCK_N] in
+    order, one ``tl.dot`` with a contiguous x tile a step. Else one ``tl.dot`` per element position S of the words,
+    x read at a stride (the sum over K does not care in which order its terms come). Split over K like the GEMV:
+    with more than one split, ``out`` is float32 [splits, T, N] (stride_ot N)."""
     wait_for_previous_kernel(USE_PDL)
     PER_WORD: tl.constexpr = 32 // LOW_BITS
-    BLOCK_K: tl.constexpr = BLOCK_W * PER_WORD
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     ts = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -116,22 +76,24 @@ def _gemm_unpacked_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr
     out_ptr += tl.program_id(2).to(tl.int64) * T * N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for w0 in range(start, num_words, BLOCK_W):
-        ks = w0 * PER_WORD + tl.arange(0, BLOCK_K)
-        x = tl.load(x_rows + ks[None, :], mask=t_ok[:, None] & (ks < num_words * PER_WORD)[None, :], other=0.0)
         words = w0 + tl.arange(0, BLOCK_W)
-        first, low, high, scale, offset = tile(low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, words,
-                                                words < num_words, cols, col_ok, N, LOW_BITS, HIGH_BITS,
-                                                SCALE_GROUP, SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
-        S = tl.arange(0, PER_WORD)[None, :, None]
-        w3 = element_values(low[:, None, :], high[:, None, :], first[:, None, :], S, scale[:, None, :],
-                            offset[:, None, :], LOW_BITS, HIGH_BITS, FLOAT8)
-        w = tl.reshape(w3, (BLOCK_K, BLOCK_N)).to(x.dtype)
-        if UPCAST:
-            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        elif IEEE:
-            acc = tl.dot(x, w, acc, input_precision="ieee")
+        word_ok = words < num_words
+        first, low, high, scale, offset = tile(low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, words, word_ok, cols,
+                                                col_ok, N, LOW_BITS, HIGH_BITS, SCALE_GROUP, SUPER_GROUP, A_MODE,
+                                                B_MODE, B_CONST, HAS_M)
+        if UNPACKED:
+            ks = w0 * PER_WORD + tl.arange(0, BLOCK_W * PER_WORD)
+            x = tl.load(x_rows + ks[None, :], mask=t_ok[:, None] & (ks < num_words * PER_WORD)[None, :], other=0.0)
+            w3 = element_values(low[:, None, :], high[:, None, :], first[:, None, :],
+                                tl.arange(0, PER_WORD)[None, :, None], scale[:, None, :], offset[:, None, :],
+                                LOW_BITS, HIGH_BITS, FLOAT8)
+            acc = dot_into(x, tl.reshape(w3, (BLOCK_W * PER_WORD, BLOCK_N)).to(x.dtype), acc, IEEE, UPCAST)
         else:
-            acc = tl.dot(x, w, acc)
+            for S in tl.static_range(PER_WORD):
+                x = tl.load(x_rows + (words * PER_WORD + S)[None, :], mask=t_ok[:, None] & word_ok[None, :],
+                            other=0.0)
+                w = (quant_element(low, high, first, S, LOW_BITS, HIGH_BITS, FLOAT8) * scale + offset).to(x.dtype)
+                acc = dot_into(x, w, acc, IEEE, UPCAST)
     out_ptrs = out_ptr + ts.to(tl.int64)[:, None] * stride_ot + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & col_ok[None, :])
 
@@ -212,9 +174,9 @@ def _gemm(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple
     splits, split_words = split_k(programs, k, weight.layout.low_bits, block_w, x.device, splits)
     target = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
     grid = (cdiv(n, block_n), cdiv(t, block_m), splits)
-    (_gemm_unpacked_kernel if unpacked else _gemm_kernel)[grid](
+    _gemm_kernel[grid](
         x, target, *kernel_tensors(weight), t, n, k, x.stride(0), target.stride(-2), split_words,
-        **weight.layout.kernel_args(), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w,
+        **weight.layout.kernel_args(), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w, UNPACKED=unpacked,
         IEEE=x.dtype == torch.float32, UPCAST=upcast(x.dtype), num_warps=warps, num_stages=stages,
         **pdl_options(x.device))
     if splits > 1:

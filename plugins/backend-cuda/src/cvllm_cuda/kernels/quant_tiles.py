@@ -102,6 +102,17 @@ def quant_element(low, high, first, S: tl.constexpr, LOW_BITS: tl.constexpr, HIG
 
 
 @triton.jit
+def dot_into(x, w, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + x @ w: IEEE float32 products for float32 operands; UPCAST, bf16 tiles multiplied as float32 (upcast)."""
+    if UPCAST:
+        return tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    elif IEEE:
+        return tl.dot(x, w, acc, input_precision="ieee")
+    else:
+        return tl.dot(x, w, acc)
+
+
+@triton.jit
 def sum_splits_kernel(partial_ptr, out_ptr, N, SPLITS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_previous_kernel(USE_PDL)
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
