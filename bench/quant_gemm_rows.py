@@ -1,6 +1,7 @@
 """The low-bit GEMM of decode batches (cvllm_cuda/kernels/quant_matmul.py, 2 to GEMM_MAX_ROWS rows) on
 Llama-3-8B's projection shapes, by rows of x: the unpacked kernel's tiles and the per-position kernel's default,
-against bf16 cuBLAS and dequantize + cuBLAS, each timed as a layer's four GEMMs captured in one CUDA graph (two
+against bf16 cuBLAS and dequantize + cuBLAS, and the int8-activation GEMV of 1-8 rows that GGUF layouts without a
+high plane take instead (quant_gemv_int8.MAX_ROWS), each timed as a layer's four products in one CUDA graph (two
 layers' weights, so that they come from HBM; a launch's host cost is not counted, as in the decode graphs). The
 kernels compile first in worker processes (Triton's disk cache), each tile checked against float32 on a smaller
 weight; the main process then times them one at a time. ``--best-config FILE`` writes the fastest unpacked tile per
@@ -27,7 +28,8 @@ from common import captured_us  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 DEV = "cuda" if torch.cuda.is_available() else "cpu"   # cpu: Triton's interpreter (a smoke run: --smoke)
-ROWS = (4, 16, 64, 128)
+ROWS = (2, 4, 8, 16, 64, 128)
+GEMV_ROWS = (1, 2, 4, 8)   # the int8-activation GEMV of GGUF layouts without a high plane (quant_gemv_int8.MAX_ROWS)
 LAYERS = 2
 # the unpacked kernel's (BLOCK_N, BLOCK_W at 4-bit, warps, stages): BLOCK_W scales with the plane width, so that a K
 # step is BLOCK_W * 8 elements at every width. (On the H200 at 0396969: (64, 32, 4, 3) and (256, 16, 8, 3) ran out
@@ -145,6 +147,23 @@ def main() -> None:
                     results["gemm"][f"{name}/{kernel}/{cfg}/{t}"] = layer_us(
                         lambda i, s: quant_gemm(xs[t][s], weights[i][s], outs[t][s], cfg, kernel=kernel))  # noqa: B023
         weights.clear()   # (before the next layout's are drawn)
+    # the int8 GEMV of the GGUF layouts that have it, by rows (what quant_matmul takes up to MAX_ROWS rows)
+    import dataclasses
+
+    from cvllm_cuda.kernels import quant_gemv_int8
+    results["int8_gemv"] = {}
+    for name in names:
+        layout = dataclasses.replace(LAYOUTS[name], int8_activations=True)
+        if not quant_gemv_int8.applies(layout, 4096):
+            continue
+        weights = [{s: planes_on_gpu(layout, n, k) for s, (n, k) in SHAPES.items()} for _ in range(LAYERS)]
+        for t in GEMV_ROWS:
+            gx = {s: torch.randn(t, k, device=DEV, dtype=torch.bfloat16) for s, (_, k) in SHAPES.items()}
+            gout = {s: torch.empty(t, n, device=DEV, dtype=torch.bfloat16) for s, (n, _) in SHAPES.items()}
+            us = layer_us(lambda i, s: quant_gemv_int8.quant_gemv_int8(gx[s], weights[i][s], gout[s]))  # noqa: B023
+            results["int8_gemv"][f"{name}/{t}"] = us
+            print(f"{name:11s} T={t:<4d} int8 GEMV {us:7.1f} us a layer", flush=True)
+        weights.clear()
     # per layout and rows: bf16, the per-position kernel, the best unpacked tile
     best_cfg = {}
     table = {}
