@@ -4,6 +4,8 @@ for sm_90 on any machine (ptxas and nvdisasm ship with it); device time is then 
 
     python bench/sass_stats.py int8-gemv --layout q4_k --config 32,64,4,3
     python bench/sass_stats.py float-gemv --layout gptq4_g128 --config 32,32,4,3 --dump /tmp/sass
+    python bench/sass_stats.py gemm --layout q6_k --config 128,8,4,4 --block-m 64
+    python bench/sass_stats.py gemm --table     # the GEMM's default tiles: every layout, every row tile
 
 The runtime's specialisations are reproduced (16-byte aligned pointers, N/K/splits divisible by 16), so the layouts
 match what a launch compiles. Output: one line of totals, then the loop's instructions by opcode.
@@ -15,28 +17,27 @@ import argparse
 import collections
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from cvllm_cuda.kernels import quant_gemv, quant_gemv_int8
+from cvllm_cuda.kernels import quant_gemv, quant_gemv_int8, quant_matmul
 from cvllm_cuda.kernels.quant_tiles import group_words, groups_in_thread
 from cvllm_cuda.quant_planes import QuantLayout
 
-LAYOUTS = {
-    "q4_k": QuantLayout(4, 0, 32, 256, a_mode=2, b_mode=2, b_const=-1, has_m=True),
-    "q8_0": QuantLayout(8, 0, 32, 32, b_const=-128),
-    "q6_k": QuantLayout(4, 2, 16, 256, a_mode=1, b_mode=1, b_const=-32),
-    "gptq4_g128": QuantLayout(4, 0, 128, 128, b_mode=2, b_const=-1),
-}
+sys.path.insert(0, str(Path(__file__).parent.parent / "plugins/backend-cuda/tests"))
+from test_quant_matmul import LAYOUTS  # noqa: E402
+
+SHARED_LIMIT = 232448   # bytes of shared memory a block may have on the H200 (sm_90)
 PLANES = {"low_ptr": "*i32", "high_ptr": "*i32", "d_ptr": "*fp16", "m_ptr": "*fp16", "a_ptr": "*u8", "b_ptr": "*u8"}
-DIVISIBLE = {"N", "K", "SPLIT_WORDS", "one_bits"}
+DIVISIBLE = {"N", "K", "SPLIT_WORDS", "one_bits", "stride_xt", "stride_ot"}
 
 
-def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...]):
-    """(jit function, signature, constexprs, num_warps) of one GEMV configuration."""
+def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m: int = 16):
+    """(jit function, signature, constexprs, num_warps) of one GEMV (or GEMM: ``block_m``) configuration."""
     block_n, block_w, warps, *stages = config
     gw = group_words(layout, block_w)
     common = {**layout.kernel_args(), "BLOCK_N": block_n, "BLOCK_W": block_w, "GROUP_WORDS": gw,
@@ -47,19 +48,43 @@ def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...]):
                      "out_ptr": "*bf16", **PLANES, "N": "i32", "K": "i32", "SPLIT_WORDS": "i32", "T": "i32",
                      "stride_ot": "i32"}
         return quant_gemv_int8._gemv_int8_kernel, signature, common, warps
+    if kind in ("gemm", "gemm-per-position"):   # quant_matmul._gemm_kernel: (BLOCK_N, BLOCK_W, warps, stages)
+        signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", **PLANES, "T": "i32", "N": "i32", "K": "i32",
+                     "stride_xt": "i32", "stride_ot": "i32", "SPLIT_WORDS": "i32"}
+        gemm = {**layout.kernel_args(), "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_W": block_w,
+                "UNPACKED": kind == "gemm", "IEEE": False, "UPCAST": False, "USE_PDL": False}
+        return quant_matmul._gemm_kernel, signature, gemm, warps
     signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", **PLANES, "N": "i32", "K": "i32", "SPLIT_WORDS": "i32",
                  "one_bits": "i32"}
     return quant_gemv._gemv_kernel, signature, common, warps
 
 
-def compile_sm90(fn, signature: dict, constexprs: dict, warps: int):
+def compile_sm90(fn, signature: dict, constexprs: dict, warps: int, stages: int | None = None):
     names = list(signature) + list(constexprs)
     signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items()
              if t.startswith("*") or n in DIVISIBLE}
     source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
                        attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    options = {"num_warps": warps, **({"num_stages": stages} if stages else {})}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def gemm_table() -> None:
+    """The GEMM's default tiles (quant_matmul.GEMM_CONFIGS) for every test layout and row tile: shared memory, and
+    whether a block fits the H200 (else quant_gemm falls back to the per-position kernel). These figures equal the
+    H200's own compile (q4_k (64, 32, 4, 3) at 128 rows: 270,336 B both, 2026-12-03)."""
+    for name, layout in LAYOUTS.items():
+        for block_m in (16, 32, 64, 128):
+            config = quant_matmul.GEMM_CONFIGS[layout.low_bits]
+            try:
+                fn, signature, constexprs, warps = kernel_spec("gemm", layout, config, block_m)
+                kernel = compile_sm90(fn, signature, constexprs, warps, config[3])
+                shared = kernel.metadata.shared
+                print(f"{name:13s} BLOCK_M {block_m:3d} {config}: {shared} B shared: "
+                      f"{'fits' if shared <= SHARED_LIMIT else 'OUT OF SHARED MEMORY'}", flush=True)
+            except Exception as exc:   # a compile error: quant_gemm falls back too
+                print(f"{name:13s} BLOCK_M {block_m:3d} {config}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
 
 
 def tool(name: str) -> str:
@@ -68,13 +93,19 @@ def tool(name: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kind", choices=["int8-gemv", "float-gemv"])
+    ap.add_argument("kind", choices=["int8-gemv", "float-gemv", "gemm", "gemm-per-position"])
+    ap.add_argument("--block-m", type=int, default=16, help="the GEMM's row tile")
+    ap.add_argument("--table", action="store_true", help="gemm: the default tiles, every layout and row tile")
     ap.add_argument("--layout", default="q4_k", choices=sorted(LAYOUTS))
     ap.add_argument("--config", default="32,64,4,3", help="BLOCK_N,BLOCK_W,WARPS[,STAGES]")
     ap.add_argument("--dump", type=Path, help="write the TTGIR, PTX and SASS here")
     args = ap.parse_args()
+    if args.table:
+        gemm_table()
+        return
     config = tuple(int(v) for v in args.config.split(","))
-    kernel = compile_sm90(*kernel_spec(args.kind, LAYOUTS[args.layout], config))
+    stages = config[3] if args.kind.startswith("gemm") and len(config) > 3 else None
+    kernel = compile_sm90(*kernel_spec(args.kind, LAYOUTS[args.layout], config, args.block_m), stages)
     dump = args.dump or Path(f"/tmp/sass-{args.kind}")
     dump.mkdir(parents=True, exist_ok=True)
     (dump / "kernel.cubin").write_bytes(kernel.asm["cubin"])
