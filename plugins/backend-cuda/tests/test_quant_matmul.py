@@ -182,9 +182,10 @@ def test_a_tile_that_does_not_fit_falls_back_to_the_per_position_kernel(monkeypa
             raise OutOfResources(270336, 232448, "shared memory")
         real(x, weight, out, config, splits, kernel)
 
+    from cvllm_cuda.kernels import quant_tiles
     monkeypatch.setattr(qm, "_gemm", gemm)
-    monkeypatch.setattr(qm, "_DOES_NOT_FIT", set())
-    monkeypatch.setattr(qm, "_COMPILED", set())
+    monkeypatch.setattr(quant_tiles, "DOES_NOT_FIT", set())
+    monkeypatch.setattr(quant_tiles, "COMPILED", set())
     weight = random_weight(LAYOUTS["q4_k"], 20, 256, DEVICE, seed=12)
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(12)).to(DEVICE)
     ref = x @ dequantize_planes(weight).T
@@ -203,10 +204,10 @@ def test_a_tile_that_does_not_fit_falls_back_to_the_per_position_kernel(monkeypa
 @pytest.mark.parametrize("name", LAYOUTS)
 @pytest.mark.parametrize("t", [1, 2, 8, 16, 33, 300])
 def test_gpu_shapes(name, t):
-    from cvllm_cuda.kernels import quant_matmul as qm
+    from cvllm_cuda.kernels import quant_tiles
     check(random_weight(LAYOUTS[name], 1000, 4096, DEVICE, seed=t), t, torch.bfloat16)
     # the default GEMM tile compiled for every layout: no fallback to the per-position kernel
-    assert not qm._DOES_NOT_FIT, qm._DOES_NOT_FIT
+    assert not quant_tiles.DOES_NOT_FIT, quant_tiles.DOES_NOT_FIT
 
 
 @needs_gpu

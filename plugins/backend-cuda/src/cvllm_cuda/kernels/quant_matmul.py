@@ -16,39 +16,29 @@ captured in the decode CUDA graphs.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import triton
 import triton.language as tl
-from triton.errors import TritonError
 
 from cvllm_cuda.kernels.pdl import options as pdl_options
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.quant_gemv import GEMV_CONFIGS, quant_gemv
-from cvllm_cuda.kernels.quant_tiles import add_splits, dot_into, kernel_tensors, quant_element, split_k, tile, upcast
+from cvllm_cuda.kernels.quant_tiles import (
+    add_splits,
+    dot_into,
+    element_values,
+    kernel_tensors,
+    quant_element,
+    run_or_fall_back,
+    split_k,
+    tile,
+    upcast,
+)
 from cvllm_cuda.kernels.sizes import cdiv
 from cvllm_cuda.quant_planes import QuantWeight
 
-logger = logging.getLogger(__name__)
-
 __all__ = ["DEQUANT_CONFIGS", "GEMM_CONFIGS", "GEMM_MAX_ROWS", "GEMV_CONFIGS", "PER_POSITION_CONFIGS",
            "dequantize_weight", "quant_gemm", "quant_gemv", "quant_linear", "quant_matmul"]
-
-
-@triton.jit
-def element_values(low, high, first, S, scale, offset, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr,
-                   FLOAT8: tl.constexpr):
-    """float32 values of elements ``first + S`` (S a tensor broadcast against the words): quant_element's integer
-    (or FP8 value) times scale plus offset."""
-    q = (low >> (S * LOW_BITS)) & ((1 << LOW_BITS) - 1)
-    if FLOAT8:
-        v = q.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:
-        if HIGH_BITS > 0:
-            q = q | (((high >> ((first % (32 // HIGH_BITS) + S) * HIGH_BITS)) & ((1 << HIGH_BITS) - 1)) << LOW_BITS)
-        v = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    return v * scale + offset
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -133,10 +123,6 @@ DEQUANT_CONFIGS = {2: (256, 8, 4), 4: (256, 8, 4), 8: (128, 4, 4)}
 # cuBLAS. Decode batches stay below it: dequantizing every weight to bf16 each step writes and reads back a bf16
 # model per step. 128 is reasoned, not yet measured end to end
 GEMM_MAX_ROWS = 128
-_COMPILED: set = set()      # (layout, BLOCK_M) the unpacked kernel's default tile has run for
-_DOES_NOT_FIT: set = set()  # (layout, BLOCK_M) it failed to compile for: the per-position kernel serves those
-
-
 def _block_m(t: int) -> int:
     return 16 if t <= 16 else 32 if t <= 32 else 64 if t <= 64 else 128
 
@@ -146,21 +132,12 @@ def quant_gemm(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: 
     """out = x @ weight.T for x [T, K] (last dimension contiguous) and out [T, N] (last dimension contiguous).
     ``config``: (BLOCK_N, BLOCK_W, num_warps, num_stages[, BLOCK_M]) of ``kernel`` ("unpacked" or
     "per-position")."""
-    key = (weight.layout, _block_m(x.shape[0]))
-    if config is not None or kernel != "unpacked" or key in _COMPILED:
+    if config is not None or kernel != "unpacked":
         _gemm(x, weight, out, config, splits, kernel)
         return
-    if key not in _DOES_NOT_FIT:
-        try:   # the first launch compiles: a tile this GPU cannot hold (shared memory) fails here, before any work
-            _gemm(x, weight, out, None, splits, "unpacked")
-            _COMPILED.add(key)
-            return
-        except (TritonError, RuntimeError) as exc:
-            _DOES_NOT_FIT.add(key)
-            logger.warning("the unpacked low-bit GEMM's tile does not compile for %s at %d-row tiles (%s: %s); the "
-                           "slower per-position kernel serves it", weight.layout, key[1], type(exc).__name__,
-                           str(exc)[:200])
-    _gemm(x, weight, out, None, splits, "per-position")
+    run_or_fall_back(("gemm", weight.layout, _block_m(x.shape[0])),
+                     lambda: _gemm(x, weight, out, None, splits, "unpacked"),
+                     lambda: _gemm(x, weight, out, None, splits, "per-position"))
 
 
 def _gemm(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple | None, splits: int | None,

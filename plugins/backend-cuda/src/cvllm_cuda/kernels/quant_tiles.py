@@ -10,15 +10,20 @@ mask (plus the high plane's bits), made a float without a conversion instruction
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
+from triton.errors import TritonError
 
 from cvllm_cuda.kernels import gpu
 from cvllm_cuda.kernels.pdl import options as pdl_options
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.sizes import cdiv
 from cvllm_cuda.quant_planes import QuantWeight
+
+logger = logging.getLogger(__name__)
 
 # the split kernels divide K until there are about this many programs per SM
 PROGRAMS_PER_SM = 4
@@ -99,6 +104,21 @@ def quant_element(low, high, first, S: tl.constexpr, LOW_BITS: tl.constexpr, HIG
         shift = (first % (32 // HIGH_BITS) + S) * HIGH_BITS
         q = q | (((high >> shift) & ((1 << HIGH_BITS) - 1)) << LOW_BITS)
     return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def element_values(low, high, first, S, scale, offset, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr,
+                   FLOAT8: tl.constexpr):
+    """float32 values of elements ``first + S`` (S a tensor broadcast against the words): quant_element's integer
+    (or FP8 value) times scale plus offset."""
+    q = (low >> (S * LOW_BITS)) & ((1 << LOW_BITS) - 1)
+    if FLOAT8:
+        v = q.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        if HIGH_BITS > 0:
+            q = q | (((high >> ((first % (32 // HIGH_BITS) + S) * HIGH_BITS)) & ((1 << HIGH_BITS) - 1)) << LOW_BITS)
+        v = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return v * scale + offset
 
 
 @triton.jit
@@ -194,3 +214,27 @@ def add_splits(partials: torch.Tensor, out: torch.Tensor, splits: int, n: int) -
                                        **pdl_options(out.device))
     if target is not out:
         out.copy_(target)
+
+
+COMPILED: set = set()       # keys whose unpacked tile has run (run_or_fall_back)
+DOES_NOT_FIT: set = set()   # keys whose unpacked tile failed to compile: their fallback serves them
+
+
+def run_or_fall_back(key: tuple, run, fallback) -> None:
+    """``run()``, a launch of an unpacked GEMM tile, or ``fallback()`` (the per-position kernel) where the first
+    launch for ``key`` (kernel, layout, row tile) failed to compile: a tile this GPU cannot hold in shared memory
+    (sass_stats.py gemm --table: every default tile fits the H200; a GPU of 100 KB a block does not hold the larger
+    row tiles) fails before any work is queued. Logged once a key."""
+    if key in COMPILED:
+        run()
+        return
+    if key not in DOES_NOT_FIT:
+        try:
+            run()
+            COMPILED.add(key)
+            return
+        except (TritonError, RuntimeError) as exc:
+            DOES_NOT_FIT.add(key)
+            logger.warning("the unpacked low-bit GEMM's tile does not compile for %s (%s: %s); the slower "
+                           "per-position kernel serves it", key, type(exc).__name__, str(exc)[:200])
+    fallback()
