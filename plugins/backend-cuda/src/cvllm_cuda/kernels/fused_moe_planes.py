@@ -20,7 +20,7 @@ from cvllm_cuda.kernels import moe_gemv, pdl
 from cvllm_cuda.kernels.fused_moe import pair_layout
 from cvllm_cuda.kernels.moe_planes_gemv import moe_planes_gemv
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
-from cvllm_cuda.kernels.quant_tiles import dot_into, element_values, quant_element, run_or_fall_back, tile, upcast
+from cvllm_cuda.kernels.quant_tiles import dot_into, dot_unpacked, quant_element, run_or_fall_back, tile, upcast
 from cvllm_cuda.quant_planes import QuantWeight
 
 _PLANES = ("low", "high", "d", "m", "a", "b")
@@ -88,10 +88,7 @@ def _moe_planes_gemm(a_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, weights
                 inputs = tl.load(perm_ptr + e * K + inputs, mask=k_ok, other=0)
             x = tl.load(a_ptr + rows[:, None] * stride_am + inputs[None, :], mask=pair_ok[:, None] & k_ok[None, :],
                         other=0.0)
-            w3 = element_values(low[:, None, :], high[:, None, :], first[:, None, :],
-                                tl.arange(0, PER_WORD)[None, :, None], scale[:, None, :], offset[:, None, :],
-                                LOW_BITS, HIGH_BITS, FLOAT8)
-            acc = dot_into(x, tl.reshape(w3, (BLOCK_W * PER_WORD, BLOCK_N)).to(x.dtype), acc, IEEE, UPCAST)
+            acc = dot_unpacked(x, low, high, first, scale, offset, acc, LOW_BITS, HIGH_BITS, FLOAT8, IEEE, UPCAST)
         else:
             for S in tl.static_range(PER_WORD):
                 inputs = words * PER_WORD + S

@@ -26,7 +26,7 @@ from cvllm_cuda.kernels.quant_gemv import GEMV_CONFIGS, quant_gemv
 from cvllm_cuda.kernels.quant_tiles import (
     add_splits,
     dot_into,
-    element_values,
+    dot_unpacked,
     kernel_tensors,
     quant_element,
     run_or_fall_back,
@@ -74,10 +74,7 @@ def _gemm_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, 
         if UNPACKED:
             ks = w0 * PER_WORD + tl.arange(0, BLOCK_W * PER_WORD)
             x = tl.load(x_rows + ks[None, :], mask=t_ok[:, None] & (ks < num_words * PER_WORD)[None, :], other=0.0)
-            w3 = element_values(low[:, None, :], high[:, None, :], first[:, None, :],
-                                tl.arange(0, PER_WORD)[None, :, None], scale[:, None, :], offset[:, None, :],
-                                LOW_BITS, HIGH_BITS, FLOAT8)
-            acc = dot_into(x, tl.reshape(w3, (BLOCK_W * PER_WORD, BLOCK_N)).to(x.dtype), acc, IEEE, UPCAST)
+            acc = dot_unpacked(x, low, high, first, scale, offset, acc, LOW_BITS, HIGH_BITS, FLOAT8, IEEE, UPCAST)
         else:
             for S in tl.static_range(PER_WORD):
                 x = tl.load(x_rows + (words * PER_WORD + S)[None, :], mask=t_ok[:, None] & word_ok[None, :],

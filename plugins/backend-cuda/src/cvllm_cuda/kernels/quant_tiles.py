@@ -133,6 +133,19 @@ def dot_into(x, w, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def dot_unpacked(x, low, high, first, scale, offset, acc, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr,
+                 FLOAT8: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + x [M, BLOCK_W * per word] @ the tile's words [BLOCK_W, BLOCK_N] unpacked in order: each word broadcast
+    against its element positions and reshaped into [BLOCK_W * per word, BLOCK_N] (element k of the step is word
+    k // per word's element k % per word), one ``tl.dot``."""
+    PER_WORD: tl.constexpr = 32 // LOW_BITS
+    w3 = element_values(low[:, None, :], high[:, None, :], first[:, None, :], tl.arange(0, PER_WORD)[None, :, None],
+                        scale[:, None, :], offset[:, None, :], LOW_BITS, HIGH_BITS, FLOAT8)
+    w = tl.reshape(w3, (low.shape[0] * PER_WORD, low.shape[1]))
+    return dot_into(x, w.to(x.dtype), acc, IEEE, UPCAST)
+
+
+@triton.jit
 def sum_splits_kernel(partial_ptr, out_ptr, N, SPLITS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_previous_kernel(USE_PDL)
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
