@@ -112,7 +112,7 @@ def _dequantize_kernel(out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N
 GEMM_CONFIGS = {2: (128, 4, 4, 4), 4: (128, 8, 4, 4), 8: (128, 16, 4, 4)}
 # the per-position kernel's (a tl.dot per element position of the words, x read at a stride): 8x slower than the
 # unpacked one at 64 rows and 17x at 128, kept for a layout and row tile the unpacked tile does not fit (out of shared
-# memory; logged once)
+# memory; quant_tiles.run_or_fall_back, logged once)
 PER_POSITION_CONFIGS = {2: (32, 64, 4, 3), 4: (32, 64, 4, 3), 8: (32, 64, 4, 3)}
 # (BLOCK_N, BLOCK_W, num_warps) of the dequantization, set from bench/quant_matmul_sweep.py
 DEQUANT_CONFIGS = {2: (256, 8, 4), 4: (256, 8, 4), 8: (128, 4, 4)}
@@ -120,6 +120,8 @@ DEQUANT_CONFIGS = {2: (256, 8, 4), 4: (256, 8, 4), 8: (128, 4, 4)}
 # cuBLAS. Decode batches stay below it: dequantizing every weight to bf16 each step writes and reads back a bf16
 # model per step. 128 is reasoned, not yet measured end to end
 GEMM_MAX_ROWS = 128
+
+
 def _block_m(t: int) -> int:
     return 16 if t <= 16 else 32 if t <= 32 else 64 if t <= 64 else 128
 
