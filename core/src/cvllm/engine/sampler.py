@@ -88,11 +88,9 @@ class Sampler:
             return SamplerOutput(token_ids, None, None, None, torch.where(sane, token_ids, -1))
         asked = [p.logprobs for p in params if p.logprobs is not None]
         processed = any(p.logits_processors for p in params)
-        # A plain greedy batch needs only the argmax, the same on 16-bit logits as on their (exact) fp32 copy:
-        # the copy, a kernel over the vocabulary, is made only for what computes with the logits.
-        if asked or processed or allowed is not None or any(
-                not p.greedy or p.logit_bias or p.needs_penalties or p.min_tokens for p in params):
-            logits = logits.float()
+        # something computes with the logits (a plain greedy batch, which needs only the argmax, returned above):
+        # in float32
+        logits = logits.float()
 
         raw_logprobs = logits.log_softmax(dim=-1) if asked else None
 

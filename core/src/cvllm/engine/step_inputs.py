@@ -86,8 +86,9 @@ def build_host_step(batch: ScheduledBatch, block_size: int, previous_rows: dict[
 
     num_seqs, num_tokens = len(seqs), len(input_ids)
     shapes = layout(num_tokens, num_seqs, max_blocks, len(logits_rows), len(fill_at))
-    packed = np.zeros(packed_size(shapes), dtype=np.uint8)
-    views = _numpy_views(packed, shapes)
+    offsets, size = placement(shapes)
+    packed = np.zeros(size, dtype=np.uint8)
+    views = [np.ndarray(shape, NUMPY_DTYPES[dtype], packed, at) for (shape, dtype), at in zip(shapes, offsets)]
     ids, positions, query_start_v, seq_lens_v, slots, block_tables, logits_indices, fill = views
     ids[:] = input_ids
     query_start_v[:] = query_start
@@ -107,20 +108,15 @@ def build_host_step(batch: ScheduledBatch, block_size: int, previous_rows: dict[
                     batch.num_prefill_tokens == 0, torch.from_numpy(packed))
 
 
-def packed_size(shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
-    """Bytes of the packed buffer of tensors of these shapes (``pack``: each starts at a multiple of ``ALIGN``)."""
-    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in shapes]
-    return sum(size + (-size % ALIGN) for size in sizes)
-
-
-def _numpy_views(packed: np.ndarray, shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> list[np.ndarray]:
-    """``unpack`` on a NumPy buffer."""
-    out, offset = [], 0
+def placement(shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[int], int]:
+    """Where ``pack`` puts tensors of these shapes: each one's byte offset (a multiple of ``ALIGN``), and the
+    buffer's size."""
+    offsets, end = [], 0
     for shape, dtype in shapes:
-        out.append(np.ndarray(shape, NUMPY_DTYPES[dtype], packed, offset))
+        offsets.append(end)
         size = math.prod(shape) * dtype.itemsize
-        offset += size + (-size % ALIGN)
-    return out
+        end += size + (-size % ALIGN)
+    return offsets, end
 
 
 def layout(num_tokens: int, num_seqs: int, max_blocks: int, num_logits: int, num_fill: int
@@ -145,15 +141,13 @@ def unpack(packed: torch.Tensor, shapes: list[tuple[tuple[int, ...], torch.dtype
     """``pack``'s inverse: views into ``packed`` (on whatever device it is), no copies. Each is one ``as_strided`` of
     the buffer viewed in its dtype: a slice and two views per tensor cost twice the host time, every step."""
     typed: dict[torch.dtype, torch.Tensor] = {}
-    out, offset = [], 0
-    for shape, dtype in shapes:
+    out = []
+    for (shape, dtype), offset in zip(shapes, placement(shapes)[0]):
         base = typed.get(dtype)
         if base is None:
             base = typed[dtype] = packed.view(dtype)
         strides = (shape[1], 1) if len(shape) == 2 else (1,)
         out.append(base.as_strided(shape, strides, base.storage_offset() + offset // dtype.itemsize))
-        size = math.prod(shape) * dtype.itemsize
-        offset += size + (-size % ALIGN)
     return out
 
 
