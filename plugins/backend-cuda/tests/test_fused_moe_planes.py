@@ -41,7 +41,23 @@ def silu_and_mul(x):
 
 @pytest.mark.parametrize("tokens, foreign", [(1, False), (3, True), (30, False)])
 @pytest.mark.parametrize("split", [False, True])
-def test_low_bit_experts_match_their_dequantized_sum(tokens, foreign, split):
+@pytest.mark.parametrize("unpacked", [True, False], ids=["unpacked", "per-position"])
+def test_low_bit_experts_match_their_dequantized_sum(tokens, foreign, split, unpacked, monkeypatch):
+    """(The per-position kernel is the fallback for a tile that does not compile: forced here by a failing
+    unpacked launch.)"""
+    if not unpacked:
+        from cvllm_cuda.kernels import fused_moe_planes as fmp
+        from cvllm_cuda.kernels import quant_tiles
+        real = fmp._launch
+
+        def launch(*args, unpacked):
+            if unpacked:
+                raise RuntimeError("out of resource: shared memory (raised by the test)")
+            real(*args, unpacked=False)
+
+        monkeypatch.setattr(fmp, "_launch", launch)
+        monkeypatch.setattr(quant_tiles, "DOES_NOT_FIT", set())
+        monkeypatch.setattr(quant_tiles, "COMPILED", set())
     gen = torch.Generator().manual_seed(tokens)
     experts, top_k, hidden_size, inter = 4, 2, 256, 256
     if split:   # gate Q4_K, up Q8_0 (per-part layouts), down Q6_K

@@ -20,7 +20,7 @@ from cvllm_cuda.kernels import moe_gemv, pdl
 from cvllm_cuda.kernels.fused_moe import pair_layout
 from cvllm_cuda.kernels.moe_planes_gemv import moe_planes_gemv
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
-from cvllm_cuda.kernels.quant_tiles import dot_into, quant_element, tile, upcast
+from cvllm_cuda.kernels.quant_tiles import dot_into, dot_unpacked, quant_element, run_or_fall_back, tile, upcast
 from cvllm_cuda.quant_planes import QuantWeight
 
 _PLANES = ("low", "high", "d", "m", "a", "b")
@@ -51,10 +51,11 @@ def _moe_planes_gemm(a_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, weights
                      HAS_M: tl.constexpr, FLOAT8: tl.constexpr, NUM_LOCAL: tl.constexpr, TOP_K: tl.constexpr,
                      ROWS_BY_TOKEN: tl.constexpr, SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                     HAS_PERM: tl.constexpr, USE_PDL: tl.constexpr):
-    """out[pair, col_offset + n-tile] = a[row of pair] @ W[expert of the block]^T, W dequantized in the tile.
-    HAS_PERM: the expert's planes hold its inputs in another order (GPTQ act-order, sorted by group): input k of
-    the planes is column ``perm[expert, k]`` of a."""
+                     HAS_PERM: tl.constexpr, UNPACKED: tl.constexpr, USE_PDL: tl.constexpr):
+    """out[pair, col_offset + n-tile] = a[row of pair] @ W[expert of the block]^T, W dequantized in the tile, a K
+    step at a time: UNPACKED, the words unpacked into one tile in order and one ``tl.dot`` (quant_matmul.py's GEMM);
+    else one ``tl.dot`` per element position of the words. HAS_PERM: the expert's planes hold its inputs in another
+    order (GPTQ act-order, sorted by group): input k of the planes is column ``perm[expert, k]`` of a."""
     wait_for_previous_kernel(USE_PDL)
     PER_WORD: tl.constexpr = 32 // LOW_BITS
     block = tl.program_id(0)
@@ -80,14 +81,23 @@ def _moe_planes_gemm(a_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, weights
         first, low, high, scale, offset = tile(low_ptr, high_ptr, d_ptr, m_ptr, fa_ptr, fb_ptr, words, word_ok, cols,
                                                 col_ok, N, LOW_BITS, HIGH_BITS, SCALE_GROUP, SUPER_GROUP, A_MODE,
                                                 B_MODE, B_CONST, HAS_M)
-        for S in tl.static_range(PER_WORD):
-            inputs = words * PER_WORD + S
+        if UNPACKED:
+            inputs = w0 * PER_WORD + tl.arange(0, BLOCK_W * PER_WORD)
+            k_ok = inputs < K
             if HAS_PERM:
-                inputs = tl.load(perm_ptr + e * K + inputs, mask=word_ok, other=0)
-            x = tl.load(a_ptr + rows[:, None] * stride_am + inputs[None, :],
-                        mask=pair_ok[:, None] & word_ok[None, :], other=0.0)
-            w = (quant_element(low, high, first, S, LOW_BITS, HIGH_BITS, FLOAT8) * scale + offset).to(x.dtype)
-            acc = dot_into(x, w, acc, IEEE, UPCAST)
+                inputs = tl.load(perm_ptr + e * K + inputs, mask=k_ok, other=0)
+            x = tl.load(a_ptr + rows[:, None] * stride_am + inputs[None, :], mask=pair_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            acc = dot_unpacked(x, low, high, first, scale, offset, acc, LOW_BITS, HIGH_BITS, FLOAT8, IEEE, UPCAST)
+        else:
+            for S in tl.static_range(PER_WORD):
+                inputs = words * PER_WORD + S
+                if HAS_PERM:
+                    inputs = tl.load(perm_ptr + e * K + inputs, mask=word_ok, other=0)
+                x = tl.load(a_ptr + rows[:, None] * stride_am + inputs[None, :],
+                            mask=pair_ok[:, None] & word_ok[None, :], other=0.0)
+                w = (quant_element(low, high, first, S, LOW_BITS, HIGH_BITS, FLOAT8) * scale + offset).to(x.dtype)
+                acc = dot_into(x, w, acc, IEEE, UPCAST)
     out = acc.to(out_ptr.dtype.element_ty)
     if SCALE_ROWS:   # as the torch path: the expert's output and the weight in the activations' dtype
         out = out * tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0).to(out_ptr.dtype.element_ty)[:, None]
@@ -98,10 +108,21 @@ def _moe_planes_gemm(a_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr, weights
 def _gemm(a: torch.Tensor, weight: QuantWeight, out: torch.Tensor, col_offset: int, sorted_pairs: torch.Tensor,
           block_expert: torch.Tensor, weights: torch.Tensor, top_k: int, rows_by_token: bool, block_m: int,
           perm: torch.Tensor | None = None) -> None:
+    run_or_fall_back(("moe", weight.layout, block_m),
+                     lambda: _launch(a, weight, out, col_offset, sorted_pairs, block_expert, weights, top_k,
+                                     rows_by_token, block_m, perm, unpacked=True),
+                     lambda: _launch(a, weight, out, col_offset, sorted_pairs, block_expert, weights, top_k,
+                                     rows_by_token, block_m, perm, unpacked=False))
+
+
+def _launch(a: torch.Tensor, weight: QuantWeight, out: torch.Tensor, col_offset: int, sorted_pairs: torch.Tensor,
+            block_expert: torch.Tensor, weights: torch.Tensor, top_k: int, rows_by_token: bool, block_m: int,
+            perm: torch.Tensor | None, unpacked: bool) -> None:
     low = weight.low
     tensors = [getattr(weight, name) if getattr(weight, name) is not None else low for name in _PLANES]
     strides = [t.stride(0) if getattr(weight, name) is not None else 0 for name, t in zip(_PLANES, tensors)]
-    block_n, block_w = 64, 16
+    # unpacked: a K step of 64 inputs at every plane width (as quant_matmul.GEMM_CONFIGS); per position: 16 words
+    block_n, block_w = 64, (2 * weight.layout.low_bits if unpacked else 16)
     grid = (block_expert.shape[0], triton.cdiv(weight.out_features, block_n))
     _moe_planes_gemm[grid](a, out, sorted_pairs, block_expert, weights, low if perm is None else perm, *tensors,
                            *strides, weight.out_features,
@@ -109,7 +130,8 @@ def _gemm(a: torch.Tensor, weight: QuantWeight, out: torch.Tensor, col_offset: i
                            **weight.layout.kernel_args(), NUM_LOCAL=low.shape[0], TOP_K=top_k,
                            ROWS_BY_TOKEN=rows_by_token, SCALE_ROWS=not rows_by_token, BLOCK_M=block_m,
                            BLOCK_N=block_n, BLOCK_W=block_w, IEEE=a.dtype == torch.float32, UPCAST=upcast(a.dtype),
-                           HAS_PERM=perm is not None, num_warps=4, num_stages=2, **pdl.options(a.device))
+                           HAS_PERM=perm is not None, UNPACKED=unpacked, num_warps=4, num_stages=2,
+                           **pdl.options(a.device))
 
 
 def fused_moe_planes(hidden: torch.Tensor, gate_up: list[QuantWeight], down: QuantWeight, topk_weights: torch.Tensor,
