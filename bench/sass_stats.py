@@ -21,14 +21,13 @@ import sys
 from pathlib import Path
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from cvllm_cuda.kernels import quant_gemv, quant_gemv_int8, quant_matmul
 from cvllm_cuda.kernels.quant_tiles import group_words, groups_in_thread
 from cvllm_cuda.quant_planes import QuantLayout
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "plugins/backend-cuda/tests"))
+import sm90  # noqa: E402
 from test_quant_matmul import LAYOUTS  # noqa: E402
 
 SHARED_LIMIT = 232448   # bytes of shared memory a block may have on the H200 (sm_90)
@@ -60,14 +59,7 @@ def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m
 
 
 def compile_sm90(fn, signature: dict, constexprs: dict, warps: int, stages: int | None = None):
-    names = list(signature) + list(constexprs)
-    signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items()
-             if t.startswith("*") or n in DIVISIBLE}
-    source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
-                       attrs=attrs)
-    options = {"num_warps": warps, **({"num_stages": stages} if stages else {})}
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return sm90.compile_sm90(fn, signature, constexprs, warps, stages, DIVISIBLE)
 
 
 def gemm_table() -> None:

@@ -70,21 +70,25 @@ def run_pair(make_llm, prompts, params, spec: dict) -> dict:
         for _ in range(2):   # warm-up: kernels and graphs, then the shapes of a prompt the prefix cache holds
             timed_generate(llm, prompts[:1], params)
         stats = llm.llm_engine.stats
-        before = (stats.spec_draft_tokens, stats.spec_accepted_tokens, stats.spec_verifications, stats.steps)
+        counters = ("spec_draft_tokens", "spec_accepted_tokens", "spec_verifications", "steps", "spec_guesses",
+                    "spec_guess_misses")
+        before = [getattr(stats, c) for c in counters]
         tokens, wall, outputs = 0, 0.0, []
         for prompt in prompts:
             out, seconds = timed_generate(llm, [prompt], params)
             outputs.append(list(out[0].outputs[0].token_ids))
             tokens += len(outputs[-1])
             wall += seconds
-        drafted, accepted, verifications, steps = (after - b for after, b in zip(
-            (stats.spec_draft_tokens, stats.spec_accepted_tokens, stats.spec_verifications, stats.steps), before))
+        drafted, accepted, verifications, steps, guesses, misses = (
+            getattr(stats, c) - b for c, b in zip(counters, before))
         result[name] = {"async_scheduling": llm.llm_engine.async_scheduling,   # (the engine's, default or not)
                         "tok_s": round(tokens / wall, 1), "tokens": tokens, "wall_s": round(wall, 3), "steps": steps,
                         "ms_per_step": round(1e3 * wall / steps, 3),
                         "outputs": outputs, "draft_tokens": drafted, "accepted_tokens": accepted,
                         "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
-                        "mean_tokens_per_verify": round(1 + accepted / verifications, 2) if verifications else None}
+                        "mean_tokens_per_verify": round(1 + accepted / verifications, 2) if verifications else None,
+                        # async scheduling: next steps launched on a guessed outcome, and how many were wrong (void)
+                        "guesses": guesses, "guess_misses": misses}
         llm.shutdown()
     result["same_outputs"] = result["plain"].pop("outputs") == result[method].pop("outputs")
     result["speedup"] = round(result[method]["tok_s"] / result["plain"]["tok_s"], 3)

@@ -8,15 +8,18 @@ test module of this directory imports the kernels.
 from __future__ import annotations
 
 import os
+import sys
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, str(Path(__file__).parent))   # the tests' helper modules (sm90.py), under --import-mode=importlib
 
 from cvllm.backends.cpu import paged_attention_reference  # noqa: E402
 

@@ -24,8 +24,10 @@ _TILE_ELEMENTS = 2048  # (heads x half rotary dims) per program
 @triton.jit
 def _to_cache(value, scale, FP8: tl.constexpr):
     """A rounded value as the destination stores it: an FP8 cache holds value / its head's scale, saturated."""
+    # (one return: Triton compiles every return of a function, and two of different dtypes do not compile even
+    # where a constexpr leaves one unreachable)
     if FP8:
-        return tl.clamp(value.to(tl.float32) / scale[:, None], -448.0, 448.0)
+        value = tl.clamp(value.to(tl.float32) / scale[:, None], -448.0, 448.0)
     return value
 
 

@@ -1,0 +1,64 @@
+"""Compiling a Triton kernel for Hopper (sm_90) without a GPU: Triton ships ptxas, so a CPU machine compiles what
+the H200 would. Triton's interpreter (how CI runs the kernels) does not type-check a kernel, so a kernel can pass
+every interpreter test and still fail to compile; a compile here catches that on CI. bench/sass_stats.py reads the
+compiled kernel's registers, shared memory and SASS."""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+def compile_sm90(fn, signature: dict, constexprs: dict, warps: int, stages: int | None = None,
+                 divisible: frozenset[str] = frozenset()):
+    """``fn`` compiled for sm_90. ``signature``: the runtime arguments' Triton types (``"*bf16"``, ``"i32"``...);
+    pointers and the ``divisible`` integers get the 16-divisibility a launch specialises them on."""
+    names = list(signature) + list(constexprs)
+    signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items()
+             if t.startswith("*") or n in divisible}
+    source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                       attrs=attrs)
+    options = {"num_warps": warps, **({"num_stages": stages} if stages else {})}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+         torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.float8_e4m3fn: "fp8e4nv"}
+OPTIONS = {"num_warps", "num_stages", "enable_fp_fusion", "launch_pdl", "num_ctas", "maxnreg"}
+
+
+class LaunchRecorder:
+    """Stands in for a ``@triton.jit`` kernel while its Python launcher runs on CPU tensors: ``kernel[grid](...)``
+    records the launch's arguments instead of running it, for ``compile_launch``."""
+
+    def __init__(self, fn):
+        self.fn, self.launches = fn, []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((args, kwargs))
+
+
+def compile_launch(fn, args: tuple, kwargs: dict):
+    """``fn`` compiled for sm_90 as a launch with these arguments would compile it on the GPU: the runtime
+    arguments' types from the tensors and numbers, the constexprs as given or defaulted."""
+    values = dict(zip(fn.arg_names, args)) | {k: v for k, v in kwargs.items() if k not in OPTIONS}
+    signature, constexprs, divisible = {}, {}, set()
+    for param in fn.params:
+        name = param.name
+        if param.is_constexpr:
+            constexprs[name] = values[name] if name in values else param.default
+            continue
+        value = values[name]
+        if isinstance(value, torch.Tensor):
+            signature[name] = "*" + TYPES[value.dtype]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            if value % 16 == 0:
+                divisible.add(name)
+    return compile_sm90(fn, signature, constexprs, kwargs.get("num_warps", 4), kwargs.get("num_stages"),
+                        frozenset(divisible))

@@ -1,0 +1,97 @@
+"""The FP8 KV cache's kernels compiled for Hopper on CPU, in the dtypes a model runs them in (sm90.py: the
+interpreter tests do not type-check, and a float32 test did not show that the fused rotary + cache write did not
+compile for bf16 activations with an FP8 cache: --kv-cache-dtype fp8 failed at CUDA graph capture, 2026-12-03)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cvllm.testing.requirements import import_or_skip
+
+import_or_skip("triton")
+
+import sm90  # noqa: E402
+
+# (the modules: cvllm_cuda.kernels exports functions of the same names)
+kv_cache, paged_attention, rotary = (importlib.import_module(f"cvllm_cuda.kernels.{name}")
+                                     for name in ("kv_cache", "paged_attention", "rotary"))
+
+FP8 = torch.float8_e4m3fn
+# In Triton's interpreter the kernels are not compilable objects (nor the helpers they call): there, this file's
+# tests run in a child pytest with the interpreter off (no GPU is needed to compile)
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+compiles = pytest.mark.skipif(INTERPRETED, reason="run by test_kernels_compile_for_hopper, interpreter off")
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the tests below run here directly")
+def test_kernels_compile_for_hopper():
+    child = subprocess.run([sys.executable, "-m", "pytest", __file__, "-p", "no:cacheprovider", "-o", "addopts=", "-q"],
+                           env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True, timeout=900)
+    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
+    assert "14 passed, 1 skipped" in child.stdout, child.stdout[-2000:]   # (this test itself is the skipped one)
+TOKENS, Q_HEADS, KV_HEADS, DIM, BLOCKS, BLOCK_SIZE = 4, 8, 2, 128, 4, 16
+
+
+def compiled_launches(monkeypatch, module, kernel_name: str, launch) -> int:
+    """Runs ``launch()`` with ``module.kernel_name`` recorded instead of run; compiles each recorded launch."""
+    recorder = sm90.LaunchRecorder(getattr(module, kernel_name))
+    monkeypatch.setattr(module, kernel_name, recorder)
+    launch()
+    for args, kwargs in recorder.launches:
+        kernel = sm90.compile_launch(recorder.fn, args, kwargs)
+        assert kernel.metadata.shared <= 232448, kernel.metadata.shared
+    return len(recorder.launches)
+
+
+def caches(cache_dtype):
+    return [torch.zeros(BLOCKS, BLOCK_SIZE, KV_HEADS, DIM, dtype=cache_dtype) for _ in range(2)]
+
+
+def scales(cache_dtype):
+    return (torch.ones(KV_HEADS), torch.ones(KV_HEADS)) if cache_dtype == FP8 else None
+
+
+@compiles
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cache_fp8", [True, False])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_fused_rotary_cache_write_compiles(monkeypatch, dtype, cache_fp8, qk_norm):
+    cache_dtype = FP8 if cache_fp8 else dtype
+    q, k, v = (torch.zeros(TOKENS, h * DIM, dtype=dtype) for h in (Q_HEADS, KV_HEADS, KV_HEADS))
+    cos_sin = torch.zeros(64, DIM, dtype=dtype)
+    norm = (torch.ones(DIM, dtype=dtype), torch.ones(DIM, dtype=dtype), 1e-6) if qk_norm else None
+    k_cache, v_cache = caches(cache_dtype)
+    positions, slots = torch.arange(TOKENS), torch.arange(TOKENS)
+    assert compiled_launches(monkeypatch, rotary, "_rotary_kernel", lambda: rotary.rotary_write_kv(
+        positions, q, k, v, cos_sin, DIM, k_cache, v_cache, slots, scales(cache_dtype), qk_norm=norm)) == 1
+
+
+@compiles
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_cache_write_compiles(monkeypatch, dtype):
+    k, v = (torch.zeros(TOKENS, KV_HEADS, DIM, dtype=dtype) for _ in range(2))
+    k_cache, v_cache = caches(FP8)
+    assert compiled_launches(monkeypatch, kv_cache, "_write_kv_kernel", lambda: kv_cache.write_kv(
+        k, v, k_cache, v_cache, torch.arange(TOKENS), scales(FP8))) == 1
+
+
+@compiles
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("max_query_len", [1, 4])   # decode and a prefill chunk (or a verify step)
+def test_attention_over_fp8_cache_compiles(monkeypatch, dtype, max_query_len):
+    num_seqs = TOKENS // max_query_len
+    q = torch.zeros(TOKENS, Q_HEADS, DIM, dtype=dtype)
+    k_cache, v_cache = caches(FP8)
+    query_start_loc = torch.arange(0, TOKENS + 1, max_query_len, dtype=torch.int32)
+    seq_lens = torch.full((num_seqs,), 40, dtype=torch.int32)
+    tables = torch.zeros(num_seqs, BLOCKS, dtype=torch.int32)
+    config = paged_attention.AttentionConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+    assert compiled_launches(monkeypatch, paged_attention, "_attention_kernel", lambda: paged_attention.paged_attention(
+        q, k_cache, v_cache, query_start_loc, seq_lens, tables, max_query_len, 0.1, None, None, num_splits=1,
+        config=config, kv_scales=scales(FP8))) == 1
