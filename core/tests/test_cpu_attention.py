@@ -311,3 +311,25 @@ def test_fused_decode_off_uses_the_reference(fused_calls, monkeypatch):
         torch.testing.assert_close(out[b:b + 1], dense_attention(q[b:b + 1], paged.keys[b], paged.values[b],
                                                                  torch.tensor([c])), **TOL)
     assert not fused_calls
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_short_chunk_rows_equal_decode_steps(window, block_size):
+    """A speculative verify step's chunk (last token and drafts) attends row by row as the decode steps at those
+    positions would, bit for bit in bf16: so greedy speculation yields plain decoding's tokens on the CPU."""
+    gen = torch.Generator().manual_seed(block_size)
+    context, n = 40, 5
+    paged = paginate([context + n], 2, block_size, gen)
+    k_cache, v_cache = paged.k_cache.bfloat16(), paged.v_cache.bfloat16()
+    backend = CpuBackend()
+    q = torch.randn(n, HEADS, HEAD_DIM, generator=gen).bfloat16()
+    ctx = make_context(backend, [context], [n], paged.block_tables, block_size)
+    chunk = backend.attention(q, k_cache, v_cache, ctx, layer(window))
+    for j in range(n):
+        ctx = make_context(backend, [context + j], [1], paged.block_tables, block_size)
+        step = backend.attention(q[j:j + 1], k_cache, v_cache, ctx, layer(window))
+        assert torch.equal(chunk[j:j + 1], step), j
+    expected = dense_attention(q.float(), paged.keys[0], paged.values[0], torch.arange(context, context + n),
+                               sliding_window=window)
+    torch.testing.assert_close(chunk.float(), expected, rtol=2e-2, atol=2e-2)

@@ -10,12 +10,13 @@ import torch
 
 from cvllm.backends import cpu_kernels, cpu_kind
 from cvllm.backends.base import Backend
-from cvllm.backends.cpu_decode import DecodeKeys, GatherBuffers, decode_attention
+from cvllm.backends.cpu_decode import DecodeKeys, GatherBuffers, chunk_attention, decode_attention
 from cvllm.backends.cpu_fused import make_fused_kernels
 from cvllm.forward_context import ForwardContext
 from cvllm.layers import kv_fp8
 
 KV_CACHE_BYTES = 4 << 30   # the KV pool by default, at most (vLLM's CPU default is 4 GiB too)
+DECODE_CHUNK = 16          # chunks of up to this many tokens attend as decode steps would (cpu_decode.chunk_attention)
 
 
 def _available_memory() -> tuple[int, int]:
@@ -167,6 +168,11 @@ class CpuBackend(Backend):
                                           plan.visible(-1, layer.sliding_window), plan.past_end(-1), scales)
             out[plan.decode_tokens] = o[:, 0]
         for i, (start, n, tables, positions, lens) in enumerate(plan.prefills):
+            if fused and n <= DECODE_CHUNK:   # a verify step's tokens: each as a decode step would attend
+                out[start:start + n] = chunk_attention(q[start:start + n], k_cache, v_cache, tables,
+                                                       plan.prefill_lens_cpu[i], plan.block_size,
+                                                       layer.sliding_window, layer.scale, self._gather_buffers)
+                continue
             o = paged_attention_reference(q[None, start:start + n], k_cache, v_cache, tables, positions, lens, *args,
                                           plan.visible(i, layer.sliding_window), plan.past_end(i), scales)
             out[start:start + n] = o[0]
@@ -181,6 +187,7 @@ class _AttentionPlan:
     decode_lens: torch.Tensor | None        # [Bd]
     decode_lens_cpu: list[int]
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]
+    prefill_lens_cpu: list[int]
     block_size: int = 0
     decode_only: bool = False               # decode_tokens is every row of the batch, in order
     # visibility masks by (prefill index or -1 for the decode rows, sliding window): layers share them
@@ -192,7 +199,7 @@ class _AttentionPlan:
         starts, qlens, seq_lens = ctx.query_start_loc_cpu, ctx.query_lens_cpu, ctx.seq_lens_cpu
         block_size = ctx.block_size
         rows = [i for i, n in enumerate(qlens) if n == 1]
-        plan = cls(None, None, None, None, [], [], block_size)
+        plan = cls(None, None, None, None, [], [], [], block_size)
         if rows:
             index = torch.tensor(rows)
             plan.decode_tokens = torch.tensor([starts[i] for i in rows])
@@ -206,6 +213,7 @@ class _AttentionPlan:
                 seq_len = seq_lens[i]
                 plan.prefills.append((starts[i], n, ctx.block_tables[i:i + 1, :-(-seq_len // block_size)].long(),
                                       torch.arange(seq_len - n, seq_len)[None], ctx.seq_lens[i:i + 1]))
+                plan.prefill_lens_cpu.append(seq_len)
         return plan
 
     def _part(self, part: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

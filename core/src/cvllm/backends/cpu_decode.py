@@ -63,25 +63,58 @@ class DecodeKeys:
                    rows if rows.numel() else None)
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: DecodeKeys, scale: float,
-                     buffers: GatherBuffers) -> torch.Tensor:
-    """q: [B, H, D], each row's query at its sequence's last position; the caches: [blocks, block_size, Hkv, D].
-    Returns [B, H, Dv] in q's dtype."""
-    B, H, _ = q.shape
+def gather_keys(k_cache: torch.Tensor, v_cache: torch.Tensor, keys: DecodeKeys, batch: int,
+                buffers: GatherBuffers) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values of ``keys.blocks`` gathered: [batch, gathered positions, Hkv, D], rows past an end zeroed."""
     _, block_size, Hkv, D = k_cache.shape
     Dv = v_cache.shape[3]
-    n = B * keys.num_blocks
+    n = batch * keys.num_blocks
     k, v = buffers.take(k_cache.dtype, (n, block_size, Hkv, D), (n, block_size, Hkv, Dv))
     torch.index_select(k_cache, 0, keys.blocks, out=k)
     torch.index_select(v_cache, 0, keys.blocks, out=v)
     if keys.past_end is not None:
         k.view(-1, Hkv, D).index_fill_(0, keys.past_end, 0.0)
         v.view(-1, Hkv, Dv).index_fill_(0, keys.past_end, 0.0)
+    return k.view(batch, -1, Hkv, D), v.view(batch, -1, Hkv, Dv)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            scale: float) -> torch.Tensor:
+    """q [B, H, D] over gathered k, v [B, S, Hkv, D]: [B, H, Dv]."""
+    B, H, _ = q.shape
     # [B, Hkv, S, D] views of the gathered [B, S, Hkv, D]: the kernel takes strided keys and values, no copy
-    k = k.view(B, -1, Hkv, D)[:, keys.start:keys.stop].transpose(1, 2)
-    v = v.view(B, -1, Hkv, Dv)[:, keys.start:keys.stop].transpose(1, 2)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
-    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=keys.mask, scale=scale,
-                                         enable_gqa=H != Hkv)   # [B, H, 1, Dv]
-    return out.reshape(B, H, Dv)
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=H != k.shape[1])   # [B, H, 1, Dv]
+    return out.reshape(B, H, v.shape[3])
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: DecodeKeys, scale: float,
+                     buffers: GatherBuffers) -> torch.Tensor:
+    """q: [B, H, D], each row's query at its sequence's last position; the caches: [blocks, block_size, Hkv, D].
+    Returns [B, H, Dv] in q's dtype."""
+    k, v = gather_keys(k_cache, v_cache, keys, q.shape[0], buffers)
+    return _attend(q, k[:, keys.start:keys.stop], v[:, keys.start:keys.stop], keys.mask, scale)
+
+
+def chunk_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                    seq_len: int, block_size: int, window: int | None, scale: float,
+                    buffers: GatherBuffers) -> torch.Tensor:
+    """The queries of one sequence's short chunk (a speculative verify step's last token and drafts), q [n, H, D] at
+    its last n positions, each attended to as a decode step at that position attends: over a slice of its keys,
+    no mask (one gather for the chunk, one SDPA call a row). Bit for bit a decode step's arithmetic, so that a
+    verified token is the one plain decoding produces (the prefill path sums in another order, and a masked span
+    of the batched decode path rounds differently too). ``table``: [1, >= blocks] the sequence's block table."""
+    n = q.shape[0]
+    lens = range(seq_len - n + 1, seq_len + 1)
+    lows = [max(0, length - window) if window else 0 for length in lens]
+    keys = DecodeKeys.build(table, [seq_len], block_size, None if window is None else window + n - 1)
+    offset = lows[0] - keys.start   # the position of the first gathered key
+    k, v = gather_keys(k_cache, v_cache, keys, 1, buffers)
+    out = torch.empty_like(q)
+    for j, (low, length) in enumerate(zip(lows, lens)):   # (at most DECODE_CHUNK rows)
+        out[j:j + 1] = _attend(q[j:j + 1], k[:, low - offset:length - offset], v[:, low - offset:length - offset],
+                               None, scale)
+    return out
