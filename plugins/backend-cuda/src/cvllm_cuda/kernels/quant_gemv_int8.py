@@ -48,10 +48,12 @@ from cvllm_cuda.kernels.tuned_matmul import TUNED_QUANT_GEMV, quant_gemv_key
 from cvllm_cuda.quant_planes import QuantLayout, QuantWeight
 
 BLOCK = 32   # inputs per activation scale
-# rows of x up to which quant_matmul takes this GEMV (decode batches, speculative verify steps of a few drafts): a
-# row's numerics then do not depend on how many rows share the step, as llama.cpp's CUDA backend takes its q8_1
-# matrix-vector kernel up to 8 columns
-MAX_ROWS = 8
+# rows of x up to which quant_matmul takes this GEMV (decode batches, a batch-1 speculative verify step of the
+# default 4 drafts): a row's numerics then do not depend on how many rows share the step. 5, not 8 (llama.cpp's
+# q8_1 matrix-vector limit): past ~5 rows the unpacked GEMM is faster (H200, a Llama-3-8B layer in a CUDA graph,
+# bench/results/2026-12-03-h200-quant_gemm_rows-0dc5788.json: Q4_K 131 us at 4 rows and 237 at 8 against the GEMM's
+# 159-160; Q8_0 145 and 231 against 139-144)
+MAX_ROWS = 5
 # (BLOCK_N, BLOCK_W, num_warps[, stages]) by low-plane bits, from bench/quant_gemv_stack.py (a stack of Llama-3-8B
 # layers in one CUDA graph, H200, 2026-12-03): Q4_K 56.4 us a layer (the float GEMV's tiles (32, 32, 4): 60.7),
 # Q8_0 79.3 (106.6); 2-bit unswept
