@@ -50,7 +50,7 @@ tests)
         plugins/quant-gguf/tests/test_gguf_cuda.py plugins/quant-marlin/tests plugins/quant-fp8/tests --durations=3
     # in-situ K-quants on the GPU: llama.cpp's bytes through the Triton scale search (no gpu marker on most: they
     # run on CPU too, on the device's CUDA tensors there)
-    run gpu-tests-kquants 240 python3 -m pytest -p no:cacheprovider -q plugins/quant-gguf/tests/test_kquants.py \
+    run gpu-tests-kquants 480 python3 -m pytest -p no:cacheprovider -q plugins/quant-gguf/tests/test_kquants.py \
         plugins/quant-gguf/tests/test_kquants_cuda.py --durations=3
     # the FP8 KV cache kernels: the same tests as in the interpreter, compiled (no gpu marker: they run on CPU too)
     run gpu-tests-kv-fp8 90 python3 -m pytest -p no:cacheprovider -q $t/test_kv_fp8.py --durations=3
