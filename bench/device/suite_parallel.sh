@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole -m gpu suite in one device call: run_all.sh tests as three parallel streams of step names, a watchdog
+# The whole -m gpu suite in one device call: run_all.sh tests as four parallel streams of step names, a watchdog
 # (SUITE_LIMIT_S, default 500 s) so that the summary prints inside the call, then per step the tests run (pytest's
 # progress characters: its summary line does not reach these logs), the failures, and the failing tests' headers.
 #   carry the snapshot as .snap (bench/device/README.md); in the call: COMMIT=<hash> bash .snap/bench/device/suite_parallel.sh
