@@ -93,10 +93,10 @@ def tile(low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, words, word_ok, cols, co
 
 
 @triton.jit
-def quant_element(low, high, first, S: tl.constexpr, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr,
-           FLOAT8: tl.constexpr = False):
+def quant_element(low, high, first, S, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, FLOAT8: tl.constexpr = False):
     """float32: the integer of element ``first + S`` of each word (exact, without a conversion instruction), or
-    its FP8 e4m3 value (FLOAT8)."""
+    its FP8 e4m3 value (FLOAT8). ``S``: a position (a constexpr: a static_range index), or a tensor of positions
+    broadcast against the words (dot_unpacked)."""
     q = (low >> (S * LOW_BITS)) & ((1 << LOW_BITS) - 1)
     if FLOAT8:
         return q.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -104,21 +104,6 @@ def quant_element(low, high, first, S: tl.constexpr, LOW_BITS: tl.constexpr, HIG
         shift = (first % (32 // HIGH_BITS) + S) * HIGH_BITS
         q = q | (((high >> shift) & ((1 << HIGH_BITS) - 1)) << LOW_BITS)
     return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-
-
-@triton.jit
-def element_values(low, high, first, S, scale, offset, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr,
-                   FLOAT8: tl.constexpr):
-    """float32 values of elements ``first + S`` (S a tensor broadcast against the words): quant_element's integer
-    (or FP8 value) times scale plus offset."""
-    q = (low >> (S * LOW_BITS)) & ((1 << LOW_BITS) - 1)
-    if FLOAT8:
-        v = q.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:
-        if HIGH_BITS > 0:
-            q = q | (((high >> ((first % (32 // HIGH_BITS) + S) * HIGH_BITS)) & ((1 << HIGH_BITS) - 1)) << LOW_BITS)
-        v = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    return v * scale + offset
 
 
 @triton.jit
@@ -139,8 +124,8 @@ def dot_unpacked(x, low, high, first, scale, offset, acc, LOW_BITS: tl.constexpr
     against its element positions and reshaped into [BLOCK_W * per word, BLOCK_N] (element k of the step is word
     k // per word's element k % per word), one ``tl.dot``."""
     PER_WORD: tl.constexpr = 32 // LOW_BITS
-    w3 = element_values(low[:, None, :], high[:, None, :], first[:, None, :], tl.arange(0, PER_WORD)[None, :, None],
-                        scale[:, None, :], offset[:, None, :], LOW_BITS, HIGH_BITS, FLOAT8)
+    w3 = quant_element(low[:, None, :], high[:, None, :], first[:, None, :], tl.arange(0, PER_WORD)[None, :, None],
+                       LOW_BITS, HIGH_BITS, FLOAT8) * scale[:, None, :] + offset[:, None, :]
     w = tl.reshape(w3, (low.shape[0] * PER_WORD, low.shape[1]))
     return dot_into(x, w.to(x.dtype), acc, IEEE, UPCAST)
 
