@@ -167,11 +167,11 @@ class CpuBackend(Backend):
                                           plan.decode_positions, plan.decode_lens, *args,
                                           plan.visible(-1, layer.sliding_window), plan.past_end(-1), scales)
             out[plan.decode_tokens] = o[:, 0]
-        for i, (start, n, tables, positions, lens) in enumerate(plan.prefills):
+        for i, (start, n, seq_len, tables, positions, lens) in enumerate(plan.prefills):
             if fused and n <= DECODE_CHUNK:   # a verify step's tokens: each as a decode step would attend
-                out[start:start + n] = chunk_attention(q[start:start + n], k_cache, v_cache, tables,
-                                                       plan.prefill_lens_cpu[i], plan.block_size,
-                                                       layer.sliding_window, layer.scale, self._gather_buffers)
+                out[start:start + n] = chunk_attention(q[start:start + n], k_cache, v_cache, tables, seq_len,
+                                                       plan.block_size, layer.sliding_window, layer.scale,
+                                                       self._gather_buffers)
                 continue
             o = paged_attention_reference(q[None, start:start + n], k_cache, v_cache, tables, positions, lens, *args,
                                           plan.visible(i, layer.sliding_window), plan.past_end(i), scales)
@@ -186,8 +186,8 @@ class _AttentionPlan:
     decode_positions: torch.Tensor | None   # [Bd, 1]
     decode_lens: torch.Tensor | None        # [Bd]
     decode_lens_cpu: list[int]
-    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]
-    prefill_lens_cpu: list[int]
+    # (first row, rows, kv length, block tables, query positions, kv lengths) of each chunk of more than one token
+    prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor, torch.Tensor]]
     block_size: int = 0
     decode_only: bool = False               # decode_tokens is every row of the batch, in order
     # visibility masks by (prefill index or -1 for the decode rows, sliding window): layers share them
@@ -199,7 +199,7 @@ class _AttentionPlan:
         starts, qlens, seq_lens = ctx.query_start_loc_cpu, ctx.query_lens_cpu, ctx.seq_lens_cpu
         block_size = ctx.block_size
         rows = [i for i, n in enumerate(qlens) if n == 1]
-        plan = cls(None, None, None, None, [], [], [], block_size)
+        plan = cls(None, None, None, None, [], [], block_size)
         if rows:
             index = torch.tensor(rows)
             plan.decode_tokens = torch.tensor([starts[i] for i in rows])
@@ -211,16 +211,16 @@ class _AttentionPlan:
         for i, n in enumerate(qlens):
             if n != 1:
                 seq_len = seq_lens[i]
-                plan.prefills.append((starts[i], n, ctx.block_tables[i:i + 1, :-(-seq_len // block_size)].long(),
+                plan.prefills.append((starts[i], n, seq_len,
+                                      ctx.block_tables[i:i + 1, :-(-seq_len // block_size)].long(),
                                       torch.arange(seq_len - n, seq_len)[None], ctx.seq_lens[i:i + 1]))
-                plan.prefill_lens_cpu.append(seq_len)
         return plan
 
     def _part(self, part: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(block tables, query positions, kv lengths) of the decode rows (-1) or of prefill ``part``."""
         if part < 0:
             return self.decode_tables, self.decode_positions, self.decode_lens
-        return self.prefills[part][2:]
+        return self.prefills[part][3:]
 
     def visible(self, part: int, sliding_window: int | None) -> torch.Tensor:
         key = (part, sliding_window)
