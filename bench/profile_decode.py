@@ -72,6 +72,30 @@ def report_gpu_gaps(prof, steps: int, top: int = 8) -> None:
         print(f"  {gap / steps:8.1f} us a step  {pair}")
 
 
+def report_critical_path(prof, steps: int, top: int = 16) -> None:
+    """What each kernel adds to a step's GPU time: kernels sorted by their end, each charged the time from the
+    previous one's end to its own (from its start, if the GPU was idle in between). With programmatic dependent
+    launch a kernel starts while its predecessor runs and waits inside, so its own duration (the table above)
+    counts that wait too; the end-to-end deltas do not."""
+    import collections
+
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.end, e.time_range.start, e.name) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA)
+    if not spans:
+        return
+    charged, calls, last_end = collections.Counter(), collections.Counter(), spans[0][1]
+    for end, start, name in spans:
+        charged[name[:60]] += end - max(start, last_end) if end > last_end else 0.0
+        calls[name[:60]] += 1
+        last_end = max(last_end, end)
+    busy = sum(charged.values())
+    print(f"critical path: {busy / steps:.1f} us of GPU work a step, by kernel (us a step, calls a step, us a call):")
+    for name, t in charged.most_common(top):
+        print(f"  {t / steps:8.1f}  {calls[name] / steps:6.1f}  {t / calls[name]:7.2f}  {name}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true")
@@ -166,6 +190,7 @@ def main() -> None:
     print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
     if device == "cuda":
         report_gpu_gaps(prof, args.steps)
+        report_critical_path(prof, args.steps)
     print(timers.table(args.steps))
     if args.timeline and device == "cuda":
         from step_timeline import step_timeline

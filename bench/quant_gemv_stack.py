@@ -117,6 +117,18 @@ def main() -> None:
                         kernel(xs[k], layer[s], outs[n])
 
             rows["default"] = captured_us(stack, args.layers)
+            if layout.int8_activations:   # what the quantizer's and the split sums' launches cost in the stack
+                packed = {k: quant_gemv_int8.quantize_activations(x, layout.low_bits) for k, x in xs.items()}
+
+                def gemv_only(layers=layers, packed=packed, splits=None):
+                    for layer in layers:
+                        for s, (n, k) in SHAPES.items():
+                            quant_gemv_int8.quant_gemv_int8(xs[k], layer[s], outs[n], splits=splits,
+                                                            activations=packed[k])
+
+                rows["default, x quantized once"] = captured_us(gemv_only, args.layers)
+                rows["default, x quantized once, K not split"] = captured_us(
+                    lambda: gemv_only(splits=1), args.layers)
         for cfg in [] if args.defaults else gemv_configs(args.configs):
             for pps in (int(p) for p in args.pps.split(",")):
                 if time.perf_counter() - started > args.budget_s:

@@ -32,7 +32,9 @@ from cvllm_cuda.kernels.paged_attention import AttentionConfig, attention_config
 BLOCK_SIZE, HEAD_DIM, DTYPE = 16, 128, torch.bfloat16
 
 
-def workload(query_lens: list[int], contexts: list[int], heads: int, kv_heads: int, generator) -> dict:
+def workload(query_lens: list[int], contexts: list[int], heads: int, kv_heads: int, generator,
+             kv_dtype: torch.dtype = DTYPE) -> dict:
+    """One launch's inputs; an FP8 cache (``kv_dtype`` float8_e4m3fn) holds e4m3 values with per-head scales."""
     seq_lens = [c + q for c, q in zip(contexts, query_lens)]
     blocks = [-(-s // BLOCK_SIZE) for s in seq_lens]
     num_blocks = sum(blocks)
@@ -45,13 +47,15 @@ def workload(query_lens: list[int], contexts: list[int], heads: int, kv_heads: i
         at += n
     cache = (num_blocks, BLOCK_SIZE, kv_heads, HEAD_DIM)
     copies = max(1, math.ceil(3 * 60e6 / (2 * math.prod(cache) * 2)))   # K+V of all copies > 3x the L2
-    caches = [(torch.randn(cache, device="cuda", dtype=DTYPE), torch.randn(cache, device="cuda", dtype=DTYPE))
-              for _ in range(min(copies, 4))]
+    caches = [(torch.randn(cache, device="cuda", dtype=DTYPE).to(kv_dtype),
+               torch.randn(cache, device="cuda", dtype=DTYPE).to(kv_dtype)) for _ in range(min(copies, 4))]
+    fp8 = kv_dtype == torch.float8_e4m3fn
+    kv_scales = tuple(torch.full((kv_heads,), 0.05, device="cuda") for _ in range(2)) if fp8 else None
     return {"q": torch.randn(sum(query_lens), heads, HEAD_DIM, device="cuda", dtype=DTYPE), "caches": caches,
             "query_start_loc": torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32, device="cuda"),
             "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device="cuda"), "tables": tables.cuda(),
-            "max_query_len": max(query_lens),
-            "kv_bytes": sum(seq_lens) * kv_heads * HEAD_DIM * 2 * 2}
+            "max_query_len": max(query_lens), "kv_scales": kv_scales,
+            "kv_bytes": sum(seq_lens) * kv_heads * HEAD_DIM * 2 * caches[0][0].element_size()}
 
 
 def time_ms(w: dict, config: AttentionConfig | None) -> float:
@@ -60,7 +64,7 @@ def time_ms(w: dict, config: AttentionConfig | None) -> float:
     def run():
         for k, v in w["caches"]:
             paged_attention(w["q"], k, v, w["query_start_loc"], w["seq_lens"], w["tables"], w["max_query_len"],
-                            HEAD_DIM ** -0.5, None, None, config=config)
+                            HEAD_DIM ** -0.5, None, None, config=config, kv_scales=w["kv_scales"])
     run()   # compiles outside the graph
     return triton.testing.do_bench_cudagraph(run, rep=100, return_mode="median") / len(w["caches"])
 
@@ -83,21 +87,27 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--decode", help="only these decode configs, e.g. '16,64,2,3 16,128,8,2' (m,n,warps,stages)")
     ap.add_argument("--prefill", help="only these prefill configs, likewise")
+    ap.add_argument("--kv-dtype", choices=["bfloat16", "fp8"], default="bfloat16",
+                    help="fp8: e4m3 caches (--kv-cache-dtype fp8), decode workloads only, nothing written")
     ap.add_argument("--write", type=Path, help="write tuned_configs.py here with this GPU's entries merged in")
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
+    kv = torch.float8_e4m3fn if args.kv_dtype == "fp8" else DTYPE
     workloads = {
-        True: {"llama 256x1k": workload([1] * 256, [1024] * 256, 32, 8, g),
-               "llama 256x2k": workload([1] * 256, [2048] * 256, 32, 8, g),
-               "llama 64x1.5k": workload([1] * 64, [1536] * 64, 32, 8, g),
-               "llama 1x1k (split)": workload([1], [1024], 32, 8, g),
-               "qwen3 256x800": workload([1] * 256, [800] * 256, 16, 8, g)},
+        True: {"llama 256x1k": workload([1] * 256, [1024] * 256, 32, 8, g, kv),
+               "llama 256x2k": workload([1] * 256, [2048] * 256, 32, 8, g, kv),
+               "llama 64x1.5k": workload([1] * 64, [1536] * 64, 32, 8, g, kv),
+               "llama 1x1k (split)": workload([1], [1024], 32, 8, g, kv),
+               "qwen3 256x800": workload([1] * 256, [800] * 256, 16, 8, g, kv)},
         False: {"mixed 8x1024+248": workload([1024] * 8 + [1] * 248, [0] * 8 + [1024] * 248, 32, 8, g),
                 "prefill 1x1024": workload([1024], [0], 32, 8, g)},
     }
+    if args.kv_dtype == "fp8":
+        del workloads[False], workloads[True]["llama 1x1k (split)"]
     gpu = torch.cuda.get_device_name()
     result = {"bench": "tune_attention", "gpu": gpu, "commit": git_commit(), "date": datetime.date.today().isoformat(),
-              "command": "python " + " ".join(sys.argv), "head_dim": HEAD_DIM, "dtype": "bfloat16", "kinds": {}}
+              "command": "python " + " ".join(sys.argv), "head_dim": HEAD_DIM, "dtype": "bfloat16", "kv_dtype": args.kv_dtype,
+              "kinds": {}}
     entries = {}
     for decode, named in workloads.items():
         default = attention_config(HEAD_DIM, DTYPE, decode, torch.device("cuda"))
@@ -123,7 +133,7 @@ def main() -> None:
         result["kinds"][kind] = {"default": astuple(default), "default_ms": base, "best": astuple(best),
                                  "best_ms": best_times, "score": best_score,
                                  "top": [(astuple(c), s, t) for s, c, t in rows[:10]]}
-        if best_score < 0.98 and best != default:   # commit only a real gain (2% is above run-to-run noise)
+        if best_score < 0.98 and best != default and args.kv_dtype == "bfloat16":   # commit only a real gain (2% is above run-to-run noise)
             entries[(HEAD_DIM, "bfloat16", decode)] = astuple(best)
     print(f"\nTUNED entry for {gpu!r} (commit {result['commit']}, {result['date']}):")
     print(f"    {gpu!r}: {{" + ", ".join(f"{k!r}: {v!r}" for k, v in entries.items()) + "},")

@@ -16,6 +16,7 @@ context length and nothing is read back to the host: the decode path can be capt
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -133,7 +134,7 @@ def _attention_kernel(
     BLOCK_SIZE: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DECODE_ONLY: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr, USE_PDL: tl.constexpr,
+    FP8: tl.constexpr, FP8_F16: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     tile = tl.program_id(0)
@@ -165,6 +166,8 @@ def _attention_kernel(
     dim_valid = dims < HEAD_DIM  # BLOCK_D is HEAD_DIM rounded up to a power of two (D = 80, 96)
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    if FP8_F16:
+        q = q.to(tl.float16)
 
     # Keys any row of the tile may see: up to its last query, back one window from its first.
     first_pos = context_len + q_tile * BLOCK_Q
@@ -311,6 +314,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_N=config.block_n,
         NUM_SPLITS=splits, DECODE_ONLY=decode, USE_WINDOW=bool(sliding_window), USE_SOFT_CAP=bool(soft_cap),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8,
+        FP8_F16=fp8 and q.dtype == torch.bfloat16 and os.environ.get("CVLLM_FP8_ATTN_F16", "1") != "0",
         num_warps=config.num_warps, num_stages=config.num_stages, **launch,
     )
     if splits > 1:

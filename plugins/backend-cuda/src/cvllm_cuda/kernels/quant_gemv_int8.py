@@ -219,10 +219,11 @@ def dequantized_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple | None = None,
-                    splits: int | None = None) -> None:
+                    splits: int | None = None, activations: tuple[torch.Tensor, ...] | None = None) -> None:
     """out[t] = weight @ x[t] with x rounded to int8 per 32 inputs, for x [T, K] (contiguous; T up to MAX_ROWS) and
     out [T, N] (last dimension contiguous). Every row's output is bit for bit what a call with that row alone
-    gives: the tiles and K splits depend on the weight only."""
+    gives: the tiles and K splits depend on the weight only. ``activations``: x already rounded by
+    ``quantize_activations`` (benchmarks time the GEMV without its quantizer that way)."""
     lay = weight.layout
     n, k = weight.out_features, weight.in_features
     t = x.shape[0]
@@ -230,7 +231,8 @@ def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, con
         x = x.contiguous()
     tuned = None if config else gpu.tuned_entry(TUNED_QUANT_GEMV, x.device, quant_gemv_key(n, k, lay))
     block_n, block_w, warps, *stages = tuned[:4] if tuned else config or INT8_GEMV_CONFIGS[lay.low_bits]
-    activations = quantize_activations(x, lay.low_bits)
+    if activations is None:
+        activations = quantize_activations(x, lay.low_bits)
     splits, split_words = split_k(cdiv(n, block_n), k, lay.low_bits, block_w, x.device, splits,
                                   tuned[4] if tuned else INT8_PROGRAMS_PER_SM[lay.low_bits])
     target = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
