@@ -106,8 +106,8 @@ def main() -> None:
         del workloads[False], workloads[True]["llama 1x1k (split)"]
     gpu = torch.cuda.get_device_name()
     result = {"bench": "tune_attention", "gpu": gpu, "commit": git_commit(), "date": datetime.date.today().isoformat(),
-              "command": "python " + " ".join(sys.argv), "head_dim": HEAD_DIM, "dtype": "bfloat16", "kv_dtype": args.kv_dtype,
-              "kinds": {}}
+              "command": "python " + " ".join(sys.argv), "head_dim": HEAD_DIM, "dtype": "bfloat16",
+              "kv_dtype": args.kv_dtype, "kinds": {}}
     entries = {}
     for decode, named in workloads.items():
         default = attention_config(HEAD_DIM, DTYPE, decode, torch.device("cuda"))
@@ -133,7 +133,8 @@ def main() -> None:
         result["kinds"][kind] = {"default": astuple(default), "default_ms": base, "best": astuple(best),
                                  "best_ms": best_times, "score": best_score,
                                  "top": [(astuple(c), s, t) for s, c, t in rows[:10]]}
-        if best_score < 0.98 and best != default and args.kv_dtype == "bfloat16":   # commit only a real gain (2% is above run-to-run noise)
+        # commit only a real gain (2% is above run-to-run noise)
+        if best_score < 0.98 and best != default and args.kv_dtype == "bfloat16":
             entries[(HEAD_DIM, "bfloat16", decode)] = astuple(best)
     print(f"\nTUNED entry for {gpu!r} (commit {result['commit']}, {result['date']}):")
     print(f"    {gpu!r}: {{" + ", ".join(f"{k!r}: {v!r}" for k, v in entries.items()) + "},")
