@@ -140,7 +140,7 @@ def main() -> None:
     ap.add_argument("--profile-host", action="store_true",
                     help="print where the host's time goes in batch-1 decode steps (cProfile, by own time)")
     ap.add_argument("--no-tuned", action="store_true",
-                    help="attention with the default tiles, not this GPU's tuned ones (an A/B of the tuning)")
+                    help="attention and the low-bit GEMVs with the default tiles, not this GPU's tuned ones (an A/B)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                     help="split the model over N ranks (GPUs; processes with gloo under --tiny)")
     ap.add_argument("--isq", metavar="TYPE",
@@ -164,8 +164,10 @@ def main() -> None:
 
     if args.no_tuned:
         from cvllm_cuda.kernels.paged_attention import SPARSE_DECODE_CONFIGS, TUNED_CONFIGS
+        from cvllm_cuda.kernels.tuned_matmul import TUNED_QUANT_GEMV
         TUNED_CONFIGS.clear()
         SPARSE_DECODE_CONFIGS.clear()
+        TUNED_QUANT_GEMV.clear()
     started = time.perf_counter()
     model = args.model or random_checkpoint(shape, dtype, device)
     engine = build_engine(EngineConfig(model=model, backend=device, dtype=dtype,

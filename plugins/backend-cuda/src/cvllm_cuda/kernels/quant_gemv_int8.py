@@ -56,11 +56,13 @@ BLOCK = 32   # inputs per activation scale
 MAX_ROWS = 5
 # (BLOCK_N, BLOCK_W, num_warps[, stages]) by low-plane bits, from bench/quant_gemv_stack.py (a stack of Llama-3-8B
 # layers in one CUDA graph, H200, 2026-12-03): Q4_K 56.4 us a layer (the float GEMV's tiles (32, 32, 4): 60.7),
-# Q8_0 79.3 (106.6); 2-bit unswept
-INT8_GEMV_CONFIGS = {2: GEMV_CONFIGS[2], 4: (32, 64, 4, 3), 8: (64, 64, 4)}
+# Q8_0 79.3 (106.6); Q8_0 with three stages and one program per SM since 2026-12-04 (bench/tune_quant_gemv.py, each
+# shape in a stack of 8 in a CUDA graph: qkv 13.6 -> 10.9 us, o 12.7 -> 8.8, gate_up 34.4 -> 33.6, down
+# 24.4 -> 21.4); 2-bit unswept
+INT8_GEMV_CONFIGS = {2: GEMV_CONFIGS[2], 4: (32, 64, 4, 3), 8: (64, 64, 4, 3)}
 # programs per SM the K split aims at, by low-plane bits: Q4_K 54.7 us a layer at 1 (every SM one program), 56.8 at
-# 4, 56.5 never split; Q8_0 79.3 at 4 but 109.9 at 1 (2026-12-03, quant_gemv_stack.py: its default at c2b7b60)
-INT8_PROGRAMS_PER_SM = {2: 4, 4: 1, 8: 4}
+# 4, 56.5 never split (2026-12-03, quant_gemv_stack.py); Q8_0 at 1 with three stages (above; with one stage 4 had won)
+INT8_PROGRAMS_PER_SM = {2: 4, 4: 1, 8: 1}
 ENV = "CVLLM_QUANT_INT8_ACTIVATIONS"
 
 
