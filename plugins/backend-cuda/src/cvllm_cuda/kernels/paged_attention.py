@@ -108,6 +108,18 @@ def _tanh(x):
 
 
 @triton.jit
+def _fp8_to_f16(x, ASM: tl.constexpr):
+    """e4m3 -> float16 (exact: every e4m3 value is a float16). ASM: four at a time in registers, which keeps Triton
+    from doing the conversion after the tile's shared-memory load in the dot's operand layout (byte-wide loads)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
+    else:
+        return x.to(tl.float16)
+
+
+@triton.jit
 def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     """The last sequence s whose first tile, query_start_loc[s] // BLOCK_Q + s, is <= tile.
 
@@ -134,7 +146,7 @@ def _attention_kernel(
     BLOCK_SIZE: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DECODE_ONLY: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr, FP8_F16: tl.constexpr, USE_PDL: tl.constexpr,
+    FP8: tl.constexpr, FP8_F16: tl.constexpr, FP8_ASM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     tile = tl.program_id(0)
@@ -191,7 +203,9 @@ def _attention_kernel(
         key_offset = page * stride_cb + (keys % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
         k = tl.load(k_cache_ptr + key_offset[None, :] + dims[:, None],
                     mask=dim_valid[:, None] & key_valid[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
-        if FP8:
+        if FP8_F16:
+            k = _fp8_to_f16(k, FP8_ASM)
+        elif FP8:
             k = k.to(q.dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
         if USE_SOFT_CAP:
@@ -210,7 +224,9 @@ def _attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + key_offset[:, None] + dims[None, :],
                     mask=key_valid[:, None] & dim_valid[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        if FP8:
+        if FP8_F16:
+            v = _fp8_to_f16(v, FP8_ASM)
+        elif FP8:
             v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -315,6 +331,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         NUM_SPLITS=splits, DECODE_ONLY=decode, USE_WINDOW=bool(sliding_window), USE_SOFT_CAP=bool(soft_cap),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8,
         FP8_F16=fp8 and q.dtype == torch.bfloat16 and os.environ.get("CVLLM_FP8_ATTN_F16", "1") != "0",
+        FP8_ASM=not triton.knobs.runtime.interpret and os.environ.get("CVLLM_FP8_ATTN_ASM", "1") != "0",
         num_warps=config.num_warps, num_stages=config.num_stages, **launch,
     )
     if splits > 1:
