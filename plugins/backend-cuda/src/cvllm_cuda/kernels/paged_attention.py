@@ -16,7 +16,6 @@ context length and nothing is read back to the host: the decode path can be capt
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -108,18 +107,6 @@ def _tanh(x):
 
 
 @triton.jit
-def _fp8_to_f16(x, ASM: tl.constexpr):
-    """e4m3 -> float16 (exact: every e4m3 value is a float16). ASM: four at a time in registers, which keeps Triton
-    from doing the conversion after the tile's shared-memory load in the dot's operand layout (byte-wide loads)."""
-    if ASM:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-            "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
-    else:
-        return x.to(tl.float16)
-
-
-@triton.jit
 def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     """The last sequence s whose first tile, query_start_loc[s] // BLOCK_Q + s, is <= tile.
 
@@ -146,13 +133,16 @@ def _attention_kernel(
     BLOCK_SIZE: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DECODE_ONLY: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr, FP8_F16: tl.constexpr, FP8_ASM: tl.constexpr, USE_PDL: tl.constexpr,
+    FP8: tl.constexpr, FP8_F16: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if FP8:   # e4m3 keys and values: the head's K scale folds into the softmax scale, its V scale into the output
+    # FP8: e4m3 keys and values, the head's K scale folded into the softmax scale, its V scale into the output;
+    # FP8_F16: with bfloat16 queries the products are taken in float16 (H200, 256 sequences x 1k keys: 258 -> 232
+    # us; 64 x 1.5k: 146 -> 92; bench/tune_attention.py --kv-dtype fp8, 2026-12-04)
+    if FP8:
         scale = scale * tl.load(k_scale_ptr + kv_head)
     if DECODE_ONLY:
         seq = tile
@@ -178,7 +168,7 @@ def _attention_kernel(
     dim_valid = dims < HEAD_DIM  # BLOCK_D is HEAD_DIM rounded up to a power of two (D = 80, 96)
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
-    if FP8_F16:
+    if FP8_F16:   # e4m3 -> float16 is exact and one conversion (to bfloat16, two); bf16 q is exact in float16 below 65504
         q = q.to(tl.float16)
 
     # Keys any row of the tile may see: up to its last query, back one window from its first.
@@ -203,9 +193,7 @@ def _attention_kernel(
         key_offset = page * stride_cb + (keys % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
         k = tl.load(k_cache_ptr + key_offset[None, :] + dims[:, None],
                     mask=dim_valid[:, None] & key_valid[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
-        if FP8_F16:
-            k = _fp8_to_f16(k, FP8_ASM)
-        elif FP8:
+        if FP8:
             k = k.to(q.dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
         if USE_SOFT_CAP:
@@ -224,9 +212,7 @@ def _attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + key_offset[:, None] + dims[None, :],
                     mask=key_valid[:, None] & dim_valid[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        if FP8_F16:
-            v = _fp8_to_f16(v, FP8_ASM)
-        elif FP8:
+        if FP8:
             v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -330,8 +316,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_N=config.block_n,
         NUM_SPLITS=splits, DECODE_ONLY=decode, USE_WINDOW=bool(sliding_window), USE_SOFT_CAP=bool(soft_cap),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8,
-        FP8_F16=fp8 and q.dtype == torch.bfloat16 and os.environ.get("CVLLM_FP8_ATTN_F16", "1") != "0",
-        FP8_ASM=not triton.knobs.runtime.interpret and os.environ.get("CVLLM_FP8_ATTN_ASM", "1") != "0",
+        FP8_F16=fp8 and q.dtype == torch.bfloat16,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch,
     )
     if splits > 1:
