@@ -168,7 +168,7 @@ def _attention_kernel(
     dim_valid = dims < HEAD_DIM  # BLOCK_D is HEAD_DIM rounded up to a power of two (D = 80, 96)
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
-    if FP8_F16:   # e4m3 -> float16 is exact and one conversion (to bfloat16, two); bf16 q is exact in float16 below 65504
+    if FP8_F16:   # e4m3 -> float16: exact, one conversion (to bfloat16: two); bf16 q is exact in float16 below 65504
         q = q.to(tl.float16)
 
     # Keys any row of the tile may see: up to its last query, back one window from its first.
