@@ -132,7 +132,7 @@ def main() -> None:
             xs = {k: torch.randn(rows, k, device=DEV, dtype=torch.bfloat16) for _, k in SHAPES.values()}
             outs = {n: torch.empty(rows, n, device=DEV, dtype=torch.bfloat16) for n, _ in SHAPES.values()}
 
-            def stack(gemm):
+            def stack(gemm, xs=xs, outs=outs, layers=layers):
                 return lambda: [gemm(xs[k], layer[s], outs[n]) for layer in layers for s, (n, k) in SHAPES.items()]
 
             row = {"today's default": captured_us(stack(quant_gemm), per=2)}
