@@ -55,7 +55,7 @@ def quant_gemv_key(out_features: int, in_features: int, layout) -> tuple[int, in
 
 TUNED_QUANT_GEMV: dict[str, dict[tuple[int, int, int, int, bool], tuple[int, int, int, int, int]]] = {
     # python bench/tune_quant_gemv.py --layouts L --configs <BN 16/32/64, BW 32/64/128, warps 4/8, stages 3/5>
-    # --pps 1,4 at 98f5841, 2026-12-04 (each shape alone, 8 copies in a CUDA graph; the winners' outputs checked
+    # --pps 1,4 at 4ae0d84, 2026-12-04 (each shape alone, 8 copies in a CUDA graph; the winners' outputs checked
     # against the defaults'); kept where the best beat the default by more than 3%: Q4_K o 8.0 -> 7.2 us, down
     # 16.7 -> 15.5; GPTQ-4bit g128 (the float GEMV) down 20.0 -> 19.0. Everything else was within 3% of the
     # defaults (Q8_0's defaults now are its winners)
