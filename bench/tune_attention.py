@@ -70,7 +70,8 @@ def time_ms(w: dict, config: AttentionConfig | None) -> float:
 
 
 def parse_configs(text: str | None) -> list[AttentionConfig] | None:
-    """``"16,64,2,3 16,128,8,2"`` -> configs (block_m, block_n, num_warps, num_stages)."""
+    """``"16,64,2,3 16,128,8,2 16,64,2,3,168"`` -> configs (block_m, block_n, num_warps, num_stages[, max registers
+    a thread])."""
     if not text:
         return None
     return [AttentionConfig(*map(int, item.split(","))) for item in text.split()]
@@ -85,7 +86,8 @@ def candidates(decode: bool) -> list[AttentionConfig]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json")
-    ap.add_argument("--decode", help="only these decode configs, e.g. '16,64,2,3 16,128,8,2' (m,n,warps,stages)")
+    ap.add_argument("--decode", help="only these decode configs, e.g. '16,64,2,3 16,128,8,2' (m,n,warps,stages"
+                                     "[,max registers a thread])")
     ap.add_argument("--prefill", help="only these prefill configs, likewise")
     ap.add_argument("--kv-dtype", choices=["bfloat16", "fp8"], default="bfloat16",
                     help="fp8: e4m3 caches (--kv-cache-dtype fp8), decode workloads only, nothing written")
@@ -168,8 +170,9 @@ def cells(named: dict, times: dict) -> str:
     return " ".join(f"{times[n] * 1e3:8.1f}us {named[n]['kv_bytes'] / times[n] / 1e9:4.2f}TB/s" for n in named)
 
 
-def astuple(config: AttentionConfig) -> tuple[int, int, int, int]:
-    return (config.block_m, config.block_n, config.num_warps, config.num_stages)
+def astuple(config: AttentionConfig) -> tuple[int, ...]:
+    base = (config.block_m, config.block_n, config.num_warps, config.num_stages)
+    return base + ((config.max_registers,) if config.max_registers else ())
 
 
 if __name__ == "__main__":

@@ -12,16 +12,18 @@ from triton.compiler import ASTSource
 
 
 def compile_sm90(fn, signature: dict, constexprs: dict, warps: int, stages: int | None = None,
-                 divisible: frozenset[str] = frozenset()):
+                 divisible: frozenset[str] = frozenset(), max_registers: int | None = None):
     """``fn`` compiled for sm_90. ``signature``: the runtime arguments' Triton types (``"*bf16"``, ``"i32"``...);
-    pointers and the ``divisible`` integers get the 16-divisibility a launch specialises them on."""
+    pointers and the ``divisible`` integers get the 16-divisibility a launch specialises them on;
+    ``max_registers``: a launch's ``maxnreg``."""
     names = list(signature) + list(constexprs)
     signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items()
              if t.startswith("*") or n in divisible}
     source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
                        attrs=attrs)
-    options = {"num_warps": warps, **({"num_stages": stages} if stages else {})}
+    options = {"num_warps": warps, **({"num_stages": stages} if stages else {}),
+               **({"maxnreg": max_registers} if max_registers else {})}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -61,4 +63,20 @@ def compile_launch(fn, args: tuple, kwargs: dict):
             if value % 16 == 0:
                 divisible.add(name)
     return compile_sm90(fn, signature, constexprs, kwargs.get("num_warps", 4), kwargs.get("num_stages"),
-                        frozenset(divisible))
+                        frozenset(divisible), kwargs.get("maxnreg"))
+
+
+def registers(kernel) -> int:
+    """Registers a thread of a compiled kernel uses (cuobjdump, shipped with Triton, reads its cubin)."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        tool = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin" / "cuobjdump"
+        usage = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
+                               check=True).stdout
+    return int(re.search(r"REG:(\d+)", usage).group(1))

@@ -16,6 +16,7 @@ import_or_skip("triton")
 from cvllm.backends.cpu import paged_attention_reference  # noqa: E402
 from cvllm.layers.kv_fp8 import quantize  # noqa: E402
 from cvllm_cuda.kernels import paged_attention, write_kv  # noqa: E402
+from cvllm_cuda.kernels.paged_attention import AttentionConfig  # noqa: E402
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 FP8 = torch.float8_e4m3fn
@@ -50,9 +51,10 @@ def test_write_kv_stores_scaled_saturated_e4m3(generator):
 @pytest.mark.parametrize("query_lens,context_lens,splits", [
     ([1, 1, 1], [127, 0, 63], 1), ([1, 1, 1], [127, 0, 63], 4), ([1, 5, 1, 7], [37, 20, 9, 0], 1),
     ([1, 5, 1, 7], [37, 20, 9, 0], 2)])
-def test_attention_over_fp8_caches(make_attention_case, query_lens, context_lens, splits):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])   # bf16 queries: the products in float16
+def test_attention_over_fp8_caches(make_attention_case, query_lens, context_lens, splits, dtype):
     case = make_attention_case(query_lens=query_lens, context_lens=context_lens, num_heads=4, num_kv_heads=2,
-                               head_dim=64, block_size=16, dtype=torch.float32, device=DEVICE)
+                               head_dim=64, block_size=16, dtype=dtype, device=DEVICE)
     k_scale, v_scale = torch.tensor([0.004, 0.006], device=DEVICE), torch.tensor([0.003, 0.002], device=DEVICE)
     k8 = quantize(case.k_cache.cpu(), k_scale.cpu()).to(DEVICE)
     v8 = quantize(case.v_cache.cpu(), v_scale.cpu()).to(DEVICE)
@@ -71,10 +73,22 @@ def test_attention_over_fp8_caches(make_attention_case, query_lens, context_lens
     for i, pos in enumerate(positions):
         query_pos[i, :len(pos)] = pos
         q_rows[i, :len(pos)] = case.q.cpu()[starts[i]:starts[i + 1]]
-    ref = paged_attention_reference(q_rows, k_deq.cpu(), v_deq.cpu(), case.block_tables.cpu(), query_pos,
-                                    case.seq_lens.cpu().long(), case.scale, None, None)
+    ref = paged_attention_reference(q_rows.float(), k_deq.cpu().float(), v_deq.cpu().float(), case.block_tables.cpu(),
+                                    query_pos, case.seq_lens.cpu().long(), case.scale, None, None)
     expected = torch.cat([ref[i, :q] for i, q in enumerate(query_lens)])
-    torch.testing.assert_close(out.cpu(), expected, rtol=2e-4, atol=2e-4)
+    tolerance = 2e-4 if dtype == torch.float32 else 1e-2   # bf16: the output's rounding
+    torch.testing.assert_close(out.cpu().float(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_register_cap_leaves_fp8_attention_unchanged(make_attention_case):
+    """AttentionConfig.max_registers (Triton's maxnreg) changes where values live, not what is computed."""
+    case = make_attention_case(query_lens=[1, 1], context_lens=[70, 33], num_heads=4, num_kv_heads=2, head_dim=64,
+                               block_size=16, dtype=torch.float32, device=DEVICE)
+    scales = (torch.full((2,), 0.004, device=DEVICE), torch.full((2,), 0.003, device=DEVICE))
+    k8, v8 = (quantize(c.cpu(), s.cpu()).to(DEVICE) for c, s in zip((case.k_cache, case.v_cache), scales))
+    runs = [paged_attention(case.q, k8, v8, *case.args()[3:], None, None, kv_scales=scales,
+                            config=AttentionConfig(16, 32, 2, 2, max_registers=cap)) for cap in (None, 128)]
+    torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("rotary_dim", [64, 32])   # whole and partial rotary

@@ -41,13 +41,16 @@ TOKENS, Q_HEADS, KV_HEADS, DIM, BLOCKS, BLOCK_SIZE = 4, 8, 2, 128, 4, 16
 
 
 def compiled_launches(monkeypatch, module, kernel_name: str, launch) -> int:
-    """Runs ``launch()`` with ``module.kernel_name`` recorded instead of run; compiles each recorded launch."""
+    """Runs ``launch()`` with ``module.kernel_name`` recorded instead of run; compiles each recorded launch (within
+    the H200's shared memory, and its ``maxnreg`` where it has one)."""
     recorder = sm90.LaunchRecorder(getattr(module, kernel_name))
     monkeypatch.setattr(module, kernel_name, recorder)
     launch()
     for args, kwargs in recorder.launches:
         kernel = sm90.compile_launch(recorder.fn, args, kwargs)
         assert kernel.metadata.shared <= 232448, kernel.metadata.shared
+        if kwargs.get("maxnreg"):
+            assert sm90.registers(kernel) <= kwargs["maxnreg"]
     return len(recorder.launches)
 
 
@@ -86,14 +89,16 @@ def test_fp8_cache_write_compiles(monkeypatch, dtype):
 @compiles
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("max_query_len", [1, 4])   # decode and a prefill chunk (or a verify step)
-def test_attention_over_fp8_cache_compiles(monkeypatch, dtype, max_query_len):
+@pytest.mark.parametrize("max_registers", [None, 128])
+def test_attention_over_fp8_cache_compiles(monkeypatch, dtype, max_query_len, max_registers):
     num_seqs = TOKENS // max_query_len
     q = torch.zeros(TOKENS, Q_HEADS, DIM, dtype=dtype)
     k_cache, v_cache = caches(FP8)
     query_start_loc = torch.arange(0, TOKENS + 1, max_query_len, dtype=torch.int32)
     seq_lens = torch.full((num_seqs,), 40, dtype=torch.int32)
     tables = torch.zeros(num_seqs, BLOCKS, dtype=torch.int32)
-    config = paged_attention.AttentionConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+    config = paged_attention.AttentionConfig(block_m=64, block_n=64, num_warps=4, num_stages=2,
+                                             max_registers=max_registers)
     assert compiled_launches(monkeypatch, paged_attention, "_attention_kernel", lambda: paged_attention.paged_attention(
         q, k_cache, v_cache, query_start_loc, seq_lens, tables, max_query_len, 0.1, None, None, num_splits=1,
         config=config, kv_scales=scales(FP8))) == 1

@@ -37,6 +37,10 @@ class AttentionConfig:
     block_n: int      # keys per step of the inner loop
     num_warps: int
     num_stages: int
+    # registers a thread may use (Triton's maxnreg), None: the compiler's choice. The FP8-cache decode tile compiles
+    # to 208 a thread on sm_90 (bf16: 234), so 4 programs of 2 warps fit an SM; 168 fits 6 (24 B spilled), 128 fits 8
+    # (144 B): the decode kernel keeps too few key tiles in flight per SM for e4m3's half-size tiles (unmeasured yet)
+    max_registers: int | None = None
 
 
 # Autotuned configs committed per GPU (bench/tune_attention.py writes them):
@@ -318,6 +322,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8,
         FP8_F16=fp8 and q.dtype == torch.bfloat16,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch,
+        **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )
     if splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
