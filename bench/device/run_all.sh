@@ -12,7 +12,7 @@
 # "moe" (issue 19): batch-1 latency and 64 streams of the Qwen3-30B-A3B and DeepSeek-V2-Lite shapes (~8 min);
 # "quant64" (issue 18): 64 streams of bf16, q4k and gptq, Llama-3-8B shape (~7 min);
 # "quantgemm" (issue 18): the low-bit GEMM of 2-128 rows by tile and rows, every layout, captured (~4 min), then
-# 64 streams of q4k (~1 min).
+# 64 streams of q4k (~1 min); "swapped" (issue 18): the swapped GEMM's probe, then 64 streams of q4k and gptq with it.
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
 # NVLink multicast stays off on the shared multi-GPU hosts (h200_setup.sh sets these too; the benchmarks pass them on)
@@ -142,6 +142,15 @@ quantgemm)
     run quant-gemm-rows 300 python3 bench/quant_gemm_rows.py --json "$out/$day-h200-quant_gemm_rows-$commit.json"
     run throughput64-isq-q4k 170 python3 bench/throughput.py --shape llama3-8b --skip-hf --num-requests 64 \
         --min-len 1024 --max-len 1024 --max-num-seqs 64 --isq q4k --json "$out/$day-h200-throughput64-isq-q4k-$commit.json" ;;
+swapped)
+    # issue 18: the swapped low-bit GEMM (quant_gemm_swapped.py) against today's, by rows (~3 min), then 64 streams
+    # of q4k and gptq with it as quant_gemm's default (CVLLM_QUANT_GEMM=swapped; today's figures: quant64)
+    run gemm-swapped-probe 240 python3 bench/gemm_swapped_probe.py --json "$out/$day-h200-gemm_swapped_probe-$commit.json"
+    for t in q4k gptq; do
+        run throughput64-isq-$t-swapped 170 env CVLLM_QUANT_GEMM=swapped python3 bench/throughput.py --shape llama3-8b \
+            --skip-hf --num-requests 64 --min-len 1024 --max-len 1024 --max-num-seqs 64 --isq $t \
+            --json "$out/$day-h200-throughput64-isq-$t-swapped-$commit.json"
+    done ;;
 kvfp8)
     # 256 streams through cvserve with a 16-bit and an FP8 KV cache (issue 18: FP8 KV >= 1.15x)
     for kv in auto fp8; do
@@ -149,6 +158,6 @@ kvfp8)
             --kv-cache-dtype $kv --json "$out/$day-h200-serving-kv_$kv-$commit.json"
     done ;;
 *)
-    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|kvfp8|moe|quant64|quantgemm" >&2
+    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|kvfp8|moe|quant64|quantgemm|swapped" >&2
     exit 2 ;;
 esac

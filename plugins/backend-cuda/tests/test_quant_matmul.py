@@ -167,6 +167,32 @@ def test_per_position_kernel_equals_the_reference(name):
     torch.testing.assert_close(out.cpu(), ref.cpu(), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)   # bf16: 4-bit words in lane order
+@pytest.mark.parametrize("t,n,splits", [(3, 13, None), (20, 130, 3)])
+def test_swapped_kernel_equals_the_reference(name, dtype, t, n, splits):
+    """The swapped GEMM (quant_gemm_swapped.py: the weight as the first operand, x permuted) with a K split and
+    ragged rows and columns, position by position or, for 4-bit planes without a high plane in bf16, in lanes."""
+    weight = random_weight(LAYOUTS[name], n, 512, DEVICE, seed=12)
+    x = torch.randn(t, 512, generator=torch.Generator().manual_seed(12)).to(dtype).to(DEVICE)
+    out = torch.empty(t, n, device=DEVICE, dtype=dtype)
+    quant_gemm(x, weight, out, config=(64, 8, 4, 1) if INTERPRET else None, splits=splits, kernel="swapped")
+    ref = x.float() @ dequantize_planes(weight).T
+    err = (out.float() - ref).abs().max().item() / ref.abs().max().item()
+    # bf16 in lanes: the factors rounded to bf16 as well as the weights (1e-2 holds the float path's bf16 rounding)
+    assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
+
+
+def test_swapped_kernel_orders_x_as_its_lanes_take_the_words():
+    """Lane j of a 4-bit word holds elements j and j + 4; x's word of 8 inputs goes in that order."""
+    from cvllm_cuda.kernels.quant_gemm_swapped import permuted
+    x = torch.arange(16.0).view(1, 16)
+    lanes = permuted(x, random_weight(LAYOUTS["q4_k"], 1, 256, "cpu"), lanes=True)
+    # position a * 4 + b * 2 + m holds input 2 b + a + 4 m
+    assert lanes[0, :8].tolist() == [0, 4, 2, 6, 1, 5, 3, 7]
+    assert lanes[0, 8:].tolist() == [8, 12, 10, 14, 9, 13, 11, 15]
+
+
 def test_a_tile_that_does_not_fit_falls_back_to_the_per_position_kernel(monkeypatch, caplog):
     """Out of shared memory for the unpacked kernel's default tile (a GPU's limit: raised by hand here): the call
     still answers, through the per-position kernel, and later calls of that layout and row tile go there at once."""

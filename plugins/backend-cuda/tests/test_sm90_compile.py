@@ -1,6 +1,7 @@
-"""The FP8 KV cache's kernels compiled for Hopper on CPU, in the dtypes a model runs them in (sm90.py: the
-interpreter tests do not type-check, and a float32 test did not show that the fused rotary + cache write did not
-compile for bf16 activations with an FP8 cache: --kv-cache-dtype fp8 failed at CUDA graph capture, 2026-12-03)."""
+"""Kernels compiled for Hopper on CPU, in the dtypes a model runs them in (sm90.py: the interpreter tests do not
+type-check, and a float32 test did not show that the fused rotary + cache write did not compile for bf16 activations
+with an FP8 cache: --kv-cache-dtype fp8 failed at CUDA graph capture, 2026-12-03): the FP8 KV cache's kernels, and
+the swapped low-bit GEMM, whose inline PTX the interpreter never sees."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ import_or_skip("triton")
 import sm90  # noqa: E402
 
 # (the modules: cvllm_cuda.kernels exports functions of the same names)
-kv_cache, paged_attention, rotary = (importlib.import_module(f"cvllm_cuda.kernels.{name}")
-                                     for name in ("kv_cache", "paged_attention", "rotary"))
+kv_cache, paged_attention, rotary, quant_gemm_swapped = (
+    importlib.import_module(f"cvllm_cuda.kernels.{name}")
+    for name in ("kv_cache", "paged_attention", "rotary", "quant_gemm_swapped"))
 
 FP8 = torch.float8_e4m3fn
 # In Triton's interpreter the kernels are not compilable objects (nor the helpers they call): there, this file's
@@ -102,3 +104,15 @@ def test_attention_over_fp8_cache_compiles(monkeypatch, dtype, max_query_len, ma
     assert compiled_launches(monkeypatch, paged_attention, "_attention_kernel", lambda: paged_attention.paged_attention(
         q, k_cache, v_cache, query_start_loc, seq_lens, tables, max_query_len, 0.1, None, None, num_splits=1,
         config=config, kv_scales=scales(FP8))) == 1
+
+
+@compiles
+@pytest.mark.parametrize("name", ["q4_k", "gptq4_g128", "q6_k", "q8_0"])   # lanes (4-bit, no high plane) or positions
+@pytest.mark.parametrize("rows", [2, 64])
+def test_swapped_low_bit_gemm_compiles(monkeypatch, name, rows):
+    from test_quant_matmul import LAYOUTS, random_weight
+    weight = random_weight(LAYOUTS[name], 256, 1024, "cpu")
+    x = torch.zeros(rows, 1024, dtype=torch.bfloat16)
+    out = torch.empty(rows, 256, dtype=torch.bfloat16)
+    assert compiled_launches(monkeypatch, quant_gemm_swapped, "_gemm_swapped_kernel",
+                             lambda: quant_gemm_swapped.quant_gemm_swapped(x, weight, out, splits=1)) == 1

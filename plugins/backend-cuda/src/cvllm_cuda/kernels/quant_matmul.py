@@ -16,12 +16,16 @@ captured in the decode CUDA graphs.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from cvllm_cuda.kernels.pdl import options as pdl_options
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
+from cvllm_cuda.kernels.quant_gemm_swapped import quant_gemm_swapped
 from cvllm_cuda.kernels.quant_gemv import GEMV_CONFIGS, quant_gemv
 from cvllm_cuda.kernels.quant_tiles import (
     add_splits,
@@ -120,6 +124,7 @@ DEQUANT_CONFIGS = {2: (256, 8, 4), 4: (256, 8, 4), 8: (128, 4, 4)}
 # cuBLAS. Decode batches stay below it: dequantizing every weight to bf16 each step writes and reads back a bf16
 # model per step. 128 is reasoned, not yet measured end to end
 GEMM_MAX_ROWS = 128
+GEMM_ENV = "CVLLM_QUANT_GEMM"   # "swapped": quant_gemm_swapped.py's kernel as the default (an A/B switch)
 
 
 def _block_m(t: int) -> int:
@@ -127,20 +132,23 @@ def _block_m(t: int) -> int:
 
 
 def quant_gemm(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple | None = None,
-               splits: int | None = None, kernel: str = "unpacked") -> None:
+               splits: int | None = None, kernel: str | None = None) -> None:
     """out = x @ weight.T for x [T, K] (last dimension contiguous) and out [T, N] (last dimension contiguous).
-    ``config``: (BLOCK_N, BLOCK_W, num_warps, num_stages[, BLOCK_M]) of ``kernel`` ("unpacked" or
-    "per-position")."""
-    if config is not None or kernel != "unpacked":
-        _gemm(x, weight, out, config, splits, kernel)
+    ``config``: (BLOCK_N, BLOCK_W, num_warps, num_stages[, BLOCK_M]) of ``kernel`` ("unpacked", "per-position" or
+    "swapped": quant_gemm_swapped.py; None: ``CVLLM_QUANT_GEMM``, else "unpacked")."""
+    if kernel is None:
+        kernel = os.environ.get(GEMM_ENV, "unpacked")
+    run = quant_gemm_swapped if kernel == "swapped" else functools.partial(_gemm, kernel=kernel)
+    if config is not None or kernel == "per-position":
+        run(x, weight, out, config, splits)
         return
-    run_or_fall_back(("gemm", weight.layout, _block_m(x.shape[0])),
-                     lambda: _gemm(x, weight, out, None, splits, "unpacked"),
+    run_or_fall_back((kernel, weight.layout, _block_m(x.shape[0])), lambda: run(x, weight, out, None, splits),
                      lambda: _gemm(x, weight, out, None, splits, "per-position"))
 
 
 def _gemm(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple | None, splits: int | None,
           kernel: str) -> None:
+    assert kernel in ("unpacked", "per-position"), kernel
     unpacked = kernel == "unpacked"
     configs = GEMM_CONFIGS if unpacked else PER_POSITION_CONFIGS
     block_n, block_w, warps, stages, *block_m = config or configs[weight.layout.low_bits]

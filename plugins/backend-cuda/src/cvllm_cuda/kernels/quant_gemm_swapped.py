@@ -1,0 +1,178 @@
+"""The decode-batch low-bit GEMM with the weight as the MMA's first operand: out^T = W @ x^T.
+
+Why: quant_matmul's unpacked GEMM computes x @ W^T with the unpacked weight tile as ``tl.dot``'s second operand,
+which Hopper's wgmma reads from shared memory, so every K step stores the bf16 tile there (a 16-bit store an
+element) and waits for the wgmma before unpacking the next. The first operand may come from registers: swapped, the
+weight is unpacked straight into them and x goes through shared memory instead, by asynchronous copies. That needs x
+in the order the unpacked weights come out in, made by one permute a call (a copy of x, ``T x K``):
+
+- position-major (every layout): ``x[t, S * K / P + w]`` = input ``w * P + S`` (P elements a word), one dot per
+  element position S of the words, each over that position's slice;
+- lane order (4-bit planes without a high plane, bf16 x: Q4_0, Q4_1, Q4_K, GPTQ/AWQ 4-bit): Marlin's unpack in
+  bf16. A 32-bit lane takes two weights 16 bits apart in the word (elements j and j + 4), one lop3 puts both into the
+  mantissas of 128.0, an exact bf16x2 subtraction leaves the integers, one bf16x2 FMA applies the factors (rounded to
+  bf16: errors a little above the float path's). Each word's 8 inputs are reordered to the lanes' order.
+
+Compiled for sm_90 on a CPU (2026-12-04, q4_k, 64 rows): ~5.5 loop instructions a weight element in lane order,
+against ~9.9 for the unpacked GEMM; not yet timed on a GPU. ``CVLLM_QUANT_GEMM=swapped`` makes it quant_gemm's
+default (an A/B switch until it is measured); ``quant_gemm(..., kernel="swapped")`` picks it per call.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from cvllm_cuda.kernels.pdl import options as pdl_options
+from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
+from cvllm_cuda.kernels.quant_tiles import (
+    add_splits,
+    dot_into,
+    kernel_tensors,
+    load_words,
+    quant_element,
+    split_k,
+    upcast,
+    word_factors,
+)
+from cvllm_cuda.kernels.sizes import cdiv
+from cvllm_cuda.quant_planes import QuantWeight
+
+# (BLOCK_N, BLOCK_W, num_warps, num_stages) by low-plane bits: a K step of 128 elements; guessed from the sm_90
+# compile (no spills, 80-145 KB of shared memory at 16-128 rows), not yet timed
+SWAPPED_CONFIGS = {2: (128, 8, 4, 4), 4: (128, 16, 4, 4), 8: (128, 32, 4, 4)}
+
+_LANE = "lop3.b32 t, t, 0x000F000F, c, 0xEA; sub.rn.bf16x2 t, t, c; fma.rn.bf16x2 $%d, t, s2, o2; "
+LANES_ASM = tl.constexpr(
+    "{ .reg .b32 c, s2, o2, t; .reg .b16 sb, ob; mov.b32 c, 0x43004300; cvt.rn.bf16.f32 sb, $5; "
+    "cvt.rn.bf16.f32 ob, $6; mov.b32 s2, {sb, sb}; mov.b32 o2, {ob, ob}; mov.b32 t, $4; " + _LANE % 0
+    + "shr.b32 t, $4, 4; " + _LANE % 1 + "shr.b32 t, $4, 8; " + _LANE % 2 + "shr.b32 t, $4, 12; " + _LANE % 3 + "}")
+
+
+@triton.jit
+def _pack2(lo, hi):
+    """Two bf16 tensors -> int32 lanes holding ``lo`` in the low half and ``hi`` in the high one."""
+    return (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+
+
+@triton.jit
+def _lanes(word, scale, offset, ASM: tl.constexpr):
+    """A 4-bit word's eight bf16 ``q * scale + offset`` as four int32 lanes, lane j elements j and j + 4. The
+    interpreter (no inline PTX) spells the same values out."""
+    if ASM:
+        return tl.inline_asm_elementwise(LANES_ASM, "=r,=r,=r,=r,r,r,r", [word, scale, offset],
+                                         dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    else:
+        s = scale.to(tl.bfloat16).to(tl.float32)
+        o = offset.to(tl.bfloat16).to(tl.float32)
+        lane0 = _pack2((((word >> 0) & 0xF).to(tl.float32) * s + o).to(tl.bfloat16),
+                       (((word >> 16) & 0xF).to(tl.float32) * s + o).to(tl.bfloat16))
+        lane1 = _pack2((((word >> 4) & 0xF).to(tl.float32) * s + o).to(tl.bfloat16),
+                       (((word >> 20) & 0xF).to(tl.float32) * s + o).to(tl.bfloat16))
+        lane2 = _pack2((((word >> 8) & 0xF).to(tl.float32) * s + o).to(tl.bfloat16),
+                       (((word >> 24) & 0xF).to(tl.float32) * s + o).to(tl.bfloat16))
+        lane3 = _pack2((((word >> 12) & 0xF).to(tl.float32) * s + o).to(tl.bfloat16),
+                       (((word >> 28) & 0xF).to(tl.float32) * s + o).to(tl.bfloat16))
+        return lane0, lane1, lane2, lane3
+
+
+@triton.jit
+def _lanes_to_bf16(lanes, ASM: tl.constexpr):
+    """int32 lanes [..., 2] (each lane twice along the last dimension) -> bf16 [..., 2], element m the lane's half
+    m: a register move (the lane already is the pair)."""
+    if ASM:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [lanes], dtype=tl.bfloat16, is_pure=True,
+                                         pack=2)
+    else:
+        half = tl.arange(0, 2)[None, None, None, None, :]
+        return ((lanes >> (16 * half)) & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gemm_swapped_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, T, N, K, stride_xt,
+                         stride_ot, SPLIT_WORDS, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr,
+                         SCALE_GROUP: tl.constexpr, SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr,
+                         B_MODE: tl.constexpr, B_CONST: tl.constexpr, HAS_M: tl.constexpr, FLOAT8: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, IEEE: tl.constexpr,
+                         UPCAST: tl.constexpr, LANES: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr):
+    """out^T tile [BLOCK_N, BLOCK_M] += W tile [BLOCK_N, BLOCK_W words] @ x^T over K steps of BLOCK_W words, x
+    permuted (module docstring): LANES, one dot a step in lane order; else one per element position. Split over K
+    like the unpacked GEMM: with more than one split, ``out`` is float32 [splits, T, N] (stride_ot N)."""
+    wait_for_previous_kernel(USE_PDL)
+    PER_WORD: tl.constexpr = 32 // LOW_BITS
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ts = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    t_ok = ts < T
+    words_in_k = K // PER_WORD
+    start = tl.program_id(2) * SPLIT_WORDS
+    num_words = tl.minimum(words_in_k, start + SPLIT_WORDS)
+    out_ptr += tl.program_id(2).to(tl.int64) * T * N
+    x_cols = x_ptr + ts.to(tl.int64)[None, :] * stride_xt
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for w0 in range(start, num_words, BLOCK_W):
+        words = w0 + tl.arange(0, BLOCK_W)
+        word_ok = words < num_words
+        ok = col_ok[:, None] & word_ok[None, :]
+        first = (words * PER_WORD)[None, :]
+        low, high = load_words(low_ptr, high_ptr, words[None, :], cols[:, None], ok, N, LOW_BITS, HIGH_BITS)
+        scale, offset = word_factors(d_ptr, m_ptr, a_ptr, b_ptr, first, cols[:, None], ok, N, SCALE_GROUP,
+                                      SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
+        if LANES:
+            lane0, lane1, lane2, lane3 = _lanes(low, scale, offset, ASM)
+            lanes = tl.join(tl.join(lane0, lane1), tl.join(lane2, lane3))   # [N, W, a, b]: lane 2 b + a
+            pairs = lanes[:, :, :, :, None] + tl.zeros((1, 1, 1, 1, 2), tl.int32)
+            w = tl.reshape(_lanes_to_bf16(pairs, ASM), (BLOCK_N, BLOCK_W * 8))
+            ks = w0 * 8 + tl.arange(0, BLOCK_W * 8)
+            x = tl.load(x_cols + ks[:, None], mask=(ks < num_words * 8)[:, None] & t_ok[None, :], other=0.0)
+            acc = dot_into(w, x, acc, IEEE, UPCAST)
+        else:
+            for S in tl.static_range(PER_WORD):
+                x = tl.load(x_cols + (S * words_in_k + words)[:, None], mask=word_ok[:, None] & t_ok[None, :],
+                            other=0.0)
+                w = (quant_element(low, high, first, S, LOW_BITS, HIGH_BITS, FLOAT8) * scale + offset).to(x.dtype)
+                acc = dot_into(w, x, acc, IEEE, UPCAST)
+    out_ptrs = out_ptr + ts.to(tl.int64)[None, :] * stride_ot + cols[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_ok[:, None] & t_ok[None, :])
+
+
+def in_lanes(weight: QuantWeight, dtype: torch.dtype) -> bool:
+    """Whether a product of ``weight`` with x of ``dtype`` takes the lane-order unpack."""
+    lay = weight.layout
+    return lay.low_bits == 4 and not lay.high_bits and not lay.float8 and dtype == torch.bfloat16
+
+
+def permuted(x: torch.Tensor, weight: QuantWeight, lanes: bool) -> torch.Tensor:
+    """x [T, K] in the kernel's order: each word's 8 inputs in lane order (position a * 4 + b * 2 + m holds input
+    2 b + a + 4 m: lane j = 2 b + a holds elements j and j + 4), else position-major."""
+    t, k = x.shape
+    if lanes:
+        return x.view(t, k // 8, 2, 2, 2).permute(0, 1, 4, 3, 2).reshape(t, k)
+    per_word = 32 // weight.layout.low_bits
+    return x.view(t, k // per_word, per_word).transpose(1, 2).reshape(t, k)
+
+
+def _block_m(t: int) -> int:
+    return 16 if t <= 16 else 32 if t <= 32 else 64 if t <= 64 else 128
+
+
+def quant_gemm_swapped(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple | None = None,
+                       splits: int | None = None) -> None:
+    """out = x @ weight.T for x [T, K] (last dimension contiguous) and out [T, N] (last dimension contiguous).
+    ``config``: (BLOCK_N, BLOCK_W, num_warps, num_stages[, BLOCK_M])."""
+    lay = weight.layout
+    t, n, k = x.shape[0], weight.out_features, weight.in_features
+    lanes = in_lanes(weight, x.dtype)
+    xp = permuted(x, weight, lanes)
+    block_n, block_w, warps, stages, *block_m = config or SWAPPED_CONFIGS[lay.low_bits]
+    block_m = block_m[0] if block_m else _block_m(t)
+    splits, split_words = split_k(cdiv(n, block_n) * cdiv(t, block_m), k, lay.low_bits, block_w, x.device, splits)
+    target = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
+    _gemm_swapped_kernel[(cdiv(n, block_n), cdiv(t, block_m), splits)](
+        xp, target, *kernel_tensors(weight), t, n, k, xp.stride(0), target.stride(-2), split_words,
+        **lay.kernel_args(), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w, IEEE=x.dtype == torch.float32,
+        UPCAST=upcast(x.dtype), LANES=lanes, ASM=not triton.knobs.runtime.interpret, num_warps=warps,
+        num_stages=stages, **pdl_options(x.device))
+    if splits > 1:
+        add_splits(target, out, splits, n)
