@@ -90,7 +90,7 @@ def main() -> None:
                                      "[,max registers a thread])")
     ap.add_argument("--prefill", help="only these prefill configs, likewise")
     ap.add_argument("--kv-dtype", choices=["bfloat16", "fp8"], default="bfloat16",
-                    help="fp8: e4m3 caches (--kv-cache-dtype fp8), decode workloads only, nothing written")
+                    help="fp8: e4m3 caches (--kv-cache-dtype fp8), decode workloads; entries spelled float8_e4m3fn")
     ap.add_argument("--write", type=Path, help="write tuned_configs.py here with this GPU's entries merged in")
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
@@ -112,7 +112,7 @@ def main() -> None:
               "kv_dtype": args.kv_dtype, "kinds": {}}
     entries = {}
     for decode, named in workloads.items():
-        default = attention_config(HEAD_DIM, DTYPE, decode, torch.device("cuda"))
+        default = attention_config(HEAD_DIM, DTYPE, decode, torch.device("cuda"), fp8_cache=args.kv_dtype == "fp8")
         base = {name: time_ms(w, default) for name, w in named.items()}
         rows = []
         chosen = parse_configs(args.decode if decode else args.prefill)
@@ -136,8 +136,8 @@ def main() -> None:
                                  "best_ms": best_times, "score": best_score,
                                  "top": [(astuple(c), s, t) for s, c, t in rows[:10]]}
         # commit only a real gain (2% is above run-to-run noise)
-        if best_score < 0.98 and best != default and args.kv_dtype == "bfloat16":
-            entries[(HEAD_DIM, "bfloat16", decode)] = astuple(best)
+        if best_score < 0.98 and best != default:
+            entries[(HEAD_DIM, "float8_e4m3fn" if args.kv_dtype == "fp8" else "bfloat16", decode)] = astuple(best)
     print(f"\nTUNED entry for {gpu!r} (commit {result['commit']}, {result['date']}):")
     print(f"    {gpu!r}: {{" + ", ".join(f"{k!r}: {v!r}" for k, v in entries.items()) + "},")
     result["entries"] = {repr(k): v for k, v in entries.items()}
@@ -154,7 +154,7 @@ def module_text(tuned: dict, provenance: str) -> str:
     import cvllm_cuda.kernels.tuned_configs as module
 
     doc = module.__doc__.strip()
-    lines = [f'"""{doc}"""', "", "TUNED: dict[str, dict[tuple[int, str, bool], tuple[int, int, int, int]]] = {"]
+    lines = [f'"""{doc}"""', "", "TUNED: dict[str, dict[tuple[int, str, bool], tuple[int, ...]]] = {"]
     for gpu, entries in sorted(tuned.items()):
         lines.append(f"    # {provenance}")
         lines.append(f'    "{gpu}": {{')

@@ -56,10 +56,11 @@ SPARSE_DECODE_CONFIGS: dict[str, dict[tuple[int, str], AttentionConfig]] = {
 
 
 def attention_config(head_dim: int, dtype: torch.dtype, decode: bool, device: torch.device,
-                     sparse: bool = False) -> AttentionConfig:
+                     sparse: bool = False, fp8_cache: bool = False) -> AttentionConfig:
     """Tile sizes for this head dim and dtype: a tuned entry for this GPU if committed, else a default.
     ``sparse``: a decode launch of at most one program per SM, which has its own tuned entries (where none is
-    committed it takes the decode one).
+    committed it takes the decode one). ``fp8_cache``: an e4m3 cache, whose tuned entries are spelled
+    "float8_e4m3fn" (where none is committed it takes the queries' dtype's).
 
     Defaults, from a sweep on an H200 (bf16, 32 query / 8 KV heads): decodes are memory-bound and 64-key
     steps reach ~4 TB/s; 16-bit prefill tiles of 64 x 64 for D <= 128 and 128 x 64 with 8 warps for
@@ -67,6 +68,8 @@ def attention_config(head_dim: int, dtype: torch.dtype, decode: bool, device: to
     """
     dtype_name = str(dtype).removeprefix("torch.")
     tuned = gpu.tuned_entry(SPARSE_DECODE_CONFIGS, device, (head_dim, dtype_name)) if sparse and decode else None
+    if tuned is None and fp8_cache:
+        tuned = gpu.tuned_entry(TUNED_CONFIGS, device, (head_dim, "float8_e4m3fn", decode))
     if tuned is None:
         tuned = gpu.tuned_entry(TUNED_CONFIGS, device, (head_dim, dtype_name, decode))
     if tuned is not None:
@@ -296,7 +299,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     splits = min(MAX_SPLITS, next_power_of_2(splits))
     if config is None:
         sparse = decode and is_sparse_decode(num_seqs, num_kv_heads, splits, q.device)
-        config = attention_config(head_dim, q.dtype, decode, q.device, sparse)
+        config = attention_config(head_dim, q.dtype, decode, q.device, sparse, fp8_cache=fp8)
     # query tokens per tile: a power of two, so short prefill chunks share a handful of compiled variants
     block_q = max(1, min(config.block_m // group, next_power_of_2(max_query_len)))
     block_m = max(16, next_power_of_2(block_q * group))
