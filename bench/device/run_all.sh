@@ -7,7 +7,8 @@
 # "tp70b" (4 GPUs): batch-1 latency of a Llama-3-70B shape at TP=4 and TP=2 (~5 min);
 # "quant" (issue 18): batch-1 latency of bf16 and in-situ quantized (q4k, q8_0, gptq, fp8) Llama-3-8B shapes, then
 # the batch-1 GEMV's tile sweep over a stack of layers (~8 min; QUANT_LAYOUTS=q4_k,q8_0 narrows the sweep);
-# "kvfp8": 256 streams through cvserve with a 16-bit and an FP8 KV cache (~8 min);
+# "kvfp8": 256 streams through cvserve with a 16-bit and an FP8 KV cache (~8 min); "fp8attn": the FP8-cache
+# decode tiles with register caps, then 256 streams offline with both caches (~5 min);
 # "spec" (issue 22): the cost of a speculative verify step by batch size, and the demo model with n-gram drafts;
 # "moe" (issue 19): batch-1 latency and 64 streams of the Qwen3-30B-A3B and DeepSeek-V2-Lite shapes (~8 min);
 # "quant64" (issue 18): 64 streams of bf16, q4k and gptq, Llama-3-8B shape (~7 min);
@@ -151,6 +152,16 @@ swapped)
             --skip-hf --num-requests 64 --min-len 1024 --max-len 1024 --max-num-seqs 64 --isq $t \
             --json "$out/$day-h200-throughput64-isq-$t-swapped-$commit.json"
     done ;;
+fp8attn)
+    # issue 18: the FP8-cache decode tiles with register caps (AttentionConfig.max_registers; the default tile holds
+    # 208 registers a thread, 4 programs an SM), then 256 streams offline with an FP8 and a 16-bit KV cache (~5 min)
+    run tune-attention-fp8 150 python3 bench/tune_attention.py --kv-dtype fp8 --decode "16,64,2,3 16,64,2,3,168 \
+16,64,2,3,128 16,32,2,3,128 16,128,2,3,168 16,64,2,4,168" --json "$out/$day-h200-tune_attention-fp8-caps-$commit.json"
+    for kv in fp8 auto; do
+        run throughput256-kv-$kv 140 python3 bench/throughput.py --shape llama3-8b --skip-hf --num-requests 256 \
+            --min-len 1024 --max-len 1024 --max-num-seqs 256 --kv-cache-dtype $kv \
+            --json "$out/$day-h200-throughput256-kv_$kv-$commit.json"
+    done ;;
 kvfp8)
     # 256 streams through cvserve with a 16-bit and an FP8 KV cache (issue 18: FP8 KV >= 1.15x)
     for kv in auto fp8; do
@@ -158,6 +169,6 @@ kvfp8)
             --kv-cache-dtype $kv --json "$out/$day-h200-serving-kv_$kv-$commit.json"
     done ;;
 *)
-    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|kvfp8|moe|quant64|quantgemm|swapped" >&2
+    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|kvfp8|fp8attn|moe|quant64|quantgemm|swapped" >&2
     exit 2 ;;
 esac
