@@ -13,7 +13,8 @@
 # "moe" (issue 19): batch-1 latency and 64 streams of the Qwen3-30B-A3B and DeepSeek-V2-Lite shapes (~8 min);
 # "quant64" (issue 18): 64 streams of bf16, q4k and gptq, Llama-3-8B shape (~7 min);
 # "quantgemm" (issue 18): the low-bit GEMM of 2-128 rows by tile and rows, every layout, captured (~4 min), then
-# 64 streams of q4k (~1 min); "swapped" (issue 18): the swapped GEMM's probe, then 64 streams of q4k and gptq with it.
+# 64 streams of q4k (~1 min); "swapped" (issue 18): the swapped GEMM's probe, then 64 streams of q4k and gptq with it;
+# "gemvprefetch" (issue 18): the int8 GEMV's L2 prefetch before the PDL wait, off / 2 / 3 tiles.
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
 # NVLink multicast stays off on the shared multi-GPU hosts (h200_setup.sh sets these too; the benchmarks pass them on)
@@ -152,6 +153,17 @@ swapped)
             --skip-hf --num-requests 64 --min-len 1024 --max-len 1024 --max-num-seqs 64 --isq $t \
             --json "$out/$day-h200-throughput64-isq-$t-swapped-$commit.json"
     done ;;
+gemvprefetch)
+    # issue 18: the int8 GEMV asking the L2 for its first weight tiles before the PDL wait (CVLLM_GEMV_PREFETCH_TILES,
+    # off by default): a stack of layers, then batch 1 of q8_0 (its load is seconds; q4k's was 88 s once) (~5 min)
+    for p in 0 2 3; do
+        run gemv-stack-prefetch$p 120 env CVLLM_GEMV_PREFETCH_TILES=$p python3 bench/quant_gemv_stack.py --defaults \
+            --layouts q4_k,q8_0 --json "$out/$day-h200-quant_gemv_stack-prefetch$p-$commit.json"
+    done
+    for p in 0 2; do
+        run latency-q8_0-prefetch$p 100 env CVLLM_GEMV_PREFETCH_TILES=$p python3 bench/latency.py --skip-hf \
+            --contexts 1024 --decode-tokens 128 --isq q8_0 --json "$out/$day-h200-latency-isq-q8_0-prefetch$p-$commit.json"
+    done ;;
 fp8attn)
     # issue 18: the FP8-cache decode tiles with register caps (AttentionConfig.max_registers; the default tile holds
     # 208 registers a thread, 4 programs an SM), then 256 streams offline with an FP8 and a 16-bit KV cache (~5 min)
@@ -169,6 +181,6 @@ kvfp8)
             --kv-cache-dtype $kv --json "$out/$day-h200-serving-kv_$kv-$commit.json"
     done ;;
 *)
-    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|kvfp8|fp8attn|moe|quant64|quantgemm|swapped" >&2
+    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|kvfp8|fp8attn|moe|quant64|quantgemm|swapped|gemvprefetch" >&2
     exit 2 ;;
 esac

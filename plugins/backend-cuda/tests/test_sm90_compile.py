@@ -5,6 +5,7 @@ the swapped low-bit GEMM, whose inline PTX the interpreter never sees."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import re
@@ -116,3 +117,21 @@ def test_swapped_low_bit_gemm_compiles(monkeypatch, name, rows):
     out = torch.empty(rows, 256, dtype=torch.bfloat16)
     assert compiled_launches(monkeypatch, quant_gemm_swapped, "_gemm_swapped_kernel",
                              lambda: quant_gemm_swapped.quant_gemm_swapped(x, weight, out, splits=1)) == 1
+
+
+@compiles
+@pytest.mark.parametrize("name", ["q4_k", "q8_0"])
+def test_int8_gemv_with_l2_prefetch_compiles(monkeypatch, name):
+    """The int8-activation GEMV's prefetch before the PDL wait (CVLLM_GEMV_PREFETCH_TILES: inline PTX, and only
+    with PDL on, so the interpreter never runs it)."""
+    from test_quant_matmul import LAYOUTS
+    quant_gemv_int8 = importlib.import_module("cvllm_cuda.kernels.quant_gemv_int8")
+    layout = dataclasses.replace(LAYOUTS[name], int8_activations=True)
+    from test_quant_matmul import random_weight
+    weight = random_weight(layout, 256, 1024, "cpu")
+    monkeypatch.setattr(quant_gemv_int8, "_quantize_kernel", sm90.LaunchRecorder(quant_gemv_int8._quantize_kernel))
+    monkeypatch.setattr(quant_gemv_int8, "_prefetch_tiles", lambda device: 2)
+    monkeypatch.setattr(quant_gemv_int8, "pdl_options", lambda device: {"USE_PDL": True, "launch_pdl": True})
+    x, out = torch.zeros(1, 1024, dtype=torch.bfloat16), torch.empty(1, 256, dtype=torch.bfloat16)
+    assert compiled_launches(monkeypatch, quant_gemv_int8, "_gemv_int8_kernel",
+                             lambda: quant_gemv_int8.quant_gemv_int8(x, weight, out, splits=1)) == 1

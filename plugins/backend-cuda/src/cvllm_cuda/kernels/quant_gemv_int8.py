@@ -119,6 +119,13 @@ def _dot4(a, b, c, INTERPRET: tl.constexpr):
                                          is_pure=True, pack=1)
 
 
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Asks the L2 for the lines at ``ptrs`` (one request per 16-byte vector a thread holds); no value comes back."""
+    return tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l,l,l,l", [ptrs],
+                                     dtype=tl.int8, is_pure=False, pack=4)   # four int8 results: one register
+
+
 @triton.jit(do_not_specialize=["T", "stride_ot"])   # one binary for every T: a row's bits as when alone
 def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr,
                       b_ptr, N, K, SPLIT_WORDS, T, stride_ot,
@@ -126,13 +133,22 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_
                       SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
                       HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                       GROUP_WORDS: tl.constexpr, GROUP_SUM: tl.constexpr, STAGES: tl.constexpr,
-                      EVEN: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
+                      EVEN: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr,
+                      PREFETCH: tl.constexpr = 0):
     """The float GEMV's tiling and splits (quant_matmul._gemv_kernel), integer dot products per word. Where a factor
     group is one activation block (32 inputs: Q4_0, Q4_1, Q4_K, Q8_0), the group's word products are added as
     integers and turned into a float once per group and column, not once per word. Row ``program_id(0)`` of T
     (a few rows: each row's programs are the one-row kernel's, so a row's output does not depend on the others;
     the rows of a tile run side by side, so its weights come from HBM about once); out row t of split j at
-    ``(j * T + t) * N`` with splits, else at ``t * stride_ot``."""
+    ``(j * T + t) * N`` with splits, else at ``t * stride_ot``. PREFETCH: this program's first PREFETCH weight tiles
+    are requested into the L2 before it waits for the previous kernel (weights are never a kernel's output), so
+    their first DRAM round trip overlaps that kernel's end."""
+    if PREFETCH > 0:
+        first_cols = tl.minimum(tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
+        first_words = tl.program_id(2) * SPLIT_WORDS + tl.arange(0, BLOCK_W)
+        for p in tl.static_range(PREFETCH):
+            words_p = tl.minimum(first_words + p * BLOCK_W, K * LOW_BITS // 32 - 1)
+            _prefetch_l2(low_ptr + words_p[:, None] * N + first_cols[None, :])
     wait_for_previous_kernel(USE_PDL)
     PER_WORD: tl.constexpr = 32 // LOW_BITS
     PHASES: tl.constexpr = 8 // LOW_BITS
@@ -195,6 +211,17 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_
 
 
 QUANTIZE_BLOCKS = 8   # 32-input blocks per program of the activation quantizer
+# weight tiles each GEMV program asks the L2 for before waiting on the previous kernel (PDL): an A/B switch, off by
+# default until measured (session 16's prefetch of a program's whole share with cp.async.bulk cost more than it hid)
+PREFETCH_ENV = "CVLLM_GEMV_PREFETCH_TILES"
+
+
+def _prefetch_tiles(device: torch.device) -> int:
+    """CVLLM_GEMV_PREFETCH_TILES where PDL runs (without it there is nothing to overlap) and PTX does (not the
+    interpreter), else 0."""
+    if pdl_options(device).get("USE_PDL") is not True:
+        return 0
+    return int(os.environ.get(PREFETCH_ENV, "0"))
 
 
 def quantize_activations(x: torch.Tensor, low_bits: int) -> tuple[torch.Tensor, ...]:
@@ -245,6 +272,7 @@ def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, con
         BLOCK_W=block_w, GROUP_WORDS=gw, STAGES=stages[0] if stages else 1,
         GROUP_SUM=groups_in_thread(block_n, block_w, gw, warps),
         EVEN=even_tiles(n, k, lay.low_bits, block_n, split_words),
-        INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=warps, **pdl_options(x.device))
+        INTERPRET=bool(triton.knobs.runtime.interpret), PREFETCH=_prefetch_tiles(x.device), num_warps=warps,
+        **pdl_options(x.device))
     if splits > 1:
         add_splits(target, out, splits, n)
