@@ -238,6 +238,38 @@ def test_gpu_shapes(name, t):
 
 @needs_gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("t", [2, 16, 33, 128])
+def test_gpu_swapped_gemm(name, t):
+    """The swapped GEMM (CVLLM_QUANT_GEMM=swapped; 4-bit planes without a high plane in lanes) compiled, its default
+    tiles, against float32: bf16 factors in lanes, so 2e-2 of the largest output as in the interpreter test."""
+    weight = random_weight(LAYOUTS[name], 1000, 4096, DEVICE, seed=t)
+    x = torch.randn(t, 4096, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16).to(DEVICE)
+    out = torch.empty(t, 1000, device=DEVICE, dtype=torch.bfloat16)
+    quant_gemm(x, weight, out, kernel="swapped")
+    ref = x.float() @ dequantize_planes(weight).T
+    assert (out.float() - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["q4_k", "q8_0"])
+def test_gpu_int8_gemv_prefetch_changes_no_bit(monkeypatch, name):
+    """CVLLM_GEMV_PREFETCH_TILES asks the L2 for weight lines early: the outputs stay bit for bit."""
+    from cvllm_cuda.kernels import quant_gemv_int8
+    layout = dataclasses.replace(LAYOUTS[name], int8_activations=True)
+    weight = random_weight(layout, 1000, 4096, DEVICE, seed=5)
+    x = torch.randn(3, 4096, device=DEVICE, dtype=torch.bfloat16)
+    outs = []
+    for tiles in ("0", "2"):
+        monkeypatch.setenv(quant_gemv_int8.PREFETCH_ENV, tiles)
+        outs.append(torch.empty(3, 1000, device=DEVICE, dtype=torch.bfloat16))
+        quant_gemv_int8.quant_gemv_int8(x, weight, outs[-1])
+    assert torch.equal(outs[0], outs[1])
+
+
+@needs_gpu
+@pytest.mark.gpu
 def test_decode_matmul_is_captured_in_a_cuda_graph():
     weight = random_weight(LAYOUTS["q4_k"], 512, 1024, DEVICE)
     x = torch.randn(1, 1024, device=DEVICE, dtype=torch.bfloat16)
