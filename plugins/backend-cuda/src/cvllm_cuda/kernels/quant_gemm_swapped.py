@@ -39,9 +39,10 @@ from cvllm_cuda.kernels.quant_tiles import (
 from cvllm_cuda.kernels.sizes import cdiv
 from cvllm_cuda.quant_planes import QuantWeight
 
-# (BLOCK_N, BLOCK_W, num_warps, num_stages) by low-plane bits: a K step of 128 elements; guessed from the sm_90
-# compile (no spills, 80-145 KB of shared memory at 16-128 rows), not yet timed
-SWAPPED_CONFIGS = {2: (128, 8, 4, 4), 4: (128, 16, 4, 4), 8: (128, 32, 4, 4)}
+# (BLOCK_N, BLOCK_W, num_warps, num_stages) by low-plane bits: a K step of 128 elements (2-bit: 256, as a position's
+# dot needs 16 words); compiled for sm_90, every test layout fits at 2-128 rows (76-209 KB of shared memory); not
+# yet timed
+SWAPPED_CONFIGS = {2: (128, 16, 4, 3), 4: (128, 16, 4, 4), 8: (128, 32, 4, 4)}
 
 _LANE = "lop3.b32 t, t, 0x000F000F, c, 0xEA; sub.rn.bf16x2 t, t, c; fma.rn.bf16x2 $%d, t, s2, o2; "
 LANES_ASM = tl.constexpr(
@@ -167,6 +168,7 @@ def quant_gemm_swapped(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, 
     xp = permuted(x, weight, lanes)
     block_n, block_w, warps, stages, *block_m = config or SWAPPED_CONFIGS[lay.low_bits]
     block_m = block_m[0] if block_m else _block_m(t)
+    assert block_w >= (2 if lanes else 16), f"BLOCK_W {block_w}: a dot needs a K of 16"
     splits, split_words = split_k(cdiv(n, block_n) * cdiv(t, block_m), k, lay.low_bits, block_w, x.device, splits)
     target = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
     _gemm_swapped_kernel[(cdiv(n, block_n), cdiv(t, block_m), splits)](
