@@ -108,9 +108,11 @@ def test_attention_over_fp8_cache_compiles(monkeypatch, dtype, max_query_len, ma
 
 
 @compiles
-@pytest.mark.parametrize("name", ["q4_k", "gptq4_g128", "q6_k", "q8_0"])   # lanes (4-bit, no high plane) or positions
-@pytest.mark.parametrize("rows", [2, 64])
+@pytest.mark.parametrize("name", ["q4_k", "gptq4_g128", "q6_k", "q8_0", "q2_k", "q3_k", "fp8_block128"])
+@pytest.mark.parametrize("rows", [2, 128])   # (lanes: 4-bit without a high plane; the rest position by position)
 def test_swapped_low_bit_gemm_compiles(monkeypatch, name, rows):
+    """Every plane width's default tile compiles and fits the H200's shared memory at the smallest and largest row
+    tiles."""
     from test_quant_matmul import LAYOUTS, random_weight
     weight = random_weight(LAYOUTS[name], 256, 1024, "cpu")
     x = torch.zeros(rows, 1024, dtype=torch.bfloat16)
