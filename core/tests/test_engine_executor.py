@@ -201,3 +201,20 @@ def test_build_engine_assembles_an_in_process_executor(caplog):
     assert engine.runner is None
     with pytest.raises(RuntimeError, match="shut down"):
         engine.add_request("b", [5], SamplingParams())
+
+
+def test_fake_runner_serves_speculative_verify_steps():
+    """FakeModelRunner gives a verify step a row per draft too (it measures the stack around a model, n-gram
+    speculation included): the engine finishes, and the drafts are scored."""
+    config = ModelConfig(vocab_size=VOCAB, max_position_embeddings=256, architectures=["Fake"], eos_token_id=1)
+    checkpoint = Checkpoint(Path("fake"), config, lambda: iter(()))
+    engine = build_engine(EngineConfig(model=checkpoint, backend="cpu", fake_step_ms=0, num_kv_blocks=64,
+                                       max_num_seqs=2, speculative_config={"method": "ngram",
+                                                                           "num_speculative_tokens": 3}))
+    cycle = engine.runner.token_cycle[:20].tolist()
+    engine.add_request("a", cycle * 3, SamplingParams(max_tokens=40, ignore_eos=True, temperature=0))
+    while engine.has_unfinished():
+        engine.step()
+    assert len(engine.requests["a"][0].output_token_ids) == 40
+    assert engine.stats.spec_draft_tokens > 0
+    engine.shutdown()

@@ -44,7 +44,8 @@ class FakeModelRunner:
     def forward(self, batch: ScheduledBatch, inputs: None, all_logits: bool = False,
                 extra_indices=None) -> torch.Tensor:
         started = time.perf_counter()
-        rows = sum(batch.num_tokens) if all_logits else len(batch.sample_indices)
+        # a sampled row per sequence, and one per draft a speculating sequence verifies (executor.ForwardedStep)
+        rows = sum(batch.num_tokens) if all_logits else sum(1 + batch.seqs[i].num_drafts for i in batch.sample_indices)
         rows += 0 if extra_indices is None else len(extra_indices)
         if self._logits.shape[0] < rows:
             self._logits = torch.zeros(max(rows, 2 * self._logits.shape[0]), self.vocab_size)
