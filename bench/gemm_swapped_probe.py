@@ -62,7 +62,7 @@ def check(names: list[str]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layouts", default="q4_k,gptq4_g128,q8_0,q6_k")
+    ap.add_argument("--layouts", default="q4_k,gptq4_g128", help="(q8_0, q6_k: position by position)")
     ap.add_argument("--rows", default="2,16,64,128")
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--json")
