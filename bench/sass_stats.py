@@ -20,8 +20,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import triton
-
 from cvllm_cuda.kernels import quant_gemv, quant_gemv_int8, quant_matmul
 from cvllm_cuda.kernels.quant_tiles import group_words, groups_in_thread
 from cvllm_cuda.quant_planes import QuantLayout
@@ -46,7 +44,7 @@ def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m
         signature = {"packs_ptr": "*i32", "xd_ptr": "*fp32", "xsum_ptr": "*fp32", "xblock_sum_ptr": "*fp32",
                      "out_ptr": "*bf16", **PLANES, "N": "i32", "K": "i32", "SPLIT_WORDS": "i32", "T": "i32",
                      "stride_ot": "i32"}
-        return quant_gemv_int8._gemv_int8_kernel, signature, common, warps
+        return quant_gemv_int8._gemv_int8_kernel, signature, {**common, "PREFETCH": 0}, warps
     if kind in ("gemm", "gemm-per-position"):   # quant_matmul._gemm_kernel: (BLOCK_N, BLOCK_W, warps, stages)
         signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", **PLANES, "T": "i32", "N": "i32", "K": "i32",
                      "stride_xt": "i32", "stride_ot": "i32", "SPLIT_WORDS": "i32"}
@@ -79,8 +77,17 @@ def gemm_table() -> None:
                 print(f"{name:13s} BLOCK_M {block_m:3d} {config}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
 
 
-def tool(name: str) -> str:
-    return str(Path(triton.__path__[0]) / "backends" / "nvidia" / "bin" / name)
+def main_loop(lines: list[str]) -> list[str]:
+    """The SASS lines of the largest loop: from a label to the furthest branch back to it (the whole listing if
+    there is no backward branch). The first two branches bounded the loop of the GEMVs but not of the GEMM, whose
+    pipelined prologue branches first."""
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\.L_x_\d+):", line))}
+    loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+             if (m := re.search(r"\bBRA\b.*?(\.L_x_\d+)", line)) and labels.get(m.group(1), i) < i]
+    if not loops:
+        return lines
+    first, last = max(loops, key=lambda span: span[1] - span[0])
+    return lines[first:last + 1]
 
 
 def main() -> None:
@@ -103,18 +110,14 @@ def main() -> None:
     (dump / "kernel.cubin").write_bytes(kernel.asm["cubin"])
     for ext in ("ttgir", "ptx"):
         (dump / f"kernel.{ext}").write_text(kernel.asm[ext])
-    sass = subprocess.run([tool("nvdisasm"), "-c", str(dump / "kernel.cubin")], capture_output=True, text=True,
+    sass = subprocess.run([sm90.tool("nvdisasm"), "-c", str(dump / "kernel.cubin")], capture_output=True, text=True,
                           check=True).stdout
     (dump / "kernel.sass").write_text(sass)
-    usage = subprocess.run([tool("cuobjdump"), "--dump-resource-usage", str(dump / "kernel.cubin")],
-                           capture_output=True, text=True, check=True).stdout
-    regs = re.search(r"REG:(\d+)", usage)
     lines = sass.splitlines()
-    branches = [i for i, line in enumerate(lines) if re.search(r"\bBRA\b", line)]
-    body = lines[branches[0]:branches[1]] if len(branches) > 1 else lines   # the main loop, between its branches
+    body = main_loop(lines)
     ops = collections.Counter(m.group(1).split(".")[0] for line in body
                               if (m := re.match(r"\s*/\*[0-9a-f]+\*/\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]*)", line)))
-    print(f"{args.kind} {args.layout} {config}: {regs.group(1) if regs else '?'} registers, "
+    print(f"{args.kind} {args.layout} {config}: {sm90.registers(kernel)} registers, "
           f"{kernel.metadata.shared} B shared, {kernel.asm['ttgir'].count('convert_layout')} layout conversions, "
           f"{sum(ops.values())} SASS instructions in the loop, {sum('BAR' in line for line in body)} barriers there "
           f"(files in {dump})")

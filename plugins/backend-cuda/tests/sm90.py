@@ -5,6 +5,11 @@ compiled kernel's registers, shared memory and SASS."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
@@ -66,17 +71,16 @@ def compile_launch(fn, args: tuple, kwargs: dict):
                         frozenset(divisible), kwargs.get("maxnreg"))
 
 
-def registers(kernel) -> int:
-    """Registers a thread of a compiled kernel uses (cuobjdump, shipped with Triton, reads its cubin)."""
-    import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
+def tool(name: str) -> str:
+    """The path of one of the CUDA tools Triton ships (nvdisasm, cuobjdump, ptxas)."""
+    return str(Path(triton.__path__[0]) / "backends" / "nvidia" / "bin" / name)
 
+
+def registers(kernel) -> int:
+    """Registers a thread of a compiled kernel uses (cuobjdump reads its cubin)."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
-        tool = Path(triton.__path__[0]) / "backends" / "nvidia" / "bin" / "cuobjdump"
-        usage = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
-                               check=True).stdout
+        usage = subprocess.run([tool("cuobjdump"), "--dump-resource-usage", str(cubin)], capture_output=True,
+                               text=True, check=True).stdout
     return int(re.search(r"REG:(\d+)", usage).group(1))

@@ -257,14 +257,15 @@ def test_gpu_swapped_gemm(name, t):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["q4_k", "q8_0"])
 def test_gpu_int8_gemv_prefetch_changes_no_bit(monkeypatch, name):
-    """CVLLM_GEMV_PREFETCH_TILES asks the L2 for weight lines early: the outputs stay bit for bit."""
+    """CVLLM_GEMV_PREFETCH_TILES (quant_gemv_int8.PREFETCH_TILES) asks the L2 for weight lines early: the outputs
+    stay bit for bit."""
     from cvllm_cuda.kernels import quant_gemv_int8
     layout = dataclasses.replace(LAYOUTS[name], int8_activations=True)
     weight = random_weight(layout, 1000, 4096, DEVICE, seed=5)
     x = torch.randn(3, 4096, device=DEVICE, dtype=torch.bfloat16)
     outs = []
-    for tiles in ("0", "2"):
-        monkeypatch.setenv(quant_gemv_int8.PREFETCH_ENV, tiles)
+    for tiles in (0, 2):
+        monkeypatch.setattr(quant_gemv_int8, "PREFETCH_TILES", tiles)
         outs.append(torch.empty(3, 1000, device=DEVICE, dtype=torch.bfloat16))
         quant_gemv_int8.quant_gemv_int8(x, weight, outs[-1])
     assert torch.equal(outs[0], outs[1])

@@ -43,18 +43,19 @@ def test_kernels_compile_for_hopper():
 TOKENS, Q_HEADS, KV_HEADS, DIM, BLOCKS, BLOCK_SIZE = 4, 8, 2, 128, 4, 16
 
 
-def compiled_launches(monkeypatch, module, kernel_name: str, launch) -> int:
+def compiled_launches(monkeypatch, module, kernel_name: str, launch) -> list:
     """Runs ``launch()`` with ``module.kernel_name`` recorded instead of run; compiles each recorded launch (within
-    the H200's shared memory, and its ``maxnreg`` where it has one)."""
+    the H200's shared memory, and its ``maxnreg`` where it has one) and returns the compiled kernels."""
     recorder = sm90.LaunchRecorder(getattr(module, kernel_name))
     monkeypatch.setattr(module, kernel_name, recorder)
     launch()
+    kernels = []
     for args, kwargs in recorder.launches:
-        kernel = sm90.compile_launch(recorder.fn, args, kwargs)
-        assert kernel.metadata.shared <= 232448, kernel.metadata.shared
+        kernels.append(sm90.compile_launch(recorder.fn, args, kwargs))
+        assert kernels[-1].metadata.shared <= 232448, kernels[-1].metadata.shared
         if kwargs.get("maxnreg"):
-            assert sm90.registers(kernel) <= kwargs["maxnreg"]
-    return len(recorder.launches)
+            assert sm90.registers(kernels[-1]) <= kwargs["maxnreg"]
+    return kernels
 
 
 def caches(cache_dtype):
@@ -76,8 +77,8 @@ def test_fused_rotary_cache_write_compiles(monkeypatch, dtype, cache_fp8, qk_nor
     norm = (torch.ones(DIM, dtype=dtype), torch.ones(DIM, dtype=dtype), 1e-6) if qk_norm else None
     k_cache, v_cache = caches(cache_dtype)
     positions, slots = torch.arange(TOKENS), torch.arange(TOKENS)
-    assert compiled_launches(monkeypatch, rotary, "_rotary_kernel", lambda: rotary.rotary_write_kv(
-        positions, q, k, v, cos_sin, DIM, k_cache, v_cache, slots, scales(cache_dtype), qk_norm=norm)) == 1
+    assert len(compiled_launches(monkeypatch, rotary, "_rotary_kernel", lambda: rotary.rotary_write_kv(
+        positions, q, k, v, cos_sin, DIM, k_cache, v_cache, slots, scales(cache_dtype), qk_norm=norm))) == 1
 
 
 @compiles
@@ -85,8 +86,8 @@ def test_fused_rotary_cache_write_compiles(monkeypatch, dtype, cache_fp8, qk_nor
 def test_fp8_cache_write_compiles(monkeypatch, dtype):
     k, v = (torch.zeros(TOKENS, KV_HEADS, DIM, dtype=dtype) for _ in range(2))
     k_cache, v_cache = caches(FP8)
-    assert compiled_launches(monkeypatch, kv_cache, "_write_kv_kernel", lambda: kv_cache.write_kv(
-        k, v, k_cache, v_cache, torch.arange(TOKENS), scales(FP8))) == 1
+    assert len(compiled_launches(monkeypatch, kv_cache, "_write_kv_kernel", lambda: kv_cache.write_kv(
+        k, v, k_cache, v_cache, torch.arange(TOKENS), scales(FP8)))) == 1
 
 
 @compiles
@@ -102,9 +103,10 @@ def test_attention_over_fp8_cache_compiles(monkeypatch, dtype, max_query_len, ma
     tables = torch.zeros(num_seqs, BLOCKS, dtype=torch.int32)
     config = paged_attention.AttentionConfig(block_m=64, block_n=64, num_warps=4, num_stages=2,
                                              max_registers=max_registers)
-    assert compiled_launches(monkeypatch, paged_attention, "_attention_kernel", lambda: paged_attention.paged_attention(
+    attention = lambda: paged_attention.paged_attention(   # noqa: E731
         q, k_cache, v_cache, query_start_loc, seq_lens, tables, max_query_len, 0.1, None, None, num_splits=1,
-        config=config, kv_scales=scales(FP8))) == 1
+        config=config, kv_scales=scales(FP8))
+    assert len(compiled_launches(monkeypatch, paged_attention, "_attention_kernel", attention)) == 1
 
 
 @compiles
@@ -117,8 +119,8 @@ def test_swapped_low_bit_gemm_compiles(monkeypatch, name, rows):
     weight = random_weight(LAYOUTS[name], 256, 1024, "cpu")
     x = torch.zeros(rows, 1024, dtype=torch.bfloat16)
     out = torch.empty(rows, 256, dtype=torch.bfloat16)
-    assert compiled_launches(monkeypatch, quant_gemm_swapped, "_gemm_swapped_kernel",
-                             lambda: quant_gemm_swapped.quant_gemm_swapped(x, weight, out, splits=1)) == 1
+    assert len(compiled_launches(monkeypatch, quant_gemm_swapped, "_gemm_swapped_kernel",
+                                 lambda: quant_gemm_swapped.quant_gemm_swapped(x, weight, out, splits=1))) == 1
 
 
 @compiles
@@ -132,8 +134,10 @@ def test_int8_gemv_with_l2_prefetch_compiles(monkeypatch, name):
     from test_quant_matmul import random_weight
     weight = random_weight(layout, 256, 1024, "cpu")
     monkeypatch.setattr(quant_gemv_int8, "_quantize_kernel", sm90.LaunchRecorder(quant_gemv_int8._quantize_kernel))
-    monkeypatch.setattr(quant_gemv_int8, "_prefetch_tiles", lambda device: 2)
+    monkeypatch.setattr(quant_gemv_int8, "PREFETCH_TILES", 2)
     monkeypatch.setattr(quant_gemv_int8, "pdl_options", lambda device: {"USE_PDL": True, "launch_pdl": True})
     x, out = torch.zeros(1, 1024, dtype=torch.bfloat16), torch.empty(1, 256, dtype=torch.bfloat16)
-    assert compiled_launches(monkeypatch, quant_gemv_int8, "_gemv_int8_kernel",
-                             lambda: quant_gemv_int8.quant_gemv_int8(x, weight, out, splits=1)) == 1
+    kernels = compiled_launches(monkeypatch, quant_gemv_int8, "_gemv_int8_kernel",
+                                lambda: quant_gemv_int8.quant_gemv_int8(x, weight, out, splits=1))
+    ptx = kernels[0].asm["ptx"]   # the prefetches are there, before the wait
+    assert len(kernels) == 1 and 0 < ptx.find("prefetch.global.L2") < ptx.find("griddepcontrol.wait")

@@ -140,15 +140,14 @@ def _attention_kernel(
     BLOCK_SIZE: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DECODE_ONLY: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr, FP8_F16: tl.constexpr, USE_PDL: tl.constexpr,
+    FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     # FP8: e4m3 keys and values, the head's K scale folded into the softmax scale, its V scale into the output;
-    # FP8_F16: with bfloat16 queries the products are taken in float16 (H200, 256 sequences x 1k keys: 258 -> 232
-    # us; 64 x 1.5k: 146 -> 92; bench/tune_attention.py --kv-dtype fp8, 2026-12-04)
+    # with 16-bit queries the products are taken in float16 (below)
     if FP8:
         scale = scale * tl.load(k_scale_ptr + kv_head)
     if DECODE_ONLY:
@@ -175,7 +174,9 @@ def _attention_kernel(
     dim_valid = dims < HEAD_DIM  # BLOCK_D is HEAD_DIM rounded up to a power of two (D = 80, 96)
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
-    if FP8_F16:   # e4m3 -> float16: exact, one conversion (to bfloat16: two); bf16 q is exact in float16 below 65504
+    if FP8 and q.dtype != tl.float32:
+        # e4m3 -> float16 is exact and one conversion (to bfloat16: two), and bf16 q is exact in float16 below 65504
+        # (H200, 256 sequences x 1k keys: 258 -> 232 us; 64 x 1.5k: 146 -> 92; tune_attention.py --kv-dtype fp8)
         q = q.to(tl.float16)
 
     # Keys any row of the tile may see: up to its last query, back one window from its first.
@@ -323,7 +324,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_N=config.block_n,
         NUM_SPLITS=splits, DECODE_ONLY=decode, USE_WINDOW=bool(sliding_window), USE_SOFT_CAP=bool(soft_cap),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8,
-        FP8_F16=fp8 and q.dtype == torch.bfloat16,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch,
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )

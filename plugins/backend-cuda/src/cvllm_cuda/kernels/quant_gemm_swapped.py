@@ -14,8 +14,8 @@ in the order the unpacked weights come out in, made by one permute a call (a cop
   bf16: errors a little above the float path's). Each word's 8 inputs are reordered to the lanes' order.
 
 Compiled for sm_90 on a CPU (2026-12-04, q4_k, 64 rows): ~5.5 loop instructions a weight element in lane order,
-against ~9.9 for the unpacked GEMM; not yet timed on a GPU. ``CVLLM_QUANT_GEMM=swapped`` makes it quant_gemm's
-default (an A/B switch until it is measured); ``quant_gemm(..., kernel="swapped")`` picks it per call.
+against ~9.9 for the unpacked GEMM; not yet timed on a GPU. ``CVLLM_QUANT_GEMM=swapped`` (read at import) makes it
+quant_gemm's default (an A/B switch until it is measured); ``quant_gemm(..., kernel="swapped")`` picks it per call.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from cvllm_cuda.kernels.quant_tiles import (
     kernel_tensors,
     load_words,
     quant_element,
+    row_tile,
     split_k,
     upcast,
     word_factors,
@@ -154,10 +155,6 @@ def permuted(x: torch.Tensor, weight: QuantWeight, lanes: bool) -> torch.Tensor:
     return x.view(t, k // per_word, per_word).transpose(1, 2).reshape(t, k)
 
 
-def _block_m(t: int) -> int:
-    return 16 if t <= 16 else 32 if t <= 32 else 64 if t <= 64 else 128
-
-
 def quant_gemm_swapped(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple | None = None,
                        splits: int | None = None) -> None:
     """out = x @ weight.T for x [T, K] (last dimension contiguous) and out [T, N] (last dimension contiguous).
@@ -167,7 +164,7 @@ def quant_gemm_swapped(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, 
     lanes = in_lanes(weight, x.dtype)
     xp = permuted(x, weight, lanes)
     block_n, block_w, warps, stages, *block_m = config or SWAPPED_CONFIGS[lay.low_bits]
-    block_m = block_m[0] if block_m else _block_m(t)
+    block_m = block_m[0] if block_m else row_tile(t)
     assert block_w >= (2 if lanes else 16), f"BLOCK_W {block_w}: a dot needs a K of 16"
     splits, split_words = split_k(cdiv(n, block_n) * cdiv(t, block_m), k, lay.low_bits, block_w, x.device, splits)
     target = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)

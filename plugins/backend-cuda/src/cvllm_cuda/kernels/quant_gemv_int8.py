@@ -133,8 +133,7 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_
                       SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
                       HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                       GROUP_WORDS: tl.constexpr, GROUP_SUM: tl.constexpr, STAGES: tl.constexpr,
-                      EVEN: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr,
-                      PREFETCH: tl.constexpr = 0):
+                      EVEN: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
     """The float GEMV's tiling and splits (quant_matmul._gemv_kernel), integer dot products per word. Where a factor
     group is one activation block (32 inputs: Q4_0, Q4_1, Q4_K, Q8_0), the group's word products are added as
     integers and turned into a float once per group and column, not once per word. Row ``program_id(0)`` of T
@@ -213,15 +212,8 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_
 QUANTIZE_BLOCKS = 8   # 32-input blocks per program of the activation quantizer
 # weight tiles each GEMV program asks the L2 for before waiting on the previous kernel (PDL): an A/B switch, off by
 # default until measured (session 16's prefetch of a program's whole share with cp.async.bulk cost more than it hid)
-PREFETCH_ENV = "CVLLM_GEMV_PREFETCH_TILES"
-
-
-def _prefetch_tiles(device: torch.device) -> int:
-    """CVLLM_GEMV_PREFETCH_TILES where PDL runs (without it there is nothing to overlap) and PTX does (not the
-    interpreter), else 0."""
-    if pdl_options(device).get("USE_PDL") is not True:
-        return 0
-    return int(os.environ.get(PREFETCH_ENV, "0"))
+# (taken only where PDL runs: without it there is no previous kernel to overlap, and the interpreter has no PTX)
+PREFETCH_TILES = int(os.environ.get("CVLLM_GEMV_PREFETCH_TILES", "0"))
 
 
 def quantize_activations(x: torch.Tensor, low_bits: int) -> tuple[torch.Tensor, ...]:
@@ -266,13 +258,14 @@ def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, con
                                   tuned[4] if tuned else INT8_PROGRAMS_PER_SM[lay.low_bits])
     target = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
     gw = group_words(lay, block_w)
+    launch = pdl_options(x.device)
     _gemv_int8_kernel[(t, cdiv(n, block_n), splits)](
         *activations, target, *kernel_tensors(weight), n, k, split_words, t, out.stride(0), **lay.kernel_args(),
         BLOCK_N=block_n,
         BLOCK_W=block_w, GROUP_WORDS=gw, STAGES=stages[0] if stages else 1,
         GROUP_SUM=groups_in_thread(block_n, block_w, gw, warps),
         EVEN=even_tiles(n, k, lay.low_bits, block_n, split_words),
-        INTERPRET=bool(triton.knobs.runtime.interpret), PREFETCH=_prefetch_tiles(x.device), num_warps=warps,
-        **pdl_options(x.device))
+        INTERPRET=bool(triton.knobs.runtime.interpret), PREFETCH=PREFETCH_TILES if launch["USE_PDL"] else 0,
+        num_warps=warps, **launch)
     if splits > 1:
         add_splits(target, out, splits, n)

@@ -16,7 +16,6 @@ captured in the decode CUDA graphs.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -33,6 +32,7 @@ from cvllm_cuda.kernels.quant_tiles import (
     dot_unpacked,
     kernel_tensors,
     quant_element,
+    row_tile,
     run_or_fall_back,
     split_k,
     tile,
@@ -124,25 +124,27 @@ DEQUANT_CONFIGS = {2: (256, 8, 4), 4: (256, 8, 4), 8: (128, 4, 4)}
 # cuBLAS. Decode batches stay below it: dequantizing every weight to bf16 each step writes and reads back a bf16
 # model per step. 128 is reasoned, not yet measured end to end
 GEMM_MAX_ROWS = 128
-GEMM_ENV = "CVLLM_QUANT_GEMM"   # "swapped": quant_gemm_swapped.py's kernel as the default (an A/B switch)
-
-
-def _block_m(t: int) -> int:
-    return 16 if t <= 16 else 32 if t <= 32 else 64 if t <= 64 else 128
+# the decode-batch GEMM unless a call names one: "unpacked", or "swapped" (quant_gemm_swapped.py; an A/B switch)
+DEFAULT_GEMM = os.environ.get("CVLLM_QUANT_GEMM", "unpacked")
 
 
 def quant_gemm(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple | None = None,
                splits: int | None = None, kernel: str | None = None) -> None:
     """out = x @ weight.T for x [T, K] (last dimension contiguous) and out [T, N] (last dimension contiguous).
     ``config``: (BLOCK_N, BLOCK_W, num_warps, num_stages[, BLOCK_M]) of ``kernel`` ("unpacked", "per-position" or
-    "swapped": quant_gemm_swapped.py; None: ``CVLLM_QUANT_GEMM``, else "unpacked")."""
-    if kernel is None:
-        kernel = os.environ.get(GEMM_ENV, "unpacked")
-    run = quant_gemm_swapped if kernel == "swapped" else functools.partial(_gemm, kernel=kernel)
+    "swapped": quant_gemm_swapped.py; None: DEFAULT_GEMM)."""
+    kernel = kernel or DEFAULT_GEMM
+
+    def run(config):
+        if kernel == "swapped":
+            quant_gemm_swapped(x, weight, out, config, splits)
+        else:
+            _gemm(x, weight, out, config, splits, kernel)
+
     if config is not None or kernel == "per-position":
-        run(x, weight, out, config, splits)
+        run(config)
         return
-    run_or_fall_back((kernel, weight.layout, _block_m(x.shape[0])), lambda: run(x, weight, out, None, splits),
+    run_or_fall_back((kernel, weight.layout, row_tile(x.shape[0])), lambda: run(None),
                      lambda: _gemm(x, weight, out, None, splits, "per-position"))
 
 
@@ -153,7 +155,7 @@ def _gemm(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple
     configs = GEMM_CONFIGS if unpacked else PER_POSITION_CONFIGS
     block_n, block_w, warps, stages, *block_m = config or configs[weight.layout.low_bits]
     t, n, k = x.shape[0], weight.out_features, weight.in_features
-    block_m = block_m[0] if block_m else _block_m(t)
+    block_m = block_m[0] if block_m else row_tile(t)
     programs = cdiv(n, block_n) * cdiv(t, block_m)
     splits, split_words = split_k(programs, k, weight.layout.low_bits, block_w, x.device, splits)
     target = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)

@@ -165,6 +165,11 @@ def k_splits(programs: int, k: int, low_bits: int, block_w: int, device: torch.d
     return max(1, min(cdiv(programs_per_sm * gpu.num_sms(gpu.device_index(device)), programs), steps // 4, 16))
 
 
+def row_tile(t: int) -> int:
+    """The GEMMs' BLOCK_M for t rows of x: the smallest of 16, 32, 64, 128 that holds them."""
+    return 16 if t <= 16 else 32 if t <= 32 else 64 if t <= 64 else 128
+
+
 def group_words(layout, block_w: int) -> int:
     """Words of a GEMV tile that share factors: a scale group's words when whole groups fit a tile, the tile when it
     fits in a group, else 1 (factors per word)."""
