@@ -147,9 +147,10 @@ def main() -> None:
                 rows[f"{cfg} pps {pps}"] = us
         best = sorted(rows.items(), key=lambda kv: kv[1])
         results["planes"][name] = {"bytes_per_layer": nbytes, "us_per_layer": rows}
-        default = quant_gemv_int8.INT8_GEMV_CONFIGS if layout.int8_activations else None
-        print(f"{name}: {nbytes / 1e6:.1f} MB/layer; default {default and default[layout.low_bits]} "
-              f"pps {quant_tiles.PROGRAMS_PER_SM}", flush=True)
+        int8 = layout.int8_activations
+        default = quant_gemv_int8.INT8_GEMV_CONFIGS[layout.low_bits] if int8 else None
+        pps = quant_gemv_int8.INT8_PROGRAMS_PER_SM[layout.low_bits] if int8 else quant_tiles.PROGRAMS_PER_SM
+        print(f"{name}: {nbytes / 1e6:.1f} MB/layer; default {default} pps {pps}", flush=True)
         for key, us in best[:8]:
             print(f"  {key:24s} {us:7.1f} us/layer {nbytes / us / 1e6:5.2f} TB/s  x{bf16 / us:4.2f} vs bf16",
                   flush=True)
