@@ -56,8 +56,9 @@ def test_blocks_through_the_kernel_equal_llama_cpp(qtype, monkeypatch):
     from cvllm_gguf.kquants_cuda import fit_groups
 
     def through_kernel(groups, nmax, rmin, nstep):
-        return fit_groups(groups.to(DEVICE).contiguous(), kquants._q45_numerators(nmax, rmin, nstep).to(DEVICE),
-                          nmax)
+        fitted = fit_groups(groups.to(DEVICE).contiguous(), kquants._q45_numerators(nmax, rmin, nstep).to(DEVICE),
+                            nmax)
+        return tuple(t.to(groups.device) for t in fitted)   # the rest of the encoder runs where x is (the CPU)
 
     monkeypatch.setattr(kquants, "_fit_q45_groups", through_kernel)
     with np.load(GOLDEN) as data:

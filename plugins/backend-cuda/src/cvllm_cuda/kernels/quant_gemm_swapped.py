@@ -80,15 +80,13 @@ def _lanes(word, scale, offset, ASM: tl.constexpr):
 
 
 @triton.jit
-def _lanes_to_bf16(lanes, ASM: tl.constexpr):
-    """int32 lanes [..., 2] (each lane twice along the last dimension) -> bf16 [..., 2], element m the lane's half
-    m: a register move (the lane already is the pair)."""
-    if ASM:
-        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [lanes], dtype=tl.bfloat16, is_pure=True,
-                                         pack=2)
-    else:
-        half = tl.arange(0, 2)[None, None, None, None, :]
-        return ((lanes >> (16 * half)) & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+def _lanes_to_bf16(lanes):
+    """int32 lanes [...] -> bf16 [..., 2], element m the lane's half m. Not inline PTX with ``pack=2``: that hands
+    an instance two consecutive registers of the thread, which in the compiled layout were not always the two
+    copies of one lane (the GPU test failed for every lane-order layout while the interpreter passed)."""
+    low = (lanes & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    high = (lanes >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return tl.join(low, high)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -124,8 +122,7 @@ def _gemm_swapped_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr,
         if LANES:
             lane0, lane1, lane2, lane3 = _lanes(low, scale, offset, ASM)
             lanes = tl.join(tl.join(lane0, lane1), tl.join(lane2, lane3))   # [N, W, a, b]: lane 2 b + a
-            pairs = lanes[:, :, :, :, None] + tl.zeros((1, 1, 1, 1, 2), tl.int32)
-            w = tl.reshape(_lanes_to_bf16(pairs, ASM), (BLOCK_N, BLOCK_W * 8))
+            w = tl.reshape(_lanes_to_bf16(lanes), (BLOCK_N, BLOCK_W * 8))
             ks = w0 * 8 + tl.arange(0, BLOCK_W * 8)
             x = tl.load(x_cols + ks[:, None], mask=(ks < num_words * 8)[:, None] & t_ok[None, :], other=0.0)
             acc = dot_into(w, x, acc, IEEE, UPCAST)
