@@ -32,6 +32,8 @@ CONFIGS = [(128, 16, 4, 4), (128, 32, 4, 3), (64, 32, 4, 3), (128, 16, 8, 3), (6
 def scaled(config: tuple, low_bits: int) -> tuple:
     """A 4-bit config for ``low_bits``-bit planes: the same K step in elements."""
     block_n, block_w, warps, stages = config
+    if low_bits == 4:   # lane order (bf16 x): a K step of 16 elements is enough
+        return config
     return block_n, max(16, block_w * low_bits // 4), warps, stages   # a position's dot needs a K of 16 words
 
 
@@ -64,6 +66,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layouts", default="q4_k,gptq4_g128", help="(q8_0, q6_k: position by position)")
     ap.add_argument("--rows", default="2,16,64,128")
+    ap.add_argument("--configs", help="swapped tiles to time, 'BLOCK_N,BLOCK_W,warps,stages ...' (4-bit BLOCK_W)")
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -74,6 +77,7 @@ def main() -> None:
     from common import captured_us, git_commit
     from test_quant_matmul import LAYOUTS
     result.update(commit=git_commit(), gpu=torch.cuda.get_device_name(), us_per_layer={})
+    configs = [tuple(map(int, c.split(","))) for c in args.configs.split()] if args.configs else CONFIGS
     for name in names:
         layout = LAYOUTS[name]
         layers = [{s: planes_on_gpu(layout, n, k) for s, (n, k) in SHAPES.items()} for _ in range(2)]
@@ -86,7 +90,7 @@ def main() -> None:
                                 for layer in layers for s, (n, k) in SHAPES.items()]
 
             row = {"unpacked (today)": captured_us(stack("unpacked"), per=2)}
-            for config in CONFIGS:
+            for config in configs:
                 try:
                     row[f"swapped {config}"] = captured_us(stack("swapped", scaled(config, layout.low_bits)), per=2)
                 except Exception as exc:   # out of shared memory or registers
