@@ -93,6 +93,22 @@ def test_register_cap_leaves_fp8_attention_unchanged(make_attention_case):
     torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
 
 
+def test_register_cap_only_past_one_wave(monkeypatch):
+    """The tuned FP8 decode tile's cap (168 registers) holds for launches of more programs than 4 an SM (256
+    streams: 2,048 programs) and is dropped for launches that fit one wave uncapped (64 streams: 512 on 132 SMs),
+    where it measured slower (paged_attention.UNCAPPED_WAVE)."""
+    from cvllm_cuda.kernels import gpu
+    from cvllm_cuda.kernels.paged_attention import without_cap_in_one_wave
+
+    monkeypatch.setattr(gpu, "num_sms", lambda index: 132)
+    monkeypatch.setattr(gpu, "device_index", lambda device: 0)
+    capped, cuda = AttentionConfig(16, 64, 2, 3, 168), torch.device("cuda")
+    assert without_cap_in_one_wave(capped, 256 * 8, cuda) == capped
+    assert without_cap_in_one_wave(capped, 64 * 8, cuda) == AttentionConfig(16, 64, 2, 3)
+    assert without_cap_in_one_wave(capped, 4 * 132 + 1, cuda).max_registers == 168
+    assert without_cap_in_one_wave(capped, 8, torch.device("cpu")) == capped
+
+
 @pytest.mark.parametrize("rotary_dim", [64, 32])   # whole and partial rotary
 def test_fused_rotary_write_stores_what_rotary_then_write_kv_stores(generator, rotary_dim):
     from cvllm_cuda.kernels.rotary import rotary, rotary_write_kv

@@ -40,7 +40,7 @@ def _fit_kernel(x_ptr, nums_ptr, scale_ptr, min_ptr, levels_ptr, M, NMAX: tl.con
     sq = tl.zeros((BLOCK,), tl.float32)
     low = tl.full((BLOCK,), float("inf"), tl.float32)
     high = tl.full((BLOCK,), float("-inf"), tl.float32)
-    for i in tl.static_range(32):
+    for i in tl.range(0, 32):
         v = tl.load(row + i * M, mask=ok, other=0.0)
         sq = sq + v * v
         low = tl.minimum(low, v)
@@ -48,7 +48,7 @@ def _fit_kernel(x_ptr, nums_ptr, scale_ptr, min_ptr, levels_ptr, M, NMAX: tl.con
     rms = tl.math.sqrt_rn(tl.math.div_rn(sq, tl.full((BLOCK,), 32.0, tl.float32)))
     sum_w = tl.zeros((BLOCK,), tl.float32)
     sum_x = tl.zeros((BLOCK,), tl.float32)
-    for i in tl.static_range(32):
+    for i in tl.range(0, 32):
         v = tl.load(row + i * M, mask=ok, other=0.0)
         w = rms + tl.abs(v)
         sum_w = sum_w + w
@@ -60,7 +60,7 @@ def _fit_kernel(x_ptr, nums_ptr, scale_ptr, min_ptr, levels_ptr, M, NMAX: tl.con
     iscale = tl.math.div_rn(tl.full((BLOCK,), NMAX, tl.float32), span)
     scale = tl.math.div_rn(one, iscale)
     best = tl.zeros((BLOCK,), tl.float32)
-    for i in tl.static_range(32):
+    for i in tl.range(0, 32):
         v = tl.load(row + i * M, mask=ok, other=0.0)
         level = tl.minimum(tl.maximum(_nearest_int(iscale * (v - low)), 0), NMAX)
         tl.store(out + i * M, level.to(tl.int8), mask=ok)
@@ -72,7 +72,7 @@ def _fit_kernel(x_ptr, nums_ptr, scale_ptr, min_ptr, levels_ptr, M, NMAX: tl.con
         sum_l = tl.zeros((BLOCK,), tl.float32)
         sum_l2 = tl.zeros((BLOCK,), tl.float32)
         sum_xl = tl.zeros((BLOCK,), tl.float32)
-        for i in tl.static_range(32):
+        for i in tl.range(0, 32):
             v = tl.load(row + i * M, mask=ok, other=0.0)
             c = tl.minimum(tl.maximum(_nearest_int(ratio * (v - low)), 0), NMAX).to(tl.float32)
             weighted = (rms + tl.abs(v)) * c
@@ -86,13 +86,13 @@ def _fit_kernel(x_ptr, nums_ptr, scale_ptr, min_ptr, levels_ptr, M, NMAX: tl.con
         this_min = tl.where(positive, 0.0, this_min)
         this_scale = tl.where(positive, tl.math.div_rn(sum_xl, sum_l2), this_scale)
         current = tl.zeros((BLOCK,), tl.float32)
-        for i in tl.static_range(32):
+        for i in tl.range(0, 32):
             v = tl.load(row + i * M, mask=ok, other=0.0)
             c = tl.minimum(tl.maximum(_nearest_int(ratio * (v - low)), 0), NMAX).to(tl.float32)
             diff = (this_scale * c + this_min) - v
             current = current + (rms + tl.abs(v)) * (diff * diff)
         better = (det > 0) & (current < best) & (flat == 0)
-        for i in tl.static_range(32):
+        for i in tl.range(0, 32):
             v = tl.load(row + i * M, mask=ok, other=0.0)
             c = tl.minimum(tl.maximum(_nearest_int(ratio * (v - low)), 0), NMAX)
             tl.store(out + i * M, c.to(tl.int8), mask=ok & better)
@@ -102,7 +102,7 @@ def _fit_kernel(x_ptr, nums_ptr, scale_ptr, min_ptr, levels_ptr, M, NMAX: tl.con
     scale = tl.where(flat, 0.0, scale)
     tl.store(scale_ptr + g, scale, mask=ok)
     tl.store(min_ptr + g, low * -1.0, mask=ok)   # C's -min (Triton's -x is 0 - x: +0 for 0)
-    for i in tl.static_range(32):
+    for i in tl.range(0, 32):
         tl.store(out + i * M, tl.zeros((BLOCK,), tl.int8), mask=ok & flat)
 
 

@@ -16,7 +16,7 @@ context length and nothing is read back to the host: the decode path can be capt
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -38,9 +38,16 @@ class AttentionConfig:
     num_warps: int
     num_stages: int
     # registers a thread may use (Triton's maxnreg), None: the compiler's choice. The FP8-cache decode tile compiles
-    # to 208 a thread on sm_90 (bf16: 234), so 4 programs of 2 warps fit an SM; 168 fits 6 (24 B spilled), 128 fits 8
-    # (144 B): the decode kernel keeps too few key tiles in flight per SM for e4m3's half-size tiles (unmeasured yet)
+    # to 208 a thread on sm_90 (bf16: 234), so 4 programs of 2 warps fit an SM; 168 fits 6 (24 B spilled): more e4m3
+    # key tiles in flight. Applied only to launches of more programs than UNCAPPED_WAVE an SM (paged_attention):
+    # a launch that fits one wave uncapped only pays the spills
     max_registers: int | None = None
+
+
+# Programs an SM of the uncapped decode tile (4 at 208 registers a thread, 2 warps). Measured on the H200 (FP8 cache,
+# bench/results/2026-12-04-h200-tune_attention-fp8-caps-5c9bebb.json), 168 registers against none: 256 x 1k 206.8
+# vs 232.8 us, 256 x 2k 398.7 vs 448.1 (2,048 programs); 64 x 1.5k 106.6 vs 91.9 (512 programs: one wave either way)
+UNCAPPED_WAVE = 4
 
 
 # Autotuned configs committed per GPU (bench/tune_attention.py writes them):
@@ -82,6 +89,14 @@ def attention_config(head_dim: int, dtype: torch.dtype, decode: bool, device: to
     if head_dim > 128:
         return AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
     return AttentionConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+
+
+def without_cap_in_one_wave(config: AttentionConfig, programs: int, device: torch.device) -> AttentionConfig:
+    """``config`` without its register cap where a launch of ``programs`` fits one wave of the uncapped tile."""
+    if config.max_registers and device.type == "cuda" and programs <= UNCAPPED_WAVE * gpu.num_sms(
+            gpu.device_index(device)):
+        return replace(config, max_registers=None)
+    return config
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, device: torch.device) -> int:
@@ -301,6 +316,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if config is None:
         sparse = decode and is_sparse_decode(num_seqs, num_kv_heads, splits, q.device)
         config = attention_config(head_dim, q.dtype, decode, q.device, sparse, fp8_cache=fp8)
+        config = without_cap_in_one_wave(config, num_seqs * num_kv_heads * splits, q.device)
     # query tokens per tile: a power of two, so short prefill chunks share a handful of compiled variants
     block_q = max(1, min(config.block_m // group, next_power_of_2(max_query_len)))
     block_m = max(16, next_power_of_2(block_q * group))

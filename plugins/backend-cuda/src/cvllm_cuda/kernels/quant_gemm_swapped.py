@@ -14,8 +14,10 @@ in the order the unpacked weights come out in, made by one permute a call (a cop
   bf16: errors a little above the float path's). Each word's 8 inputs are reordered to the lanes' order.
 
 Compiled for sm_90 on a CPU (2026-12-04, q4_k, 64 rows): ~5.5 loop instructions a weight element in lane order,
-against ~9.9 for the unpacked GEMM; not yet timed on a GPU. ``CVLLM_QUANT_GEMM=swapped`` (read at import) makes it
-quant_gemm's default (an A/B switch until it is measured); ``quant_gemm(..., kernel="swapped")`` picks it per call.
+against ~9.9 for the unpacked GEMM. On the H200, lane order with LANE_CONFIG is 20-30% faster than the unpacked GEMM
+at 2-32 rows, ~15% at 48, even at 64 (quant_matmul.SWAPPED_MAX_ROWS: where quant_gemm takes it by default);
+position-major (the other layouts) is not timed and not a default. ``CVLLM_QUANT_GEMM=swapped|unpacked`` (read at
+import) forces one for every layout and row count; ``quant_gemm(..., kernel="swapped")`` picks it per call.
 """
 
 from __future__ import annotations
@@ -40,10 +42,13 @@ from cvllm_cuda.kernels.quant_tiles import (
 from cvllm_cuda.kernels.sizes import cdiv
 from cvllm_cuda.quant_planes import QuantWeight
 
-# (BLOCK_N, BLOCK_W, num_warps, num_stages) by low-plane bits: a K step of 128 elements (2-bit: 256, as a position's
-# dot needs 16 words); compiled for sm_90, every test layout fits at 2-128 rows (76-209 KB of shared memory); not
-# yet timed
+# (BLOCK_N, BLOCK_W, num_warps, num_stages) position-major, by low-plane bits: a K step of 128 elements (2-bit: 256,
+# as a position's dot needs 16 words); compiled for sm_90, every test layout fits at 2-128 rows (76-209 KB of shared
+# memory); not timed
 SWAPPED_CONFIGS = {2: (128, 16, 4, 3), 4: (128, 16, 4, 4), 8: (128, 32, 4, 4)}
+# lane order: the best of seven tiles at 2-48 rows on the H200, q4_k and gptq4_g128 (narrower BLOCK_N and 2 warps were
+# 1.5-2.5x slower; bench/results/2026-12-04-h200-gemm_swapped_probe-tiles-5c9bebb.json)
+LANE_CONFIG = (64, 8, 4, 4)
 
 _LANE = "lop3.b32 t, t, 0x000F000F, c, 0xEA; sub.rn.bf16x2 t, t, c; fma.rn.bf16x2 $%d, t, s2, o2; "
 LANES_ASM = tl.constexpr(
@@ -160,7 +165,7 @@ def quant_gemm_swapped(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, 
     t, n, k = x.shape[0], weight.out_features, weight.in_features
     lanes = in_lanes(weight, x.dtype)
     xp = permuted(x, weight, lanes)
-    block_n, block_w, warps, stages, *block_m = config or SWAPPED_CONFIGS[lay.low_bits]
+    block_n, block_w, warps, stages, *block_m = config or (LANE_CONFIG if lanes else SWAPPED_CONFIGS[lay.low_bits])
     block_m = block_m[0] if block_m else row_tile(t)
     assert block_w >= (2 if lanes else 16), f"BLOCK_W {block_w}: a dot needs a K of 16"
     splits, split_words = split_k(cdiv(n, block_n) * cdiv(t, block_m), k, lay.low_bits, block_w, x.device, splits)

@@ -7,7 +7,9 @@ planes [K * bits / 32, N], factors [K / group, N]), dequantized in registers as 
 - 2 to GEMM_MAX_ROWS rows (decode batches, speculative verify steps): a K step's words unpacked into one tile
   [BLOCK_K, BLOCK_N] in order, one ``tl.dot`` with a contiguous x tile, float32 accumulators, split over K like the
   GEMV. (The older per-position kernel, a ``tl.dot`` per element position S of the words with the x columns
-  ``first + S``, stays for a tile that does not fit.)
+  ``first + S``, stays for a tile that does not fit.) Up to SWAPPED_MAX_ROWS rows, 4-bit layouts without a high
+  plane with bf16 x take the swapped GEMM instead (quant_gemm_swapped.py: the weight unpacked two a lane in bf16,
+  as the MMA's register operand), ~20-30% faster there.
 - More rows (prefill): one kernel writes W^T in x's dtype, and cuBLAS multiplies.
 
 Launches allocate only the output (and the split partial sums) and never read a value back to the host: they are
@@ -24,7 +26,7 @@ import triton.language as tl
 
 from cvllm_cuda.kernels.pdl import options as pdl_options
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
-from cvllm_cuda.kernels.quant_gemm_swapped import quant_gemm_swapped
+from cvllm_cuda.kernels.quant_gemm_swapped import in_lanes, quant_gemm_swapped
 from cvllm_cuda.kernels.quant_gemv import GEMV_CONFIGS, quant_gemv
 from cvllm_cuda.kernels.quant_tiles import (
     add_splits,
@@ -124,16 +126,29 @@ DEQUANT_CONFIGS = {2: (256, 8, 4), 4: (256, 8, 4), 8: (128, 4, 4)}
 # cuBLAS. Decode batches stay below it: dequantizing every weight to bf16 each step writes and reads back a bf16
 # model per step. 128 is reasoned, not yet measured end to end
 GEMM_MAX_ROWS = 128
-# the decode-batch GEMM unless a call names one: "unpacked", or "swapped" (quant_gemm_swapped.py; an A/B switch)
-DEFAULT_GEMM = os.environ.get("CVLLM_QUANT_GEMM", "unpacked")
+# the decode-batch GEMM unless a call names one: "auto" (swapped_applies), "unpacked" or "swapped" (every layout)
+DEFAULT_GEMM = os.environ.get("CVLLM_QUANT_GEMM", "auto")
+# rows up to which "auto" takes the swapped GEMM for lane-order layouts (4-bit without a high plane, bf16 x). On the
+# H200, a Llama-3-8B layer's four GEMMs (bench/results/2026-12-04-h200-gemm_swapped_probe-tiles-5c9bebb.json), us:
+# q4_k 125 / 125 / 127 / 138 / 168 against the unpacked GEMM's 162 / 163 / 168 / 193 / 198 at 2 / 8 / 16 / 32 / 48
+# rows, gptq4_g128 111 / 112 / 114 / 128 / 161 against 145 / 147 / 151 / 184 / 172; at 64 rows even (188 vs 198,
+# 176 vs 175, its best tile), at 128 slower (303 vs 277)
+SWAPPED_MAX_ROWS = 48
+
+
+def default_gemm(x: torch.Tensor, weight: QuantWeight) -> str:
+    """The GEMM a call that names none takes (DEFAULT_GEMM)."""
+    if DEFAULT_GEMM != "auto":
+        return DEFAULT_GEMM
+    return "swapped" if x.shape[0] <= SWAPPED_MAX_ROWS and in_lanes(weight, x.dtype) else "unpacked"
 
 
 def quant_gemm(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple | None = None,
                splits: int | None = None, kernel: str | None = None) -> None:
     """out = x @ weight.T for x [T, K] (last dimension contiguous) and out [T, N] (last dimension contiguous).
     ``config``: (BLOCK_N, BLOCK_W, num_warps, num_stages[, BLOCK_M]) of ``kernel`` ("unpacked", "per-position" or
-    "swapped": quant_gemm_swapped.py; None: DEFAULT_GEMM)."""
-    kernel = kernel or DEFAULT_GEMM
+    "swapped": quant_gemm_swapped.py; None: default_gemm)."""
+    kernel = kernel or default_gemm(x, weight)
 
     def run(config):
         if kernel == "swapped":

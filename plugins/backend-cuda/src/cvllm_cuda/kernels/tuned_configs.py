@@ -12,6 +12,11 @@ TUNED: dict[str, dict[tuple[int, str, bool], tuple[int, ...]]] = {
     "NVIDIA H200": {
         (128, "bfloat16", False): (64, 32, 4, 2),
         (128, "bfloat16", True): (16, 64, 2, 3),
+        # python bench/tune_attention.py --kv-dtype fp8 --decode "16,64,2,3 16,64,2,3,168 ..." at 5c9bebb, 2026-12-04
+        # (results/2026-12-04-h200-tune_attention-fp8-caps-5c9bebb.json): an FP8 cache, 168 registers a thread
+        # (6 programs an SM, not 4): 256 x 1k 232.8 -> 206.8 us, 256 x 2k 448.1 -> 398.7, Qwen3 256 x 800 183.1 ->
+        # 166.3; 128 registers and other tiles lost. Capped only past one wave (paged_attention.UNCAPPED_WAVE)
+        (128, "float8_e4m3fn", True): (16, 64, 2, 3, 168),
     },
 }
 
