@@ -118,9 +118,12 @@ def test_tuned_tiles_are_looked_up_by_gpu_name(monkeypatch):
     default = module.attention_config(128, torch.bfloat16, True, torch.device("cpu"))
     for name, entries in module.TUNED.items():
         monkeypatch.setattr(gpu, "device_name", lambda index, name=name: name)
-        for (head_dim, dtype, decode), (block_m, block_n, warps, stages) in entries.items():
-            got = module.attention_config(head_dim, getattr(torch, dtype), decode, cuda)
-            assert got == module.AttentionConfig(block_m, block_n, warps, stages)
+        for (head_dim, dtype, decode), tile in entries.items():
+            fp8 = dtype == "float8_e4m3fn"   # an FP8 cache's entries: queries stay bf16
+            got = module.attention_config(head_dim, torch.bfloat16 if fp8 else getattr(torch, dtype), decode,
+                                          cuda, fp8_cache=fp8)
+            assert got == module.AttentionConfig(*tile)
+            block_m, block_n = tile[:2]
             assert block_m >= 16 and block_m & (block_m - 1) == 0 and block_n & (block_n - 1) == 0
     for name, entries in module.TUNED_SPARSE_DECODE.items():
         monkeypatch.setattr(gpu, "device_name", lambda index, name=name: name)
