@@ -145,9 +145,10 @@ quantgemm)
     run throughput64-isq-q4k 170 python3 bench/throughput.py --shape llama3-8b --skip-hf --num-requests 64 \
         --min-len 1024 --max-len 1024 --max-num-seqs 64 --isq q4k --json "$out/$day-h200-throughput64-isq-q4k-$commit.json" ;;
 swapped)
-    # issue 18: the swapped low-bit GEMM (quant_gemm_swapped.py) against today's, by rows (~4 min), then 64 streams
-    # of q4k with it as quant_gemm's default (CVLLM_QUANT_GEMM=swapped; today's figures: quant64); SWAPPED_TYPES="gptq"
-    # ONLY=... runs other types in a second call (one call holds the probe and one 64-stream run)
+    # issue 18: the swapped low-bit GEMM (quant_gemm_swapped.py) against the unpacked one, by rows (~4 min), then 64
+    # streams of q4k with it at every row count (CVLLM_QUANT_GEMM=swapped; the default, auto, takes it up to
+    # SWAPPED_MAX_ROWS rows only; quant64 runs the default); SWAPPED_TYPES="gptq" ONLY=... runs other types in a second
+    # call (one call holds the probe and one 64-stream run)
     run gemm-swapped-probe 300 python3 bench/gemm_swapped_probe.py --json "$out/$day-h200-gemm_swapped_probe-$commit.json"
     for t in ${SWAPPED_TYPES:-q4k}; do
         run throughput64-isq-$t-swapped 170 env CVLLM_QUANT_GEMM=swapped python3 bench/throughput.py --shape llama3-8b \
