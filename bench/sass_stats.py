@@ -6,6 +6,7 @@ for sm_90 on any machine (ptxas and nvdisasm ship with it); device time is then 
     python bench/sass_stats.py float-gemv --layout gptq4_g128 --config 32,32,4,3 --dump /tmp/sass
     python bench/sass_stats.py gemm --layout q6_k --config 128,8,4,4 --block-m 64
     python bench/sass_stats.py gemm --table     # the GEMM's default tiles: every layout, every row tile
+    python bench/sass_stats.py gemm-swapped --layout q4_k --config 64,8,4,4 --block-m 64
 
 The runtime's specialisations are reproduced (16-byte aligned pointers, N/K/splits divisible by 16), so the layouts
 match what a launch compiles. Output: one line of totals, then the loop's instructions by opcode.
@@ -20,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cvllm_cuda.kernels import quant_gemv, quant_gemv_int8, quant_matmul
+from cvllm_cuda.kernels import quant_gemm_swapped, quant_gemv, quant_gemv_int8, quant_matmul
 from cvllm_cuda.kernels.quant_tiles import group_words, groups_in_thread
 from cvllm_cuda.quant_planes import QuantLayout
 
@@ -51,6 +52,13 @@ def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m
         gemm = {**layout.kernel_args(), "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_W": block_w,
                 "UNPACKED": kind == "gemm", "IEEE": False, "UPCAST": False, "USE_PDL": False}
         return quant_matmul._gemm_kernel, signature, gemm, warps
+    if kind == "gemm-swapped":   # quant_gemm_swapped._gemm_swapped_kernel: (BLOCK_N, BLOCK_W, warps, stages)
+        signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", **PLANES, "T": "i32", "N": "i32", "K": "i32",
+                     "stride_xt": "i32", "stride_ot": "i32", "SPLIT_WORDS": "i32"}
+        lanes = layout.low_bits == 4 and not layout.high_bits and not layout.float8
+        swapped = {**layout.kernel_args(), "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_W": block_w,
+                   "IEEE": False, "UPCAST": False, "LANES": lanes, "ASM": True, "USE_PDL": False}
+        return quant_gemm_swapped._gemm_swapped_kernel, signature, swapped, warps
     signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", **PLANES, "N": "i32", "K": "i32", "SPLIT_WORDS": "i32",
                  "one_bits": "i32"}
     return quant_gemv._gemv_kernel, signature, common, warps
@@ -92,7 +100,7 @@ def main_loop(lines: list[str]) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kind", choices=["int8-gemv", "float-gemv", "gemm", "gemm-per-position"])
+    ap.add_argument("kind", choices=["int8-gemv", "float-gemv", "gemm", "gemm-per-position", "gemm-swapped"])
     ap.add_argument("--block-m", type=int, default=16, help="the GEMM's row tile")
     ap.add_argument("--table", action="store_true", help="gemm: the default tiles, every layout and row tile")
     ap.add_argument("--layout", default="q4_k", choices=sorted(LAYOUTS))
