@@ -6,12 +6,14 @@ tile, and timed. Compiled for sm_90 on a CPU (2026-12-04, q4_k, 64 rows): ~5.5 l
 lanes against ~9.9 for today's kernel; what a GPU makes of it is what this measures.
 
     python bench/gemm_swapped_probe.py --json $OUT/gemm_swapped_probe.json      # on the H200 (~2 min)
+    python bench/gemm_swapped_probe.py --layouts q4_k,q8_0 --rows 1,2,3,4,5,8 --configs 64,8,4,4   # + int8 GEMV
     TRITON_INTERPRET=1 python bench/gemm_swapped_probe.py --check-only            # the numbers, on a CPU
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -22,11 +24,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "plugins/backend-cuda/tests"))
 from quant_gemm_rows import SHAPES, planes_on_gpu  # noqa: E402
 
+from cvllm_cuda.kernels import quant_gemv_int8  # noqa: E402
 from cvllm_cuda.kernels.quant_matmul import quant_gemm  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # the swapped kernel's (BLOCK_N, BLOCK_W at 4-bit, warps, stages); BLOCK_M follows the rows (16, 32, 64, 128)
 CONFIGS = [(128, 16, 4, 4), (128, 32, 4, 3), (64, 32, 4, 3), (128, 16, 8, 3), (64, 16, 4, 4)]
+GEMV_MAX_ROWS = 8   # rows up to which the int8 GEMV is timed too (a program a row, and the rows together)
 
 
 def scaled(config: tuple, low_bits: int) -> tuple:
@@ -81,6 +85,11 @@ def main() -> None:
     for name in names:
         layout = LAYOUTS[name]
         layers = [{s: planes_on_gpu(layout, n, k) for s, (n, k) in SHAPES.items()} for _ in range(2)]
+        # GGUF's layouts without a high plane also have the int8-activation GEMV (quant_matmul takes it up to
+        # quant_gemv_int8.MAX_ROWS rows): the same weights with int8 activations on
+        gemv_layout = dataclasses.replace(layout, int8_activations=True)
+        gemv_layers = [{s: dataclasses.replace(w, layout=gemv_layout) for s, w in layer.items()} for layer in layers] \
+            if quant_gemv_int8.applies(gemv_layout, 4096) else None
         for rows in map(int, args.rows.split(",")):
             xs = {k: torch.randn(rows, k, device=DEV, dtype=torch.bfloat16) for _, k in SHAPES.values()}
             outs = {n: torch.empty(rows, n, device=DEV, dtype=torch.bfloat16) for n, _ in SHAPES.values()}
@@ -90,15 +99,21 @@ def main() -> None:
                                 for layer in layers for s, (n, k) in SHAPES.items()]
 
             row = {"unpacked (today)": captured_us(stack("unpacked"), per=2)}
+            if gemv_layers and rows <= GEMV_MAX_ROWS:
+                for label, per_program in (("int8 GEMV, a program a row", 1), ("int8 GEMV, rows together", rows)):
+                    row[label] = captured_us(lambda per_program=per_program, xs=xs, outs=outs, ls=gemv_layers: [
+                        quant_gemv_int8.quant_gemv_int8(xs[k], layer[s], outs[n], rows_per_program=per_program)
+                        for layer in ls for s, (n, k) in SHAPES.items()], per=2)
             for config in configs:
                 try:
                     row[f"swapped {config}"] = captured_us(stack("swapped", scaled(config, layout.low_bits)), per=2)
                 except Exception as exc:   # out of shared memory or registers
                     print(f"  {name} {rows} rows {config}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
             result["us_per_layer"][f"{name} x {rows}"] = row
-            best_us, best = min((us, key) for key, us in row.items() if key != "unpacked (today)")
-            print(f"{name:11s} {rows:4d} rows: today {row['unpacked (today)']:7.1f} us a layer, swapped best "
-                  f"{best_us:7.1f} ({best})", flush=True)
+            best_us, best = min((us, key) for key, us in row.items() if key.startswith("swapped"))
+            gemv = "".join(f", {key} {us:7.1f}" for key, us in row.items() if key.startswith("int8"))
+            print(f"{name:11s} {rows:4d} rows: unpacked {row['unpacked (today)']:7.1f} us a layer, swapped best "
+                  f"{best_us:7.1f} ({best}){gemv}", flush=True)
         del layers
         torch.cuda.empty_cache()
         if args.json:

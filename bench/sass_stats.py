@@ -2,7 +2,7 @@
 shared-memory round trip, a barrier if inside a loop) and the SASS instruction mix of its main loop. Triton compiles
 for sm_90 on any machine (ptxas and nvdisasm ship with it); device time is then spent only on what needs timing.
 
-    python bench/sass_stats.py int8-gemv --layout q4_k --config 32,64,4,3
+    python bench/sass_stats.py int8-gemv --layout q4_k --config 32,64,4,3 [--block-m ROWS]
     python bench/sass_stats.py float-gemv --layout gptq4_g128 --config 32,32,4,3 --dump /tmp/sass
     python bench/sass_stats.py gemm --layout q6_k --config 128,8,4,4 --block-m 64
     python bench/sass_stats.py gemm --table     # the GEMM's default tiles: every layout, every row tile
@@ -35,7 +35,8 @@ DIVISIBLE = {"N", "K", "SPLIT_WORDS", "one_bits", "stride_xt", "stride_ot"}
 
 
 def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m: int = 16):
-    """(jit function, signature, constexprs, num_warps) of one GEMV (or GEMM: ``block_m``) configuration."""
+    """(jit function, signature, constexprs, num_warps) of one GEMV (or GEMM: ``block_m``, the rows' tile; the int8
+    GEMV: the rows of x a program takes) configuration."""
     block_n, block_w, warps, *stages = config
     gw = group_words(layout, block_w)
     common = {**layout.kernel_args(), "BLOCK_N": block_n, "BLOCK_W": block_w, "GROUP_WORDS": gw,
@@ -45,7 +46,7 @@ def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m
         signature = {"packs_ptr": "*i32", "xd_ptr": "*fp32", "xsum_ptr": "*fp32", "xblock_sum_ptr": "*fp32",
                      "out_ptr": "*bf16", **PLANES, "N": "i32", "K": "i32", "SPLIT_WORDS": "i32", "T": "i32",
                      "stride_ot": "i32"}
-        return quant_gemv_int8._gemv_int8_kernel, signature, {**common, "PREFETCH": 0}, warps
+        return quant_gemv_int8._gemv_int8_kernel, signature, {**common, "PREFETCH": 0, "ROWS": block_m}, warps
     if kind in ("gemm", "gemm-per-position"):   # quant_matmul._gemm_kernel: (BLOCK_N, BLOCK_W, warps, stages)
         signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", **PLANES, "T": "i32", "N": "i32", "K": "i32",
                      "stride_xt": "i32", "stride_ot": "i32", "SPLIT_WORDS": "i32"}
@@ -101,7 +102,8 @@ def main_loop(lines: list[str]) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("kind", choices=["int8-gemv", "float-gemv", "gemm", "gemm-per-position", "gemm-swapped"])
-    ap.add_argument("--block-m", type=int, default=16, help="the GEMM's row tile")
+    ap.add_argument("--block-m", type=int, help="the GEMMs' row tile (default 16); int8-gemv: rows a program "
+                    "takes (default 1)")
     ap.add_argument("--table", action="store_true", help="gemm: the default tiles, every layout and row tile")
     ap.add_argument("--layout", default="q4_k", choices=sorted(LAYOUTS))
     ap.add_argument("--config", default="32,64,4,3", help="BLOCK_N,BLOCK_W,WARPS[,STAGES]")
@@ -112,7 +114,8 @@ def main() -> None:
         return
     config = tuple(int(v) for v in args.config.split(","))
     stages = config[3] if args.kind.startswith("gemm") and len(config) > 3 else None
-    kernel = compile_sm90(*kernel_spec(args.kind, LAYOUTS[args.layout], config, args.block_m), stages)
+    block_m = args.block_m or (1 if args.kind == "int8-gemv" else 16)
+    kernel = compile_sm90(*kernel_spec(args.kind, LAYOUTS[args.layout], config, block_m), stages)
     dump = args.dump or Path(f"/tmp/sass-{args.kind}")
     dump.mkdir(parents=True, exist_ok=True)
     (dump / "kernel.cubin").write_bytes(kernel.asm["cubin"])

@@ -14,6 +14,7 @@
 # "quant64" (issue 18): 64 streams of bf16, q4k and gptq, Llama-3-8B shape (~7 min);
 # "quantgemm" (issue 18): the low-bit GEMM of 2-128 rows by tile and rows, every layout, captured (~4 min), then
 # 64 streams of q4k (~1 min); "swapped" (issue 18): the swapped GEMM's probe, then 64 streams of q4k and gptq with it;
+# "gemvrows" (issue 18): decode batches of 1-16 rows by kernel, the int8 GEMV a program a row or the rows together;
 # "gemvprefetch" (issue 18): the int8 GEMV's L2 prefetch before the PDL wait, off / 2 / 3 tiles.
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
@@ -155,6 +156,11 @@ swapped)
             --skip-hf --num-requests 64 --min-len 1024 --max-len 1024 --max-num-seqs 64 --isq $t \
             --json "$out/$day-h200-throughput64-isq-$t-swapped-$commit.json"
     done ;;
+gemvrows)
+    # issue 18: decode batches of 1-8 rows by kernel: the int8 GEMV a program a row against the rows together in a
+    # program (quant_gemv_int8.ROWS_PER_PROGRAM), the unpacked and the swapped GEMM (~2 min)
+    run gemv-rows 240 python3 bench/gemm_swapped_probe.py --layouts q4_k,q8_0 --rows 1,2,3,4,5,8,16 \
+        --configs 64,8,4,4 --json "$out/$day-h200-gemm_swapped_probe-gemvrows-$commit.json" ;;
 gemvprefetch)
     # issue 18: the int8 GEMV asking the L2 for its first weight tiles before the PDL wait (CVLLM_GEMV_PREFETCH_TILES,
     # off by default): a stack of layers, then batch 1 of q8_0 (its load is seconds; q4k's was 88 s once) (~5 min)
@@ -183,6 +189,6 @@ kvfp8)
             --kv-cache-dtype $kv --json "$out/$day-h200-serving-kv_$kv-$commit.json"
     done ;;
 *)
-    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|kvfp8|fp8attn|moe|quant64|quantgemm|swapped|gemvprefetch" >&2
+    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|kvfp8|fp8attn|moe|quant64|quantgemm|swapped|gemvrows|gemvprefetch" >&2
     exit 2 ;;
 esac

@@ -76,11 +76,17 @@ def tool(name: str) -> str:
     return str(Path(triton.__path__[0]) / "backends" / "nvidia" / "bin" / name)
 
 
-def registers(kernel) -> int:
-    """Registers a thread of a compiled kernel uses (cuobjdump reads its cubin)."""
+def resource_usage(kernel) -> dict[str, int]:
+    """A compiled kernel's resources as cuobjdump reads them from its cubin: REG (registers a thread), STACK (bytes
+    a thread of local memory: register spills), SHARED ..."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
         usage = subprocess.run([tool("cuobjdump"), "--dump-resource-usage", str(cubin)], capture_output=True,
                                text=True, check=True).stdout
-    return int(re.search(r"REG:(\d+)", usage).group(1))
+    return {key: int(value) for key, value in re.findall(r"([A-Z]+):(\d+)", usage.split("Function", 1)[-1])}
+
+
+def registers(kernel) -> int:
+    """Registers a thread of a compiled kernel uses."""
+    return resource_usage(kernel)["REG"]

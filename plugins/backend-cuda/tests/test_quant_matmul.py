@@ -359,6 +359,25 @@ def test_a_few_rows_take_the_int8_gemv_each_row_as_if_alone(name, splits):
                                atol=1e-5 * rounded.abs().max().item())
 
 
+@pytest.mark.parametrize("name", ["q4_k", "q8_0", "q2_k"])
+def test_int8_gemv_rows_together_or_apart_give_the_same_bits(name):
+    """A program takes several rows of x (each weight tile loaded and unpacked once for all of them) or one: every
+    row's output is the same bits, also from a last program with fewer rows (which repeats its last row and stores
+    it once)."""
+    layout = dataclasses.replace(LAYOUTS[name], int8_activations=True)
+    weight = random_weight(layout, 24, 1024, DEVICE, seed=17)
+    rows = quant_gemv_int8.MAX_ROWS
+    x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(17)).to(DEVICE)
+    outs = {}
+    for per_program in (1, 2, rows):
+        outs[per_program] = torch.full((rows, 24), float("nan"), device=DEVICE)
+        quant_gemv_int8.quant_gemv_int8(x, weight, outs[per_program], rows_per_program=per_program)
+    assert torch.equal(outs[1], outs[2]) and torch.equal(outs[1], outs[rows])
+    alone = torch.full((1, 24), float("nan"), device=DEVICE)
+    quant_gemv_int8.quant_gemv_int8(x[-1:], weight, alone)
+    assert torch.equal(outs[2][-1:], alone)
+
+
 def test_int8_activations_are_off_for_high_planes_fp8_and_the_switch(monkeypatch):
     assert not quant_gemv_int8.applies(dataclasses.replace(LAYOUTS["q6_k"], int8_activations=True), 1024)
     assert not quant_gemv_int8.applies(LAYOUTS["q4_k"], 1024)   # not set: GPTQ's W4A16, FP8

@@ -141,3 +141,22 @@ def test_int8_gemv_with_l2_prefetch_compiles(monkeypatch, name):
                                 lambda: quant_gemv_int8.quant_gemv_int8(x, weight, out, splits=1))
     ptx = kernels[0].asm["ptx"]   # the prefetches are there, before the wait
     assert len(kernels) == 1 and 0 < ptx.find("prefetch.global.L2") < ptx.find("griddepcontrol.wait")
+
+
+@compiles
+@pytest.mark.parametrize("name", ["q4_k", "q8_0", "q2_k"])
+def test_int8_gemv_of_several_rows_compiles_without_spills(monkeypatch, name):
+    """The int8 GEMV with MAX_ROWS rows of x in a program (one accumulator a row, kept in registers) at its default
+    tiles: compiled for sm_90 with no local-memory traffic (spilled accumulators would cost more than the weight
+    reads they share)."""
+    from test_quant_matmul import LAYOUTS, random_weight
+    quant_gemv_int8 = importlib.import_module("cvllm_cuda.kernels.quant_gemv_int8")
+    layout = dataclasses.replace(LAYOUTS[name], int8_activations=True)
+    weight = random_weight(layout, 256, 1024, "cpu")
+    monkeypatch.setattr(quant_gemv_int8, "_quantize_kernel", sm90.LaunchRecorder(quant_gemv_int8._quantize_kernel))
+    rows = quant_gemv_int8.MAX_ROWS
+    x, out = torch.zeros(rows, 1024, dtype=torch.bfloat16), torch.empty(rows, 256, dtype=torch.bfloat16)
+    kernels = compiled_launches(monkeypatch, quant_gemv_int8, "_gemv_int8_kernel",
+                                lambda: quant_gemv_int8.quant_gemv_int8(x, weight, out, splits=1))
+    assert len(kernels) == 1
+    assert sm90.resource_usage(kernels[0])["STACK"] == 0, "spilled to local memory"

@@ -52,7 +52,9 @@ BLOCK = 32   # inputs per activation scale
 # default 4 drafts): a row's numerics then do not depend on how many rows share the step. 5, not 8 (llama.cpp's
 # q8_1 matrix-vector limit): past ~5 rows the unpacked GEMM is faster (H200, a Llama-3-8B layer in a CUDA graph,
 # bench/results/2026-12-03-h200-quant_gemm_rows-0dc5788.json: Q4_K 131 us at 4 rows and 237 at 8 against the GEMM's
-# 159-160; Q8_0 145 and 231 against 139-144)
+# 159-160; Q8_0 145 and 231 against 139-144). Those were a program a row, each reading and unpacking the whole
+# weight; with the rows together in a program (ROWS_PER_PROGRAM) the weight is read once, and where the GEMV stops
+# paying is to be measured again (bench/device/run_all.sh gemvrows)
 MAX_ROWS = 5
 # (BLOCK_N, BLOCK_W, num_warps[, stages]) by low-plane bits, from bench/quant_gemv_stack.py (a stack of Llama-3-8B
 # layers in one CUDA graph, H200, 2026-12-03): Q4_K 56.4 us a layer (the float GEMV's tiles (32, 32, 4): 60.7),
@@ -126,22 +128,52 @@ def _prefetch_l2(ptrs):
                                      dtype=tl.int8, is_pure=False, pack=4)   # four int8 results: one register
 
 
-@triton.jit(do_not_specialize=["T", "stride_ot"])   # one binary for every T: a row's bits as when alone
+@triton.jit
+def _row_step(acc, low, scale, offset, pack_ptrs, xd_ptr, xsum_ptr, xblock_sum_ptr, words, gwords, word_ok,
+              num_words, LOW_BITS: tl.constexpr, GROUP_WORDS: tl.constexpr, ONE_BLOCK: tl.constexpr,
+              EVEN: tl.constexpr, INTERPRET: tl.constexpr):
+    """One row of x's share of a K step: ``acc`` plus the tile's words (``low``, loaded once for all the rows) times
+    the row's int8 packs, summed per group (ONE_BLOCK) or per word. The same operations for every row and every
+    number of rows, so a row's output does not depend on the rows beside it."""
+    PER_WORD: tl.constexpr = 32 // LOW_BITS
+    PHASES: tl.constexpr = 8 // LOW_BITS
+    BYTE_MASK: tl.constexpr = 0x0F0F0F0F if LOW_BITS == 4 else 0x03030303 if LOW_BITS == 2 else -1
+    dots = tl.zeros(low.shape, dtype=tl.int32)
+    for s in tl.static_range(PHASES):
+        pack = load_masked(pack_ptrs + s, word_ok, 0)
+        dots = _dot4((low >> (s * LOW_BITS)) & BYTE_MASK, pack + tl.zeros_like(dots), dots, INTERPRET)
+    if ONE_BLOCK:
+        block = gwords // GROUP_WORDS
+        block_ok = None if EVEN else gwords < num_words
+        x_d = load_masked(xd_ptr + block, block_ok, 0.0)
+        x_sum = load_masked(xblock_sum_ptr + block, block_ok, 0.0)
+        acc += tl.sum(dots, axis=1, keep_dims=True).to(tl.float32) * (x_d * scale) + offset * x_sum
+    else:
+        x_d = load_masked(xd_ptr + words * PER_WORD // 32, word_ok, 0.0)
+        x_sum = load_masked(xsum_ptr + words, word_ok, 0.0)
+        acc += (dots.to(tl.float32) * x_d) * scale + offset * x_sum
+    return acc
+
+
+@triton.jit(do_not_specialize=["T", "stride_ot"])
 def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr,
                       b_ptr, N, K, SPLIT_WORDS, T, stride_ot,
                       LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
                       SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
                       HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                       GROUP_WORDS: tl.constexpr, GROUP_SUM: tl.constexpr, STAGES: tl.constexpr,
-                      EVEN: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
+                      EVEN: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+                      ROWS: tl.constexpr = 1):
     """The float GEMV's tiling and splits (quant_matmul._gemv_kernel), integer dot products per word. Where a factor
     group is one activation block (32 inputs: Q4_0, Q4_1, Q4_K, Q8_0), the group's word products are added as
-    integers and turned into a float once per group and column, not once per word. Row ``program_id(0)`` of T
-    (a few rows: each row's programs are the one-row kernel's, so a row's output does not depend on the others;
-    the rows of a tile run side by side, so its weights come from HBM about once); out row t of split j at
-    ``(j * T + t) * N`` with splits, else at ``t * stride_ot``. PREFETCH: this program's first PREFETCH weight tiles
-    are requested into the L2 before it waits for the previous kernel (weights are never a kernel's output), so
-    their first DRAM round trip overlaps that kernel's end."""
+    integers and turned into a float once per group and column, not once per word. ROWS rows of x a program,
+    rows ``program_id(0) * ROWS`` on (a few rows: a decode batch, a speculative verify step): each weight tile is
+    loaded and its factors computed once for all of them, and each row is summed as it is alone (_row_step), so a
+    row's output does not depend on the others or on ROWS; the tiles and K splits depend on the weight only. A last
+    program with fewer rows computes its last row again in their place and stores nothing for them. Out row t of
+    split j at ``(j * T + t) * N`` with splits, else at ``t * stride_ot``. PREFETCH: this program's first PREFETCH
+    weight tiles are requested into the L2 before it waits for the previous kernel (weights are never a kernel's
+    output), so their first DRAM round trip overlaps that kernel's end."""
     if PREFETCH > 0:
         first_cols = tl.minimum(tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
         first_words = tl.program_id(2) * SPLIT_WORDS + tl.arange(0, BLOCK_W)
@@ -151,13 +183,16 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_
     wait_for_previous_kernel(USE_PDL)
     PER_WORD: tl.constexpr = 32 // LOW_BITS
     PHASES: tl.constexpr = 8 // LOW_BITS
-    BYTE_MASK: tl.constexpr = 0x0F0F0F0F if LOW_BITS == 4 else 0x03030303 if LOW_BITS == 2 else -1
     GROUPS: tl.constexpr = BLOCK_W // GROUP_WORDS
-    row = tl.program_id(0)
-    packs_ptr += row * (K // 4)
-    xd_ptr += row * (K // 32)
-    xblock_sum_ptr += row * (K // 32)
-    xsum_ptr += row * (K // PER_WORD)
+    first_row = tl.program_id(0) * ROWS
+    packs_ptr += first_row * (K // 4)
+    xd_ptr += first_row * (K // 32)
+    xblock_sum_ptr += first_row * (K // 32)
+    xsum_ptr += first_row * (K // PER_WORD)
+    # each row's offset from the first (a last program's missing rows repeat its last row)
+    row_offsets = (0,)
+    for r in tl.static_range(1, ROWS):
+        row_offsets = row_offsets + (tl.minimum(first_row + r, T - 1) - first_row,)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols3 = cols[None, None, :]
     start = tl.program_id(2) * SPLIT_WORDS
@@ -165,7 +200,9 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_
     group_first = tl.arange(0, GROUPS) * GROUP_WORDS
     tile_words = group_first[:, None, None] + tl.arange(0, GROUP_WORDS)[None, :, None]   # [GROUPS, GROUP_WORDS, 1]
     ONE_BLOCK: tl.constexpr = GROUP_WORDS * PER_WORD == 32 and GROUP_SUM   # (quant_tiles.groups_in_thread)
-    acc = tl.zeros((GROUPS, 1 if ONE_BLOCK else GROUP_WORDS, BLOCK_N), dtype=tl.float32)
+    accs = ()
+    for _ in tl.static_range(ROWS):
+        accs = accs + (tl.zeros((GROUPS, 1 if ONE_BLOCK else GROUP_WORDS, BLOCK_N), dtype=tl.float32),)
     # pointers advanced a tile at a time (recomputing them from the word index was a quarter of the loop's
     # instructions); EVEN: every tile in bounds, no masks
     low_ptrs = low_ptr + (start + tile_words) * N + cols3                       # [GROUPS, GROUP_WORDS, BLOCK_N]
@@ -185,31 +222,32 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_
         # be moved through shared memory every step, a barrier that stalls all the program's warps
         scale, offset = word_factors(d_ptr, m_ptr, a_ptr, b_ptr, gwords * PER_WORD, cols3, group_ok, N, SCALE_GROUP,
                                       SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
-        dots = tl.zeros((GROUPS, GROUP_WORDS, BLOCK_N), dtype=tl.int32)
-        for s in tl.static_range(PHASES):
-            pack = load_masked(pack_ptrs + s, word_ok, 0)
-            dots = _dot4((low >> (s * LOW_BITS)) & BYTE_MASK, pack + tl.zeros_like(dots), dots, INTERPRET)
-        if ONE_BLOCK:
-            block = gwords // GROUP_WORDS
-            block_ok = None if EVEN else gwords < num_words
-            x_d = load_masked(xd_ptr + block, block_ok, 0.0)
-            x_sum = load_masked(xblock_sum_ptr + block, block_ok, 0.0)
-            acc += tl.sum(dots, axis=1, keep_dims=True).to(tl.float32) * (x_d * scale) + offset * x_sum
-        else:
-            x_d = load_masked(xd_ptr + words * PER_WORD // 32, word_ok, 0.0)
-            x_sum = load_masked(xsum_ptr + words, word_ok, 0.0)
-            acc += (dots.to(tl.float32) * x_d) * scale + offset * x_sum
+        stepped = ()
+        for r in tl.static_range(ROWS):
+            at = row_offsets[r]
+            stepped = stepped + (_row_step(accs[r], low, scale, offset, pack_ptrs + at * (K // 4),
+                                           xd_ptr + at * (K // 32), xsum_ptr + at * (K // PER_WORD),
+                                           xblock_sum_ptr + at * (K // 32), words, gwords, word_ok, num_words,
+                                           LOW_BITS, GROUP_WORDS, ONE_BLOCK, EVEN, INTERPRET),)
+        accs = stepped
         low_ptrs += BLOCK_W * N
         pack_ptrs += BLOCK_W * PHASES
-    total = tl.sum(tl.sum(acc, axis=1), axis=0)
-    if tl.num_programs(2) > 1:
-        out_ptr += (tl.program_id(2) * T + row).to(tl.int64) * N
-    else:
-        out_ptr += row.to(tl.int64) * stride_ot
-    tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=cols < N)
+    for r in tl.static_range(ROWS):
+        row = first_row + r
+        total = tl.sum(tl.sum(accs[r], axis=1), axis=0)
+        if tl.num_programs(2) > 1:
+            row_out = out_ptr + (tl.program_id(2) * T + row).to(tl.int64) * N
+        else:
+            row_out = out_ptr + row.to(tl.int64) * stride_ot
+        tl.store(row_out + cols, total.to(out_ptr.dtype.element_ty), mask=(cols < N) & (row < T))
 
 
 QUANTIZE_BLOCKS = 8   # 32-input blocks per program of the activation quantizer
+# rows of x a GEMV program takes: each weight tile then comes from memory and is unpacked once for all of them (1: a
+# program a row, each reading the whole weight, the form measured on the H200 at 56 / 80 / 131 / 237 us a Llama-3-8B
+# layer for Q4_K at 1 / 2 / 4 / 8 rows, bench/results/2026-12-03-h200-quant_gemm_rows-0dc5788.json). Rows together
+# are not measured yet (bench/quant_gemm_rows.py times both); a row's bits are the same either way.
+ROWS_PER_PROGRAM = int(os.environ.get("CVLLM_GEMV_ROWS_PER_PROGRAM", "8"))
 # weight tiles each GEMV program asks the L2 for before waiting on the previous kernel (PDL): an A/B switch, off by
 # default until measured (session 16's prefetch of a program's whole share with cp.async.bulk cost more than it hid)
 # (taken only where PDL runs: without it there is no previous kernel to overlap, and the interpreter has no PTX)
@@ -240,11 +278,13 @@ def dequantized_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple | None = None,
-                    splits: int | None = None, activations: tuple[torch.Tensor, ...] | None = None) -> None:
+                    splits: int | None = None, activations: tuple[torch.Tensor, ...] | None = None,
+                    rows_per_program: int | None = None) -> None:
     """out[t] = weight @ x[t] with x rounded to int8 per 32 inputs, for x [T, K] (contiguous; T up to MAX_ROWS) and
     out [T, N] (last dimension contiguous). Every row's output is bit for bit what a call with that row alone
     gives: the tiles and K splits depend on the weight only. ``activations``: x already rounded by
-    ``quantize_activations`` (benchmarks time the GEMV without its quantizer that way)."""
+    ``quantize_activations`` (benchmarks time the GEMV without its quantizer that way); ``rows_per_program``: rows
+    of x a program takes (ROWS_PER_PROGRAM)."""
     lay = weight.layout
     n, k = weight.out_features, weight.in_features
     t = x.shape[0]
@@ -259,13 +299,14 @@ def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, con
     target = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
     gw = group_words(lay, block_w)
     launch = pdl_options(x.device)
-    _gemv_int8_kernel[(t, cdiv(n, block_n), splits)](
+    rows = max(1, min(t, rows_per_program or ROWS_PER_PROGRAM))
+    _gemv_int8_kernel[(cdiv(t, rows), cdiv(n, block_n), splits)](
         *activations, target, *kernel_tensors(weight), n, k, split_words, t, out.stride(0), **lay.kernel_args(),
         BLOCK_N=block_n,
         BLOCK_W=block_w, GROUP_WORDS=gw, STAGES=stages[0] if stages else 1,
         GROUP_SUM=groups_in_thread(block_n, block_w, gw, warps),
         EVEN=even_tiles(n, k, lay.low_bits, block_n, split_words),
         INTERPRET=bool(triton.knobs.runtime.interpret), PREFETCH=PREFETCH_TILES if launch["USE_PDL"] else 0,
-        num_warps=warps, **launch)
+        ROWS=rows, num_warps=warps, **launch)
     if splits > 1:
         add_splits(target, out, splits, n)
