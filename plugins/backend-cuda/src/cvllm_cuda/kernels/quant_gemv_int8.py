@@ -246,8 +246,9 @@ QUANTIZE_BLOCKS = 8   # 32-input blocks per program of the activation quantizer
 # rows of x a GEMV program takes: each weight tile then comes from memory and is unpacked once for all of them (1: a
 # program a row, each reading the whole weight, the form measured on the H200 at 56 / 80 / 131 / 237 us a Llama-3-8B
 # layer for Q4_K at 1 / 2 / 4 / 8 rows, bench/results/2026-12-03-h200-quant_gemm_rows-0dc5788.json). Rows together
-# are not measured yet (bench/quant_gemm_rows.py times both); a row's bits are the same either way.
-ROWS_PER_PROGRAM = int(os.environ.get("CVLLM_GEMV_ROWS_PER_PROGRAM", "8"))
+# (compiled for sm_90: 256 loop instructions a step at 1 row, 348 at 2, 624 at 5, no spills) are not timed yet, so
+# the default stays 1 until `bench/device/run_all.sh gemvrows` has run; a row's bits are the same either way.
+ROWS_PER_PROGRAM = int(os.environ.get("CVLLM_GEMV_ROWS_PER_PROGRAM", "1"))
 # weight tiles each GEMV program asks the L2 for before waiting on the previous kernel (PDL): an A/B switch, off by
 # default until measured (session 16's prefetch of a program's whole share with cp.async.bulk cost more than it hid)
 # (taken only where PDL runs: without it there is no previous kernel to overlap, and the interpreter has no PTX)
