@@ -15,6 +15,7 @@
 # "quantgemm" (issue 18): the low-bit GEMM of 2-128 rows by tile and rows, every layout, captured (~4 min), then
 # 64 streams of q4k (~1 min); "swapped" (issue 18): the swapped GEMM's probe, then 64 streams of q4k and gptq with it;
 # "gemvrows" (issue 18): decode batches of 1-16 rows by kernel, the int8 GEMV a program a row or the rows together;
+# "swappedwide" (issue 18): the swapped GEMM at 32-64 rows with wider weight tiles (less of x read from the L2);
 # "gemvprefetch" (issue 18): the int8 GEMV's L2 prefetch before the PDL wait, off / 2 / 3 tiles.
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
@@ -161,6 +162,13 @@ gemvrows)
     # program (quant_gemv_int8.ROWS_PER_PROGRAM), the unpacked and the swapped GEMM (~2 min)
     run gemv-rows 240 python3 bench/gemm_swapped_probe.py --layouts q4_k,q8_0 --rows 1,2,3,4,5,8,16 \
         --configs 64,8,4,4 --json "$out/$day-h200-gemm_swapped_probe-gemvrows-$commit.json" ;;
+swappedwide)
+    # issue 18: the swapped GEMM at 32-64 rows with 128 and 256 weight rows a program (8 warps): every program reads
+    # all of x from the L2, ~430 MB a Llama-3-8B layer at 64 rows in 64-row tiles, which would explain its growth
+    # from 127 us at 16 rows to 168 at 48; twice the rows a program halves it (~3 min)
+    run swapped-wide 300 python3 bench/gemm_swapped_probe.py --layouts q4_k,gptq4_g128 --rows 32,48,64 \
+        --configs "64,8,4,4 128,8,8,4 128,8,8,3 256,8,8,3" \
+        --json "$out/$day-h200-gemm_swapped_probe-wide-$commit.json" ;;
 gemvprefetch)
     # issue 18: the int8 GEMV asking the L2 for its first weight tiles before the PDL wait (CVLLM_GEMV_PREFETCH_TILES,
     # off by default): a stack of layers, then batch 1 of q8_0 (its load is seconds; q4k's was 88 s once) (~5 min)
@@ -189,6 +197,6 @@ kvfp8)
             --kv-cache-dtype $kv --json "$out/$day-h200-serving-kv_$kv-$commit.json"
     done ;;
 *)
-    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|kvfp8|fp8attn|moe|quant64|quantgemm|swapped|gemvrows|gemvprefetch" >&2
+    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|kvfp8|fp8attn|moe|quant64|quantgemm|swapped|gemvrows|swappedwide|gemvprefetch" >&2
     exit 2 ;;
 esac

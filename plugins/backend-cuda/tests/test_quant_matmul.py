@@ -293,6 +293,26 @@ def test_gpu_int8_gemv_prefetch_changes_no_bit(monkeypatch, name):
 
 @needs_gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["q4_k", "q8_0", "q2_k"])
+def test_gpu_int8_gemv_rows_together_change_no_bit(name):
+    """Compiled, at a Llama-shaped K and the default tiles and splits: the rows of x together in a program
+    (rows_per_program) give every row the bits it gets in a program of its own, and alone."""
+    from cvllm_cuda.kernels import quant_gemv_int8
+    layout = dataclasses.replace(LAYOUTS[name], int8_activations=True)
+    weight = random_weight(layout, 1000, 4096, DEVICE, seed=7)
+    rows = quant_gemv_int8.MAX_ROWS
+    x = torch.randn(rows, 4096, device=DEVICE, dtype=torch.bfloat16)
+    outs = []
+    for per_program in (1, 2, rows):
+        outs.append(torch.empty(rows, 1000, device=DEVICE, dtype=torch.bfloat16))
+        quant_gemv_int8.quant_gemv_int8(x, weight, outs[-1], rows_per_program=per_program)
+    alone = torch.empty(1, 1000, device=DEVICE, dtype=torch.bfloat16)
+    quant_gemv_int8.quant_gemv_int8(x[2:3], weight, alone)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]) and torch.equal(outs[2][2:3], alone)
+
+
+@needs_gpu
+@pytest.mark.gpu
 def test_decode_matmul_is_captured_in_a_cuda_graph():
     weight = random_weight(LAYOUTS["q4_k"], 512, 1024, DEVICE)
     x = torch.randn(1, 1024, device=DEVICE, dtype=torch.bfloat16)
