@@ -109,6 +109,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--max-tokens", type=int, default=400)
+    ap.add_argument("--draft-token-cost", type=float,
+                    help="speculative_config's draft_token_cost (default: the backend's; 0: always K drafts)")
     ap.add_argument("--model", help="the target (default: the demo model)")
     ap.add_argument("--draft-model", help="the draft_model method's draft: a checkpoint with the target's tokenizer")
     ap.add_argument("--async-scheduling", action="store_true",
@@ -119,6 +121,8 @@ def main() -> None:
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     if args.draft_model:
         spec = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": args.k}
+    if args.draft_token_cost is not None:
+        spec["draft_token_cost"] = args.draft_token_cost
     method = spec["method"]
     path = args.model or str(demo_model())
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cvllm import LLM, SamplingParams
-from cvllm.engine.speculative import SpeculativeConfig, accepted, propose_ngram
+from cvllm.engine.speculative import SpeculativeConfig, accepted, draft_length, propose_ngram
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -49,9 +49,34 @@ def test_propose_ngram_copies_what_followed_the_latest_match():
 def test_bad_configs_are_refused():
     for bad in ({"method": "medusa"}, {"method": "ngram", "num_speculative_tokens": 0},
                 {"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, {"method": "ngram", "k": 3},
-                {"method": "draft_model"}, {"method": "ngram", "model": "x"}):
+                {"method": "draft_model"}, {"method": "ngram", "model": "x"},
+                {"method": "ngram", "draft_token_cost": -0.1}):
         with pytest.raises(ValueError, match="speculative_config"):
             SpeculativeConfig.from_dict(bad)
+
+
+def test_draft_length_is_what_pays_for_its_cost():
+    """Drafts a sequence verifies (speculative.draft_length): all of them where a draft costs nothing or nearly every
+    one is accepted; fewer where they cost much and are often wrong; never fewer for a better record."""
+    assert draft_length(0, 50, 0.0, 4) == 4 and draft_length(500, 2, 0.2, 8) == 8
+    assert draft_length(5, 20, 0.2, 4) == 1 and draft_length(0, 0, 0.2, 1) == 1
+    assert draft_length(0, 0, 0.04, 4) == 4 and draft_length(0, 0, 0.2, 4) == 3   # the prior: 0.75
+    for cost in (0.04, 0.2, 1.0):
+        lengths = [draft_length(accepted_, 10, cost, 6) for accepted_ in range(0, 200, 5)]
+        assert lengths == sorted(lengths)
+
+
+def test_costly_drafts_are_fewer_and_change_no_token(path):
+    """Where a draft costs as much as a step, sequences whose drafts fail verify fewer of them; the tokens are the
+    same whatever the number (and the same as without speculation)."""
+    prompts = repetitive_prompts(6, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain, _ = run(path, prompts, params, None)
+    free, free_stats = run(path, prompts, params, {**NGRAM, "draft_token_cost": 0})
+    costly, costly_stats = run(path, prompts, params, {**NGRAM, "draft_token_cost": 1.0})
+    assert free == plain and costly == plain
+    per_step = [s.spec_draft_tokens / s.spec_verifications for s in (free_stats, costly_stats)]
+    assert per_step[1] < per_step[0], per_step
 
 
 @pytest.mark.parametrize("engine", [{}, {"max_num_batched_tokens": 16}, {"num_kv_blocks": 10}],

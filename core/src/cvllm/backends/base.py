@@ -49,6 +49,10 @@ class Backend:
     # queues the next step behind them. Layers whose plain form syncs (MoE's per-expert counts) take a sync-free
     # form on such a backend.
     sync_free_decode: bool = False
+    # what one speculative draft adds to a decode step's time, as a fraction of it (how many drafts pay:
+    # engine/speculative.py draft_length). A device whose step reads the weights once whatever the rows pays little
+    # for a draft; a CPU computes every row's products, so each draft costs a share of the step
+    draft_token_cost: float = 0.1
 
     # Optional fused kernels. The layers call one when the backend of the forward pass in progress
     # has it (not None) and run their torch code otherwise, so model code never changes; a fused

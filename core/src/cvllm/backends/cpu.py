@@ -101,6 +101,9 @@ class CpuBackend(Backend):
     default_dtype = torch.float32
     fused_decode = True   # decode rows through SDPA (cpu_decode.py); False: the float32 reference (A/B measurements)
     fused_kernels = True  # small bf16 add + RMSNorm in C (cpu_kernels.py); False: torch code (A/B measurements)
+    # a draft is a row more of every matmul: ~0.15-0.3 of a decode step each on the demo model (2 cores, AVX-512;
+    # bench/speculative.py with K = 2 and 4, docs/benchmarks.md)
+    draft_token_cost = 0.2
 
     @classmethod
     def is_available(cls) -> bool:

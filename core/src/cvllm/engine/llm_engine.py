@@ -54,7 +54,8 @@ class LLMEngine:
         speculative = SpeculativeConfig.from_dict(config.speculative_config)
         # n-gram or draft-model drafts verified in one forward (speculative.py); None: off
         self.speculator = None if speculative is None else Speculator(
-            speculative, scheduler, self.max_model_len, executor.propose_drafts if executor.draft else None)
+            speculative, scheduler, self.max_model_len, executor.propose_drafts if executor.draft else None,
+            backend.draft_token_cost)
         self.grammars: GrammarMasks | None = None   # structured output's state, made on the first request for it
         # structured requests whose grammars are compiling; they join the scheduler when compiled
         self._compiling: list[tuple[Future, list[Sequence]]] = []

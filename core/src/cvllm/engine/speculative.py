@@ -41,6 +41,9 @@ class SpeculativeConfig:
     disable_by_batch_size: int = 8
     # a sequence stops speculating once its drafts, after at least MIN_PROPOSALS, are accepted below this rate
     min_acceptance_rate: float = 0.1
+    # what one draft adds to a step's time, as a fraction of a decode step: sets how many drafts a sequence verifies
+    # (draft_length); None: the backend's figure (Backend.draft_token_cost), 0: always num_speculative_tokens
+    draft_token_cost: float | None = None
 
     @classmethod
     def from_dict(cls, spec: dict | None) -> SpeculativeConfig | None:
@@ -65,11 +68,40 @@ class SpeculativeConfig:
                              f"{config.num_speculative_tokens}")
         if not 1 <= config.prompt_lookup_min <= config.prompt_lookup_max:
             raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if config.draft_token_cost is not None and not 0 <= config.draft_token_cost <= 10:
+            raise ValueError(f"speculative_config: draft_token_cost must be in [0, 10], got {config.draft_token_cost}")
         return config
 
 
 MIN_PROPOSALS = 16
 TOKEN_BYTES = 8   # token_bytes: int64
+# draft_length's prior on a draft's chance to be accepted, as pseudo-counts (accepted, rejected): 0.75 before any
+# verify step, so that a sequence starts with the drafts a copy deserves, and its own record outweighs it within a
+# few steps
+PRIOR_ACCEPTED, PRIOR_REJECTED = 3, 1
+
+
+def draft_length(accepted: int, rejections: int, cost: float, most: int) -> int:
+    """How many drafts (1..``most``) a sequence verifies next: the k that maximises tokens a step over the step's
+    cost. A verify step's drafts are accepted in order until the first that is wrong; with each accepted with
+    probability p, its expected tokens are 1 + p + ... + p^k (the target's own token always counts), and its cost
+    1 + ``cost`` * k decode steps. p is estimated from the sequence's record: ``accepted`` drafts and ``rejections``
+    (verify steps that rejected one), the geometric law's estimate under PRIOR_ACCEPTED / PRIOR_REJECTED.
+
+    Where a draft costs little against a step (a large model on a GPU: ~0.04) that is ``most`` unless nearly every
+    draft is rejected; where it costs much (the CPU: ~0.2, each draft a row of every matmul) fewer drafts pay more
+    (docs/speculative.md, "How many drafts"). Exactness does not depend on it: any k gives the same tokens."""
+    if most <= 1 or cost <= 0:
+        return most
+    p = (accepted + PRIOR_ACCEPTED) / (accepted + rejections + PRIOR_ACCEPTED + PRIOR_REJECTED)
+    best_k, best, tokens, term = 1, 0.0, 1.0, 1.0
+    for k in range(1, most + 1):
+        term *= p
+        tokens += term
+        value = tokens / (1 + cost * k)
+        if value > best:
+            best_k, best = k, value
+    return best_k
 
 
 def propose_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:

@@ -30,7 +30,15 @@ from dataclasses import dataclass
 import torch
 
 from cvllm.engine.sequence import Sequence, SequenceStatus
-from cvllm.engine.speculative import MIN_PROPOSALS, TOKEN_BYTES, SpeculativeConfig, accepted, lookup_ngram, token_bytes
+from cvllm.engine.speculative import (
+    MIN_PROPOSALS,
+    TOKEN_BYTES,
+    SpeculativeConfig,
+    accepted,
+    draft_length,
+    lookup_ngram,
+    token_bytes,
+)
 
 
 @dataclass(slots=True)
@@ -48,10 +56,12 @@ class Guess:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, scheduler, max_model_len: int, propose_drafts=None):
+    def __init__(self, config: SpeculativeConfig, scheduler, max_model_len: int, propose_drafts=None,
+                 draft_token_cost: float = 0.0):
         """``propose_drafts(seqs, ks) -> drafts``: the draft model's greedy proposals (the executor's; draft_model
-        method only)."""
+        method only). ``draft_token_cost``: the config's, else the backend's (speculative.draft_length)."""
         self.config, self.scheduler, self.max_model_len = config, scheduler, max_model_len
+        self.draft_token_cost = config.draft_token_cost if config.draft_token_cost is not None else draft_token_cost
         self.propose_drafts = propose_drafts
         self.stats = scheduler.stats
         self._drafted: list[Sequence] = []   # the sequences given drafts this step (fit looks at them only)
@@ -68,9 +78,10 @@ class Speculator:
         """Whether a verify step may stay in flight while the next one is launched (async scheduling)."""
         return self.config.method == "ngram"
 
-    def budget(self, seq: Sequence, num_tokens: int, proposed: int, accepted_: int) -> int:
-        """How many drafts ``seq`` may verify next, were it ``num_tokens`` long with that acceptance so far: 0 for
-        rows whose processing depends on the tokens before each position, and so that the chunk stays inside the
+    def budget(self, seq: Sequence, num_tokens: int, proposed: int, accepted_: int, rejections: int) -> int:
+        """How many drafts ``seq`` may verify next, were it ``num_tokens`` long with that record so far (drafts
+        proposed and accepted, verify steps that rejected one): 0 for rows whose processing depends on the tokens
+        before each position; as many as pay for their cost (draft_length); and so that the chunk stays inside the
         context and every accepted draft and the bonus token fit in max_tokens."""
         params, spec = seq.sampling_params, self.config
         num_output = num_tokens - seq.num_prompt_tokens
@@ -78,7 +89,8 @@ class Speculator:
                 or (params.min_tokens and num_output < params.min_tokens)
                 or (proposed >= MIN_PROPOSALS and accepted_ < spec.min_acceptance_rate * proposed)):
             return 0
-        k = min(spec.num_speculative_tokens, self.max_model_len - num_tokens - 1)
+        k = draft_length(accepted_, rejections, self.draft_token_cost, spec.num_speculative_tokens)
+        k = min(k, self.max_model_len - num_tokens - 1)
         if params.max_tokens is not None:
             k = min(k, params.max_tokens - num_output - 1)
         return max(k, 0)
@@ -93,7 +105,7 @@ class Speculator:
             if (seq.num_computed_tokens != len(seq.token_ids) - 1 or seq.num_inflight
                     or seq.seq_id in self.pending):
                 continue
-            k = self.budget(seq, len(seq.token_ids), seq.spec_proposed, seq.spec_accepted)
+            k = self.budget(seq, len(seq.token_ids), seq.spec_proposed, seq.spec_accepted, seq.spec_rejections)
             if k >= 1:
                 wanted.append((seq, k))
         if spec.method == "ngram":
@@ -132,7 +144,9 @@ class Speculator:
                 self.hold(seq)
                 continue
             bonus, more = None, []
-            budget = self.budget(seq, base + k + 1, seq.spec_proposed + k, seq.spec_accepted + k) if drafting else 0
+            # (the guess: all k accepted, so its record then is k more proposed and accepted, no rejection more)
+            budget = self.budget(seq, base + k + 1, seq.spec_proposed + k, seq.spec_accepted + k,
+                                 seq.spec_rejections) if drafting else 0
             if budget:
                 bonus, more = self._lookup_after(seq, drafts, budget)
                 if bonus is None and seq.generator is not None and not seq.sampling_params.greedy:
@@ -241,6 +255,7 @@ class Speculator:
             seq.spec_proposed += len(drafts)
             seq.spec_accepted += a
             seq.spec_rejected = a < len(drafts)
+            seq.spec_rejections += seq.spec_rejected
             self.stats.spec_draft_tokens += len(drafts)
             self.stats.spec_accepted_tokens += a
             self.stats.spec_verifications += 1

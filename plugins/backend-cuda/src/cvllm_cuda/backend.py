@@ -29,6 +29,8 @@ class CudaBackend(Backend):
     default_async_scheduling = True   # the host schedules step N+1 while the GPU runs step N
     host_threads = 1
     sync_free_decode = True    # decode steps are captured in CUDA graphs
+    # a verify step of 4 drafts cost 1.146 decode steps at batch 1 on the H200, Llama-3-8B shape (bench/verify_cost.py)
+    draft_token_cost = 0.04
 
     @classmethod
     def is_available(cls) -> bool:
