@@ -159,7 +159,8 @@ def _add_convert(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "convert", help="write a quantized copy of a checkpoint (e.g. --to gptq)",
         description="Quantize an unquantized Hugging Face checkpoint directory into another format that cvserve "
-                    "serves, with a converter a plugin registers (cvllm-quant-marlin: gptq, round-to-nearest). "
+                    "serves, with a converter a plugin registers (cvllm-quant-marlin: gptq, round-to-nearest; an "
+                    "AWQ checkpoint is repacked as GPTQ, not requantized). "
                     "Example: cvllm convert ./Llama-3-8B ./Llama-3-8B-gptq --to gptq --bits 4 --group-size 128")
     parser.add_argument("src", help="the checkpoint directory (config.json and *.safetensors)")
     parser.add_argument("out", help="the directory to write (created; must not hold a checkpoint already)")

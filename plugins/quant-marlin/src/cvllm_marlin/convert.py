@@ -9,6 +9,10 @@ experts' per-expert projections included (moe.py loads them); embeddings, the LM
 everything else are copied unchanged. One tensor is in memory at a
 time; the output keeps the source's shard files (and index), config.json gains ``quantization_config``, and the
 tokenizer and other files are copied.
+
+An AWQ checkpoint (AutoAWQ's GEMM layout, the job of candle-vllm's convert_awq_marlin.py) is repacked instead, not
+requantized: the same integers, zeros and scales in GPTQ's layout (awq_to_gptq.py), asymmetric, so the copy computes
+exactly what the AWQ checkpoint does.
 """
 
 from __future__ import annotations
@@ -52,6 +56,12 @@ def gptq_tensors(prefix: str, weight: torch.Tensor, bits: int, group_size: int, 
 
 
 def convert_to_gptq(src: Path, out: Path, options: dict) -> None:
+    config = json.loads((src / "config.json").read_text())
+    quant = config.get("quantization_config")
+    if quant and quant.get("quant_method") == "awq":
+        from cvllm_marlin.awq_to_gptq import repack_awq
+        repack_awq(src, out, config, options)
+        return
     settings = {key: value if (value := options.get(key)) is not None else default
                 for key, default in DEFAULTS.items()}
     bits, group_size, sym = settings["bits"], settings["group_size"], settings["sym"]
@@ -59,40 +69,58 @@ def convert_to_gptq(src: Path, out: Path, options: dict) -> None:
         raise ValueError(f"--bits {bits}: gptq conversion writes 4 or 8 bits")
     if group_size != -1 and (group_size < 32 or group_size % 32):
         raise ValueError(f"--group-size {group_size}: a multiple of 32, or -1")
-    config = json.loads((src / "config.json").read_text())
-    if config.get("quantization_config"):
-        raise ValueError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')})")
+    if quant:
+        raise ValueError(f"{src} is already quantized ({quant.get('quant_method')}); an unquantized or AWQ "
+                         f"checkpoint converts to gptq")
+
+    def quantize(name: str, tensor: torch.Tensor, f) -> dict[str, torch.Tensor] | None:
+        if not quantizable(name, tensor, group_size):
+            return None
+        return gptq_tensors(name.removesuffix(".weight"), tensor, bits, group_size, sym)
+
+    quantized = rewrite(src, out, quantize, "Quantizing to GPTQ")
+    write_config(out, config, {"quant_method": "gptq", "bits": bits, "group_size": group_size, "sym": sym,
+                               "desc_act": False, "checkpoint_format": "gptq"})
+    logger.info("%d projections to %d-bit, groups of %d", quantized, bits, group_size)
+    if not quantized:
+        logger.warning("no projection had whole groups of %d inputs: the copy is unquantized", group_size)
+
+
+def rewrite(src: Path, out: Path, convert, what: str) -> int:
+    """Copies ``src``'s safetensors files into ``out`` shard by shard, each tensor through ``convert(name, tensor,
+    open shard)``: the tensors to write in its place (``{}``: none), or None to copy it unchanged; the index follows,
+    and the other files (tokenizer, generation config, chat template) are copied. Returns how many it converted."""
     files = weight_files(src)
     if not files or any(f.suffix != ".safetensors" for f in files):
         raise ValueError(f"{src}: conversion reads safetensors weights only")
     out.mkdir(parents=True, exist_ok=True)
-    for item in src.iterdir():   # tokenizer, generation config, chat template ...
+    for item in src.iterdir():
         if item.is_file() and item.suffix != ".safetensors" and item.name not in ("config.json",
                                                                                   "model.safetensors.index.json"):
             shutil.copy2(item, out / item.name)
     weight_map: dict[str, str] = {}
-    quantized = 0
-    with Progress(logger, "Quantizing to GPTQ", "converted", "tensors") as progress:
+    converted = 0
+    with Progress(logger, what, "converted", "tensors") as progress:
         for file in files:
             tensors: dict[str, torch.Tensor] = {}
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
                     tensor = f.get_tensor(name)
-                    if quantizable(name, tensor, group_size):
-                        tensors.update(gptq_tensors(name.removesuffix(".weight"), tensor, bits, group_size, sym))
-                        quantized += 1
-                    else:
+                    written = convert(name, tensor, f)
+                    if written is None:
                         tensors[name] = tensor
+                    else:
+                        tensors.update(written)
+                        converted += bool(written)
                     progress.update(nbytes=tensor.numel() * tensor.element_size())
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / file.name), metadata={"format": "pt"})
             weight_map.update({name: file.name for name in tensors})
-        progress.finish(f" ({quantized} projections to {bits}-bit, groups of {group_size})")
     if (src / "model.safetensors.index.json").exists():
         index = json.loads((src / "model.safetensors.index.json").read_text())
         index["weight_map"] = weight_map
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    config["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "sym": sym,
-                                     "desc_act": False, "checkpoint_format": "gptq"}
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    if not quantized:
-        logger.warning("no projection had whole groups of %d inputs: the copy is unquantized", group_size)
+    return converted
+
+
+def write_config(out: Path, config: dict, quantization_config: dict) -> None:
+    (out / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}, indent=2))
