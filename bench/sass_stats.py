@@ -21,6 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from cvllm_cuda.kernels import quant_gemm_swapped, quant_gemv, quant_gemv_int8, quant_matmul
 from cvllm_cuda.kernels.quant_tiles import group_words, groups_in_thread
 from cvllm_cuda.quant_planes import QuantLayout
@@ -56,9 +58,9 @@ def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m
     if kind == "gemm-swapped":   # quant_gemm_swapped._gemm_swapped_kernel: (BLOCK_N, BLOCK_W, warps, stages)
         signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", **PLANES, "T": "i32", "N": "i32", "K": "i32",
                      "stride_xt": "i32", "stride_ot": "i32", "SPLIT_WORDS": "i32"}
-        lanes = layout.low_bits == 4 and not layout.high_bits and not layout.float8
         swapped = {**layout.kernel_args(), "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_W": block_w,
-                   "IEEE": False, "UPCAST": False, "LANES": lanes, "ASM": True, "USE_PDL": False}
+                   "IEEE": False, "UPCAST": False, "LANES": quant_gemm_swapped.in_lanes(layout, torch.bfloat16),
+                   "ASM": True, "USE_PDL": False}
         return quant_gemm_swapped._gemm_swapped_kernel, signature, swapped, warps
     signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", **PLANES, "N": "i32", "K": "i32", "SPLIT_WORDS": "i32",
                  "one_bits": "i32"}

@@ -19,8 +19,8 @@ from safetensors import safe_open
 
 from cvllm.checkpoint.hf_dir import weight_files
 from cvllm_marlin.config import parse_awq_config
-from cvllm_marlin.convert import rewrite, write_config
 from cvllm_marlin.packing import pack_columns, pack_rows, unpack_awq
+from cvllm_marlin.rewrite import rewrite, write_config
 
 logger = logging.getLogger(__name__)
 

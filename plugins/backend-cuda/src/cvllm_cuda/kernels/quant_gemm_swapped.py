@@ -40,7 +40,7 @@ from cvllm_cuda.kernels.quant_tiles import (
     word_factors,
 )
 from cvllm_cuda.kernels.sizes import cdiv
-from cvllm_cuda.quant_planes import QuantWeight
+from cvllm_cuda.quant_planes import QuantLayout, QuantWeight
 
 # (BLOCK_N, BLOCK_W, num_warps, num_stages) position-major, by low-plane bits: a K step of 128 elements (2-bit: 256,
 # as a position's dot needs 16 words); compiled for sm_90, every test layout fits at 2-128 rows (76-209 KB of shared
@@ -141,10 +141,9 @@ def _gemm_swapped_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr,
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_ok[:, None] & t_ok[None, :])
 
 
-def in_lanes(weight: QuantWeight, dtype: torch.dtype) -> bool:
-    """Whether a product of ``weight`` with x of ``dtype`` takes the lane-order unpack."""
-    lay = weight.layout
-    return lay.low_bits == 4 and not lay.high_bits and not lay.float8 and dtype == torch.bfloat16
+def in_lanes(layout: QuantLayout, dtype: torch.dtype) -> bool:
+    """Whether a product of a weight in ``layout`` with x of ``dtype`` takes the lane-order unpack."""
+    return layout.low_bits == 4 and not layout.high_bits and not layout.float8 and dtype == torch.bfloat16
 
 
 def permuted(x: torch.Tensor, weight: QuantWeight, lanes: bool) -> torch.Tensor:
@@ -163,7 +162,7 @@ def quant_gemm_swapped(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, 
     ``config``: (BLOCK_N, BLOCK_W, num_warps, num_stages[, BLOCK_M])."""
     lay = weight.layout
     t, n, k = x.shape[0], weight.out_features, weight.in_features
-    lanes = in_lanes(weight, x.dtype)
+    lanes = in_lanes(lay, x.dtype)
     xp = permuted(x, weight, lanes)
     block_n, block_w, warps, stages, *block_m = config or (LANE_CONFIG if lanes else SWAPPED_CONFIGS[lay.low_bits])
     block_m = block_m[0] if block_m else row_tile(t)

@@ -140,7 +140,7 @@ def default_gemm(x: torch.Tensor, weight: QuantWeight) -> str:
     """The GEMM a call that names none takes (DEFAULT_GEMM)."""
     if DEFAULT_GEMM != "auto":
         return DEFAULT_GEMM
-    return "swapped" if x.shape[0] <= SWAPPED_MAX_ROWS and in_lanes(weight, x.dtype) else "unpacked"
+    return "swapped" if x.shape[0] <= SWAPPED_MAX_ROWS and in_lanes(weight.layout, x.dtype) else "unpacked"
 
 
 def quant_gemm(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple | None = None,
