@@ -48,7 +48,7 @@ def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m
         signature = {"packs_ptr": "*i32", "xd_ptr": "*fp32", "xsum_ptr": "*fp32", "xblock_sum_ptr": "*fp32",
                      "out_ptr": "*bf16", **PLANES, "N": "i32", "K": "i32", "SPLIT_WORDS": "i32", "T": "i32",
                      "stride_ot": "i32"}
-        return quant_gemv_int8._gemv_int8_kernel, signature, {**common, "PREFETCH": 0, "ROWS": block_m}, warps
+        return quant_gemv_int8._gemv_int8_kernel, signature, {**common, "ROWS": block_m}, warps
     if kind in ("gemm", "gemm-per-position"):   # quant_matmul._gemm_kernel: (BLOCK_N, BLOCK_W, warps, stages)
         signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", **PLANES, "T": "i32", "N": "i32", "K": "i32",
                      "stride_xt": "i32", "stride_ot": "i32", "SPLIT_WORDS": "i32"}

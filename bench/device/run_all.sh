@@ -16,8 +16,7 @@
 # "quantgemm" (issue 18): the low-bit GEMM of 2-128 rows by tile and rows, every layout, captured (~4 min), then
 # 64 streams of q4k (~1 min); "swapped" (issue 18): the swapped GEMM's probe, then 64 streams of q4k and gptq with it;
 # "gemvrows" (issue 18): decode batches of 1-16 rows by kernel, the int8 GEMV a program a row or the rows together;
-# "swappedwide" (issue 18): the swapped GEMM at 32-64 rows with wider weight tiles (less of x read from the L2);
-# "gemvprefetch" (issue 18): the int8 GEMV's L2 prefetch before the PDL wait, off / 2 / 3 tiles.
+# "swappedwide" (issue 18): the swapped GEMM at 32-64 rows with wider weight tiles (less of x read from the L2).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
 # NVLink multicast stays off on the shared multi-GPU hosts (h200_setup.sh sets these too; the benchmarks pass them on)
@@ -178,17 +177,6 @@ swappedwide)
     run swapped-wide 300 python3 bench/gemm_swapped_probe.py --layouts q4_k,gptq4_g128 --rows 32,48,64 \
         --configs "64,8,4,4 128,8,8,4 128,8,8,3 256,8,8,3" \
         --json "$out/$day-h200-gemm_swapped_probe-wide-$commit.json" ;;
-gemvprefetch)
-    # issue 18: the int8 GEMV asking the L2 for its first weight tiles before the PDL wait (CVLLM_GEMV_PREFETCH_TILES,
-    # off by default): a stack of layers, then batch 1 of q8_0 (its load is seconds; q4k's was 88 s once) (~5 min)
-    for p in 0 2 3; do
-        run gemv-stack-prefetch$p 120 env CVLLM_GEMV_PREFETCH_TILES=$p python3 bench/quant_gemv_stack.py --defaults \
-            --layouts q4_k,q8_0 --json "$out/$day-h200-quant_gemv_stack-prefetch$p-$commit.json"
-    done
-    for p in 0 2; do
-        run latency-q8_0-prefetch$p 100 env CVLLM_GEMV_PREFETCH_TILES=$p python3 bench/latency.py --skip-hf \
-            --contexts 1024 --decode-tokens 128 --isq q8_0 --json "$out/$day-h200-latency-isq-q8_0-prefetch$p-$commit.json"
-    done ;;
 fp8attn)
     # issue 18: the FP8-cache decode tiles with register caps (AttentionConfig.max_registers; the default tile holds
     # 208 registers a thread, 4 programs an SM), then 256 streams offline with an FP8 and a 16-bit KV cache (~5 min)
@@ -206,6 +194,6 @@ kvfp8)
             --kv-cache-dtype $kv --json "$out/$day-h200-serving-kv_$kv-$commit.json"
     done ;;
 *)
-    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|kvfp8|fp8attn|moe|spec|specrows|quant64|quantgemm|swapped|gemvrows|swappedwide|gemvprefetch" >&2
+    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|kvfp8|fp8attn|moe|spec|specrows|quant64|quantgemm|swapped|gemvrows|swappedwide" >&2
     exit 2 ;;
 esac

@@ -124,26 +124,6 @@ def test_swapped_low_bit_gemm_compiles(monkeypatch, name, rows):
 
 
 @compiles
-@pytest.mark.parametrize("name", ["q4_k", "q8_0"])
-def test_int8_gemv_with_l2_prefetch_compiles(monkeypatch, name):
-    """The int8-activation GEMV's prefetch before the PDL wait (CVLLM_GEMV_PREFETCH_TILES: inline PTX, and only
-    with PDL on, so the interpreter never runs it)."""
-    from test_quant_matmul import LAYOUTS
-    quant_gemv_int8 = importlib.import_module("cvllm_cuda.kernels.quant_gemv_int8")
-    layout = dataclasses.replace(LAYOUTS[name], int8_activations=True)
-    from test_quant_matmul import random_weight
-    weight = random_weight(layout, 256, 1024, "cpu")
-    monkeypatch.setattr(quant_gemv_int8, "_quantize_kernel", sm90.LaunchRecorder(quant_gemv_int8._quantize_kernel))
-    monkeypatch.setattr(quant_gemv_int8, "PREFETCH_TILES", 2)
-    monkeypatch.setattr(quant_gemv_int8, "pdl_options", lambda device: {"USE_PDL": True, "launch_pdl": True})
-    x, out = torch.zeros(1, 1024, dtype=torch.bfloat16), torch.empty(1, 256, dtype=torch.bfloat16)
-    kernels = compiled_launches(monkeypatch, quant_gemv_int8, "_gemv_int8_kernel",
-                                lambda: quant_gemv_int8.quant_gemv_int8(x, weight, out, splits=1))
-    ptx = kernels[0].asm["ptx"]   # the prefetches are there, before the wait
-    assert len(kernels) == 1 and 0 < ptx.find("prefetch.global.L2") < ptx.find("griddepcontrol.wait")
-
-
-@compiles
 @pytest.mark.parametrize("name", ["q4_k", "q8_0", "q2_k"])
 def test_int8_gemv_of_several_rows_compiles_without_spills(monkeypatch, name):
     """The int8 GEMV with MAX_ROWS rows of x in a program (one accumulator a row, kept in registers) at its default

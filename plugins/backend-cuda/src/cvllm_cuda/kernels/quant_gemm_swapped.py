@@ -15,7 +15,7 @@ in the order the unpacked weights come out in, made by one permute a call (a cop
 
 Compiled for sm_90 on a CPU (2026-12-04, q4_k, 64 rows): ~5.5 loop instructions a weight element in lane order,
 against ~9.9 for the unpacked GEMM. On the H200, lane order with LANE_CONFIG is 20-30% faster than the unpacked GEMM
-at 2-32 rows, ~15% at 48, even at 64 (quant_matmul.SWAPPED_MAX_ROWS: where quant_gemm takes it by default);
+at 2-32 rows, ~8-12% at 48-64 (quant_matmul.SWAPPED_MAX_ROWS: where quant_gemm takes it by default);
 position-major (the other layouts) is not timed and not a default. ``CVLLM_QUANT_GEMM=swapped|unpacked`` (read at
 import) forces one for every layout and row count; ``quant_gemm(..., kernel="swapped")`` picks it per call.
 """

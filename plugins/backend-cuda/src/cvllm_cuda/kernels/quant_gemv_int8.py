@@ -50,11 +50,10 @@ from cvllm_cuda.quant_planes import QuantLayout, QuantWeight
 BLOCK = 32   # inputs per activation scale
 # rows of x up to which quant_matmul takes this GEMV (decode batches, a batch-1 speculative verify step of the
 # default 4 drafts): a row's numerics then do not depend on how many rows share the step. 5, not 8 (llama.cpp's
-# q8_1 matrix-vector limit): past ~5 rows the unpacked GEMM is faster (H200, a Llama-3-8B layer in a CUDA graph,
-# bench/results/2026-12-03-h200-quant_gemm_rows-0dc5788.json: Q4_K 131 us at 4 rows and 237 at 8 against the GEMM's
-# 159-160; Q8_0 145 and 231 against 139-144). Those were a program a row, each reading and unpacking the whole
-# weight; with the rows together in a program (ROWS_PER_PROGRAM) the weight is read once, and where the GEMV stops
-# paying is to be measured again (bench/device/run_all.sh gemvrows)
+# q8_1 matrix-vector limit): with the rows together in a program (ROWS_PER_PROGRAM) the GEMV ties the swapped GEMM
+# at 5 rows and loses at 8 (H200, a Llama-3-8B layer in a CUDA graph, 2026-12-04-h200-gemm_swapped_probe-gemvrows:
+# Q4_K 128.1 us at 5 rows and 181.9 at 8 against 126.7-127.0; Q8_0 131.8 and 203.4 against the unpacked GEMM's
+# 147-148, the swapped one's 130-132)
 MAX_ROWS = 5
 # (BLOCK_N, BLOCK_W, num_warps[, stages]) by low-plane bits, from bench/quant_gemv_stack.py (a stack of Llama-3-8B
 # layers in one CUDA graph, H200, 2026-12-03): Q4_K 56.4 us a layer (the float GEMV's tiles (32, 32, 4): 60.7),
@@ -122,13 +121,6 @@ def _dot4(a, b, c, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """Asks the L2 for the lines at ``ptrs`` (one request per 16-byte vector a thread holds); no value comes back."""
-    return tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l,l,l,l", [ptrs],
-                                     dtype=tl.int8, is_pure=False, pack=4)   # four int8 results: one register
-
-
-@triton.jit
 def _row_step(acc, low, scale, offset, pack_ptrs, xd_ptr, xsum_ptr, xblock_sum_ptr, words, gwords, word_ok,
               num_words, LOW_BITS: tl.constexpr, GROUP_WORDS: tl.constexpr, ONE_BLOCK: tl.constexpr,
               EVEN: tl.constexpr, INTERPRET: tl.constexpr):
@@ -162,7 +154,7 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_
                       SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
                       HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                       GROUP_WORDS: tl.constexpr, GROUP_SUM: tl.constexpr, STAGES: tl.constexpr,
-                      EVEN: tl.constexpr, INTERPRET: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+                      EVEN: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr,
                       ROWS: tl.constexpr = 1):
     """The float GEMV's tiling and splits (quant_matmul._gemv_kernel), integer dot products per word. Where a factor
     group is one activation block (32 inputs: Q4_0, Q4_1, Q4_K, Q8_0), the group's word products are added as
@@ -171,15 +163,7 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_
     loaded and its factors computed once for all of them, and each row is summed as it is alone (_row_step), so a
     row's output does not depend on the others or on ROWS; the tiles and K splits depend on the weight only. A last
     program with fewer rows computes its last row again in their place and stores nothing for them. Out row t of
-    split j at ``(j * T + t) * N`` with splits, else at ``t * stride_ot``. PREFETCH: this program's first PREFETCH
-    weight tiles are requested into the L2 before it waits for the previous kernel (weights are never a kernel's
-    output), so their first DRAM round trip overlaps that kernel's end."""
-    if PREFETCH > 0:
-        first_cols = tl.minimum(tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
-        first_words = tl.program_id(2) * SPLIT_WORDS + tl.arange(0, BLOCK_W)
-        for p in tl.static_range(PREFETCH):
-            words_p = tl.minimum(first_words + p * BLOCK_W, K * LOW_BITS // 32 - 1)
-            _prefetch_l2(low_ptr + words_p[:, None] * N + first_cols[None, :])
+    split j at ``(j * T + t) * N`` with splits, else at ``t * stride_ot``."""
     wait_for_previous_kernel(USE_PDL)
     PER_WORD: tl.constexpr = 32 // LOW_BITS
     PHASES: tl.constexpr = 8 // LOW_BITS
@@ -243,16 +227,12 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_
 
 
 QUANTIZE_BLOCKS = 8   # 32-input blocks per program of the activation quantizer
-# rows of x a GEMV program takes: each weight tile then comes from memory and is unpacked once for all of them (1: a
-# program a row, each reading the whole weight, the form measured on the H200 at 56 / 80 / 131 / 237 us a Llama-3-8B
-# layer for Q4_K at 1 / 2 / 4 / 8 rows, bench/results/2026-12-03-h200-quant_gemm_rows-0dc5788.json). Rows together
-# (compiled for sm_90: 256 loop instructions a step at 1 row, 348 at 2, 624 at 5, no spills) are not timed yet, so
-# the default stays 1 until `bench/device/run_all.sh gemvrows` has run; a row's bits are the same either way.
-ROWS_PER_PROGRAM = int(os.environ.get("CVLLM_GEMV_ROWS_PER_PROGRAM", "1"))
-# weight tiles each GEMV program asks the L2 for before waiting on the previous kernel (PDL): an A/B switch, off by
-# default until measured (session 16's prefetch of a program's whole share with cp.async.bulk cost more than it hid)
-# (taken only where PDL runs: without it there is no previous kernel to overlap, and the interpreter has no PTX)
-PREFETCH_TILES = int(os.environ.get("CVLLM_GEMV_PREFETCH_TILES", "0"))
+# rows of x a GEMV program takes: each weight tile then comes from memory and is unpacked once for all of them, and
+# each row is summed as when alone (the same bits). All of them up to MAX_ROWS by default: a Llama-3-8B layer in a
+# CUDA graph on the H200 (bench/results/2026-12-04-h200-gemm_swapped_probe-gemvrows-6ca7c93.json), us at 1 / 2 / 3 /
+# 4 / 5 rows, a program a row -> rows together: Q4_K 58.5 / 79.7 / 110.4 / 137.8 / 165.2 -> 57.5 / 70.4 / 93.1 /
+# 110.6 / 128.1; Q8_0 74.0 / 86.5 / 104.1 / 126.5 / 147.1 -> 74.9 / 79.6 / 102.0 / 116.1 / 131.8. 1 = a program a row.
+ROWS_PER_PROGRAM = int(os.environ.get("CVLLM_GEMV_ROWS_PER_PROGRAM", str(MAX_ROWS)))
 
 
 def quantize_activations(x: torch.Tensor, low_bits: int) -> tuple[torch.Tensor, ...]:
@@ -307,7 +287,6 @@ def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, con
         BLOCK_W=block_w, GROUP_WORDS=gw, STAGES=stages[0] if stages else 1,
         GROUP_SUM=groups_in_thread(block_n, block_w, gw, warps),
         EVEN=even_tiles(n, k, lay.low_bits, block_n, split_words),
-        INTERPRET=bool(triton.knobs.runtime.interpret), PREFETCH=PREFETCH_TILES if launch["USE_PDL"] else 0,
-        ROWS=rows, num_warps=warps, **launch)
+        INTERPRET=bool(triton.knobs.runtime.interpret), ROWS=rows, num_warps=warps, **launch)
     if splits > 1:
         add_splits(target, out, splits, n)

@@ -131,9 +131,10 @@ DEFAULT_GEMM = os.environ.get("CVLLM_QUANT_GEMM", "auto")
 # rows up to which "auto" takes the swapped GEMM for lane-order layouts (4-bit without a high plane, bf16 x). On the
 # H200, a Llama-3-8B layer's four GEMMs (bench/results/2026-12-04-h200-gemm_swapped_probe-tiles-5c9bebb.json), us:
 # q4_k 125 / 125 / 127 / 138 / 168 against the unpacked GEMM's 162 / 163 / 168 / 193 / 198 at 2 / 8 / 16 / 32 / 48
-# rows, gptq4_g128 111 / 112 / 114 / 128 / 161 against 145 / 147 / 151 / 184 / 172; at 64 rows even (188 vs 198,
-# 176 vs 175, its best tile), at 128 slower (303 vs 277)
-SWAPPED_MAX_ROWS = 48
+# rows, gptq4_g128 111 / 112 / 114 / 128 / 161 against 145 / 147 / 151 / 184 / 172; at 64 rows with that tile,
+# (64, 8, 4, 4), q4_k 174 vs 198, gptq 164 vs 179 (...-gemm_swapped_probe-wide-6ca7c93.json: wider weight tiles lost
+# at 32-64 rows); at 128 slower (303 vs 277, 8a7a175's tiles)
+SWAPPED_MAX_ROWS = 64
 
 
 def default_gemm(x: torch.Tensor, weight: QuantWeight) -> str:
