@@ -91,8 +91,8 @@ def test_untied_lm_head_computes_from_planes(qtype, make_rows, one_torch_thread,
         head.qweight.weight_loader(head.qweight, rows)
         # as on a CUDA device: the CPU tensors run through the interpreter
         usable = form == "planes"
-        monkeypatch.setattr(table_method, "plane_kernels_usable", lambda device: usable)
-        monkeypatch.setattr(linear_method, "plane_kernels_usable", lambda device: usable)
+        monkeypatch.setattr(table_method, "plane_kernels_usable", lambda device, usable=usable: usable)
+        monkeypatch.setattr(linear_method, "plane_kernels_usable", lambda device, usable=usable: usable)
         head.quant_method.process_weights_after_loading(head)
         heads[form] = head
     assert heads["exact"].gguf_compute == "dense"
