@@ -22,8 +22,6 @@ import) forces one for every layout and row count; ``quant_gemm(..., kernel="swa
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -51,10 +49,6 @@ SWAPPED_CONFIGS = {2: (128, 16, 4, 3), 4: (128, 16, 4, 4), 8: (128, 32, 4, 4)}
 # lane order: the best of seven tiles at 2-48 rows on the H200, q4_k and gptq4_g128 (narrower BLOCK_N and 2 warps were
 # 1.5-2.5x slower; bench/results/2026-12-04-h200-gemm_swapped_probe-tiles-5c9bebb.json)
 LANE_CONFIG = (64, 8, 4, 4)
-# programs an SM the K split aims at (quant_tiles.k_splits): every split adds a float32 partial [T, N] written and
-# read again by add_splits' kernel, which at 64 rows of a Llama-3-8B step was 0.48 ms on the critical path beside
-# the GEMM's 4.5 (bench/profile_decode.py --batch 64 --isq q4k, H200, 5ccf3a7). An A/B switch until measured
-PROGRAMS_PER_SM = int(os.environ.get("CVLLM_SWAPPED_PROGRAMS_PER_SM", "4"))
 
 _LANE = "lop3.b32 t, t, 0x000F000F, c, 0xEA; sub.rn.bf16x2 t, t, c; fma.rn.bf16x2 $%d, t, s2, o2; "
 LANES_ASM = tl.constexpr(
@@ -173,8 +167,7 @@ def quant_gemm_swapped(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, 
     block_n, block_w, warps, stages, *block_m = config or (LANE_CONFIG if lanes else SWAPPED_CONFIGS[lay.low_bits])
     block_m = block_m[0] if block_m else row_tile(t)
     assert block_w >= (2 if lanes else 16), f"BLOCK_W {block_w}: a dot needs a K of 16"
-    splits, split_words = split_k(cdiv(n, block_n) * cdiv(t, block_m), k, lay.low_bits, block_w, x.device, splits,
-                                  PROGRAMS_PER_SM)
+    splits, split_words = split_k(cdiv(n, block_n) * cdiv(t, block_m), k, lay.low_bits, block_w, x.device, splits)
     target = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
     _gemm_swapped_kernel[(cdiv(n, block_n), cdiv(t, block_m), splits)](
         xp, target, *kernel_tensors(weight), t, n, k, xp.stride(0), target.stride(-2), split_words,
