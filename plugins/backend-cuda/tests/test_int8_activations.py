@@ -59,15 +59,6 @@ def test_rms_norm_rounds_its_output_as_the_gemv_would(consumers, bits, rows):
     assert consumers.take(out, bits) is None
 
 
-def test_inference_tensors_are_offered_too(consumers):
-    """The engine runs under inference mode, whose tensors keep no version counter."""
-    consumers.note_consumer(256, 4, max_rows=5)
-    with torch.inference_mode():
-        out = fused_add_rms_norm(noisy((1, 256), 8), None, torch.ones(256, dtype=torch.bfloat16, device=DEVICE), 1e-6)
-        assert same_bits(consumers.take(out, 4), int8_activations.quantize_activations(out, 4))
-        assert consumers.take(out.clone(), 4) is None
-
-
 def test_silu_and_mul_rounds_its_output_as_the_gemv_would(consumers):
     intermediate = 2048 + 96   # two programs of 1024 and a part of one
     consumers.note_consumer(intermediate, 4, max_rows=5)

@@ -131,16 +131,10 @@ def wanted(k: int, rows: int) -> int | None:
     return bits
 
 
-def _version(t: torch.Tensor) -> int | None:
-    """Its version counter (in-place writes move it). Inference tensors (the engine's) keep none: there the output's
-    liveness and address stand for it, as nothing in the models writes into a norm's or SiLU's output in place."""
-    return None if t.is_inference() else t._version
-
-
 def offer(out: torch.Tensor, low_bits: int, activations: Activations) -> None:
     """``out``, just made, rounded as ``activations``: for the GEMV that reads it next."""
     global _offered
-    _offered = (weakref.ref(out), out.data_ptr(), out.numel(), _version(out), low_bits, activations)
+    _offered = (weakref.ref(out), out.data_ptr(), out.numel(), out._version, low_bits, activations)
 
 
 def take(x: torch.Tensor, low_bits: int) -> Activations | None:
@@ -151,6 +145,6 @@ def take(x: torch.Tensor, low_bits: int) -> Activations | None:
     ref, address, numel, version, bits, activations = _offered
     out = ref()
     if (out is None or bits != low_bits or x.data_ptr() != address or x.numel() != numel or not x.is_contiguous()
-            or _version(out) != version):
+            or out._version != version):
         return None
     return activations
