@@ -133,33 +133,10 @@ def test_int8_gemv_of_several_rows_compiles_without_spills(monkeypatch, name):
     quant_gemv_int8 = importlib.import_module("cvllm_cuda.kernels.quant_gemv_int8")
     layout = dataclasses.replace(LAYOUTS[name], int8_activations=True)
     weight = random_weight(layout, 256, 1024, "cpu")
-    int8_activations = importlib.import_module("cvllm_cuda.kernels.int8_activations")
-    monkeypatch.setattr(int8_activations, "_quantize_kernel", sm90.LaunchRecorder(int8_activations._quantize_kernel))
+    monkeypatch.setattr(quant_gemv_int8, "_quantize_kernel", sm90.LaunchRecorder(quant_gemv_int8._quantize_kernel))
     rows = quant_gemv_int8.MAX_ROWS
     x, out = torch.zeros(rows, 1024, dtype=torch.bfloat16), torch.empty(rows, 256, dtype=torch.bfloat16)
     kernels = compiled_launches(monkeypatch, quant_gemv_int8, "_gemv_int8_kernel",
                                 lambda: quant_gemv_int8.quant_gemv_int8(x, weight, out, splits=1))
     assert len(kernels) == 1
     assert sm90.resource_usage(kernels[0])["STACK"] == 0, "spilled to local memory"
-
-
-@compiles
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("rows", [1, 5])
-def test_norm_and_silu_rounding_their_output_compile(monkeypatch, bits, rows):
-    """RMSNorm (with the residual add) and SiLU-and-mul, each also rounding its output to int8 for the GEMV that
-    reads it (int8_activations.py), at a Llama-3-8B layer's sizes; and the standalone quantizer."""
-    int8_activations = importlib.import_module("cvllm_cuda.kernels.int8_activations")
-    rms_norm = importlib.import_module("cvllm_cuda.kernels.rms_norm")
-    activation = importlib.import_module("cvllm_cuda.kernels.activation")
-    monkeypatch.setattr(int8_activations, "_consumers", {4096: (bits, 5), 14336: (bits, 5)})
-    monkeypatch.setattr(int8_activations, "_offered", None)
-    x = torch.zeros(rows, 4096, dtype=torch.bfloat16)
-    norm = lambda: rms_norm.fused_add_rms_norm(x, x.clone(), torch.ones(4096, dtype=torch.bfloat16), 1e-6)  # noqa: E731
-    [kernel] = compiled_launches(monkeypatch, rms_norm, "_add_rms_norm_kernel", norm)
-    assert sm90.resource_usage(kernel)["STACK"] == 0   # nothing spilled
-    silu = lambda: activation.silu_and_mul(torch.zeros(rows, 2 * 14336, dtype=torch.bfloat16))  # noqa: E731
-    [kernel] = compiled_launches(monkeypatch, activation, "_silu_and_mul_kernel", silu)
-    assert sm90.resource_usage(kernel)["STACK"] == 0
-    quantize = lambda: int8_activations.quantize_activations(x, bits)  # noqa: E731
-    assert len(compiled_launches(monkeypatch, int8_activations, "_quantize_kernel", quantize)) == 1

@@ -112,8 +112,6 @@ def attach(layer: torch.nn.Module, weight: QuantWeight, prefix: str = "quant") -
     if "weight" in layer._parameters:
         del layer._parameters["weight"]
     layer.register_buffer("weight", torch.empty(0, device=device), persistent=False)
-    from cvllm_cuda.kernels.quant_gemv_int8 import note_consumer  # (the kernels import this module)
-    note_consumer(weight)
 
 
 def pack_plane(q: torch.Tensor, bits: int) -> torch.Tensor:

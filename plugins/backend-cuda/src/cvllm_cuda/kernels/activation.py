@@ -18,8 +18,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from cvllm_cuda.kernels import int8_activations, pdl
-from cvllm_cuda.kernels.int8_activations import quantize_blocks
+from cvllm_cuda.kernels import pdl
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
 
@@ -30,11 +29,9 @@ _LIBDEVICE_EXP = not triton.knobs.runtime.interpret
 
 @triton.jit
 def _silu_and_mul_kernel(
-    x_ptr, out_ptr, packs_ptr, d_ptr, sums_ptr, block_sums_ptr, intermediate, stride_xt,
-    LIBDEVICE_EXP: tl.constexpr, BLOCK: tl.constexpr, QUANT_BITS: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr, out_ptr, intermediate, stride_xt,
+    LIBDEVICE_EXP: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """QUANT_BITS > 0: the output is also rounded to int8 per 32 features for an int8-activation GEMV
-    (int8_activations.py), in that many low bits' pack order."""
     wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -47,12 +44,7 @@ def _silu_and_mul_kernel(
         exp_neg = tl.exp(-gate)
     dtype = out_ptr.dtype.element_ty
     silu = tl.math.div_rn(gate, 1.0 + exp_neg).to(dtype).to(tl.float32)  # F.silu rounds to the dtype
-    out = (silu * up).to(dtype)
-    tl.store(out_ptr + token * intermediate + cols, out, mask=mask)
-    if QUANT_BITS > 0:   # the stored values, 32 features a block (intermediate a multiple of 32)
-        j = tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
-        quantize_blocks(tl.reshape(out.to(tl.float32), (BLOCK // 32, 32)), token * (intermediate // 32) + j,
-                        j < intermediate // 32, packs_ptr, d_ptr, sums_ptr, block_sums_ptr, BLOCK // 32, QUANT_BITS)
+    tl.store(out_ptr + token * intermediate + cols, (silu * up).to(dtype), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -65,18 +57,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])  # a view for the usual [T, 2I] or [B, S, 2I] projection output
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    block = min(_BLOCK, next_power_of_2(intermediate))
-    grid = (rows.shape[0], cdiv(intermediate, block))
-    # rounded to int8 too where an int8-activation GEMV reads outputs of this size and row count
-    bits = int8_activations.wanted(intermediate, rows.shape[0]) if block >= 32 else None
-    rounded = int8_activations.empty_activations(rows.shape[0], intermediate, bits, x.device) if bits else (out,) * 4
+    grid = (rows.shape[0], cdiv(intermediate, _BLOCK))
     _silu_and_mul_kernel[grid](
-        rows, out, *rounded, intermediate, rows.stride(0),
-        LIBDEVICE_EXP=_LIBDEVICE_EXP, BLOCK=block, QUANT_BITS=bits or 0,
+        rows, out, intermediate, rows.stride(0),
+        LIBDEVICE_EXP=_LIBDEVICE_EXP, BLOCK=min(_BLOCK, next_power_of_2(intermediate)),
         num_warps=4, enable_fp_fusion=False, **pdl.options(x.device),
     )
-    if bits:
-        int8_activations.offer(out, bits, rounded)
     return out
 
 

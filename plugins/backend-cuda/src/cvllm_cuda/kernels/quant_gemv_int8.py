@@ -7,10 +7,9 @@ or in the exponent, multiply-add, and its share of x), which on the H200 is more
 one ``dp4a`` multiplies four weight bytes by four activation bytes and adds them to an int32: a word of eight
 4-bit weights is two masks, a shift and two ``dp4a``, under one instruction per element.
 
-- x rounded to int8 (int8_activations.py): per 32 inputs d = max|x| / 127 and q = round(x / d) (half away from
+- ``quantize_activations``: x [T, K] -> per 32 inputs d = max|x| / 127 and q = round(x / d) (half away from
   zero), packed four per int32 in the order the weight words' bytes come out (below); per weight word, the sum
-  of its inputs ``d * sum(q)`` (the formats' offsets multiply it). Made by the kernel that made x where that one
-  rounds its output too (RMSNorm, SiLU-and-mul at a few rows), else by a launch of its own before the GEMV.
+  of its inputs ``d * sum(q)`` (the formats' offsets multiply it).
 - ``_gemv_int8_kernel``: a low-plane word of ``32 / bits`` elements masked with 0x0F0F0F0F (4-bit; 0x03030303
   2-bit; the word itself 8-bit) at shift ``s * bits`` holds elements ``s, s + P, s + 2P, s + 3P`` (P = 8 / bits)
   in its four bytes; the activation pack (word, s) holds the same elements' int8s. Per word
@@ -30,12 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cvllm_cuda.kernels import gpu, int8_activations
-from cvllm_cuda.kernels.int8_activations import (  # noqa: F401  (the reference, as it was)
-    BLOCK,
-    dequantized_activations,
-    quantize_activations,
-)
+from cvllm_cuda.kernels import gpu
 from cvllm_cuda.kernels.pdl import options as pdl_options
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.quant_gemv import GEMV_CONFIGS
@@ -53,6 +47,7 @@ from cvllm_cuda.kernels.sizes import cdiv
 from cvllm_cuda.kernels.tuned_matmul import TUNED_QUANT_GEMV, quant_gemv_key
 from cvllm_cuda.quant_planes import QuantLayout, QuantWeight
 
+BLOCK = 32   # inputs per activation scale
 # rows of x up to which quant_matmul takes this GEMV (decode batches, a batch-1 speculative verify step of the
 # default 4 drafts): a row's numerics then do not depend on how many rows share the step. 5, not 8 (llama.cpp's
 # q8_1 matrix-vector limit): with the rows together in a program (ROWS_PER_PROGRAM) the GEMV ties the swapped GEMM
@@ -76,6 +71,41 @@ def applies(layout: QuantLayout, in_features: int) -> bool:
     """Whether the batch-1 product of a weight in ``layout`` takes this path."""
     return (layout.int8_activations and not layout.high_bits and not layout.float8 and in_features % BLOCK == 0
             and os.environ.get(ENV, "1") != "0")
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, packs_ptr, d_ptr, sums_ptr, block_sums_ptr, K, LOW_BITS: tl.constexpr,
+                     BLOCKS: tl.constexpr, USE_PDL: tl.constexpr):
+    """BLOCKS blocks of 32 inputs per program: their scales, packs [K / 4], word sums [K * LOW_BITS / 32] and block
+    sums [K / 32]."""
+    wait_for_previous_kernel(USE_PDL)
+    PER_WORD: tl.constexpr = 32 // LOW_BITS
+    PHASES: tl.constexpr = 8 // LOW_BITS
+    blocks = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    ok = blocks < K // 32
+    x = tl.load(x_ptr + blocks[:, None] * 32 + tl.arange(0, 32)[None, :], mask=ok[:, None], other=0.0).to(
+        tl.float32)
+    d = tl.max(tl.abs(x), axis=1) / 127.0
+    inv = tl.where(d > 0, 1.0 / d, 0.0)
+    scaled = x * inv[:, None]
+    q = tl.where(scaled < 0, scaled - 0.5, scaled + 0.5).to(tl.int32)        # to int truncates: half away from 0
+    tl.store(d_ptr + blocks, d, mask=ok)
+    tl.store(block_sums_ptr + blocks, tl.sum(q, axis=1).to(tl.float32) * d, mask=ok)
+    # element e of a word sits in byte e // PHASES of pack e % PHASES: [words, 4 bytes, PHASES]
+    q3 = tl.reshape(q, (BLOCKS * 32 // PER_WORD, 4, PHASES))
+    shifts = (tl.arange(0, 4) * 8)[None, :, None]
+    packs = tl.reduce((q3 & 0xFF) << shifts, 1, _bit_or)                       # [words, PHASES]
+    words = tl.program_id(0) * (BLOCKS * 32 // PER_WORD) + tl.arange(0, BLOCKS * 32 // PER_WORD)
+    word_ok = words < K // PER_WORD
+    tl.store(packs_ptr + words[:, None] * PHASES + tl.arange(0, PHASES)[None, :], packs, mask=word_ok[:, None])
+    word_d = tl.reshape(tl.broadcast_to(d[:, None], (BLOCKS, 32 // PER_WORD)), (BLOCKS * 32 // PER_WORD,))
+    word_sums = tl.sum(tl.reshape(q, (BLOCKS * 32 // PER_WORD, PER_WORD)), axis=1).to(tl.float32) * word_d
+    tl.store(sums_ptr + words, word_sums, mask=word_ok)
+
+
+@triton.jit
+def _bit_or(a, b):
+    return a | b
 
 
 @triton.jit
@@ -196,12 +226,36 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_
         tl.store(row_out + cols, total.to(out_ptr.dtype.element_ty), mask=(cols < N) & (row < T))
 
 
+QUANTIZE_BLOCKS = 8   # 32-input blocks per program of the activation quantizer
 # rows of x a GEMV program takes: each weight tile then comes from memory and is unpacked once for all of them, and
 # each row is summed as when alone (the same bits). All of them up to MAX_ROWS by default: a Llama-3-8B layer in a
 # CUDA graph on the H200 (bench/results/2026-12-04-h200-gemm_swapped_probe-gemvrows-6ca7c93.json), us at 1 / 2 / 3 /
 # 4 / 5 rows, a program a row -> rows together: Q4_K 58.5 / 79.7 / 110.4 / 137.8 / 165.2 -> 57.5 / 70.4 / 93.1 /
 # 110.6 / 128.1; Q8_0 74.0 / 86.5 / 104.1 / 126.5 / 147.1 -> 74.9 / 79.6 / 102.0 / 116.1 / 131.8. 1 = a program a row.
 ROWS_PER_PROGRAM = int(os.environ.get("CVLLM_GEMV_ROWS_PER_PROGRAM", str(MAX_ROWS)))
+
+
+def quantize_activations(x: torch.Tensor, low_bits: int) -> tuple[torch.Tensor, ...]:
+    """x [T, K] (contiguous) -> (packs int32 [T * K / 4], scales float32 [T * K / 32], word sums float32
+    [T * K * low_bits / 32], block sums float32 [T * K / 32]), row after row: a block of 32 never spans two rows."""
+    k = x.numel()
+    packs = torch.empty(k // 4, dtype=torch.int32, device=x.device)
+    scales = torch.empty(k // BLOCK, dtype=torch.float32, device=x.device)
+    sums = torch.empty(k * low_bits // 32, dtype=torch.float32, device=x.device)
+    block_sums = torch.empty(k // BLOCK, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(k // BLOCK, QUANTIZE_BLOCKS),)
+    _quantize_kernel[grid](x, packs, scales, sums, block_sums, k, LOW_BITS=low_bits, BLOCKS=QUANTIZE_BLOCKS,
+                           num_warps=4, **pdl_options(x.device))
+    return packs, scales, sums, block_sums
+
+
+def dequantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """The reference: the float32 values the kernel multiplies by (x rounded to int8 per 32 inputs)."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, BLOCK)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, blocks / torch.where(d > 0, d, 1), 0)
+    q = torch.where(q < 0, q - 0.5, q + 0.5).trunc()
+    return (q * d).reshape(x.shape)
 
 
 def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple | None = None,
@@ -219,8 +273,8 @@ def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, con
         x = x.contiguous()
     tuned = None if config else gpu.tuned_entry(TUNED_QUANT_GEMV, x.device, quant_gemv_key(n, k, lay))
     block_n, block_w, warps, *stages = tuned[:4] if tuned else config or INT8_GEMV_CONFIGS[lay.low_bits]
-    if activations is None:   # rounded where x was made, else here
-        activations = int8_activations.take(x, lay.low_bits) or quantize_activations(x, lay.low_bits)
+    if activations is None:
+        activations = quantize_activations(x, lay.low_bits)
     splits, split_words = split_k(cdiv(n, block_n), k, lay.low_bits, block_w, x.device, splits,
                                   tuned[4] if tuned else INT8_PROGRAMS_PER_SM[lay.low_bits])
     target = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
@@ -236,10 +290,3 @@ def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, con
         INTERPRET=bool(triton.knobs.runtime.interpret), ROWS=rows, num_warps=warps, **launch)
     if splits > 1:
         add_splits(target, out, splits, n)
-
-
-def note_consumer(weight: QuantWeight) -> None:
-    """A layer of ``weight`` is ready: if its products at up to MAX_ROWS rows take this GEMV, the kernels that make
-    inputs of its size round them to int8 as well (int8_activations.py)."""
-    if applies(weight.layout, weight.in_features):
-        int8_activations.note_consumer(weight.in_features, weight.layout.low_bits, MAX_ROWS)

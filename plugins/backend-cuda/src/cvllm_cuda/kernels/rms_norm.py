@@ -16,8 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cvllm_cuda.kernels import int8_activations, pdl
-from cvllm_cuda.kernels.int8_activations import quantize_blocks
+from cvllm_cuda.kernels import pdl
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
 
@@ -31,14 +30,12 @@ _MAX_HIDDEN = 65536  # one program holds a whole row in registers
 # variants while serving, each costing the step it first appears in ~0.5 s
 @triton.jit(do_not_specialize=["num_rows"])
 def _add_rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, packs_ptr, d_ptr, sums_ptr, block_sums_ptr,
+    x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
     num_rows, inner_rows, hidden, eps,
     stride_xa, stride_xb, stride_ra, stride_rb,
     HAS_RESIDUAL: tl.constexpr, PLUS_ONE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    QUANT_BITS: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    """QUANT_BITS > 0: the output is also rounded to int8 per 32 features for an int8-activation GEMV
-    (int8_activations.py), in that many low bits' pack order."""
     wait_for_previous_kernel(USE_PDL)
     # rows are the leading dims flattened: row = a * inner_rows + b, so a strided [A, B, N] view
     # (per-head q of a fused qkv output) is read in place
@@ -70,15 +67,7 @@ def _add_rms_norm_kernel(
     else:
         normed = (xf * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)  # torch rounds the norm to the dtype
         out = weight[None, :] * normed
-    out = out.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + dense_offsets, out, mask=mask)
-    if QUANT_BITS > 0:   # the stored values, 32 features a block (hidden a multiple of 32: whole blocks a row)
-        ROW_BLOCKS: tl.constexpr = BLOCK_N // 32
-        j = tl.arange(0, ROW_BLOCKS)
-        blocks = tl.reshape(rows[:, None] * (hidden // 32) + j[None, :], (BLOCK_R * ROW_BLOCKS,))
-        ok = tl.reshape(row_ok[:, None] & (j < hidden // 32)[None, :], (BLOCK_R * ROW_BLOCKS,))
-        quantize_blocks(tl.reshape(out.to(tl.float32), (BLOCK_R * ROW_BLOCKS, 32)), blocks, ok, packs_ptr, d_ptr,
-                        sums_ptr, block_sums_ptr, BLOCK_R * ROW_BLOCKS, QUANT_BITS)
+    tl.store(out_ptr + dense_offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _as_3d(t: torch.Tensor) -> torch.Tensor:
@@ -129,18 +118,13 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         block_n = next_power_of_2(hidden)
         block_r = min(max(1, _TILE_ELEMENTS // block_n), next_power_of_2(num_rows))
         grid = (cdiv(num_rows, block_r),)
-        # rounded to int8 too where an int8-activation GEMV reads outputs of this size and row count
-        bits = int8_activations.wanted(hidden, num_rows) if block_n >= 32 else None
-        rounded = int8_activations.empty_activations(num_rows, hidden, bits, x.device) if bits else (out,) * 4
         _add_rms_norm_kernel[grid](
-            x3, r3, weight.contiguous(), out, new_residual if new_residual is not None else out, *rounded,
+            x3, r3, weight.contiguous(), out, new_residual if new_residual is not None else out,
             num_rows, x3.shape[1], hidden, eps,
             x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
             HAS_RESIDUAL=residual is not None, PLUS_ONE=plus_one, BLOCK_R=block_r, BLOCK_N=block_n,
-            QUANT_BITS=bits or 0, num_warps=min(16, max(1, block_r * block_n // 512)),
+            num_warps=min(16, max(1, block_r * block_n // 512)),
             enable_fp_fusion=False,  # no FMA contraction: the products round as torch's do
             **pdl.options(x.device),
         )
-        if bits:
-            int8_activations.offer(out, bits, rounded)
     return out if residual is None else (out, new_residual)
