@@ -184,15 +184,14 @@ def test_swapped_kernel_equals_the_reference(name, dtype, t, n, splits):
     assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
 
 
-def test_swapped_kernel_takes_x_as_it_is_in_lane_order():
-    """Lane j of a 4-bit word holds elements j and j + 4: the kernel reorders each word's 8 inputs as it loads them
-    (the outputs against float32 above check that order), so x reaches it without a copy; position-major layouts
-    take a permuted copy."""
+def test_swapped_kernel_orders_x_as_its_lanes_take_the_words():
+    """Lane j of a 4-bit word holds elements j and j + 4; x's word of 8 inputs goes in that order."""
     from cvllm_cuda.kernels.quant_gemm_swapped import permuted
     x = torch.arange(16.0).view(1, 16)
-    assert permuted(x, random_weight(LAYOUTS["q4_k"], 1, 256, "cpu"), lanes=True) is x
-    position_major = permuted(x, random_weight(LAYOUTS["q8_0"], 1, 256, "cpu"), lanes=False)
-    assert position_major[0, :4].tolist() == [0, 4, 8, 12]
+    lanes = permuted(x, random_weight(LAYOUTS["q4_k"], 1, 256, "cpu"), lanes=True)
+    # position a * 4 + b * 2 + m holds input 2 b + a + 4 m
+    assert lanes[0, :8].tolist() == [0, 4, 2, 6, 1, 5, 3, 7]
+    assert lanes[0, 8:].tolist() == [8, 12, 10, 14, 9, 13, 11, 15]
 
 
 def test_decode_batches_of_lane_layouts_take_the_swapped_gemm(monkeypatch):

@@ -130,10 +130,6 @@ def _gemm_swapped_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr,
             w = tl.reshape(_lanes_to_bf16(lanes), (BLOCK_N, BLOCK_W * 8))
             ks = w0 * 8 + tl.arange(0, BLOCK_W * 8)
             x = tl.load(x_cols + ks[:, None], mask=(ks < num_words * 8)[:, None] & t_ok[None, :], other=0.0)
-            # x in its own order, each word's 8 inputs put in lane order here (position 4 a + 2 b + m holds input
-            # 2 b + a + 4 m), not by a copy of x a call
-            x = tl.reshape(tl.permute(tl.reshape(x, (BLOCK_W, 2, 2, 2, BLOCK_M)), (0, 3, 2, 1, 4)),
-                           (BLOCK_W * 8, BLOCK_M))
             acc = dot_into(w, x, acc, IEEE, UPCAST)
         else:
             for S in tl.static_range(PER_WORD):
@@ -151,11 +147,11 @@ def in_lanes(layout: QuantLayout, dtype: torch.dtype) -> bool:
 
 
 def permuted(x: torch.Tensor, weight: QuantWeight, lanes: bool) -> torch.Tensor:
-    """x [T, K] in the order the kernel reads it: as it is in lane order (the kernel reorders each word's 8 inputs
-    itself), else position-major."""
+    """x [T, K] in the kernel's order: each word's 8 inputs in lane order (position a * 4 + b * 2 + m holds input
+    2 b + a + 4 m: lane j = 2 b + a holds elements j and j + 4), else position-major."""
     t, k = x.shape
     if lanes:
-        return x
+        return x.view(t, k // 8, 2, 2, 2).permute(0, 1, 4, 3, 2).reshape(t, k)
     per_word = 32 // weight.layout.low_bits
     return x.view(t, k // per_word, per_word).transpose(1, 2).reshape(t, k)
 
