@@ -5,8 +5,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from concurrent.futures import FIRST_COMPLETED, Future
-from concurrent.futures import wait as wait_futures
 
 import torch
 
@@ -14,6 +12,7 @@ from cvllm.checkpoint.base import Checkpoint
 from cvllm.engine.config import EngineConfig
 from cvllm.engine.embedding import embed_all
 from cvllm.engine.executor import Executor, LaunchedStep
+from cvllm.engine.grammar_admission import GrammarAdmission
 from cvllm.engine.observers import StepObservers, StepRecord
 from cvllm.engine.sampler import advance_generator, make_generator
 from cvllm.engine.scheduler import EngineStats, ScheduledBatch, Scheduler
@@ -23,7 +22,6 @@ from cvllm.engine.speculator import Speculator
 from cvllm.outputs import Logprob
 from cvllm.pooling import PoolingConfig
 from cvllm.sampling_params import SamplingParams
-from cvllm.structured_output.grammar import GrammarMasks
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +54,9 @@ class LLMEngine:
         self.speculator = None if speculative is None else Speculator(
             speculative, scheduler, self.max_model_len, executor.propose_drafts if executor.draft else None,
             backend.draft_token_cost)
-        self.grammars: GrammarMasks | None = None   # structured output's state, made on the first request for it
-        # structured requests whose grammars are compiling; they join the scheduler when compiled
-        self._compiling: list[tuple[Future, list[Sequence]]] = []
+        # structured requests wait here while their grammars compile
+        self.grammar_admission = GrammarAdmission(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                                  scheduler.config.max_num_seqs)
         self._shut_down = False
         self._seq_ids = itertools.count()
 
@@ -71,6 +69,11 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return self.scheduler.stats
 
+    @property
+    def grammars(self):
+        """Structured output's GrammarMasks (None before the first structured request)."""
+        return self.grammar_admission.masks
+
     # -- requests ----------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -81,19 +84,7 @@ class LLMEngine:
             raise RuntimeError("this engine was shut down: its model and KV cache are freed")
         if request_id in self.requests:
             raise ValueError(f"request id '{request_id}' is already in use")
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
-        for name in ("logprobs", "prompt_logprobs"):
-            if (getattr(params, name) or 0) > vocab:
-                raise ValueError(f"{name} must be at most the vocabulary size {vocab}")
-        if len(prompt_token_ids) > self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, more than the maximum model "
-                             f"length {self.max_model_len}")
+        check_request(prompt_token_ids, params, self.vocab_size, self.max_model_len)
         stop_ids = sorted((set() if params.ignore_eos else self.eos_token_ids) | set(params.stop_token_ids))
         now = time.monotonic()
         seqs = []
@@ -113,53 +104,12 @@ class LLMEngine:
                     advance_generator(seq.generator, seq.num_output_tokens, self.vocab_size)
             seqs.append(seq)
         if params.structured_outputs is not None:
-            self._compiling.append((self._grammar_masks().compile(params.structured_outputs, params.n), seqs))
+            self.grammar_admission.submit(params.structured_outputs, seqs)
         else:
             for seq in seqs:
                 self.scheduler.add(seq)
         self.requests[request_id] = seqs
         return seqs
-
-    def _grammar_masks(self) -> GrammarMasks:
-        if self.grammars is None:
-            if self.tokenizer is None:
-                raise ValueError("structured output needs the model's tokenizer, and this model is served without "
-                                 "one")
-            self.grammars = GrammarMasks(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                         self.scheduler.config.max_num_seqs)
-        return self.grammars
-
-    def _admit_compiled(self, block: bool) -> list[Sequence]:
-        """Structured requests whose grammars have compiled join the scheduler (``block``: the engine has
-        nothing else to do, so wait for the first). Returns the sequences of grammars that failed, finished."""
-        if not self._compiling:
-            return []
-        if block:
-            wait_futures([future for future, _ in self._compiling], return_when=FIRST_COMPLETED)
-        failed, pending = [], []
-        for future, seqs in self._compiling:
-            if not future.done():
-                pending.append((future, seqs))
-            elif not seqs[0].is_finished:   # (aborted while it compiled)
-                try:
-                    grammars = future.result()
-                except Exception as e:
-                    logger.error("request %s: its grammar does not compile for this model: %s", seqs[0].request_id, e)
-                    for seq in seqs:
-                        self._retire(seq, "abort")
-                    failed += seqs
-                    continue
-                for seq, grammar in zip(seqs, grammars):
-                    seq.grammar = grammar
-                    if seq.num_output_tokens and not seq.replay_grammar():   # resumed: its output so far
-                        logger.error("request %s: its output does not fit its grammar: %s", seq.request_id,
-                                     grammar.error())
-                        self._retire(seq, "abort")
-                        failed.append(seq)
-                        continue
-                    self.scheduler.add(seq)
-        self._compiling = pending
-        return failed
 
     def abort_request(self, request_id: str) -> None:
         for seq in self.requests.pop(request_id, []):
@@ -177,7 +127,8 @@ class LLMEngine:
         self.requests.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._compiling)
+        return (self.scheduler.has_unfinished() or self._inflight is not None
+                or bool(self.grammar_admission.compiling))
 
     def shutdown(self) -> None:
         """Drop the model, its KV cache and graphs, and hand the device memory back to the device. Idempotent;
@@ -190,8 +141,7 @@ class LLMEngine:
             self.abort_request(request_id)
         self._inflight = self.last_batch = None
         self._shut_down = True
-        if self.grammars is not None:
-            self.grammars.shutdown()
+        self.grammar_admission.shutdown()
         self.executor.shutdown()
 
     @property
@@ -217,7 +167,8 @@ class LLMEngine:
         prev, self._inflight = self._inflight, None
         launched = None
         try:
-            done = self._admit_compiled(block=prev is None and not self.scheduler.has_unfinished())
+            done = self.grammar_admission.admit(prev is None and not self.scheduler.has_unfinished(),
+                                                self.scheduler.add, self._retire)
             if prev is not None and not self._can_overlap(prev):
                 done, prev = done + self._finish(prev, record), None     # schedule with every token known
             if self.speculator is not None:
@@ -405,3 +356,19 @@ class LLMEngine:
         if self._shut_down:
             raise RuntimeError("this engine was shut down: its model and KV cache are freed")
         return embed_all(self, prompts, pooling or self.checkpoint.pooling or PoolingConfig(), dimensions)
+
+
+def check_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+    """A request's ValueError (the server's 400) before anything is allocated for it."""
+    if not prompt_token_ids:
+        raise ValueError("the prompt is empty")
+    if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+    if params.logit_bias and max(params.logit_bias) >= vocab_size:
+        raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
+    for name in ("logprobs", "prompt_logprobs"):
+        if (getattr(params, name) or 0) > vocab_size:
+            raise ValueError(f"{name} must be at most the vocabulary size {vocab_size}")
+    if len(prompt_token_ids) > max_model_len:
+        raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, more than the maximum model "
+                         f"length {max_model_len}")
