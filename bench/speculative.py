@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -61,8 +62,9 @@ def timed_generate(llm: LLM, prompts, params) -> tuple[list, float]:
     return outputs, time.perf_counter() - started
 
 
-def run_pair(make_llm, prompts, params, spec: dict) -> dict:
-    """The same prompts one at a time (batch 1) without and with speculation."""
+def run_pair(make_llm, prompts, params, spec: dict, repeat: int = 1) -> dict:
+    """The same prompts one at a time (batch 1) without and with speculation, each ``repeat`` times: its median
+    time counts (a demo task decodes for ~0.1 s on the H200, where one run's tok/s moved 40% between calls)."""
     result = {}
     method = spec["method"]
     for name, config in (("plain", None), (method, spec)):
@@ -73,16 +75,21 @@ def run_pair(make_llm, prompts, params, spec: dict) -> dict:
         counters = ("spec_draft_tokens", "spec_accepted_tokens", "spec_verifications", "steps", "spec_guesses",
                     "spec_guess_misses")
         before = [getattr(stats, c) for c in counters]
-        tokens, wall, outputs = 0, 0.0, []
+        tokens, wall, outputs, runs = 0, 0.0, [], []
         for prompt in prompts:
-            out, seconds = timed_generate(llm, [prompt], params)
+            seconds = []
+            for _ in range(repeat):   # greedy: the same tokens every time
+                out, took = timed_generate(llm, [prompt], params)
+                seconds.append(took)
             outputs.append(list(out[0].outputs[0].token_ids))
             tokens += len(outputs[-1])
-            wall += seconds
+            wall += statistics.median(seconds)
+            runs.append([round(len(outputs[-1]) / t, 1) for t in seconds])
         drafted, accepted, verifications, steps, guesses, misses = (
-            getattr(stats, c) - b for c, b in zip(counters, before))
+            (getattr(stats, c) - b) / repeat for c, b in zip(counters, before))   # a run's
         result[name] = {"async_scheduling": llm.llm_engine.async_scheduling,   # (the engine's, default or not)
-                        "tok_s": round(tokens / wall, 1), "tokens": tokens, "wall_s": round(wall, 3), "steps": steps,
+                        "tok_s": round(tokens / wall, 1), "tok_s_runs": runs, "tokens": tokens,
+                        "wall_s": round(wall, 3), "steps": steps,
                         "ms_per_step": round(1e3 * wall / steps, 3),
                         "outputs": outputs, "draft_tokens": drafted, "accepted_tokens": accepted,
                         "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
@@ -115,6 +122,7 @@ def main() -> None:
     ap.add_argument("--draft-model", help="the draft_model method's draft: a checkpoint with the target's tokenizer")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="launch each step before the last one is read back (the GPU's default; speculator.py)")
+    ap.add_argument("--repeat", type=int, default=5, help="runs of each task; the median counts")
     ap.add_argument("--json")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -130,7 +138,7 @@ def main() -> None:
     async_scheduling = args.async_scheduling or None   # (None: the backend's default)
     for name, task in TASKS.items():
         results[name] = run_pair(lambda s: LLM(path, speculative_config=s, async_scheduling=async_scheduling),
-                                 [[{"role": "user", "content": task}]], params, spec)
+                                 [[{"role": "user", "content": task}]], params, spec, args.repeat)
     print(f"{'task':<10}{'plain tok/s':>12}{method + ' tok/s':>18}{'speedup':>9}{'accept':>8}"
           f"{'tok/verify':>11}{'same':>6}")
     for name, r in results.items():
@@ -142,7 +150,8 @@ def main() -> None:
             "benchmark": "speculative", "commit": git_commit(), "date": datetime.date.today().isoformat(),
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
             "command": " ".join(["python bench/speculative.py", *command_flags(sys.argv[1:])]),
-            "k": args.k, "max_tokens": args.max_tokens, "async_scheduling_flag": args.async_scheduling,
+            "k": args.k, "max_tokens": args.max_tokens, "repeat": args.repeat,
+            "async_scheduling_flag": args.async_scheduling,
             "results": results}, indent=2) + "\n")
 
 
