@@ -140,3 +140,14 @@ def test_int8_gemv_of_several_rows_compiles_without_spills(monkeypatch, name):
                                 lambda: quant_gemv_int8.quant_gemv_int8(x, weight, out, splits=1))
     assert len(kernels) == 1
     assert sm90.resource_usage(kernels[0])["STACK"] == 0, "spilled to local memory"
+
+
+@compiles
+@pytest.mark.parametrize("name", ["q4_k", "q6_k", "q8_0"])
+def test_quant_rows_compiles(monkeypatch, name):
+    """A quantized embedding's lookup kernel (quant_rows.py) at a Llama-3-8B table's width, in bf16."""
+    from test_quant_matmul import LAYOUTS, random_weight
+    quant_rows = importlib.import_module("cvllm_cuda.kernels.quant_rows")
+    weight = random_weight(LAYOUTS[name], 256, 4096, "cpu")
+    lookup = lambda: quant_rows.quant_rows(weight, torch.zeros(3, dtype=torch.long), torch.bfloat16)  # noqa: E731
+    assert len(compiled_launches(monkeypatch, quant_rows, "_rows_kernel", lookup)) == 1

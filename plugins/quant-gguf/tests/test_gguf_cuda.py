@@ -71,51 +71,60 @@ def _greedy(llm, prompts):
     return [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
 
 
-@pytest.mark.parametrize("qtype", [GGMLType.Q6_K, GGMLType.Q8_0], ids=lambda t: t.name)
-def test_untied_lm_head_computes_from_planes(qtype, make_rows, one_torch_thread, monkeypatch):
-    """An untied GGUF LM head on CUDA keeps its blocks as the GPU's planes (table_method.py; a Q4_K_M file's Q6_K
-    head is 41% of a bf16 copy's bytes): no float table is kept, and the logits are the exact table's, for a
-    token and for several (float activations, and llama.cpp's int8 ones at one row)."""
+@pytest.mark.parametrize("qtype", [GGMLType.Q6_K, GGMLType.Q8_0, GGMLType.Q4_K], ids=lambda t: t.name)
+def test_tables_compute_and_look_up_from_planes(qtype, make_rows, one_torch_thread, monkeypatch):
+    """A GGUF token embedding (tied to the LM head or not) and an untied LM head on CUDA keep their blocks as the GPU's
+    planes (table_method.py; a Q4_K_M file's Q6_K head is 41% of a bf16 copy's bytes): no float table is kept, the
+    logits are the exact table's (float activations; llama.cpp's int8 ones at a few rows) and the looked-up rows
+    are the exact rows (kernels/quant_rows.py rounds them once to the engine's dtype)."""
     if not INTERPRET:
         pytest.skip("CPU tensors through Triton's interpreter; with a GPU the end-to-end gpu test covers this path")
-    from cvllm.layers.embedding import ParallelLMHead
+    from cvllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
     from cvllm_gguf import linear_method, table_method
-    from cvllm_gguf.table_method import GGUFTableMethod, head_planes_possible
+    from cvllm_gguf.table_method import GGUFTableMethod, gpu_planes_possible
 
     vocab, hidden = 100, 256   # a vocabulary that no tile divides
     rows = make_rows(qtype, vocab, hidden, seed=3)
-    heads = {}
-    for form in ("exact", "planes"):
-        head = ParallelLMHead(vocab, hidden)
-        head.set_table_method(GGUFTableMethod(qtype, mode="exact"))
-        head.qweight.weight_loader(head.qweight, rows)
+    tables = {}
+    tied = ParallelLMHead(vocab, hidden)   # a head tied to the planes' embedding: it reads that table's planes
+    for kind, form in (("head", "exact"), ("head", "planes"), ("embedding", "exact"), ("embedding", "planes")):
+        table = (ParallelLMHead if kind == "head" else VocabParallelEmbedding)(vocab, hidden)
+        if (kind, form) == ("embedding", "planes"):
+            tied.tie_to(table)   # (as a model ties them when it is built, before the tables get their methods)
+        table.set_table_method(GGUFTableMethod(qtype, mode="exact"))
+        table.qweight.weight_loader(table.qweight, rows)
         # as on a CUDA device: the CPU tensors run through the interpreter
         usable = form == "planes"
         monkeypatch.setattr(table_method, "plane_kernels_usable", lambda device, usable=usable: usable)
         monkeypatch.setattr(linear_method, "plane_kernels_usable", lambda device, usable=usable: usable)
-        head.quant_method.process_weights_after_loading(head)
-        heads[form] = head
-    assert heads["exact"].gguf_compute == "dense"
-    planes = heads["planes"]
-    assert planes.gguf_compute == "planes" and planes.qweight.numel() == 0 and planes.weight.numel() == 0
+        table.quant_method.process_weights_after_loading(table)
+        tables[kind, form] = table
+    for kind in ("head", "embedding"):
+        exact, planes = tables[kind, "exact"], tables[kind, "planes"]
+        assert exact.gguf_compute == "dense"
+        assert planes.gguf_compute == "planes" and planes.qweight.numel() == 0 and planes.weight.numel() == 0
+    head = tables["head", "planes"]
     for env in ("0", "1"):
         monkeypatch.setenv(quant_gemv_int8.ENV, env)
         for t in (1, 3, 9):
             x = torch.randn(t, hidden, generator=torch.Generator().manual_seed(t))
-            want = heads["exact"].compute_logits(x)
-            got = planes.compute_logits(x)
-            assert got.shape == (t, vocab)
-            # int8 activations (Q8_0's one row): x rounded to 8 bits per 32, as llama.cpp's CUDA backend rounds it
+            want = tables["head", "exact"].compute_logits(x)
+            # int8 activations (Q8_0's, Q4_K's few rows): x rounded to 8 bits per 32, as llama.cpp's CUDA backend does
             rounded = env == "1" and t <= quant_gemv_int8.MAX_ROWS and quant_gemv_int8.applies(LAYOUTS[qtype], hidden)
             tolerance = (2e-2 if rounded else 1e-5) * want.abs().max().item()
-            torch.testing.assert_close(got, want, rtol=0, atol=tolerance)
-    # only an untied head, and only where CUDA is
+            for got in (head.compute_logits(x), tied.compute_logits(x)):
+                assert got.shape == (t, vocab)
+                torch.testing.assert_close(got, want, rtol=0, atol=tolerance)
+    ids = torch.tensor([[0, 99, 5], [5, 42, 17]])
+    embedding = tables["embedding", "planes"]
+    assert torch.equal(embedding(ids), tables["embedding", "exact"](ids))   # float32 (the engine's here): exact
+    embedding.table_dtype = torch.bfloat16   # rows rounded once to the engine's dtype
+    assert embedding(ids).dtype == torch.bfloat16 and embedding(ids).shape == (2, 3, hidden)
+    # only where CUDA is
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    from cvllm.layers.embedding import VocabParallelEmbedding
-    assert head_planes_possible(ParallelLMHead(vocab, hidden), qtype)
-    assert not head_planes_possible(VocabParallelEmbedding(vocab, hidden), qtype)
+    assert gpu_planes_possible(qtype)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert not head_planes_possible(ParallelLMHead(vocab, hidden), qtype)
+    assert not gpu_planes_possible(qtype)
 
 
 @pytest.mark.gpu

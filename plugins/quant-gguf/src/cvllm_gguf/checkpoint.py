@@ -50,7 +50,7 @@ from cvllm_gguf.mixed import MixedGGUFLinearMethod
 from cvllm_gguf.moe import GGUFExpertsMethod
 from cvllm_gguf.quant_types import FLOAT_DTYPES, GGMLType
 from cvllm_gguf.reader import GGUFFile, TensorInfo, open_gguf_files
-from cvllm_gguf.table_method import GGUFTableMethod, head_planes_possible
+from cvllm_gguf.table_method import GGUFTableMethod, gpu_planes_possible
 
 logger = logging.getLogger(__name__)
 QUANTIZED_TABLES_ENV = "CVLLM_GGUF_QUANTIZED_TABLES"   # embedding / LM head from the GGUF blocks (table_method.py)
@@ -252,8 +252,7 @@ def gguf_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMet
 
     def embedding_method(name: str, table: nn.Module) -> GGUFTableMethod | None:
         """The token embedding or an untied LM head kept in its blocks (table_method.py): on the CPU's fast path
-        as int4 planes; where CUDA is present, only an untied LM head, as the GPU's low-bit planes (a lookup table
-        there is a float copy, as a tied head's); None: loaded dequantized."""
+        as int4 planes, where CUDA is present as the GPU's low-bit planes; None: loaded dequantized."""
         qtype = quant.weight_types.get(name)
         # CVLLM_GGUF_QUANTIZED_TABLES=0: a dequantized copy (an A/B). The planes' logits come from core's C kernel
         # with float32 scales and sums (int4planes.py): nearer the exact ones than a bf16 copy's
@@ -261,7 +260,7 @@ def gguf_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMet
             return None
         cpu_planes = mode == "fast" and not torch.cuda.is_available() \
             and planes_usable(qtype, table.num_embeddings, table.embedding_dim)
-        if not (cpu_planes or head_planes_possible(table, qtype)):
+        if not (cpu_planes or gpu_planes_possible(qtype)):
             return None
         quant.quantized_modules.add(name)
         return GGUFTableMethod(qtype, mode)

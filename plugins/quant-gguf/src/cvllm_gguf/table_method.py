@@ -5,11 +5,12 @@ Q4_K, Q5_K) is repacked once into the planes torch's int4-packed matmul reads: t
 matmul (core's C kernel with float32 scales and sums where it is built: int4planes.py), the lookups read the same
 planes back row by row, and no float copy of the table is kept (SmolLM2-135M's 49152 x 576 Q8_0 embedding: 28 MB of
 planes and 14 MB of float32 scales instead of a 57 MB bf16 copy).
-On CUDA an untied LM head (no lookups read it) is repacked into the GPU backend's low-bit planes as a linear layer's
-weight is (linear_method.py) and its logits are that layer's product: a Llama-3-8B head in Q6_K (llama.cpp's type
-for it in Q4_K_M files) is 431 MB read a step instead of 1,051 MB of bf16.
-Everywhere else (other types, a layout whose rows cannot be read back: the raw blocks stay for the lookups; a lookup
-table on CUDA) the fallbacks are the plain ones: the table dequantized once to the engine's dtype.
+On CUDA a table is repacked into the GPU backend's low-bit planes as a linear layer's weight is (linear_method.py):
+an LM head's logits are that layer's product (a Llama-3-8B head in Q6_K, llama.cpp's type for it in Q4_K_M files,
+is 431 MB read a step instead of 1,051 MB of bf16), and lookups read rows of the same planes back
+(cvllm_cuda.kernels.quant_rows), so a tied table serves both and no float copy is kept.
+Everywhere else (other types, a layout whose rows cannot be read back: the raw blocks stay for the lookups) the
+fallbacks are the plain ones: the table dequantized once to the engine's dtype.
 """
 
 from __future__ import annotations
@@ -40,10 +41,11 @@ class GGUFTableMethod(GGUFLinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         out_features, in_features = layer.gguf_shape
         qweight = layer.qweight.data
-        if isinstance(layer, ParallelLMHead) and plane_kernels_usable(qweight.device) and _has_planes(self.qtype):
-            super().process_weights_after_loading(layer)   # a linear layer's planes: no lookup reads this table
-            logger.info("%s LM head %d x %d: low-bit planes (a bf16 copy: %.1f MB)", self.qtype.name, out_features,
-                        in_features, out_features * in_features * 2 / 1e6)
+        if plane_kernels_usable(qweight.device) and _has_planes(self.qtype):
+            super().process_weights_after_loading(layer)   # a linear layer's planes, for the products and lookups
+            logger.info("%s %s %d x %d: low-bit planes (a bf16 copy: %.1f MB)", self.qtype.name,
+                        "LM head" if isinstance(layer, ParallelLMHead) else "table", out_features, in_features,
+                        out_features * in_features * 2 / 1e6)
             return
         if self.mode == "fast" and qweight.device.type == "cpu" and planes_usable(self.qtype, *layer.gguf_shape):
             planes = int4_planes(qweight, self.qtype, in_features)
@@ -78,6 +80,10 @@ class GGUFTableMethod(GGUFLinearMethod):
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         if layer.gguf_compute is None:
             self.process_weights_after_loading(layer)
+        if layer.gguf_compute == "planes":
+            from cvllm_cuda.kernels.quant_rows import quant_rows
+
+            return quant_rows(layer.quant_weight, ids, layer.table_dtype)
         if layer.gguf_compute != "int4planes":
             return F.embedding(ids, layer.weight)
         flat = ids.reshape(-1)
@@ -87,11 +93,11 @@ class GGUFTableMethod(GGUFLinearMethod):
         return planes_rows(layer.int4_planes, flat, layer.table_dtype).view(*ids.shape, -1)
 
 
-def head_planes_possible(table: nn.Module, qtype: GGMLType) -> bool:
-    """Whether ``table`` may keep its blocks on CUDA: an untied LM head (nothing looks rows up in it) of a type with
-    a plane layout, where CUDA is present (the planes are made after loading, where ``plane_kernels_usable`` has the
-    final word: elsewhere the table is dequantized as before)."""
-    if not (isinstance(table, ParallelLMHead) and torch.cuda.is_available()):
+def gpu_planes_possible(qtype: GGMLType) -> bool:
+    """Whether a table of ``qtype`` may keep its blocks on CUDA: where CUDA is present, a type with a plane layout
+    (the planes are made after loading, where ``plane_kernels_usable`` has the final word: elsewhere the table is
+    dequantized as before)."""
+    if not torch.cuda.is_available():
         return False
     try:
         return _has_planes(qtype)
