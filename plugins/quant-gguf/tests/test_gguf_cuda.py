@@ -120,11 +120,14 @@ def test_tables_compute_and_look_up_from_planes(qtype, make_rows, one_torch_thre
     assert torch.equal(embedding(ids), tables["embedding", "exact"](ids))   # float32 (the engine's here): exact
     embedding.table_dtype = torch.bfloat16   # rows rounded once to the engine's dtype
     assert embedding(ids).dtype == torch.bfloat16 and embedding(ids).shape == (2, 3, hidden)
-    # only where CUDA is
+    # only where CUDA is; lookup tables only with CVLLM_GGUF_CUDA_LOOKUP_PLANES=1 (until run on a GPU)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert gpu_planes_possible(qtype)
+    monkeypatch.delenv(table_method.LOOKUP_PLANES_ENV, raising=False)
+    assert gpu_planes_possible(head, qtype) and not gpu_planes_possible(embedding, qtype)
+    monkeypatch.setenv(table_method.LOOKUP_PLANES_ENV, "1")
+    assert gpu_planes_possible(head, qtype) and gpu_planes_possible(embedding, qtype)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert not gpu_planes_possible(qtype)
+    assert not gpu_planes_possible(head, qtype)
 
 
 @pytest.mark.gpu
@@ -134,9 +137,11 @@ def test_tables_compute_and_look_up_from_planes(qtype, make_rows, one_torch_thre
                                         "down_proj": GGMLType.Q6_K},
                                    {"v_proj": GGMLType.Q8_0, "up_proj": GGMLType.Q4_0}],   # mixed fused parts
                          ids=["mix1", "mix2", "mixed-parts"])
+@pytest.mark.parametrize("lookup_planes", ["0", "1"])
 def test_tiny_model_on_cuda_computes_from_planes_and_gives_the_cpu_exact_tokens(tmp_path, make_rows, types,
-                                                                                monkeypatch):
+                                                                                lookup_planes, monkeypatch):
     from cvllm import LLM
+    monkeypatch.setenv("CVLLM_GGUF_CUDA_LOOKUP_PLANES", lookup_planes)   # the embedding's lookups from its planes
     # float activations: the CPU path's numbers (the default int8 ones are llama.cpp's, tested per kernel)
     monkeypatch.setenv(quant_gemv_int8.ENV, "0")
     from cvllm_gguf.testing import write_tiny_llama
@@ -157,6 +162,10 @@ def test_tiny_model_on_cuda_computes_from_planes_and_gives_the_cpu_exact_tokens(
         assert (module.quant_0_low if parts else module.quant_low).is_cuda, name
         planes += 1
     assert planes >= 6
+    model = cuda.llm_engine.runner.model
+    assert model.lm_head.gguf_compute == "planes"                                   # an untied head: planes always
+    embedding = model.model.embed_tokens
+    assert (getattr(embedding, "gguf_compute", None) == "planes") == (lookup_planes == "1")
     assert _greedy(cuda, prompts) == _greedy(cpu, prompts)
 
 

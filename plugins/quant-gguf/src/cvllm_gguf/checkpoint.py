@@ -252,7 +252,8 @@ def gguf_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMet
 
     def embedding_method(name: str, table: nn.Module) -> GGUFTableMethod | None:
         """The token embedding or an untied LM head kept in its blocks (table_method.py): on the CPU's fast path
-        as int4 planes, where CUDA is present as the GPU's low-bit planes; None: loaded dequantized."""
+        as int4 planes, where CUDA is present as the GPU's low-bit planes (table_method.gpu_planes_possible); None:
+        loaded dequantized."""
         qtype = quant.weight_types.get(name)
         # CVLLM_GGUF_QUANTIZED_TABLES=0: a dequantized copy (an A/B). The planes' logits come from core's C kernel
         # with float32 scales and sums (int4planes.py): nearer the exact ones than a bf16 copy's
@@ -260,7 +261,7 @@ def gguf_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMet
             return None
         cpu_planes = mode == "fast" and not torch.cuda.is_available() \
             and planes_usable(qtype, table.num_embeddings, table.embedding_dim)
-        if not (cpu_planes or gpu_planes_possible(qtype)):
+        if not (cpu_planes or gpu_planes_possible(table, qtype)):
             return None
         quant.quantized_modules.add(name)
         return GGUFTableMethod(qtype, mode)
