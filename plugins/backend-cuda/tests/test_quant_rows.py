@@ -11,13 +11,15 @@ from cvllm.testing.requirements import import_or_skip
 
 import_or_skip("triton")
 
-from test_quant_matmul import DEVICE, LAYOUTS, random_weight  # noqa: E402
+from test_quant_matmul import DEVICE, LAYOUTS, needs_gpu, random_weight  # noqa: E402
 
 from cvllm_cuda.kernels.quant_matmul import dequantize_weight  # noqa: E402
 from cvllm_cuda.kernels.quant_rows import quant_rows  # noqa: E402
 
+NAMES = ["q4_k", "q6_k", "q8_0", "q2_k", "gptq4_g128", "fp8_block128"]
 
-@pytest.mark.parametrize("name", ["q4_k", "q6_k", "q8_0", "q2_k", "gptq4_g128", "fp8_block128"])
+
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rows_are_the_dequantized_weights_rows(name, dtype):
     weight = random_weight(LAYOUTS[name], 100, 512, DEVICE, seed=4)   # 100 rows: no tile divides them
@@ -25,6 +27,23 @@ def test_rows_are_the_dequantized_weights_rows(name, dtype):
     rows = quant_rows(weight, ids, dtype)
     assert rows.shape == (2, 3, 512) and rows.dtype == dtype
     assert torch.equal(rows, dequantize_weight(weight, dtype).t()[ids])
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", NAMES)
+def test_gpu_rows_of_a_llama_sized_table(name):
+    """Compiled, at a Llama-3-8B table's width and a batch of lookups inside a CUDA graph."""
+    weight = random_weight(LAYOUTS[name], 1000, 4096, DEVICE, seed=5)
+    ids = torch.randint(0, 1000, (37,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    rows = quant_rows(weight, ids, torch.bfloat16)   # (also compiles it before the capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = quant_rows(weight, ids, torch.bfloat16)
+    ids.copy_(ids.flip(0))
+    graph.replay()
+    want = dequantize_weight(weight, torch.bfloat16).t()
+    assert torch.equal(rows, want[ids.flip(0)]) and torch.equal(captured, want[ids])
 
 
 def test_no_ids_no_rows():
