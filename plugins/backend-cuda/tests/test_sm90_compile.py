@@ -144,10 +144,13 @@ def test_int8_gemv_of_several_rows_compiles_without_spills(monkeypatch, name):
 
 @compiles
 @pytest.mark.parametrize("name", ["q4_k", "q6_k", "q8_0"])
-def test_quant_rows_compiles(monkeypatch, name):
-    """A quantized embedding's lookup kernel (quant_rows.py) at a Llama-3-8B table's width, in bf16."""
+@pytest.mark.parametrize("lookups", [1, 3, 300])
+def test_dequantize_rows_compiles(monkeypatch, name, lookups):
+    """A quantized embedding's lookups (quant_matmul.dequantize_rows) at a Llama-3-8B table's width, in bf16: one
+    row (a decode step), a few, a prefill chunk's."""
     from test_quant_matmul import LAYOUTS, random_weight
-    quant_rows = importlib.import_module("cvllm_cuda.kernels.quant_rows")
+    quant_matmul = importlib.import_module("cvllm_cuda.kernels.quant_matmul")
     weight = random_weight(LAYOUTS[name], 256, 4096, "cpu")
-    lookup = lambda: quant_rows.quant_rows(weight, torch.zeros(3, dtype=torch.long), torch.bfloat16)  # noqa: E731
-    assert len(compiled_launches(monkeypatch, quant_rows, "_rows_kernel", lookup)) == 1
+    ids = torch.zeros(lookups, dtype=torch.long)
+    lookup = lambda: quant_matmul.dequantize_rows(weight, ids, torch.bfloat16)  # noqa: E731
+    assert len(compiled_launches(monkeypatch, quant_matmul, "_dequantize_kernel", lookup)) == 1

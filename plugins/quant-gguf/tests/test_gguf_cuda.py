@@ -76,7 +76,7 @@ def test_tables_compute_and_look_up_from_planes(qtype, make_rows, one_torch_thre
     """A GGUF token embedding (tied to the LM head or not) and an untied LM head on CUDA keep their blocks as the GPU's
     planes (table_method.py; a Q4_K_M file's Q6_K head is 41% of a bf16 copy's bytes): no float table is kept, the
     logits are the exact table's (float activations; llama.cpp's int8 ones at a few rows) and the looked-up rows
-    are the exact rows (kernels/quant_rows.py rounds them once to the engine's dtype)."""
+    are the exact rows (quant_matmul.dequantize_rows rounds them once to the engine's dtype)."""
     if not INTERPRET:
         pytest.skip("CPU tensors through Triton's interpreter; with a GPU the end-to-end gpu test covers this path")
     from cvllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding

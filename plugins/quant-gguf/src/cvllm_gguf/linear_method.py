@@ -112,7 +112,7 @@ class GGUFLinearMethod(LinearMethod):
         out_features, in_features = layer.gguf_shape
         qweight = layer.qweight.data
         if not getattr(layer, "gguf_columns", None) and plane_kernels_usable(qweight.device) \
-                and _has_planes(self.qtype):
+                and has_planes(self.qtype):
             from cvllm_cuda.quant_planes import attach
             from cvllm_gguf.planes import to_planes
 
@@ -150,7 +150,7 @@ class GGUFLinearMethod(LinearMethod):
         return out.to(x.dtype)
 
 
-def _has_planes(qtype: GGMLType) -> bool:
+def has_planes(qtype: GGMLType) -> bool:
     """Whether ``qtype`` has a plane layout (imported only where cvllm-cuda is: plane_kernels_usable said so)."""
     from cvllm_gguf.planes import has_layout
 

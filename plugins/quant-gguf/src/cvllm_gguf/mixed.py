@@ -20,7 +20,7 @@ from cvllm.checkpoint.lazy import LazyTensor, lazy_aware, materialize
 from cvllm.layers.linear import output_shards
 from cvllm.layers.quantization import LinearMethod, plane_kernels_usable
 from cvllm_gguf.dequant import dequantize
-from cvllm_gguf.linear_method import Mode, _has_planes
+from cvllm_gguf.linear_method import Mode, has_planes
 from cvllm_gguf.quant_types import FORMATS, GGMLType, row_bytes
 
 
@@ -69,7 +69,7 @@ class MixedGGUFLinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         _, in_features = layer.gguf_shape
         device = layer.qweight.device
-        if plane_kernels_usable(device) and all(_has_planes(t) for t in self.qtypes):
+        if plane_kernels_usable(device) and all(has_planes(t) for t in self.qtypes):
             from cvllm_cuda.quant_planes import attach
             from cvllm_gguf.planes import to_planes
 

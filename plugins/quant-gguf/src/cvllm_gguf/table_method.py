@@ -8,8 +8,8 @@ planes and 14 MB of float32 scales instead of a 57 MB bf16 copy).
 On CUDA a table is repacked into the GPU backend's low-bit planes as a linear layer's weight is (linear_method.py):
 an LM head's logits are that layer's product (a Llama-3-8B head in Q6_K, llama.cpp's type for it in Q4_K_M files,
 is 431 MB read a step instead of 1,051 MB of bf16), and lookups read rows of the same planes back
-(cvllm_cuda.kernels.quant_rows), so a tied table serves both and no float copy is kept (the lookups' part behind
-CVLLM_GGUF_CUDA_LOOKUP_PLANES=1 until it has run on a GPU).
+(cvllm_cuda.kernels.quant_matmul.dequantize_rows), so a tied table serves both and no float copy is kept (the
+lookups' part behind CVLLM_GGUF_CUDA_LOOKUP_PLANES=1 until it has run on a GPU).
 Everywhere else (other types, a layout whose rows cannot be read back: the raw blocks stay for the lookups) the
 fallbacks are the plain ones: the table dequantized once to the engine's dtype.
 """
@@ -27,7 +27,7 @@ from cvllm.layers.embedding import ParallelLMHead
 from cvllm.layers.quantization import dense, plane_kernels_usable
 from cvllm_gguf.dequant import dequantize
 from cvllm_gguf.int4planes import int4_planes, planes_linear, planes_rows, planes_usable, rows_readable
-from cvllm_gguf.linear_method import GGUFLinearMethod, _has_planes
+from cvllm_gguf.linear_method import GGUFLinearMethod, has_planes
 from cvllm_gguf.quant_types import GGMLType
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class GGUFTableMethod(GGUFLinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         out_features, in_features = layer.gguf_shape
         qweight = layer.qweight.data
-        if plane_kernels_usable(qweight.device) and _has_planes(self.qtype):
+        if plane_kernels_usable(qweight.device) and has_planes(self.qtype):
             super().process_weights_after_loading(layer)   # a linear layer's planes, for the products and lookups
             logger.info("%s %s %d x %d: low-bit planes (a bf16 copy: %.1f MB)", self.qtype.name,
                         "LM head" if isinstance(layer, ParallelLMHead) else "table", out_features, in_features,
@@ -83,9 +83,9 @@ class GGUFTableMethod(GGUFLinearMethod):
         if layer.gguf_compute is None:
             self.process_weights_after_loading(layer)
         if layer.gguf_compute == "planes":
-            from cvllm_cuda.kernels.quant_rows import quant_rows
+            from cvllm_cuda.kernels.quant_matmul import dequantize_rows
 
-            return quant_rows(layer.quant_weight, ids, layer.table_dtype)
+            return dequantize_rows(layer.quant_weight, ids, layer.table_dtype)
         if layer.gguf_compute != "int4planes":
             return F.embedding(ids, layer.weight)
         flat = ids.reshape(-1)
@@ -95,9 +95,9 @@ class GGUFTableMethod(GGUFLinearMethod):
         return planes_rows(layer.int4_planes, flat, layer.table_dtype).view(*ids.shape, -1)
 
 
-# lookups from the planes on CUDA (quant_rows.py): tested in Triton's interpreter and compiled for sm_90, not yet
-# run on a GPU, so off by default there until the GPU suite has run it (its end-to-end test takes both ways); off,
-# an embedding and a head tied to it are a float copy on CUDA, an untied head planes either way
+# lookups from the planes on CUDA (quant_matmul.dequantize_rows): tested in Triton's interpreter and compiled for
+# sm_90, not yet run on a GPU, so off by default there until the GPU suite has run it (its end-to-end test takes both
+# ways); off, an embedding and a head tied to it are a float copy on CUDA, an untied head planes either way
 LOOKUP_PLANES_ENV = "CVLLM_GGUF_CUDA_LOOKUP_PLANES"
 
 
@@ -109,6 +109,6 @@ def gpu_planes_possible(table: nn.Module, qtype: GGMLType) -> bool:
     if not torch.cuda.is_available() or (lookups and os.environ.get(LOOKUP_PLANES_ENV, "0") != "1"):
         return False
     try:
-        return _has_planes(qtype)
+        return has_planes(qtype)
     except ImportError:   # no cvllm-cuda: the layers load dequantized (plane_kernels_usable logs it)
         return False

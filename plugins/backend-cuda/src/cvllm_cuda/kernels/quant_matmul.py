@@ -92,24 +92,28 @@ def _gemm_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, 
 
 
 @triton.jit
-def _dequantize_kernel(out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K,
+def _dequantize_kernel(out_ptr, ids_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K, T, stride_ok, stride_ot,
                        LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
                        SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
-                       HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                 USE_PDL: tl.constexpr):
-    """The transposed weight W^T [K, N] in out's dtype (many rows of x: then cuBLAS multiplies)."""
+                       HAS_M: tl.constexpr, FLOAT8: tl.constexpr, HAS_IDS: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_W: tl.constexpr, USE_PDL: tl.constexpr):
+    """The weight's values in out's dtype, element k of output feature n at ``k * stride_ok + t * stride_ot``: every
+    feature (t = n, T = N: W^T [K, N] for cuBLAS, many rows of x), or HAS_IDS the T features ``ids`` (t the index
+    into them: rows [T, K] of a quantized embedding's lookups)."""
     wait_for_previous_kernel(USE_PDL)
     PER_WORD: tl.constexpr = 32 // LOW_BITS
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ts = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t_ok = ts < T
+    cols = tl.load(ids_ptr + ts, mask=t_ok, other=0) if HAS_IDS else ts
     words = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-    word_ok, col_ok = words < K // PER_WORD, cols < N
+    word_ok = words < K // PER_WORD
     first, low, high, scale, offset = tile(low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, words, word_ok, cols,
-                                            col_ok, N, LOW_BITS, HIGH_BITS, SCALE_GROUP, SUPER_GROUP, A_MODE, B_MODE,
+                                            t_ok, N, LOW_BITS, HIGH_BITS, SCALE_GROUP, SUPER_GROUP, A_MODE, B_MODE,
                                             B_CONST, HAS_M)
     for S in tl.static_range(PER_WORD):
         w = quant_element(low, high, first, S, LOW_BITS, HIGH_BITS, FLOAT8) * scale + offset
-        ptrs = out_ptr + (first + S).to(tl.int64) * N + cols[None, :]
-        tl.store(ptrs, w.to(out_ptr.dtype.element_ty), mask=word_ok[:, None] & col_ok[None, :])
+        ptrs = out_ptr + (first + S).to(tl.int64) * stride_ok + ts.to(tl.int64)[None, :] * stride_ot
+        tl.store(ptrs, w.to(out_ptr.dtype.element_ty), mask=word_ok[:, None] & t_ok[None, :])
 
 
 # (BLOCK_N, BLOCK_W, num_warps, num_stages) of the GEMM, by low-plane bits: the unpacked kernel, a K step of 64
@@ -191,9 +195,27 @@ def dequantize_weight(weight: QuantWeight, dtype: torch.dtype, config: tuple | N
     n, k = weight.out_features, weight.in_features
     out = torch.empty((k, n), dtype=dtype, device=weight.low.device)
     grid = (cdiv(n, block_n), cdiv(k * weight.layout.low_bits // 32, block_w))
-    _dequantize_kernel[grid](out, *kernel_tensors(weight), n, k, **weight.layout.kernel_args(), BLOCK_N=block_n,
-                             BLOCK_W=block_w, num_warps=warps, **pdl_options(out.device))
+    _dequantize_kernel[grid](out, out, *kernel_tensors(weight), n, k, n, n, 1, **weight.layout.kernel_args(),
+                             HAS_IDS=False, BLOCK_N=block_n, BLOCK_W=block_w, num_warps=warps,
+                             **pdl_options(out.device))
     return out
+
+
+def dequantize_rows(weight: QuantWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` (indices below out_features, any shape, on the weight's device) of the weight, ``[*ids.shape,
+    in_features]`` of ``dtype``, each element as ``dequantize_weight`` gives it: a quantized token embedding's
+    lookups on the GPU (cvllm_gguf/table_method.py), graph-safe (nothing read back to the host)."""
+    k = weight.in_features
+    flat = ids.reshape(-1)
+    out = torch.empty((flat.numel(), k), dtype=dtype, device=weight.low.device)
+    if flat.numel():
+        block_n, block_w, warps = DEQUANT_CONFIGS[weight.layout.low_bits]
+        block_n = min(block_n, triton.next_power_of_2(flat.numel()))   # a decode step looks up a row or a few
+        grid = (cdiv(flat.numel(), block_n), cdiv(k * weight.layout.low_bits // 32, block_w))
+        _dequantize_kernel[grid](out, flat, *kernel_tensors(weight), weight.out_features, k, flat.numel(), 1, k,
+                                 **weight.layout.kernel_args(), HAS_IDS=True, BLOCK_N=block_n, BLOCK_W=block_w,
+                                 num_warps=warps, **pdl_options(out.device))
+    return out.view(*ids.shape, k)
 
 
 def quant_matmul(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor | None = None) -> torch.Tensor:
