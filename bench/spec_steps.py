@@ -2,11 +2,12 @@
 the host's milliseconds by phase, the device's time for the forward pass and the whole step, and how long the
 device sat idle before the step's first operation (host-bound steps show it there).
 
-    python bench/spec_steps.py [--k 4] [--task rewrite] [--sync]
+    python bench/spec_steps.py [--k 4] [--task rewrite] [--sync] [--profile]
 
 The demo model on bench/speculative.py's tasks, plain and with n-gram drafts, the engine's default scheduling
 (async on CUDA) unless ``--sync``. Device times come from backend events at the step's marks
-(cvllm/engine/observers.py), so on the CPU only the host columns mean anything.
+(cvllm/engine/observers.py), so on the CPU only the host columns mean anything. ``--profile`` (CUDA) runs each once
+more under the torch profiler and lists the kernels on the device's critical path, per launched step.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from profile_decode import report_critical_path  # noqa: E402
 from speculative import TASKS  # noqa: E402
 
 from cvllm import LLM, SamplingParams  # noqa: E402
@@ -76,6 +78,7 @@ def main() -> None:
     ap.add_argument("--task", default="rewrite", choices=sorted(TASKS))
     ap.add_argument("--max-tokens", type=int, default=400)
     ap.add_argument("--sync", action="store_true", help="synchronous steps (the CPU's default)")
+    ap.add_argument("--profile", action="store_true", help="also the device's kernels, per launched step (CUDA)")
     args = ap.parse_args()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     prompt = [[{"role": "user", "content": TASKS[args.task]}]]
@@ -94,6 +97,13 @@ def main() -> None:
         print(f"\n{name}: {len(out[0].outputs[0].token_ids)} tokens, {steps} steps, async "
               f"{engine.async_scheduling}, guesses {guesses} (wrong {misses})")
         print(table(records.records, args.k))
+        if args.profile and torch.cuda.is_available():
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                llm.chat(prompt, params)
+                torch.cuda.synchronize()
+            report_critical_path(prof, sum(1 for r in records.records if r.num_seqs), top=30)
         llm.shutdown()
 
 
