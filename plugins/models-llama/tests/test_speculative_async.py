@@ -104,3 +104,25 @@ def test_a_batch_past_disable_by_batch_size_overlaps_and_then_speculates(path):
     spec, stats = run(path, prompts, params, NGRAM, async_scheduling=True, max_num_seqs=12)
     assert spec == plain
     assert_guessed_both_ways(stats)
+
+
+def test_a_sequence_whose_guesses_fail_waits_for_its_outcomes(path, monkeypatch):
+    """Every guess wrong (a random model's greedy output, drafts copied from a repeated phrase, and the guess's
+    bonus token after them): with the floor off, each one voids a step; with it, a sequence stops being guessed for
+    after a miss, runs its verify steps synchronously, and its output is the same."""
+    from cvllm.engine import speculator
+
+    prompts = repetitive_prompts(3, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain, _ = run(path, prompts, params, None)
+    monkeypatch.setattr(speculator, "GUESS_MIN_RATE", 0.0)
+    always, always_stats = run(path, prompts, params, NGRAM, async_scheduling=True)
+    monkeypatch.undo()
+    floored, stats = run(path, prompts, params, NGRAM, async_scheduling=True)
+    assert always == floored == plain
+    assert always_stats.spec_guess_misses > 2 * len(prompts)
+    # a guess wrong drops a sequence's rate below the floor at once (1.0 -> 0.75); back above it takes two that
+    # would have held in a row, so the misses are about one a sequence here
+    assert stats.spec_guess_misses < always_stats.spec_guess_misses / 2, (stats.spec_guess_misses,
+                                                                          always_stats.spec_guess_misses)
+    assert stats.spec_verifications > 0

@@ -52,7 +52,23 @@ class Guess:
     step: object | None = None   # the LaunchedStep launched on the guess
 
     def holds(self, tokens: list[int]) -> bool:
-        return len(tokens) == len(self.expected) and all(e is None or e == t for e, t in zip(self.expected, tokens))
+        return self.matches(self.expected, tokens)
+
+    @staticmethod
+    def matches(expected: list[int | None], tokens: list[int]) -> bool:
+        return len(tokens) == len(expected) and all(e is None or e == t for e, t in zip(expected, tokens))
+
+
+# A wrong guess costs a whole device step (its rows are void), a right one saves the host's work between two steps
+# that the device would otherwise wait for (a fraction of a step), so a sequence is guessed for only while its
+# guesses hold at least this often: on the H200 a void step cost 0.8-1.1 ms on the demo model against 0.15-0.3 ms
+# of the device waiting for the host in a synchronous step (docs/benchmarks.md, session 24), a break-even of ~0.8.
+GUESS_MIN_RATE = 0.8
+GUESS_RATE_WEIGHT = 0.25   # the latest outcome's weight in a sequence's running rate (Sequence.spec_guess_rate)
+
+
+def score_guess(seq: Sequence, held: bool) -> None:
+    seq.spec_guess_rate += GUESS_RATE_WEIGHT * (held - seq.spec_guess_rate)
 
 
 class Speculator:
@@ -67,6 +83,7 @@ class Speculator:
         self._drafted: list[Sequence] = []   # the sequences given drafts this step (fit looks at them only)
         self.pending: dict[int, Guess] = {}   # seq_id -> its guess, from ``guess`` until ``settle`` (one step() call)
         self._held: list[tuple[Sequence, int]] = []   # (sequence, its num_inflight) left out of the next step
+        self.unused: dict[int, list[int | None]] = {}   # seq_id -> the guess not launched on (held), to score it
 
     @property
     def active(self) -> bool:
@@ -154,6 +171,10 @@ class Speculator:
                     continue
             if not k and bonus is None:
                 continue   # an async decode: its next input is read on the device
+            if seq.spec_guess_rate < GUESS_MIN_RATE:   # its guesses fail too often to pay: wait for the outcome,
+                self.unused[seq.seq_id] = drafts + [bonus]   # scored all the same, so that guessing resumes in a
+                self.hold(seq)                               # stretch where it would hold
+                continue
             state = seq.generator.get_state() if seq.generator is not None else None
             self.pending[seq.seq_id] = Guess(seq, drafts + [bonus], base, seq.num_inflight, state)
             seq.token_ids.extend(drafts)
@@ -260,13 +281,18 @@ class Speculator:
             self.stats.spec_accepted_tokens += a
             self.stats.spec_verifications += 1
         guess = self.pending.pop(seq.seq_id, None)
+        unused = self.unused.pop(seq.seq_id, None)
+        if unused is not None:
+            score_guess(seq, Guess.matches(unused, tokens))
         running = seq.status is SequenceStatus.RUNNING
         if guess is None:
             if running:
                 seq.num_computed_tokens += a   # the last token and the accepted drafts are in the cache
         elif guess.holds(tokens):
             self.stats.spec_guesses += 1
+            score_guess(seq, True)
         elif guess.step is not None:   # the next step was launched on a wrong guess: its rows of it are void
+            score_guess(seq, False)
             self.stats.spec_guesses += 1
             self.stats.spec_guess_misses += 1
             guess.step.void.add(seq.seq_id)
@@ -287,6 +313,7 @@ class Speculator:
         for seq, num_inflight in self._held:
             seq.num_inflight = num_inflight
         self.pending.clear()
+        self.unused.clear()
         self._held = []
         self._drafted = []
 
