@@ -4,7 +4,8 @@
     python bench/speculative.py --model TARGET --draft-model DRAFT      # draft-model speculation on the tasks
 
 Demo: SmolLM2-135M-Instruct (the demo GGUF), greedy, batch 1, on copy-heavy chat tasks (rewrite a given text with
-one change; edit a given function; repeat a text): output tok/s without and with speculation, the acceptance rate
+one change; edit a given function; repeat a text): output tok/s without and with speculation (of the whole call,
+and of the decode phase after the first token: "decode", which a prompt's prefill does not dilute), the acceptance rate
 and the mean tokens a verify step yields, and whether the outputs are the same token for token (in exact arithmetic
 they are; in bf16 or a quantized model on a GPU, the verify step's kernels round differently from a decode step's,
 so a near-tie may go the other way: docs/speculative.md). What a verify step costs on a large model, by batch size:
@@ -52,14 +53,29 @@ TASKS = {
 }
 
 
-def timed_generate(llm: LLM, prompts, params) -> tuple[list, float]:
+class FirstToken:
+    """A step observer: when the first step that returned a token ended (the prompt's prefill, read back)."""
+    device_timing = False
+
+    def __init__(self):
+        self.at = None
+
+    def on_step(self, record) -> None:
+        if self.at is None and record.num_outputs:
+            self.at = time.perf_counter()
+
+
+def timed_generate(llm: LLM, prompts, params) -> tuple[list, float, float]:
+    """The outputs, the whole call's seconds, and the seconds after the first token (batch 1: the decode phase)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     started = time.perf_counter()
-    outputs = llm.generate(prompts, params) if not isinstance(prompts[0], list) else llm.chat(prompts, params)
+    with llm.llm_engine.observers.observing(FirstToken()) as first:
+        outputs = llm.generate(prompts, params) if not isinstance(prompts[0], list) else llm.chat(prompts, params)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return outputs, time.perf_counter() - started
+    ended = time.perf_counter()
+    return outputs, ended - started, ended - (first.at or started)
 
 
 def run_pair(make_llm, prompts, params, spec: dict, repeat: int = 1) -> dict:
@@ -75,20 +91,24 @@ def run_pair(make_llm, prompts, params, spec: dict, repeat: int = 1) -> dict:
         counters = ("spec_draft_tokens", "spec_accepted_tokens", "spec_verifications", "steps", "spec_guesses",
                     "spec_guess_misses")
         before = [getattr(stats, c) for c in counters]
-        tokens, wall, outputs, runs = 0, 0.0, [], []
+        tokens, wall, decode_wall, outputs, runs = 0, 0.0, 0.0, [], []
         for prompt in prompts:
-            seconds = []
+            seconds, decode_seconds = [], []
             for _ in range(repeat):   # greedy: the same tokens every time
-                out, took = timed_generate(llm, [prompt], params)
+                out, took, decoding = timed_generate(llm, [prompt], params)
                 seconds.append(took)
+                decode_seconds.append(decoding)
             outputs.append(list(out[0].outputs[0].token_ids))
             tokens += len(outputs[-1])
             wall += statistics.median(seconds)
+            decode_wall += statistics.median(decode_seconds)
             runs.append([round(len(outputs[-1]) / t, 1) for t in seconds])
         drafted, accepted, verifications, steps, guesses, misses = (
             (getattr(stats, c) - b) / repeat for c, b in zip(counters, before))   # a run's
         result[name] = {"async_scheduling": llm.llm_engine.async_scheduling,   # (the engine's, default or not)
                         "tok_s": round(tokens / wall, 1), "tok_s_runs": runs, "tokens": tokens,
+                        # after the first token (the prompt's prefill and its first step excluded): decode tok/s
+                        "decode_tok_s": round((tokens - len(prompts)) / decode_wall, 1) if decode_wall else None,
                         "wall_s": round(wall, 3), "steps": steps,
                         "ms_per_step": round(1e3 * wall / steps, 3),
                         "outputs": outputs, "draft_tokens": drafted, "accepted_tokens": accepted,
@@ -99,6 +119,8 @@ def run_pair(make_llm, prompts, params, spec: dict, repeat: int = 1) -> dict:
         llm.shutdown()
     result["same_outputs"] = result["plain"].pop("outputs") == result[method].pop("outputs")
     result["speedup"] = round(result[method]["tok_s"] / result["plain"]["tok_s"], 3)
+    if result["plain"]["decode_tok_s"] and result[method]["decode_tok_s"]:
+        result["decode_speedup"] = round(result[method]["decode_tok_s"] / result["plain"]["decode_tok_s"], 3)
     return result
 
 
@@ -139,12 +161,12 @@ def main() -> None:
     for name, task in TASKS.items():
         results[name] = run_pair(lambda s: LLM(path, speculative_config=s, async_scheduling=async_scheduling),
                                  [[{"role": "user", "content": task}]], params, spec, args.repeat)
-    print(f"{'task':<10}{'plain tok/s':>12}{method + ' tok/s':>18}{'speedup':>9}{'accept':>8}"
+    print(f"{'task':<10}{'plain tok/s':>12}{method + ' tok/s':>18}{'speedup':>9}{'decode':>8}{'accept':>8}"
           f"{'tok/verify':>11}{'same':>6}")
     for name, r in results.items():
         print(f"{name:<10}{r['plain']['tok_s']:>12}{r[method]['tok_s']:>18}{r['speedup']:>9}"
-              f"{r[method]['acceptance_rate']!s:>8}{r[method]['mean_tokens_per_verify']!s:>11}"
-              f"{r['same_outputs']!s:>6}")
+              f"{r.get('decode_speedup')!s:>8}{r[method]['acceptance_rate']!s:>8}"
+              f"{r[method]['mean_tokens_per_verify']!s:>11}{r['same_outputs']!s:>6}")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "benchmark": "speculative", "commit": git_commit(), "date": datetime.date.today().isoformat(),

@@ -115,3 +115,14 @@ def test_int8_activations_are_off_for_high_planes_fp8_and_the_switch(monkeypatch
     on = dataclasses.replace(LAYOUTS["q4_k"], int8_activations=True)
     monkeypatch.setenv(quant_gemv_int8.ENV, "0")
     assert not quant_gemv_int8.applies(on, 1024)
+
+
+def test_rows_go_together_in_a_program_only_on_a_large_layer():
+    """The default: rows together where the weight stream is the cost (a Llama-3-8B layer), a program a row on the
+    demo model's small layers (more programs in parallel), one row alone either way."""
+    if quant_gemv_int8.ROWS_PER_PROGRAM:
+        pytest.skip("CVLLM_GEMV_ROWS_PER_PROGRAM is set")
+    assert quant_gemv_int8.program_rows(5, 4096, 4096) == 5
+    assert quant_gemv_int8.program_rows(3, 28672, 4096) == 3
+    assert quant_gemv_int8.program_rows(5, 960, 576) == 1
+    assert quant_gemv_int8.program_rows(1, 4096, 4096) == 1

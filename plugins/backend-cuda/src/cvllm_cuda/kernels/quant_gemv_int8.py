@@ -231,8 +231,21 @@ QUANTIZE_BLOCKS = 8   # 32-input blocks per program of the activation quantizer
 # each row is summed as when alone (the same bits). All of them up to MAX_ROWS by default: a Llama-3-8B layer in a
 # CUDA graph on the H200 (bench/results/2026-12-04-h200-gemm_swapped_probe-gemvrows-6ca7c93.json), us at 1 / 2 / 3 /
 # 4 / 5 rows, a program a row -> rows together: Q4_K 58.5 / 79.7 / 110.4 / 137.8 / 165.2 -> 57.5 / 70.4 / 93.1 /
-# 110.6 / 128.1; Q8_0 74.0 / 86.5 / 104.1 / 126.5 / 147.1 -> 74.9 / 79.6 / 102.0 / 116.1 / 131.8. 1 = a program a row.
-ROWS_PER_PROGRAM = int(os.environ.get("CVLLM_GEMV_ROWS_PER_PROGRAM", str(MAX_ROWS)))
+# 110.6 / 128.1; Q8_0 74.0 / 86.5 / 104.1 / 126.5 / 147.1 -> 74.9 / 79.6 / 102.0 / 116.1 / 131.8. But only where the
+# weight stream is the cost: a small layer is read in a few us either way, and there a program a row runs five
+# times the programs in parallel. The demo model's layers (576 wide: 0.3-1.8M weights) in a batch-1 verify step of
+# 5 rows, on the H200 in CUDA graphs: forward pass 1.141 ms with the rows together, 0.976 ms a program a row
+# (docs/benchmarks.md, session 24). So rows together from ROWS_TOGETHER_MIN_WEIGHTS (a Llama-3-8B layer has 16-117M;
+# sizes in between are not measured). CVLLM_GEMV_ROWS_PER_PROGRAM=N sets it for every layer (1 = a program a row).
+ROWS_TOGETHER_MIN_WEIGHTS = 1 << 22
+ROWS_PER_PROGRAM = int(os.environ.get("CVLLM_GEMV_ROWS_PER_PROGRAM", "0")) or None
+
+
+def program_rows(rows: int, n: int, k: int) -> int:
+    """Rows of x a GEMV program takes for a weight [n, k] (ROWS_PER_PROGRAM where set)."""
+    if ROWS_PER_PROGRAM:
+        return max(1, min(rows, ROWS_PER_PROGRAM))
+    return rows if n * k >= ROWS_TOGETHER_MIN_WEIGHTS else 1
 
 
 def quantize_activations(x: torch.Tensor, low_bits: int) -> tuple[torch.Tensor, ...]:
@@ -265,7 +278,7 @@ def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, con
     out [T, N] (last dimension contiguous). Every row's output is bit for bit what a call with that row alone
     gives: the tiles and K splits depend on the weight only. ``activations``: x already rounded by
     ``quantize_activations`` (benchmarks time the GEMV without its quantizer that way); ``rows_per_program``: rows
-    of x a program takes (ROWS_PER_PROGRAM)."""
+    of x a program takes (default: program_rows)."""
     lay = weight.layout
     n, k = weight.out_features, weight.in_features
     t = x.shape[0]
@@ -280,7 +293,7 @@ def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, con
     target = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
     gw = group_words(lay, block_w)
     launch = pdl_options(x.device)
-    rows = max(1, min(t, rows_per_program or ROWS_PER_PROGRAM))
+    rows = max(1, min(t, rows_per_program)) if rows_per_program else program_rows(t, n, k)
     _gemv_int8_kernel[(cdiv(t, rows), cdiv(n, block_n), splits)](
         *activations, target, *kernel_tensors(weight), n, k, split_words, t, out.stride(0), **lay.kernel_args(),
         BLOCK_N=block_n,
