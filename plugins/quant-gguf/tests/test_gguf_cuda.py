@@ -120,12 +120,12 @@ def test_tables_compute_and_look_up_from_planes(qtype, make_rows, one_torch_thre
     assert torch.equal(embedding(ids), tables["embedding", "exact"](ids))   # float32 (the engine's here): exact
     embedding.table_dtype = torch.bfloat16   # rows rounded once to the engine's dtype
     assert embedding(ids).dtype == torch.bfloat16 and embedding(ids).shape == (2, 3, hidden)
-    # only where CUDA is; lookup tables only with CVLLM_GGUF_CUDA_LOOKUP_PLANES=1 (until run on a GPU)
+    # only where CUDA is; lookup tables unless CVLLM_GGUF_CUDA_LOOKUP_PLANES=0
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.delenv(table_method.LOOKUP_PLANES_ENV, raising=False)
-    assert gpu_planes_possible(head, qtype) and not gpu_planes_possible(embedding, qtype)
-    monkeypatch.setenv(table_method.LOOKUP_PLANES_ENV, "1")
     assert gpu_planes_possible(head, qtype) and gpu_planes_possible(embedding, qtype)
+    monkeypatch.setenv(table_method.LOOKUP_PLANES_ENV, "0")
+    assert gpu_planes_possible(head, qtype) and not gpu_planes_possible(embedding, qtype)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert not gpu_planes_possible(head, qtype)
 

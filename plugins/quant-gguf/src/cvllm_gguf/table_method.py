@@ -8,8 +8,8 @@ planes and 14 MB of float32 scales instead of a 57 MB bf16 copy).
 On CUDA a table is repacked into the GPU backend's low-bit planes as a linear layer's weight is (linear_method.py):
 an LM head's logits are that layer's product (a Llama-3-8B head in Q6_K, llama.cpp's type for it in Q4_K_M files,
 is 431 MB read a step instead of 1,051 MB of bf16), and lookups read rows of the same planes back
-(cvllm_cuda.kernels.quant_matmul.dequantize_rows), so a tied table serves both and no float copy is kept (the
-lookups' part behind CVLLM_GGUF_CUDA_LOOKUP_PLANES=1 until it has run on a GPU).
+(cvllm_cuda.kernels.quant_matmul.dequantize_rows), so a tied table serves both and no float copy is kept
+(CVLLM_GGUF_CUDA_LOOKUP_PLANES=0: the lookup tables a float copy, as before).
 Everywhere else (other types, a layout whose rows cannot be read back: the raw blocks stay for the lookups) the
 fallbacks are the plain ones: the table dequantized once to the engine's dtype.
 """
@@ -95,18 +95,17 @@ class GGUFTableMethod(GGUFLinearMethod):
         return planes_rows(layer.int4_planes, flat, layer.table_dtype).view(*ids.shape, -1)
 
 
-# lookups from the planes on CUDA (quant_matmul.dequantize_rows): tested in Triton's interpreter and compiled for
-# sm_90, not yet run on a GPU, so off by default there until the GPU suite has run it (its end-to-end test takes both
-# ways); off, an embedding and a head tied to it are a float copy on CUDA, an untied head planes either way
+# lookups from the planes on CUDA (quant_matmul.dequantize_rows), on by default since their GPU tests passed on the
+# H200 (session 24); "0": an embedding and a head tied to it are a float copy on CUDA, an untied head planes either way
 LOOKUP_PLANES_ENV = "CVLLM_GGUF_CUDA_LOOKUP_PLANES"
 
 
 def gpu_planes_possible(table: nn.Module, qtype: GGMLType) -> bool:
     """Whether ``table`` may keep its blocks on CUDA: where CUDA is present, a type with a plane layout, an untied
-    LM head (or any table with CVLLM_GGUF_CUDA_LOOKUP_PLANES=1). The planes are made after loading, where
+    LM head, or any table unless CVLLM_GGUF_CUDA_LOOKUP_PLANES=0. The planes are made after loading, where
     ``plane_kernels_usable`` has the final word: elsewhere the table is dequantized as before."""
     lookups = not isinstance(table, ParallelLMHead)
-    if not torch.cuda.is_available() or (lookups and os.environ.get(LOOKUP_PLANES_ENV, "0") != "1"):
+    if not torch.cuda.is_available() or (lookups and os.environ.get(LOOKUP_PLANES_ENV, "1") == "0"):
         return False
     try:
         return has_planes(qtype)
