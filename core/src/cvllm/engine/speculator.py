@@ -16,7 +16,9 @@ stream order) and its seeded generator to its state before t + 1's draws; its ne
 real tokens. So every step's drafts are the ones the synchronous path proposes (greedy output is the same token for
 token, sampled output has the target's distribution, and a seeded request makes the same draws), except that a
 sequence whose bonus token could not be guessed starts drafting one step later (never for seeded sampled ones:
-for them the step runs synchronously instead).
+for them the step runs synchronously instead). Guessing pays only when it is nearly always right (a void step costs
+a device step, a right guess saves only the host's gap between two): a sequence whose guesses held less often than
+GUESS_MIN_RATE lately, or whose last verify step rejected a draft, sits the next step out and runs synchronously.
 
 The guessed tokens never reach ``token_ids`` outside ``LLMEngine.step`` (``detach`` takes them off once the step
 is launched, before the scheduler registers prefix-cache blocks), so output and the prefix cache only see verified
