@@ -65,12 +65,15 @@ class Guess:
 # that the device would otherwise wait for (a fraction of a step), so a sequence is guessed for only while its
 # guesses hold at least this often: on the H200 a void step cost 0.8-1.1 ms on the demo model against 0.15-0.3 ms
 # of the device waiting for the host in a synchronous step (docs/benchmarks.md, session 24), a break-even of ~0.8.
+# Kept apart for the two kinds of guess, whose odds differ: the token after a step without drafts, and "every draft
+# accepted, then the looked-up token" after a verify step (on the demo model 54 of 159 and 75 of 270 held).
 GUESS_MIN_RATE = 0.8
-GUESS_RATE_WEIGHT = 0.25   # the latest outcome's weight in a sequence's running rate (Sequence.spec_guess_rate)
+GUESS_RATE_WEIGHT = 0.25   # the latest outcome's weight in a sequence's running rates (Sequence.spec_guess_rates)
 
 
-def score_guess(seq: Sequence, held: bool) -> None:
-    seq.spec_guess_rate += GUESS_RATE_WEIGHT * (held - seq.spec_guess_rate)
+def score_guess(seq: Sequence, after_verify: bool, held: bool) -> None:
+    rates = seq.spec_guess_rates
+    rates[after_verify] += GUESS_RATE_WEIGHT * (held - rates[after_verify])
 
 
 class Speculator:
@@ -173,9 +176,9 @@ class Speculator:
                     continue
             if not k and bonus is None:
                 continue   # an async decode: its next input is read on the device
-            if seq.spec_guess_rate < GUESS_MIN_RATE:   # its guesses fail too often to pay: wait for the outcome,
-                self.unused[seq.seq_id] = drafts + [bonus]   # scored all the same, so that guessing resumes in a
-                self.hold(seq)                               # stretch where it would hold
+            if seq.spec_guess_rates[k > 0] < GUESS_MIN_RATE:   # its guesses fail too often to pay: wait for the
+                self.unused[seq.seq_id] = drafts + [bonus]   # outcome, scored all the same, so that guessing
+                self.hold(seq)                               # resumes in a stretch where it would hold
                 continue
             state = seq.generator.get_state() if seq.generator is not None else None
             self.pending[seq.seq_id] = Guess(seq, drafts + [bonus], base, seq.num_inflight, state)
@@ -285,16 +288,16 @@ class Speculator:
         guess = self.pending.pop(seq.seq_id, None)
         unused = self.unused.pop(seq.seq_id, None)
         if unused is not None:
-            score_guess(seq, Guess.matches(unused, tokens))
+            score_guess(seq, len(unused) > 1, Guess.matches(unused, tokens))
         running = seq.status is SequenceStatus.RUNNING
         if guess is None:
             if running:
                 seq.num_computed_tokens += a   # the last token and the accepted drafts are in the cache
         elif guess.holds(tokens):
             self.stats.spec_guesses += 1
-            score_guess(seq, True)
+            score_guess(seq, len(guess.expected) > 1, True)
         elif guess.step is not None:   # the next step was launched on a wrong guess: its rows of it are void
-            score_guess(seq, False)
+            score_guess(seq, len(guess.expected) > 1, False)
             self.stats.spec_guesses += 1
             self.stats.spec_guess_misses += 1
             guess.step.void.add(seq.seq_id)
