@@ -22,19 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from profile_decode import report_critical_path  # noqa: E402
 from speculative import TASKS  # noqa: E402
+from step_timeline import Records  # noqa: E402
 
 from cvllm import LLM, SamplingParams  # noqa: E402
 from cvllm.testing.requirements import demo_model  # noqa: E402
-
-
-class Records:
-    device_timing = True
-
-    def __init__(self):
-        self.records = []
-
-    def on_step(self, record) -> None:
-        self.records.append(record)
 
 
 def kind(record, k: int) -> str:

@@ -16,7 +16,8 @@ import torch
 MARKS = ("launch", "forward", "forwarded", "sampled")
 
 
-class _Records:
+class Records:
+    """A step observer that keeps every record, with device events at the marks."""
     device_timing = True
 
     def __init__(self):
@@ -31,7 +32,7 @@ def step_timeline(engine, steps: int = 30) -> str:
     if not graphs:
         return "step timeline: no CUDA graphs to time (eager decode steps)"
     largest = max(size for size, q in graphs if q == 1)
-    observed = _Records()
+    observed = Records()
     torch.cuda.synchronize()
     reference = torch.cuda.Event(enable_timing=True)
     reference.record()
