@@ -272,7 +272,7 @@ class LLMEngine:
                     self._retire(seq, "error")
                     done.append(seq)
                 if self.speculator is not None:
-                    self.speculator.pending.pop(seq.seq_id, None)
+                    self.speculator.forget(seq)
                 continue
             if self.speculator is not None:
                 tokens = self.speculator.settle(seq, drafts, tokens)

@@ -310,6 +310,11 @@ class Speculator:
             self.scheduler.block_manager.cache_full_blocks(seq)
         return tokens
 
+    def forget(self, seq: Sequence) -> None:
+        """``seq`` failed when read back: its guess, launched or not, is dropped unchecked."""
+        self.pending.pop(seq.seq_id, None)
+        self.unused.pop(seq.seq_id, None)
+
     def reset(self) -> None:
         """A step failed: forget its guesses and drafts (its requests are failed by the caller)."""
         for guess in list(self.pending.values()):
