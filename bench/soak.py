@@ -41,8 +41,6 @@ import signal
 import sys
 import tempfile
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -50,242 +48,26 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import git_commit  # noqa: E402
+from soak_report import clean, print_table, summary  # noqa: E402
+from soak_requests import (  # noqa: E402
+    DETOKENIZE_TOKEN,
+    HANG_TOKEN,
+    NAN_TOKEN,
+    POISON_TOKEN,
+    Answer,
+    Spec,
+    Tally,
+    catalog,
+    catalog_request,
+    drop_fault_tokens,
+    fault_request,
+    send,
+)
 
 from cvllm.testing import make_checkpoint  # noqa: E402
 from cvllm.testing.server import LiveServer  # noqa: E402
 
-NAN_TOKEN, DETOKENIZE_TOKEN, POISON_TOKEN, HANG_TOKEN = 501, 502, 503, 504   # a prompt holding one meets its fault
 FAULT_CYCLE = ("kill", "nan", "kill", "detokenize", "kill", "poison", "kill", "hang")
-EXPECTED_ERRORS = {   # fault -> what its request's error says
-    "nan": "NaN or infinite",
-    "detokenize": "Internal server error",   # the API process's own error: its message names no cause
-    "poison": "each time the engine core died",
-    "hang": "each time the engine core died",
-}
-POISON_RULE = EXPECTED_ERRORS["poison"]
-WORDS = ("the", "cat", "sat", "on", "a", "mat", "tell", "me", "about", "rivers", "and", "stars", "why", "is",
-         "sky", "blue", "write", "short", "poem", "list", "three", "colors", "how", "do", "birds", "fly", "explain",
-         "numbers", "in", "plain", "words", "please")
-STOPS = ("e", "a ", "s", "\n", "th", "o")
-
-
-@dataclass(frozen=True, slots=True)
-class Spec:
-    """One request of the catalog."""
-    name: str
-    endpoint: str      # "completions" | "chat/completions"
-    body: dict
-    checked: bool      # greedy: its answer must equal the reference
-
-    @property
-    def stream(self) -> bool:
-        return bool(self.body.get("stream"))
-
-
-@dataclass(slots=True)
-class Answer:
-    """What a client got: per choice its text, finish reason and logprobs' tokens; usage; an error."""
-    texts: dict[int, str] = field(default_factory=dict)
-    finish: dict[int, str | None] = field(default_factory=dict)
-    tokens: dict[int, list[str]] = field(default_factory=dict)
-    logprobs: dict[int, list[float]] = field(default_factory=dict)
-    completion_tokens: int | None = None
-    error: str | None = None
-    status: int = 200
-    done: bool = False   # a stream's [DONE], or a whole non-streamed body
-
-    def key(self) -> tuple:
-        return (sorted(self.texts.items()), sorted(self.finish.items()), sorted(self.tokens.items()),
-                self.completion_tokens)
-
-
-@dataclass
-class Tally:
-    sent: Counter = field(default_factory=Counter)
-    completed: Counter = field(default_factory=Counter)
-    failed: Counter = field(default_factory=Counter)     # by error kind
-    unexpected: list = field(default_factory=list)       # failures that are no injected fault's
-    mismatched: list = field(default_factory=list)
-    duplicated: list = field(default_factory=list)
-    lost: list = field(default_factory=list)
-    cancelled: int = 0
-    retried_503: int = 0
-    checked: int = 0
-    max_logprob_diff: float = 0.0
-    faults: Counter = field(default_factory=Counter)
-
-
-# -- the catalog --------------------------------------------------------------------------------------------------
-
-def catalog(rng: random.Random, count: int) -> list[Spec]:
-    specs = []
-    for i in range(count):
-        chat = rng.random() < 0.4
-        stream = rng.random() < 0.6
-        greedy = rng.random() < 0.8
-        body: dict = {"max_tokens": rng.randint(8, 48), "temperature": 0.0 if greedy else 0.8}
-        if not greedy:
-            body["seed"] = rng.randrange(1 << 30)
-        if rng.random() < 0.25:
-            body["n"] = 2
-        if rng.random() < 0.3:
-            body |= {"logprobs": True, "top_logprobs": 2} if chat else {"logprobs": 2}
-        if rng.random() < 0.3:
-            body["stop"] = [rng.choice(STOPS)]
-        else:
-            body["ignore_eos"] = rng.random() < 0.5
-        if stream:
-            body |= {"stream": True, "stream_options": {"include_usage": True}}
-        if chat:
-            words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12)))
-            body["messages"] = [{"role": "user", "content": words}]
-        else:
-            body["prompt"] = [rng.randrange(10, 480) for _ in range(rng.randint(4, 24))]
-        kind = f"{'chat' if chat else 'completion'}-{'stream' if stream else 'whole'}"
-        specs.append(Spec(f"{i}:{kind}", "chat/completions" if chat else "completions", body, greedy))
-    return specs
-
-
-def fault_spec(fault: str, i: int) -> Spec:
-    token = {"nan": NAN_TOKEN, "detokenize": DETOKENIZE_TOKEN, "poison": POISON_TOKEN, "hang": HANG_TOKEN}[fault]
-    body = {"prompt": [token, 10 + i % 50, 11, 12], "max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
-    if i % 2:
-        body |= {"stream": True, "stream_options": {"include_usage": True}}
-    return Spec(f"fault:{fault}", "completions", body, False)
-
-
-async def drop_fault_tokens(client: httpx.AsyncClient, url: str, specs: list[Spec]) -> list[Spec]:
-    """The chat requests whose rendered prompt holds no fault's token (else they would meet that fault)."""
-    kept = []
-    for spec in specs:
-        if spec.endpoint == "chat/completions":
-            r = await client.post(f"{url}/tokenize", json={"messages": spec.body["messages"],
-                                                           "add_generation_prompt": True})
-            r.raise_for_status()
-            if {NAN_TOKEN, DETOKENIZE_TOKEN, POISON_TOKEN, HANG_TOKEN} & set(r.json()["tokens"]):
-                continue
-        kept.append(spec)
-    return kept
-
-
-# -- one request --------------------------------------------------------------------------------------------------
-
-def take_choice(answer: Answer, choice: dict, chat: bool) -> None:
-    index = choice["index"]
-    part = choice.get("delta") if "delta" in choice else choice.get("message")
-    text = (part or {}).get("content") if chat else choice.get("text")
-    answer.texts[index] = answer.texts.get(index, "") + (text or "")
-    if choice.get("finish_reason"):
-        answer.finish[index] = choice["finish_reason"]
-    answer.finish.setdefault(index, None)
-    logprobs = choice.get("logprobs")
-    if logprobs:
-        if chat:
-            tokens = [t["token"] for t in logprobs.get("content") or ()]
-            values = [t["logprob"] for t in logprobs.get("content") or ()]
-        else:
-            tokens, values = logprobs.get("tokens") or [], logprobs.get("token_logprobs") or []
-        answer.tokens.setdefault(index, []).extend(tokens)
-        answer.logprobs.setdefault(index, []).extend(values)
-
-
-def error_message(content: bytes) -> str:
-    try:
-        return json.loads(content)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        return content.decode(errors="replace")[:300]
-
-
-async def send(client: httpx.AsyncClient, url: str, spec: Spec, cancel_after: int | None = None) -> Answer:
-    """One request; a stream is closed after ``cancel_after`` chunks with choices if given. A 503 (a core
-    restarting) comes back as such, for the caller to retry."""
-    answer, chat = Answer(), spec.endpoint.startswith("chat")
-    if not spec.stream:
-        r = await client.post(f"{url}/{spec.endpoint}", json=spec.body)
-        answer.status = r.status_code
-        if r.status_code != 200:
-            answer.error = error_message(r.content)
-            return answer
-        body = r.json()
-        for choice in body["choices"]:
-            take_choice(answer, choice, chat)
-        answer.completion_tokens = body["usage"]["completion_tokens"]
-        answer.done = True
-        return answer
-    chunks = 0
-    async with client.stream("POST", f"{url}/{spec.endpoint}", json=spec.body) as r:
-        answer.status = r.status_code
-        if r.status_code != 200:
-            answer.error = error_message(await r.aread())
-            return answer
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                answer.done = True
-                break
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                answer.error = chunk["error"].get("message", str(chunk["error"]))
-                continue
-            if chunk.get("usage"):
-                answer.completion_tokens = chunk["usage"]["completion_tokens"]
-            for choice in chunk.get("choices") or ():
-                take_choice(answer, choice, chat)
-                chunks += 1
-            if cancel_after is not None and chunks >= cancel_after:
-                return answer   # leaving the block closes the connection mid-stream
-    return answer
-
-
-async def send_retrying(client: httpx.AsyncClient, url: str, spec: Spec, tally: Tally,
-                        cancel_after: int | None = None) -> Answer:
-    """``send``, again after a 503 (the engine core restarting), for up to two minutes."""
-    deadline = time.monotonic() + 120
-    while True:
-        answer = await send(client, url, spec, cancel_after)
-        if answer.status != 503 or time.monotonic() > deadline:
-            return answer
-        tally.retried_503 += 1
-        await asyncio.sleep(0.2)
-
-
-# -- checking -----------------------------------------------------------------------------------------------------
-
-def judge(spec: Spec, answer: Answer, reference: Answer | None, tally: Tally, cancelled: bool = False) -> None:
-    """Count ``answer`` of a catalog request: completed, failed (expected: the poison rule), mismatched,
-    duplicated, or lost."""
-    if answer.error is not None:
-        if POISON_RULE in answer.error:
-            tally.failed["poison rule (in flight through two deaths)"] += 1
-        else:
-            tally.unexpected.append({"request": spec.name, "status": answer.status, "error": answer.error[:300]})
-        return
-    if cancelled:
-        tally.cancelled += 1
-        if reference is not None and any(not reference.texts.get(i, "").startswith(text)
-                                         for i, text in answer.texts.items()):
-            problem = {"request": spec.name, "cancelled": True, "got": answer.texts, "want": reference.texts}
-            longer = any(len(t) > len(reference.texts.get(i, "")) for i, t in answer.texts.items())
-            (tally.duplicated if longer else tally.mismatched).append(problem)
-        return
-    if not answer.done or None in answer.finish.values() or not answer.finish:
-        tally.lost.append({"request": spec.name, "got": answer.texts, "finish": answer.finish})
-        return
-    tally.completed[spec.name.split(":")[1]] += 1
-    if reference is None:
-        return
-    tally.checked += 1
-    if answer.key() != reference.key():
-        problem = {"request": spec.name, "got": answer.key(), "want": reference.key()}
-        longer = (any(len(t) > len(reference.texts.get(i, "")) for i, t in answer.texts.items())
-                  or (answer.completion_tokens or 0) > (reference.completion_tokens or 0)
-                  or any(len(t) > len(reference.tokens.get(i, [])) for i, t in answer.tokens.items()))
-        (tally.duplicated if longer else tally.mismatched).append(problem)
-        return
-    for index, values in answer.logprobs.items():
-        for got, want in zip(values, reference.logprobs[index]):
-            tally.max_logprob_diff = max(tally.max_logprob_diff, abs(got - want))
 
 
 # -- processes ----------------------------------------------------------------------------------------------------
@@ -355,18 +137,6 @@ async def traffic(client: httpx.AsyncClient, url: str, specs: list[Spec], refere
         await catalog_request(client, url, spec, references, tally, cancel_after)
 
 
-async def catalog_request(client: httpx.AsyncClient, url: str, spec: Spec, references: dict[str, Answer],
-                          tally: Tally, cancel_after: int | None = None) -> None:
-    tally.sent[spec.name.split(":")[1]] += 1
-    try:
-        answer = await send_retrying(client, url, spec, tally, cancel_after)
-    except httpx.HTTPError as e:
-        tally.lost.append({"request": spec.name, "error": f"{type(e).__name__}: {e}"})
-        return
-    cancelled = cancel_after is not None and not answer.done   # else it ended before the client left
-    judge(spec, answer, references.get(spec.name), tally, cancelled)
-
-
 async def faults(client: httpx.AsyncClient, url: str, server: LiveServer, specs: list[Spec],
                  references: dict[str, Answer], tally: Tally, rng: random.Random, every: float, until: float) -> None:
     """One fault of the cycle every ``every`` seconds, while traffic runs."""
@@ -392,21 +162,6 @@ async def faults(client: httpx.AsyncClient, url: str, server: LiveServer, specs:
             continue
         fault_requests.append(asyncio.create_task(fault_request(client, url, fault, i, tally)))
     await asyncio.gather(*fault_requests)
-
-
-async def fault_request(client: httpx.AsyncClient, url: str, fault: str, i: int, tally: Tally) -> None:
-    spec = fault_spec(fault, i)
-    tally.sent[f"fault-{fault}"] += 1
-    try:
-        answer = await send_retrying(client, url, spec, tally)
-    except httpx.HTTPError as e:
-        tally.lost.append({"request": spec.name, "error": f"{type(e).__name__}: {e}"})
-        return
-    if answer.error is not None and EXPECTED_ERRORS[fault] in answer.error:
-        tally.failed[f"injected {fault}"] += 1
-    else:
-        tally.unexpected.append({"request": spec.name, "status": answer.status, "error": answer.error,
-                                 "got": answer.texts})
 
 
 async def sample_memory(server: LiveServer, samples: list, stop: asyncio.Event, every: float = 5.0) -> None:
@@ -487,78 +242,6 @@ async def soak(server: LiveServer, args: argparse.Namespace) -> dict:
             "quarantined": sum(len(m.split(", ")) for m in re.findall(r"requests (.*) were in flight when", log)),
             "hung_cores_killed": log.count("is hung: it made no progress"),
             "core_replaced": core_pid(server) != core_at_start}
-
-
-def summary(run: dict) -> dict:
-    t: Tally = run["tally"]
-    mem, samples = run["memory"], run["memory_samples"]
-
-    def peak(key: str, start: int = 0, stop: int | None = None) -> float | None:
-        values = [s[key] for s in samples[start:stop] if s[key] is not None]
-        return max(values) if values else None
-
-    def rss(proc: str) -> dict:
-        key = f"{proc}_mb"
-        return {"start": mem["start"][key], "after_reference": mem["after_reference"][key],
-                "baseline": mem.get("baseline", {}).get(key),
-                "peak_warmup": peak(key, 0, run["baseline_sample"]) if "baseline" in mem else None,
-                "peak": peak(key, run["baseline_sample"]), "end_idle": mem["end_idle"][key]}
-
-    return {
-        "sent": sum(t.sent.values()), "sent_by_kind": dict(t.sent),
-        "completed": sum(t.completed.values()), "completed_by_kind": dict(t.completed),
-        "checked_equal": t.checked - len(t.mismatched) - len(t.duplicated),
-        "cancelled_mid_stream": t.cancelled,
-        "failed_expected": sum(t.failed.values()), "failed_by_error": dict(t.failed),
-        "failed_unexpected": len(t.unexpected), "lost": len(t.lost), "duplicated": len(t.duplicated),
-        "mismatched": len(t.mismatched), "retried_503": t.retried_503,
-        "max_logprob_abs_diff": t.max_logprob_diff,
-        "faults": dict(t.faults), "core_deaths": run["core_deaths"], "core_restarts": run["core_restarts"],
-        "requests_resumed": run["resumed"], "suspects_retried_alone": run["quarantined"],
-        "hung_cores_killed": run["hung_cores_killed"],
-        "kv_blocks_used_end": run["kv_blocks_used_end"], "kv_blocks_total": run["kv_blocks_total"],
-        "in_flight_end": run["in_flight_end"],
-        "rss_mb": {"api": rss("api"), "core": rss("core")},
-        "api_rss_growth_mb": growth(mem, "api_mb"), "core_rss_growth_mb": growth(mem, "core_mb"),
-        "problems": {"unexpected": t.unexpected[:10], "lost": t.lost[:10], "duplicated": t.duplicated[:5],
-                     "mismatched": t.mismatched[:5]},
-    }
-
-
-def growth(mem: dict, key: str) -> float | None:
-    """RSS idle at the end against the baseline (idle after the warm-up; without one, after the reference pass).
-    The core's is a later core's at the end."""
-    end, base = mem["end_idle"][key], mem.get("baseline", mem["after_reference"])[key]
-    return None if end is None or base is None else round(end - base, 1)
-
-
-def print_table(s: dict) -> None:
-    rows = [("requests sent", s["sent"]), ("completed", s["completed"]),
-            ("  checked equal to the reference", s["checked_equal"]),
-            ("cancelled mid-stream", s["cancelled_mid_stream"]),
-            ("failed, expected", f"{s['failed_expected']} {s['failed_by_error']}"),
-            ("failed, unexpected", s["failed_unexpected"]), ("lost", s["lost"]), ("duplicated", s["duplicated"]),
-            ("mismatched", s["mismatched"]), ("503 retried (core restarting)", s["retried_503"]),
-            ("faults", s["faults"]), ("core deaths / restarts", f"{s['core_deaths']} / {s['core_restarts']}"),
-            ("requests resumed on a new core", s["requests_resumed"]),
-            ("suspects retried one at a time", s["suspects_retried_alone"]),
-            ("hung cores killed", s["hung_cores_killed"]),
-            ("KV blocks used at the end", f"{s['kv_blocks_used_end']:g} of {s['kv_blocks_total']:g}")]
-    for proc in ("api", "core"):
-        r = s["rss_mb"][proc]
-        rows.append((f"RSS {proc} MB (start, warm, warm-up peak, baseline, peak, end)",
-                     " / ".join("-" if r[k] is None else f"{r[k]:.1f}"
-                                for k in ("start", "after_reference", "peak_warmup", "baseline", "peak", "end_idle"))))
-    width = max(len(name) for name, _ in rows)
-    for name, value in rows:
-        print(f"{name:<{width}}  {value}")
-
-
-def clean(s: dict, max_rss_growth_mb: float) -> bool:
-    return (s["lost"] == s["duplicated"] == s["mismatched"] == s["failed_unexpected"] == 0
-            and s["kv_blocks_used_end"] == 0 and s["in_flight_end"] == 0
-            and all(g is not None and g <= max_rss_growth_mb
-                    for g in (s["api_rss_growth_mb"], s["core_rss_growth_mb"])))
 
 
 def recorded_argv(argv: list[str]) -> list[str]:
