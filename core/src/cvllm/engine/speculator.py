@@ -63,7 +63,7 @@ class Guess:
 
 # A wrong guess costs a whole device step (its rows are void), a right one saves the host's work between two steps
 # that the device would otherwise wait for (a fraction of a step), so a sequence is guessed for only while its
-# guesses hold at least this often: on the H200 a void step cost 0.8-1.1 ms on the demo model against 0.15-0.3 ms
+# guesses hold at least this often: on the H200 a void step cost 0.8-1.1 ms on the demo model against 0.1-0.3 ms
 # of the device waiting for the host in a synchronous step (docs/benchmarks.md, session 24), a break-even of ~0.8.
 # Kept apart for the two kinds of guess, whose odds differ: the token after a step without drafts, and "every draft
 # accepted, then the looked-up token" after a verify step (on the demo model 54 of 159 and 75 of 270 held).
