@@ -123,3 +123,30 @@ def test_checkpoint_kv_scales_are_used(tmp_path, caplog):
             assert layer.k_scale.tolist() == [0.125, 0.125] and layer.v_scale.tolist() == [0.25, 0.25]
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("capturing", [False, True])
+def test_a_graph_capture_sets_no_scales(tiny, capturing):
+    """A graph's capture runs the forward on placeholder inputs (ForwardContext.capturing): the first prefill's
+    scales must not come from it. And until a prefill set them, a lone chunk does not take the graphs."""
+    from cvllm.engine.scheduler import ScheduledBatch
+    from cvllm.forward_context import ForwardContext
+
+    llm = LLM(str(tiny), dtype="bfloat16", num_kv_blocks=32, kv_cache_dtype="fp8")
+    try:
+        runner = llm.llm_engine.runner
+        runner.graph_chunk_tokens = 64   # as if the backend had captured chunk graphs
+        batch = ScheduledBatch([object()], [4], num_prefill_tokens=4, sample_indices=[0])
+        ctx = ForwardContext(
+            backend=runner.backend, query_start_loc=torch.tensor([0, 4], dtype=torch.int32),
+            seq_lens=torch.tensor([4], dtype=torch.int32), slot_mapping=torch.arange(4),
+            block_tables=torch.zeros(1, 1, dtype=torch.int32), query_start_loc_cpu=[0, 4], query_lens_cpu=[4],
+            seq_lens_cpu=[4], max_query_len=4, max_seq_len=4, is_decode_only=False, block_size=runner.block_size,
+            capturing=capturing)
+        assert not runner.decode_path(batch, ctx)
+        with torch.inference_mode():
+            runner.decode_logits(torch.tensor([1, 5, 9, 23]), torch.arange(4), ctx)
+        assert all(layer.kv_scales_pending == capturing for layer in attention_layers(llm))
+        assert runner.decode_path(batch, ctx) is not capturing
+    finally:
+        llm.shutdown()

@@ -32,6 +32,9 @@ class ForwardContext:
     backend_data: Any = None          # what Backend.prepare derives from the above, once per forward pass
     # what layers work out once per forward pass and share: rotary cos/sin (layers/rotary.py), MLA's prefill split
     per_step: dict = field(default_factory=dict)
+    # a graph's capture (or the run before it) on placeholder inputs: nothing may learn from its values (the first
+    # prefill's FP8 KV scales, layers/kv_fp8.py)
+    capturing: bool = False
 
 
 _context: ForwardContext | None = None

@@ -15,14 +15,15 @@ V3_DIMS = SimpleNamespace(kv_lora_rank=512, nope=128, rope=64, v_head_dim=128,
                           attn=SimpleNamespace(k_cache=torch.empty(0, dtype=torch.bfloat16)))
 
 
-def fake_step(query_lens: list[int], seq_lens: list[int]) -> SimpleNamespace:
+def fake_step(query_lens: list[int], seq_lens: list[int], capturing: bool = False) -> SimpleNamespace:
     return SimpleNamespace(is_decode_only=all(q == 1 for q in query_lens), query_lens_cpu=query_lens,
-                           seq_lens_cpu=seq_lens, per_step={})
+                           seq_lens_cpu=seq_lens, per_step={}, capturing=capturing)
 
 
 def test_which_sequences_decompress(monkeypatch):
     """DeepSeek-V3's dimensions: a prompt and a chunk of more than ~170 tokens decompress; a decode, a short chunk
-    over a long context and anything of an FP8 cache stay absorbed."""
+    over a long context, anything of an FP8 cache and a graph's capture (whose lengths are placeholders) stay
+    absorbed."""
     monkeypatch.setattr(mla_prefill, "sub_context", lambda ctx, seqs: ("sub", seqs))
     monkeypatch.setattr(mla_prefill, "_SWITCH", None)   # the default: on where the cache is not on a GPU
     assert mla_prefill.split_step(fake_step([1, 1], [900, 40]), V3_DIMS) is None
@@ -32,6 +33,7 @@ def test_which_sequences_decompress(monkeypatch):
     fp8_cache = SimpleNamespace(k_cache=torch.empty(0, dtype=torch.float8_e4m3fn))
     fp8 = SimpleNamespace(**{**vars(V3_DIMS), "attn": fp8_cache})
     assert mla_prefill.split_step(fake_step([2000], [2000]), fp8) is None
+    assert mla_prefill.split_step(fake_step([2000], [2000], capturing=True), V3_DIMS) is None
 
 
 def test_decompressed_prefill_gives_the_absorbed_numbers(deepseek_checkpoint, monkeypatch):

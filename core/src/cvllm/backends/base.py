@@ -141,11 +141,13 @@ class Backend:
         by default."""
 
     def wrap_decode(self, forward: Callable[[Tensor, Tensor, ForwardContext], Tensor], max_num_seqs: int,
-                    max_blocks_per_seq: int, verify: tuple[int, int] | None = None) -> GraphedDecode | None:
+                    max_blocks_per_seq: int, verify: tuple[int, int] | None = None,
+                    chunk_tokens: int = 0) -> GraphedDecode | None:
         """Graphs of the decode-only forward pass ``forward(input_ids, positions, ctx) -> logits`` for up to
         ``max_num_seqs`` rows (CUDA graphs), or None (the default): decode steps run ``forward`` as it is.
         ``verify``: (most sequences, largest Q): also the speculative verify steps where every sequence runs Q
-        queries and every row gives logits (Q from 2 up), which reach the same ``forward``."""
+        queries and every row gives logits (Q from 2 up), which reach the same ``forward``. ``chunk_tokens``: also
+        a lone sequence's prefill chunks of up to that many tokens (one sequence, every row's logits returned)."""
         return None
 
     def start_readback(self, tensors: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:

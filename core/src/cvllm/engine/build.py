@@ -28,6 +28,10 @@ from cvllm.startup import StartupPhases
 
 logger = logging.getLogger(__name__)
 
+# the longest prefill chunk of a lone sequence run in a CUDA graph (padded to 8, 16, 32 or 64 tokens): eagerly such a
+# chunk costs the host ~1 ms a layer in launches, more than its kernels take on a GPU; 0: none (for A/B runs)
+GRAPH_CHUNK_TOKENS = int(os.environ.get("CVLLM_GRAPH_CHUNK_TOKENS", "64"))
+
 
 def build_engine(config: EngineConfig, imports_seconds: float | None = None) -> LLMEngine:
     """``imports_seconds``: what the process spent before creating the engine (the engine core's imports),
@@ -82,20 +86,22 @@ def build_engine(config: EngineConfig, imports_seconds: float | None = None) -> 
             logger.warning("max_model_len %d capped to %d: the KV pool holds only %d blocks",
                            max_model_len, num_blocks * config.block_size, num_blocks)
             max_model_len = num_blocks * config.block_size
+        budget = config.max_num_batched_tokens or backend.default_max_num_batched_tokens
         # expert offload reads each step's routing back to the host: a graph could not replay that
         if not config.enforce_eager and config.fake_step_ms is None and not config.num_experts_offload_per_rank:
             # speculative verify steps too: a sequence's last token and its K drafts, in batches small enough to
             # speculate
             spec = SpeculativeConfig.from_dict(config.speculative_config)
             verify = (spec.disable_by_batch_size, spec.num_speculative_tokens + 1) if spec else (0, 1)
-            executor.capture_graphs(max_num_seqs, max_model_len, *verify)
+            # and a lone sequence's short prefill chunks (a short prompt, what the prefix cache left of a chat)
+            chunk_tokens = min(GRAPH_CHUNK_TOKENS, budget, max_model_len)
+            executor.capture_graphs(max_num_seqs, max_model_len, *verify, chunk_tokens)
         phases.mark("graphs")
         if backend.host_threads and "OMP_NUM_THREADS" not in os.environ \
                 and torch.get_num_threads() != backend.host_threads:
             logger.info("torch CPU threads %d -> %d for the %s backend's host work (OMP_NUM_THREADS overrides)",
                         torch.get_num_threads(), backend.host_threads, backend.name)
             torch.set_num_threads(backend.host_threads)
-        budget = config.max_num_batched_tokens or backend.default_max_num_batched_tokens
         scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                             max_model_len=max_model_len, prefill_chunk_size=config.prefill_chunk_size),

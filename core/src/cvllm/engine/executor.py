@@ -88,10 +88,10 @@ class Executor:
         raise NotImplementedError
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int, verify_seqs: int = 0,
-                       verify_query_len: int = 1) -> None:
+                       verify_query_len: int = 1, chunk_tokens: int = 0) -> None:
         """Let the backend capture decode-only steps (CUDA graphs); called once, after the KV cache exists. With
         speculative decoding, also verify steps of up to ``verify_seqs`` sequences of up to ``verify_query_len``
-        queries (a token and its drafts) each."""
+        queries (a token and its drafts) each; and a lone sequence's prefill chunks of up to ``chunk_tokens``."""
 
     def execute(self, batch: ScheduledBatch, previous: LaunchedStep | None,
                 record: StepRecord | None = None) -> LaunchedStep:
@@ -169,8 +169,8 @@ class InProcessExecutor(Executor):
             self.draft.allocate_kv_cache(num_blocks)
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int, verify_seqs: int = 0,
-                       verify_query_len: int = 1) -> None:
-        self.runner.enable_decode_graphs(max_num_seqs, max_model_len, verify_seqs, verify_query_len)
+                       verify_query_len: int = 1, chunk_tokens: int = 0) -> None:
+        self.runner.enable_decode_graphs(max_num_seqs, max_model_len, verify_seqs, verify_query_len, chunk_tokens)
         if self.draft is not None:
             self.draft.capture_graphs(max_num_seqs, max_model_len)
 

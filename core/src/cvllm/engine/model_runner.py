@@ -153,6 +153,8 @@ class ModelRunner:
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.num_blocks = 0
         self.decode_forward = self.decode_logits   # decode-only steps; the backend may wrap it (CUDA graphs)
+        self.graph_chunk_tokens = 0   # the longest lone prefill chunk the graphs take (enable_decode_graphs)
+        self._kv_scales_pending = True
 
     def kv_bytes_per_block(self) -> int:
         per_token = sum(layer.kv_cache_tensors() * torch.Size(layer.kv_cache_shape()).numel()
@@ -173,16 +175,30 @@ class ModelRunner:
         self.num_blocks = num_blocks
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, verify_seqs: int = 0,
-                             verify_query_len: int = 1) -> None:
-        """Let the backend capture decode-only steps, LM head included (CUDA graphs), once the KV cache exists; and
-        speculative verify steps of up to ``verify_seqs`` sequences of 2..``verify_query_len`` queries each."""
+                             verify_query_len: int = 1, chunk_tokens: int = 0) -> None:
+        """Let the backend capture decode-only steps, LM head included (CUDA graphs), once the KV cache exists;
+        speculative verify steps of up to ``verify_seqs`` sequences of 2..``verify_query_len`` queries each; and a
+        lone sequence's prefill chunks of up to ``chunk_tokens`` tokens (what is_decode_path admits)."""
         verify = (verify_seqs, verify_query_len) if verify_seqs and verify_query_len > 1 else None
         graphs = self.backend.wrap_decode(self.decode_logits, max_num_seqs, -(-max_model_len // self.block_size),
-                                          verify)
+                                          verify, chunk_tokens)
         if graphs is not None:
             with torch.inference_mode():
                 graphs.capture_all()
             self.decode_forward = graphs
+            self.graph_chunk_tokens = chunk_tokens
+
+    def decode_path(self, batch: ScheduledBatch, ctx: ForwardContext, all_logits: bool = False,
+                    extra_indices: torch.Tensor | None = None) -> bool:
+        """Whether ``batch`` takes ``decode_forward`` (is_decode_path with this runner's graphs). A lone prefill
+        chunk does not while an FP8 cache still waits for the first prefill to set its scales (layers/kv_fp8.py):
+        a graph replays no calibration."""
+        chunk_tokens = self.graph_chunk_tokens
+        if chunk_tokens and self._kv_scales_pending:   # (looked at until the scales are set, then never again)
+            self._kv_scales_pending = any(getattr(layer, "kv_scales_pending", False)
+                                          for layer in self.attention_layers)
+            chunk_tokens = 0 if self._kv_scales_pending else chunk_tokens
+        return is_decode_path(batch, ctx, all_logits, extra_indices, chunk_tokens)
 
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Logits of every row (in a decode-only step every row is a sequence's last token and samples), in the
@@ -220,7 +236,7 @@ class ModelRunner:
         """``run`` after ``prepare``: the forward pass on prepared inputs, under inference mode (the executor
         calls the two halves itself to time them apart)."""
         input_ids, positions, ctx, logits_indices = inputs
-        decode_path = is_decode_path(batch, ctx, all_logits, extra_indices)
+        decode_path = self.decode_path(batch, ctx, all_logits, extra_indices)
         if extra_indices is not None:
             logits_indices = torch.cat([logits_indices, extra_indices.to(logits_indices.device)])
         return self.forward_prepared(input_ids, positions, ctx, logits_indices, decode_path, all_logits)
@@ -232,7 +248,9 @@ class ModelRunner:
         from rank 0, tensor_parallel/messages.py). ``logits_indices`` includes any prompt-logprob rows;
         ``hidden_only``: every token's fp32 final hidden state instead of logits (embeddings)."""
         if decode_path:
-            return self.decode_forward(input_ids, positions, ctx)
+            logits = self.decode_forward(input_ids, positions, ctx)
+            # every row's logits: a lone prefill chunk samples only its last
+            return logits if logits.shape[0] == logits_indices.shape[0] else logits[logits_indices]
         with forward_context(ctx):
             self.backend.prepare(ctx)
             hidden = self.model(input_ids, positions)
@@ -244,14 +262,17 @@ class ModelRunner:
 
 
 def is_decode_path(batch: ScheduledBatch, ctx: ForwardContext, all_logits: bool,
-                   extra_indices: torch.Tensor | None) -> bool:
-    """Every row gives logits and every sequence runs the same number of queries Q: a decode-only step (Q = 1), or a
-    speculative verify step where each sequence verifies Q - 1 drafts. Such steps take ``decode_forward`` (graphs
-    on devices that have them)."""
+                   extra_indices: torch.Tensor | None, chunk_tokens: int = 0) -> bool:
+    """Every sequence samples and runs the same number of queries Q: a decode-only step (Q = 1), a speculative
+    verify step where each sequence verifies Q - 1 drafts (every row gives logits), or the last prefill chunk of a
+    lone sequence of at most ``chunk_tokens`` tokens (its last row's logits). Such steps take ``decode_forward``
+    (graphs on devices that have them)."""
     if all_logits or extra_indices is not None or len(batch.sample_indices) != len(batch.seqs):
         return False
     if ctx.is_decode_only:
         return True
+    if len(batch.seqs) == 1 and not batch.num_decodes and not batch.num_draft_chunk_tokens:
+        return ctx.max_query_len <= chunk_tokens
     if batch.num_decodes or not batch.num_draft_chunk_tokens:
         return False
     q = ctx.max_query_len   # every sequence a decode with Q - 1 drafts (its chunk: its last token and the drafts)

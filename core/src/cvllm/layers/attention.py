@@ -55,7 +55,7 @@ class Attention(nn.Module):
         fp8 = kv_fp8.is_fp8(self.k_cache)
         scales = (self.k_scale, self.v_scale) if fp8 else None
         fused = ctx.backend.rotary_write_kv if rotary_emb is not None else None
-        calibrating = fp8 and self.kv_scales_pending and not ctx.is_decode_only
+        calibrating = fp8 and self.kv_scales_pending and not ctx.is_decode_only and not ctx.capturing
         norm_fused = (qk_norm is not None and fused is not None and not calibrating
                       and all(norm._fusable and norm._fused_kernel == "fused_add_rms_norm" for norm in qk_norm)
                       and rotary_emb.rotary_dim == self.head_dim)   # (the rotary kernel's norm is the plain one)

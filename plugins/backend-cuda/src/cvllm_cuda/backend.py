@@ -99,10 +99,10 @@ class CudaBackend(Backend):
                                      kv_scales=(layer.k_scale, layer.v_scale) if fp8 else None)
 
     def wrap_decode(self, forward: Callable, max_num_seqs: int, max_blocks_per_seq: int,
-                    verify: tuple[int, int] | None = None) -> GraphedDecode:
+                    verify: tuple[int, int] | None = None, chunk_tokens: int = 0) -> GraphedDecode:
         from cvllm_cuda.graphs import DecodeGraphs
 
-        return DecodeGraphs(forward, self, max_num_seqs, max_blocks_per_seq, verify)
+        return DecodeGraphs(forward, self, max_num_seqs, max_blocks_per_seq, verify, chunk_tokens)
 
     def start_readback(self, tensors: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
         # into pinned memory without blocking, then wait on an event recorded right after the copies:

@@ -53,7 +53,8 @@ def split_step(ctx: ForwardContext, layer) -> PrefillSplit | None:
 def _split(ctx: ForwardContext, layer) -> PrefillSplit | None:
     cache = layer.attn.k_cache
     enabled = cache.device.type != "cuda" if _SWITCH is None else _SWITCH != "0"
-    if ctx.is_decode_only or kv_fp8.is_fp8(cache) or not enabled:
+    # (a graph's capture: its steps' lengths are not known yet, and the absorbed form is right for any)
+    if ctx.is_decode_only or ctx.capturing or kv_fp8.is_fp8(cache) or not enabled:
         return None
     made = layer.kv_lora_rank * (layer.nope + layer.v_head_dim)     # a key and value made, per head
     saved = (2 * layer.kv_lora_rank + layer.rope) - (layer.nope + layer.rope + layer.v_head_dim)  # per pair

@@ -21,7 +21,7 @@ from cvllm import plugins
 from cvllm.distributed import set_tensor_parallel
 from cvllm.engine.errors import EngineBrokenError
 from cvllm.engine.executor import InProcessExecutor
-from cvllm.engine.model_runner import ModelRunner, build_model, is_decode_path
+from cvllm.engine.model_runner import ModelRunner, build_model
 from cvllm.engine.step_inputs import build_host_step, to_device
 from cvllm.engine.tensor_parallel import messages, rendezvous
 from cvllm.engine.tensor_parallel.watchdog import DEATH_GRACE_S, WorkerWatch, stall_timeout_s
@@ -135,7 +135,7 @@ class BroadcastingRunner:
         return messages.least_memory(self.inner.backend)
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, verify_seqs: int = 0,
-                             verify_query_len: int = 1) -> None:
+                             verify_query_len: int = 1, chunk_tokens: int = 0) -> None:
         """Every rank captures the same graphs at once: the warm-up passes run the collectives for real, and each
         captured graph replays its rank's part of them (NCCL inside CUDA graphs)."""
         if self.inner.device.type != "cpu" and self.group.dist_backend.endswith(":gloo"):
@@ -143,8 +143,9 @@ class BroadcastingRunner:
                            self.group.dist_backend)
             return
         self.group.check()
-        messages.send_op(messages.CAPTURE_GRAPHS, max_num_seqs, max_model_len, verify_seqs, verify_query_len)
-        self.inner.enable_decode_graphs(max_num_seqs, max_model_len, verify_seqs, verify_query_len)
+        messages.send_op(messages.CAPTURE_GRAPHS, max_num_seqs, max_model_len, verify_seqs, verify_query_len,
+                         chunk_tokens)
+        self.inner.enable_decode_graphs(max_num_seqs, max_model_len, verify_seqs, verify_query_len, chunk_tokens)
 
     def prepare(self, batch, previous_tokens=None):
         host = build_host_step(batch, self.inner.block_size, previous_tokens[1] if previous_tokens else None)
@@ -158,7 +159,7 @@ class BroadcastingRunner:
         return self.forward(batch, self.prepare(batch, previous_tokens), all_logits, extra_indices)
 
     def forward(self, batch, inputs, all_logits: bool = False, extra_indices=None) -> torch.Tensor:
-        decode_path = is_decode_path(batch, inputs[2], all_logits, extra_indices)
+        decode_path = self.inner.decode_path(batch, inputs[2], all_logits, extra_indices)
         return self._forward(inputs, decode_path, all_logits, extra_indices)
 
     @torch.inference_mode()

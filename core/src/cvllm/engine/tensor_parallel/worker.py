@@ -131,6 +131,6 @@ def _serve(runner, backend, block_size: int) -> None:
             elif op == messages.MEMORY:
                 messages.least_memory(backend)
             elif op == messages.CAPTURE_GRAPHS:
-                runner.enable_decode_graphs(*messages.op_args(header, 4))
+                runner.enable_decode_graphs(*messages.op_args(header, 5))
             else:
                 raise RuntimeError(f"unknown tensor-parallel message {op}")
