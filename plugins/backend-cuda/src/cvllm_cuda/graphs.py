@@ -136,9 +136,9 @@ class DecodeGraphs:
         batch, q = ctx.seq_lens.shape[0], ctx.max_query_len
         if ctx.block_tables.shape[1] > self.block_tables.shape[1]:
             return self.forward(input_ids, positions, ctx)   # (a longer context than captured: not reached)
-        sizes = self.sizes.get(q)
-        at = len(sizes) if sizes is None else bisect.bisect_left(sizes, batch)
-        if sizes is None or at == len(sizes):
+        sizes = self.sizes.get(q, [])
+        at = bisect.bisect_left(sizes, batch)
+        if at == len(sizes):
             if batch == 1 and self.chunk_sizes and q <= self.chunk_sizes[-1]:
                 return self._replay_chunk(input_ids, positions, ctx)
             return self.forward(input_ids, positions, ctx)   # not a captured shape: run eagerly
