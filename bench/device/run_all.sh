@@ -42,9 +42,9 @@ tests)
     t=plugins/backend-cuda/tests
     run gpu-tests-engine 240 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_cuda_engine_gpu.py \
         plugins/models-qwen/tests/test_qwen_gguf.py --durations=3
-    # issues 22 and 25: speculative verify steps in CUDA graphs, embeddings on CUDA
+    # issues 22 and 25: speculative verify steps in CUDA graphs, embeddings on CUDA; lone prefill chunks in graphs
     run gpu-tests-spec-embed 200 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_speculative_gpu.py \
-        $t/test_embeddings_gpu.py --durations=3
+        $t/test_embeddings_gpu.py $t/test_chunk_graphs_gpu.py --durations=3
     run gpu-tests-argmax 60 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_argmax.py --durations=3
     run gpu-tests-matmul 100 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_matmul.py --durations=3
     run gpu-tests-fused 120 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_fused_kernels_gpu.py \
