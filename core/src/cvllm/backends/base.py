@@ -24,6 +24,9 @@ class GraphedDecode(Protocol):
 
     def __call__(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor: ...
 
+    def prefill_chunk(self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext) -> Tensor:
+        """A lone sequence's prefill chunk (every row's logits), replayed where a chunk graph holds it."""
+
     def capture_all(self) -> None:
         """Capture the graphs; called once, after the KV cache exists."""
 

@@ -153,7 +153,8 @@ class ModelRunner:
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.num_blocks = 0
         self.decode_forward = self.decode_logits   # decode-only steps; the backend may wrap it (CUDA graphs)
-        self.graph_chunk_tokens = 0   # the longest lone prefill chunk the graphs take (enable_decode_graphs)
+        self.chunk_forward = self.decode_logits    # a lone sequence's last prefill chunk (is_decode_path)
+        self.graph_chunk_tokens = 0   # the longest such chunk the graphs take (enable_decode_graphs)
         self._kv_scales_pending = True
 
     def kv_bytes_per_block(self) -> int:
@@ -185,7 +186,7 @@ class ModelRunner:
         if graphs is not None:
             with torch.inference_mode():
                 graphs.capture_all()
-            self.decode_forward = graphs
+            self.decode_forward, self.chunk_forward = graphs, graphs.prefill_chunk
             self.graph_chunk_tokens = chunk_tokens
 
     def decode_path(self, batch: ScheduledBatch, ctx: ForwardContext, all_logits: bool = False,
@@ -248,9 +249,9 @@ class ModelRunner:
         from rank 0, tensor_parallel/messages.py). ``logits_indices`` includes any prompt-logprob rows;
         ``hidden_only``: every token's fp32 final hidden state instead of logits (embeddings)."""
         if decode_path:
-            logits = self.decode_forward(input_ids, positions, ctx)
-            # every row's logits: a lone prefill chunk samples only its last
-            return logits if logits.shape[0] == logits_indices.shape[0] else logits[logits_indices]
+            if input_ids.shape[0] == logits_indices.shape[0]:   # decode and verify steps: every row samples
+                return self.decode_forward(input_ids, positions, ctx)
+            return self.chunk_forward(input_ids, positions, ctx)[logits_indices]   # a lone chunk: its last row
         with forward_context(ctx):
             self.backend.prepare(ctx)
             hidden = self.model(input_ids, positions)

@@ -139,8 +139,6 @@ class DecodeGraphs:
         sizes = self.sizes.get(q, [])
         at = bisect.bisect_left(sizes, batch)
         if at == len(sizes):
-            if batch == 1 and self.chunk_sizes and q <= self.chunk_sizes[-1]:
-                return self._replay_chunk(input_ids, positions, ctx)
             return self.forward(input_ids, positions, ctx)   # not a captured shape: run eagerly
         size = sizes[at]
         if (size, q) not in self.graphs:
@@ -160,11 +158,15 @@ class DecodeGraphs:
         self.verify_replays += q > 1
         return out[:rows]
 
-    def _replay_chunk(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """A lone sequence's chunk of q tokens in the graph of the shortest captured length Q >= q: logits of
-        its q rows (the rows past q are spare, module docstring)."""
+    def prefill_chunk(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """A lone sequence's prefill chunk of q tokens in the graph of the shortest captured length Q >= q: logits
+        of its q rows (the rows past q are spare, module docstring). Always a chunk graph, never a verify graph of
+        the same q: a prompt's logits then do not depend on whether the engine speculates."""
         q = input_ids.shape[0]
-        size = self.chunk_sizes[bisect.bisect_left(self.chunk_sizes, q)]
+        at = bisect.bisect_left(self.chunk_sizes, q)
+        if at == len(self.chunk_sizes) or ctx.block_tables.shape[1] > self.block_tables.shape[1]:
+            return self.forward(input_ids, positions, ctx)
+        size = self.chunk_sizes[at]
         self.input_ids[:q].copy_(input_ids)
         self.positions[:q].copy_(positions)
         self.slot_mapping[:q].copy_(ctx.slot_mapping)
