@@ -5,7 +5,8 @@
 
 Demo: SmolLM2-135M-Instruct (the demo GGUF), greedy, batch 1, on copy-heavy chat tasks (rewrite a given text with
 one change; edit a given function; repeat a text): output tok/s without and with speculation (of the whole call,
-and of the decode phase after the first token: "decode", which a prompt's prefill does not dilute), the acceptance rate
+and of the decode phase after the first token: "decode", which a prompt's prefill does not dilute; "paired": the
+median ratio of runs made back to back, the two engines taking turns), the acceptance rate
 and the mean tokens a verify step yields, and whether the outputs are the same token for token (in exact arithmetic
 they are; in bf16 or a quantized model on a GPU, the verify step's kernels round differently from a decode step's,
 so a near-tie may go the other way: docs/speculative.md). What a verify step costs on a large model, by batch size:
@@ -53,6 +54,8 @@ TASKS = {
 }
 
 
+KV_POOL_BYTES = 2 << 30   # each engine's KV pool: a task's few hundred tokens need a few MB
+
 class FirstToken:
     """A step observer: when the first step that returned a token ended (the prompt's prefill, read back)."""
     device_timing = False
@@ -78,50 +81,70 @@ def timed_generate(llm: LLM, prompts, params) -> tuple[list, float, float]:
     return outputs, ended - started, ended - (first.at or started)
 
 
+COUNTERS = ("spec_draft_tokens", "spec_accepted_tokens", "spec_verifications", "steps", "spec_guesses",
+            "spec_guess_misses")
+
+
 def run_pair(make_llm, prompts, params, spec: dict, repeat: int = 1) -> dict:
     """The same prompts one at a time (batch 1) without and with speculation, each ``repeat`` times: its median
-    time counts (a demo task decodes for ~0.1 s on the H200, where one run's tok/s moved 40% between calls)."""
-    result = {}
+    time counts (a demo task decodes for ~0.1 s on the H200). Both engines live at once and take turns, run by run,
+    the first of a pair alternating: the same code's plain tok/s moved 600-1,300 between calls on the H200, so
+    measuring one engine's runs after the other's would let a drift inside the call pass for a speedup. Also
+    ``paired_speedup``: the median of each pair's time ratio."""
     method = spec["method"]
-    for name, config in (("plain", None), (method, spec)):
-        llm = make_llm(config)
-        for _ in range(2):   # warm-up: kernels and graphs, then the shapes of a prompt the prefix cache holds
-            timed_generate(llm, prompts[:1], params)
-        stats = llm.llm_engine.stats
-        counters = ("spec_draft_tokens", "spec_accepted_tokens", "spec_verifications", "steps", "spec_guesses",
-                    "spec_guess_misses")
-        before = [getattr(stats, c) for c in counters]
-        tokens, wall, decode_wall, outputs, runs = 0, 0.0, 0.0, [], []
-        for prompt in prompts:
-            seconds, decode_seconds = [], []
-            for _ in range(repeat):   # greedy: the same tokens every time
-                out, took, decoding = timed_generate(llm, [prompt], params)
-                seconds.append(took)
-                decode_seconds.append(decoding)
-            outputs.append(list(out[0].outputs[0].token_ids))
-            tokens += len(outputs[-1])
-            wall += statistics.median(seconds)
-            decode_wall += statistics.median(decode_seconds)
-            runs.append([round(len(outputs[-1]) / t, 1) for t in seconds])
-        drafted, accepted, verifications, steps, guesses, misses = (
-            (getattr(stats, c) - b) / repeat for c, b in zip(counters, before))   # a run's
-        result[name] = {"async_scheduling": llm.llm_engine.async_scheduling,   # (the engine's, default or not)
-                        "tok_s": round(tokens / wall, 1), "tok_s_runs": runs, "tokens": tokens,
-                        # after the first token (the prompt's prefill and its first step excluded): decode tok/s
-                        "decode_tok_s": round((tokens - len(prompts)) / decode_wall, 1) if decode_wall else None,
-                        "wall_s": round(wall, 3), "steps": steps,
-                        "ms_per_step": round(1e3 * wall / steps, 3),
-                        "outputs": outputs, "draft_tokens": drafted, "accepted_tokens": accepted,
-                        "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
-                        "mean_tokens_per_verify": round(1 + accepted / verifications, 2) if verifications else None,
-                        # async scheduling: next steps launched on a guessed outcome, and how many were wrong (void)
-                        "guesses": guesses, "guess_misses": misses}
-        llm.shutdown()
-    result["same_outputs"] = result["plain"].pop("outputs") == result[method].pop("outputs")
+    names = ("plain", method)
+    llms = {}
+    try:
+        for name, config in zip(names, (None, spec)):
+            llms[name] = make_llm(config)
+            for _ in range(2):   # warm-up: kernels and graphs, then the shapes of a prompt the prefix cache holds
+                timed_generate(llms[name], prompts[:1], params)
+        before = {name: [getattr(llm.llm_engine.stats, c) for c in COUNTERS] for name, llm in llms.items()}
+        seconds = {name: [[] for _ in prompts] for name in names}
+        decode_seconds = {name: [[] for _ in prompts] for name in names}
+        outputs = {name: [None] * len(prompts) for name in names}
+        for i, prompt in enumerate(prompts):
+            for r in range(repeat):   # greedy: the same tokens every time
+                for name in (names if r % 2 == 0 else names[::-1]):
+                    out, took, decoding = timed_generate(llms[name], [prompt], params)
+                    seconds[name][i].append(took)
+                    decode_seconds[name][i].append(decoding)
+                    outputs[name][i] = list(out[0].outputs[0].token_ids)
+        result = {name: summary(llms[name], before[name], outputs[name], seconds[name], decode_seconds[name], repeat)
+                  for name in names}
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
+    result["same_outputs"] = outputs["plain"] == outputs[method]
     result["speedup"] = round(result[method]["tok_s"] / result["plain"]["tok_s"], 3)
     if result["plain"]["decode_tok_s"] and result[method]["decode_tok_s"]:
         result["decode_speedup"] = round(result[method]["decode_tok_s"] / result["plain"]["decode_tok_s"], 3)
+    # tokens per second of each pair's runs (their outputs may differ in length: a near-tie on a GPU)
+    ratios = [(len(outputs[method][i]) / b) / (len(outputs["plain"][i]) / a)
+              for i in range(len(prompts)) for a, b in zip(seconds["plain"][i], seconds[method][i])]
+    result["paired_speedup"] = round(statistics.median(ratios), 3)
     return result
+
+
+def summary(llm, before: list, outputs: list, seconds: list, decode_seconds: list, repeat: int) -> dict:
+    """One engine's figures over the prompts: the median run of each prompt counts."""
+    tokens = sum(len(o) for o in outputs)
+    wall = sum(statistics.median(s) for s in seconds)
+    decode_wall = sum(statistics.median(s) for s in decode_seconds)
+    stats = llm.llm_engine.stats
+    drafted, accepted, verifications, steps, guesses, misses = (
+        (getattr(stats, c) - b) / repeat for c, b in zip(COUNTERS, before))   # a run's
+    return {"async_scheduling": llm.llm_engine.async_scheduling,   # (the engine's, default or not)
+            "tok_s": round(tokens / wall, 1),
+            "tok_s_runs": [[round(len(o) / t, 1) for t in s] for o, s in zip(outputs, seconds)], "tokens": tokens,
+            # after the first token (the prompt's prefill and its first step excluded): decode tok/s
+            "decode_tok_s": round((tokens - len(outputs)) / decode_wall, 1) if decode_wall else None,
+            "wall_s": round(wall, 3), "steps": steps, "ms_per_step": round(1e3 * wall / steps, 3),
+            "draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
+            "mean_tokens_per_verify": round(1 + accepted / verifications, 2) if verifications else None,
+            # async scheduling: next steps launched on a guessed outcome, and how many were wrong (void)
+            "guesses": guesses, "guess_misses": misses}
 
 
 def command_flags(argv: list[str]) -> list[str]:
@@ -158,13 +181,16 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     results = {}
     async_scheduling = args.async_scheduling or None   # (None: the backend's default)
+    # both engines live at once (run_pair): a KV pool each that leaves room for the other
+    memory = {"kv_cache_memory": KV_POOL_BYTES}
     for name, task in TASKS.items():
-        results[name] = run_pair(lambda s: LLM(path, speculative_config=s, async_scheduling=async_scheduling),
-                                 [[{"role": "user", "content": task}]], params, spec, args.repeat)
-    print(f"{'task':<10}{'plain tok/s':>12}{method + ' tok/s':>18}{'speedup':>9}{'decode':>8}{'accept':>8}"
-          f"{'tok/verify':>11}{'same':>6}")
+        results[name] = run_pair(
+            lambda s: LLM(path, speculative_config=s, async_scheduling=async_scheduling, **memory),
+            [[{"role": "user", "content": task}]], params, spec, args.repeat)
+    print(f"{'task':<10}{'plain tok/s':>12}{method + ' tok/s':>18}{'speedup':>9}{'paired':>8}{'decode':>8}"
+          f"{'accept':>8}{'tok/verify':>11}{'same':>6}")
     for name, r in results.items():
-        print(f"{name:<10}{r['plain']['tok_s']:>12}{r[method]['tok_s']:>18}{r['speedup']:>9}"
+        print(f"{name:<10}{r['plain']['tok_s']:>12}{r[method]['tok_s']:>18}{r['speedup']:>9}{r['paired_speedup']:>8}"
               f"{r.get('decode_speedup')!s:>8}{r[method]['acceptance_rate']!s:>8}"
               f"{r[method]['mean_tokens_per_verify']!s:>11}{r['same_outputs']!s:>6}")
     if args.json:
