@@ -84,8 +84,15 @@ class CopyModelRunner:
     """Builds each step's inputs as ModelRunner does (the host's share of the work), computes the copy model's
     one-hot logits at the sampled rows, and charges the device clock."""
 
-    def __init__(self, device: SimulatedDevice, decode_s: float, verify_s: float, deviate: int, seed: int):
+    def __init__(self, device: SimulatedDevice, decode_s: float, verify_s: float, deviate: int, seed: int,
+                 launch_s: float = 0.0, paraphrase: tuple[int, int] = (0, 0)):
         self.device, self.decode_s, self.verify_s, self.deviate = device, decode_s, verify_s, deviate
+        self.launch_s = launch_s
+        self.paraphrase_every, self.paraphrase_len = paraphrase
+        # a paraphrase's next token: two of the copy's skipped each time, so its words are the text's (a lookup of the
+        # last token finds them: a wrong guess) in an order not seen before
+        copy = copy_permutation(seed).tolist()
+        self.other = [copy[copy[copy[t]]] for t in range(VOCAB)]
         self.block_size, self.num_blocks = BLOCK, 0
         self.permutation = copy_permutation(seed).tolist()
 
@@ -110,9 +117,16 @@ class CopyModelRunner:
             token = self.permutation[ids[row]]
             if (pos[row] * 2654435761 % 1000003) % self.deviate == 0:   # a change of the text here: a token skipped
                 token = self.permutation[token]
+            if self.paraphrase_every and (pos[row] // self.paraphrase_len * 2654435761 % 1000003) \
+                    % self.paraphrase_every == 0:   # a stretch that says it in an order of its own
+                token = self.other[ids[row]]
             nxt.append(token)
         logits = torch.zeros(len(nxt), VOCAB)
         logits[range(len(nxt)), nxt] = 1.0
+        if self.launch_s:   # the CUDA runner's upload and graph launch: host work before the device can start
+            until = time.perf_counter() + self.launch_s
+            while time.perf_counter() < until:
+                pass
         self.device.launch(self.verify_s if batch.num_draft_chunk_tokens else self.decode_s)
         return logits
 
@@ -123,7 +137,8 @@ def make_engine(args, async_scheduling: bool, speculative: dict | None) -> LLMEn
     checkpoint = Checkpoint(Path("copy-model"), config, lambda: iter(()))
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=4096),
                           BlockManager(2048, BLOCK, True))
-    runner = CopyModelRunner(device, args.decode_ms / 1e3, args.verify_ms / 1e3, args.deviate, args.seed)
+    runner = CopyModelRunner(device, args.decode_ms / 1e3, args.verify_ms / 1e3, args.deviate, args.seed,
+                             args.launch_ms / 1e3, (args.paraphrase_every, args.paraphrase_len))
     executor = InProcessExecutor(runner, Sampler(), device, VOCAB)
     engine_config = EngineConfig(model=checkpoint, async_scheduling=async_scheduling,
                                  speculative_config=speculative)
@@ -180,6 +195,13 @@ def main() -> None:
     ap.add_argument("--decode-ms", type=float, default=1.0, help="device time of a decode step")
     ap.add_argument("--verify-ms", type=float, default=1.15, help="device time of a verify step (K = 4: 1.15x)")
     ap.add_argument("--deviate", type=int, default=12, help="one position in this many changes the copied text")
+    ap.add_argument("--paraphrase-every", type=int, default=0,
+                    help="one stretch of --paraphrase-len positions in this many takes the text's tokens in an "
+                         "order not seen before (the demo model paraphrasing its input); 0: none")
+    ap.add_argument("--paraphrase-len", type=int, default=20)
+    ap.add_argument("--launch-ms", type=float, default=0.0,
+                    help="host time a launched step takes before the device can start it: the CUDA runner's input "
+                         "upload and graph launch (0.43 ms on the H200's host for the demo model, session 25)")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=400)
     ap.add_argument("--prompt-tokens", type=int, default=200)
@@ -208,7 +230,8 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "benchmark": "speculative_overlap", "commit": git_commit(), "date": datetime.date.today().isoformat(),
-            "device": f"simulated ({args.decode_ms} ms decode, {args.verify_ms} ms verify), host: this CPU",
+            "device": f"simulated ({args.decode_ms} ms decode, {args.verify_ms} ms verify, {args.launch_ms} ms "
+                      f"launch), host: this CPU",
             "command": " ".join(["python bench/speculative_overlap.py", *(a for a in sys.argv[1:])]),
             "args": vars(args), "results": results}, indent=2) + "\n")
 
