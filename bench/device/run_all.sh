@@ -11,6 +11,7 @@
 # decode tiles with register caps, then 256 streams offline with both caches (~5 min);
 # "spec" (issue 22): the cost of a speculative verify step by batch size, and the demo model with n-gram drafts;
 # "specsteps" (issue 22): the demo's steps by kind with the device's time and kernels, then its tasks (~3 min);
+# "ggufmix" (issue 18): batch-1 decode of random Llama-3-8B GGUF files in llama.cpp's Q4_K_M and Q8_0 mixes, and bf16;
 # "moe" (issue 19): batch-1 latency and 64 streams of the Qwen3-30B-A3B and DeepSeek-V2-Lite shapes (~8 min);
 # "quant64" (issue 18): 64 streams of bf16, q4k and gptq, Llama-3-8B shape (~7 min);
 # "quantgemm" (issue 18): the low-bit GEMM of 2-128 rows by tile and rows, every layout, captured (~4 min), then
@@ -130,6 +131,17 @@ tp70b)
     python3 bench/tp_summary.py --command \
         "TP_SIZES='${TP_SIZES:-4 2}' CVLLM_BENCH_COMMIT=$commit bash bench/device/run_all.sh tp70b" \
         --json "$prefix-tp70b_summary-$commit.json" "${files[@]}" ;;
+ggufmix)
+    # issue 18: batch-1 decode of GGUF files as llama.cpp lays them out (random weights, Llama-3-8B shape): a Q4_K_M
+    # mix (a Q6_K head, Q6_K attn_v and ffn_down in half the layers) and Q8_0, beside bf16 in the same call (~6 min)
+    run latency-bf16 90 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
+        --json "$out/$day-h200-latency-bf16-ggufmix-$commit.json"
+    for mix in q4_k_m q8_0; do
+        run write-$mix 120 python3 bench/random_gguf.py /tmp/llama3-8b-$mix.gguf --shape llama3-8b --mix $mix
+        run latency-gguf-$mix 120 python3 bench/latency.py --model /tmp/llama3-8b-$mix.gguf --skip-hf \
+            --contexts 1024 --decode-tokens 128 --json "$out/$day-h200-latency-gguf-$mix-$commit.json"
+        rm -f /tmp/llama3-8b-$mix.gguf
+    done ;;
 quant)
     for q in none q4k q8_0 gptq fp8; do
         run latency-isq-$q 90 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
@@ -191,6 +203,6 @@ kvfp8)
             --kv-cache-dtype $kv --json "$out/$day-h200-serving-kv_$kv-$commit.json"
     done ;;
 *)
-    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|kvfp8|fp8attn|moe|spec|specsteps|quant64|quantgemm|swapped|gemvrows|swappedwide" >&2
+    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|ggufmix|kvfp8|fp8attn|moe|spec|specsteps|quant64|quantgemm|swapped|gemvrows|swappedwide" >&2
     exit 2 ;;
 esac
