@@ -92,6 +92,31 @@ def profile_host(engine: LLMEngine, context: int, vocab: int) -> None:
     pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
 
 
+def profile_prefill(engine: LLMEngine, length: int, vocab: int) -> None:
+    """Where the host's time goes in the prefill of prompts of ``length`` tokens (one token generated each): cProfile
+    of three of them after two to compile, by own time and by cumulative time. A chunk longer than the graphs'
+    (CVLLM_GRAPH_CHUNK_TOKENS, or 0 to see short ones) runs eagerly, a launch at a time."""
+    import cProfile
+    import pstats
+
+    def prefill(seed: int) -> None:
+        engine.add_request(f"prefill-{seed}", prompt(length, vocab, 100 + seed), SamplingParams(temperature=0,
+                                                                                              max_tokens=1))
+        while engine.has_unfinished():
+            engine.step()
+
+    for seed in range(2):
+        prefill(seed)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for seed in range(2, 5):
+        prefill(seed)
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(25)
+
+
 def copy_bandwidth_tb_s() -> float:
     x = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)   # 2 GiB, far past the L2
     y = torch.empty_like(x)
@@ -139,6 +164,8 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true", help="leave out the transformers reference")
     ap.add_argument("--profile-host", action="store_true",
                     help="print where the host's time goes in batch-1 decode steps (cProfile, by own time)")
+    ap.add_argument("--profile-prefill", type=int, metavar="TOKENS",
+                    help="print where the host's time goes in the prefill of prompts of TOKENS tokens (cProfile)")
     ap.add_argument("--no-tuned", action="store_true",
                     help="attention and the low-bit GEMVs with the default tiles, not this GPU's tuned ones (an A/B)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
@@ -189,6 +216,8 @@ def main() -> None:
     measured["bs1_decode_tok_s"] = measured[f"decode_tok_s_{contexts[0]}"]
     if args.profile_host:
         profile_host(engine, contexts[0], vocab)
+    if args.profile_prefill:
+        profile_prefill(engine, args.profile_prefill, vocab)
     if device == "cuda" and tp == 1:
         gpu_ms = graph_replay_ms(engine, 1)    # the graph's buffers hold the last decode run's step: compare with it
         if gpu_ms is not None:

@@ -12,6 +12,7 @@
 # "spec" (issue 22): the cost of a speculative verify step by batch size, and the demo model with n-gram drafts;
 # "specsteps" (issue 22): the demo's steps by kind with the device's time and kernels, then its tasks (~3 min);
 # "ggufmix" (issue 18): batch-1 decode of random Llama-3-8B GGUF files in llama.cpp's Q4_K_M and Q8_0 mixes, and bf16;
+# "prefillhost": a cProfile of eager prefills (200-token prompts, Llama-3-8B shape) and TTFT at 20 / 200 tokens;
 # "moe" (issue 19): batch-1 latency and 64 streams of the Qwen3-30B-A3B and DeepSeek-V2-Lite shapes (~8 min);
 # "quant64" (issue 18): 64 streams of bf16, q4k and gptq, Llama-3-8B shape (~7 min);
 # "quantgemm" (issue 18): the low-bit GEMM of 2-128 rows by tile and rows, every layout, captured (~4 min), then
@@ -131,6 +132,11 @@ tp70b)
     python3 bench/tp_summary.py --command \
         "TP_SIZES='${TP_SIZES:-4 2}' CVLLM_BENCH_COMMIT=$commit bash bench/device/run_all.sh tp70b" \
         --json "$prefix-tp70b_summary-$commit.json" "${files[@]}" ;;
+prefillhost)
+    # where an eager prefill's host time goes (~63 us a launch on the H200's host, session 25): cProfile of
+    # 200-token prompts, past the chunk graphs, on the Llama-3-8B shape (~2 min)
+    run prefill-host-8b 150 python3 bench/latency.py --skip-hf --contexts 20,200 --decode-tokens 16 \
+        --profile-prefill 200 --json "$out/$day-h200-latency-prefillhost-$commit.json" ;;
 ggufmix)
     # issue 18: batch-1 decode of GGUF files as llama.cpp lays them out (random weights, Llama-3-8B shape): a Q4_K_M
     # mix (a Q6_K head, Q6_K attn_v and ffn_down in half the layers) and Q8_0, beside bf16 in the same call (~6 min)
@@ -203,6 +209,6 @@ kvfp8)
             --kv-cache-dtype $kv --json "$out/$day-h200-serving-kv_$kv-$commit.json"
     done ;;
 *)
-    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|ggufmix|kvfp8|fp8attn|moe|spec|specsteps|quant64|quantgemm|swapped|gemvrows|swappedwide" >&2
+    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|ggufmix|prefillhost|kvfp8|fp8attn|moe|spec|specsteps|quant64|quantgemm|swapped|gemvrows|swappedwide" >&2
     exit 2 ;;
 esac
