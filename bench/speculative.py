@@ -88,7 +88,7 @@ COUNTERS = ("spec_draft_tokens", "spec_accepted_tokens", "spec_verifications", "
 def run_pair(make_llm, prompts, params, spec: dict, repeat: int = 1) -> dict:
     """The same prompts one at a time (batch 1) without and with speculation, each ``repeat`` times: its median
     time counts (a demo task decodes for ~0.1 s on the H200). Both engines live at once and take turns, run by run,
-    the first of a pair alternating: the same code's plain tok/s moved 600-1,300 between calls on the H200, so
+    the first of a pair alternating: the same code's plain tok/s moved 600-1,290 between calls on the H200, so
     measuring one engine's runs after the other's would let a drift inside the call pass for a speedup. Also
     ``paired_speedup``: the median of each pair's time ratio."""
     method = spec["method"]
