@@ -76,29 +76,37 @@ def decode(engine: LLMEngine, context: int, tokens: int, vocab: int, device: str
     return {"tok_s": 1 / step_s, "step_ms": step_s * 1e3}
 
 
-def profile_host(engine: LLMEngine, context: int, vocab: int) -> None:
+def print_profile(run, *orders: str, rows: int = 22) -> None:
+    """cProfile of ``run()``, the top ``rows`` functions by each of ``orders``."""
     import cProfile
     import pstats
 
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run()
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    for order in orders:
+        stats.sort_stats(order).print_stats(rows)
+
+
+def profile_host(engine: LLMEngine, context: int, vocab: int) -> None:
     engine.add_request("profile", prompt(context, vocab, 9), SamplingParams(temperature=0, max_tokens=70,
                                                                             ignore_eos=True))
     for _ in range(5):
         engine.step()
-    profiler = cProfile.Profile()
-    profiler.enable()
-    while engine.has_unfinished():
-        engine.step()
-    profiler.disable()
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
+
+    def rest() -> None:
+        while engine.has_unfinished():
+            engine.step()
+
+    print_profile(rest, "tottime")
 
 
 def profile_prefill(engine: LLMEngine, length: int, vocab: int) -> None:
     """Where the host's time goes in the prefill of prompts of ``length`` tokens (one token generated each): cProfile
     of three of them after two to compile, by own time and by cumulative time. A chunk longer than the graphs'
     (CVLLM_GRAPH_CHUNK_TOKENS, or 0 to see short ones) runs eagerly, a launch at a time."""
-    import cProfile
-    import pstats
-
     def prefill(seed: int) -> None:
         engine.add_request(f"prefill-{seed}", prompt(length, vocab, 100 + seed), SamplingParams(temperature=0,
                                                                                               max_tokens=1))
@@ -107,14 +115,7 @@ def profile_prefill(engine: LLMEngine, length: int, vocab: int) -> None:
 
     for seed in range(2):
         prefill(seed)
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for seed in range(2, 5):
-        prefill(seed)
-    profiler.disable()
-    stats = pstats.Stats(profiler)
-    stats.sort_stats("tottime").print_stats(25)
-    stats.sort_stats("cumulative").print_stats(25)
+    print_profile(lambda: [prefill(seed) for seed in range(2, 5)], "tottime", "cumulative", rows=25)
 
 
 def copy_bandwidth_tb_s() -> float:

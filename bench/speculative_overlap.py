@@ -89,12 +89,11 @@ class CopyModelRunner:
         self.device, self.decode_s, self.verify_s, self.deviate = device, decode_s, verify_s, deviate
         self.launch_s = launch_s
         self.paraphrase_every, self.paraphrase_len = paraphrase
+        self.block_size, self.num_blocks = BLOCK, 0
+        self.permutation = copy = copy_permutation(seed).tolist()
         # a paraphrase's next token: two of the copy's skipped each time, so its words are the text's (a lookup of the
         # last token finds them: a wrong guess) in an order not seen before
-        copy = copy_permutation(seed).tolist()
         self.other = [copy[copy[copy[t]]] for t in range(VOCAB)]
-        self.block_size, self.num_blocks = BLOCK, 0
-        self.permutation = copy_permutation(seed).tolist()
 
     def kv_bytes_per_block(self) -> int:
         return 1

@@ -143,12 +143,7 @@ class DecodeGraphs:
         size = sizes[at]
         if (size, q) not in self.graphs:
             self._capture(size, q)
-        rows = batch * q
-        self.input_ids[:rows].copy_(input_ids)
-        self.positions[:rows].copy_(positions)
-        self.slot_mapping[:rows].copy_(ctx.slot_mapping)
-        self.seq_lens[:batch].copy_(ctx.seq_lens)
-        self.block_tables[:batch, :ctx.block_tables.shape[1]].copy_(ctx.block_tables)
+        rows = self._copy_inputs(input_ids, positions, ctx)
         if size > batch:  # padding rows: write no KV, attend to Q keys of some block
             self.slot_mapping[rows:size * q].fill_(-1)
             self.seq_lens[batch:size].fill_(q)
@@ -157,6 +152,16 @@ class DecodeGraphs:
         self.replays += 1
         self.verify_replays += q > 1
         return out[:rows]
+
+    def _copy_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> int:
+        """The step's inputs into the graphs' buffers (their first rows and sequences); returns the rows."""
+        rows, batch = input_ids.shape[0], ctx.seq_lens.shape[0]
+        self.input_ids[:rows].copy_(input_ids)
+        self.positions[:rows].copy_(positions)
+        self.slot_mapping[:rows].copy_(ctx.slot_mapping)
+        self.seq_lens[:batch].copy_(ctx.seq_lens)
+        self.block_tables[:batch, :ctx.block_tables.shape[1]].copy_(ctx.block_tables)
+        return rows
 
     def prefill_chunk(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """A lone sequence's prefill chunk of q tokens in the graph of the shortest captured length Q >= q: logits
@@ -167,13 +172,9 @@ class DecodeGraphs:
         if at == len(self.chunk_sizes) or ctx.block_tables.shape[1] > self.block_tables.shape[1]:
             return self.forward(input_ids, positions, ctx)
         size = self.chunk_sizes[at]
-        self.input_ids[:q].copy_(input_ids)
-        self.positions[:q].copy_(positions)
-        self.slot_mapping[:q].copy_(ctx.slot_mapping)
+        self._copy_inputs(input_ids, positions, ctx)
         self.slot_mapping[q:size].fill_(-1)   # spare rows: no KV written
         self.chunk_start_loc.copy_(ctx.query_start_loc)
-        self.seq_lens[:1].copy_(ctx.seq_lens)
-        self.block_tables[:1, :ctx.block_tables.shape[1]].copy_(ctx.block_tables)
         graph, out = self.chunk_graphs[size]
         graph.replay()
         self.replays += 1

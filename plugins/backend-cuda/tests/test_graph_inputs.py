@@ -1,0 +1,91 @@
+"""The CUDA graphs' shapes and input staging (cvllm_cuda/graphs.py), without a GPU: the ladders of decode batch sizes
+and lone prefill chunks, and what a replay finds in the graphs' buffers (the graph itself stubbed: its replay is
+the GPU suite's, test_chunk_graphs_gpu.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cvllm.forward_context import ForwardContext
+from cvllm_cuda.graphs import DecodeGraphs, batch_size_ladder, chunk_ladder
+
+
+def test_batch_sizes_pad_at_most_seven_rows_above_eight():
+    assert batch_size_ladder(256)[:6] == [1, 2, 4, 8, 16, 24] and batch_size_ladder(256)[-1] == 256
+    assert batch_size_ladder(3) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("most, sizes", [
+    (64, [8, 16, 32, 64]), (100, [8, 16, 32, 64, 100]), (16, [8, 16]), (5, [5]), (1, []), (0, []),
+])
+def test_chunk_lengths_double_from_eight_up_to_the_longest(most, sizes):
+    assert chunk_ladder(most) == sizes
+
+
+class Replayed:
+    """A captured graph's stand-in: counts replays; its output rows are what the graph would return."""
+
+    def __init__(self, rows: int):
+        self.replays, self.out = 0, torch.arange(rows, dtype=torch.float32)[:, None]
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+def staged_graphs(chunk_tokens: int = 64) -> DecodeGraphs:
+    graphs = DecodeGraphs(None, SimpleNamespace(device=torch.device("cpu")), 4, 8, (4, 5), chunk_tokens)
+    for key in [(size, q) for size, q in graphs.shapes]:
+        graphs.graphs[key] = (stub := Replayed(key[0] * key[1]), stub.out)
+    for q in graphs.chunk_sizes:
+        graphs.chunk_graphs[q] = (stub := Replayed(q), stub.out)
+    return graphs
+
+
+def context(q_lens: list[int], context_len: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+    rows = starts[-1]
+    ctx = ForwardContext(
+        backend=None, query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor([context_len + q for q in q_lens], dtype=torch.int32),
+        slot_mapping=torch.arange(100, 100 + rows), block_tables=torch.arange(1, 1 + blocks * len(q_lens),
+                                                                             dtype=torch.int32).view(-1, blocks),
+        query_start_loc_cpu=starts, query_lens_cpu=q_lens, seq_lens_cpu=[context_len + q for q in q_lens],
+        max_query_len=max(q_lens), max_seq_len=context_len + max(q_lens), is_decode_only=max(q_lens) == 1)
+    return torch.arange(7, 7 + rows), torch.arange(context_len, context_len + rows), ctx
+
+
+def test_a_lone_chunk_is_staged_in_the_next_chunk_graph_with_spare_rows_writing_nothing():
+    graphs = staged_graphs()
+    graphs.slot_mapping.fill_(5)   # what an earlier, longer step left
+    ids, positions, ctx = context([11], 40, 4)
+    logits = graphs.prefill_chunk(ids, positions, ctx)
+    assert graphs.chunk_graphs[16][0].replays == 1 and graphs.chunk_replays == 1
+    assert logits.shape[0] == 11 and torch.equal(logits[:, 0], torch.arange(11.0))
+    assert torch.equal(graphs.input_ids[:11], ids) and torch.equal(graphs.positions[:11], positions)
+    assert torch.equal(graphs.slot_mapping[:11], ctx.slot_mapping)
+    assert (graphs.slot_mapping[11:16] == -1).all()   # the spare rows write no KV
+    assert graphs.chunk_start_loc.tolist() == [0, 11] and graphs.seq_lens[0] == 51
+    assert torch.equal(graphs.block_tables[0, :4], ctx.block_tables[0])
+
+
+def test_a_padded_verify_batch_is_staged_in_its_graph():
+    graphs = staged_graphs()
+    graphs.slot_mapping.fill_(5)
+    ids, positions, ctx = context([5, 5, 5], 30, 3)   # three sequences verifying 4 drafts: the graph of 4
+    graphs(ids, positions, ctx)
+    assert graphs.graphs[4, 5][0].replays == 1 and graphs.verify_replays == 1
+    assert torch.equal(graphs.input_ids[:15], ids) and torch.equal(graphs.slot_mapping[:15], ctx.slot_mapping)
+    assert (graphs.slot_mapping[15:20] == -1).all() and graphs.seq_lens.tolist()[:4] == [35, 35, 35, 5]
+    assert torch.equal(graphs.block_tables[:3, :3], ctx.block_tables)
+
+
+def test_a_chunk_longer_than_the_graphs_runs_eagerly():
+    graphs = staged_graphs(chunk_tokens=16)
+    graphs.forward = lambda ids, positions, ctx: torch.full((ids.shape[0], 1), -1.0)
+    ids, positions, ctx = context([17], 0, 2)
+    assert (graphs.prefill_chunk(ids, positions, ctx) == -1).all() and graphs.chunk_replays == 0
