@@ -2,12 +2,14 @@
 the host's milliseconds by phase, the device's time for the forward pass and the whole step, and how long the
 device sat idle before the step's first operation (host-bound steps show it there).
 
-    python bench/spec_steps.py [--k 4] [--task rewrite] [--sync] [--profile]
+    python bench/spec_steps.py [--k 4] [--task rewrite] [--sync] [--profile] [--cprofile]
 
 The demo model on bench/speculative.py's tasks, plain and with n-gram drafts, the engine's default scheduling
 (async on CUDA) unless ``--sync``. Device times come from backend events at the step's marks
 (cvllm/engine/observers.py), so on the CPU only the host columns mean anything. ``--profile`` (CUDA) runs each once
-more under the torch profiler and lists the kernels on the device's critical path, per launched step.
+more under the torch profiler and lists the kernels on the device's critical path, per launched step;
+``--cprofile`` once more under cProfile: the host's functions by own and cumulative time (where a synchronous verify
+step's host time goes).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from latency import print_profile  # noqa: E402
 from profile_decode import report_critical_path  # noqa: E402
 from speculative import TASKS  # noqa: E402
 from step_timeline import Records  # noqa: E402
@@ -70,6 +73,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=400)
     ap.add_argument("--sync", action="store_true", help="synchronous steps (the CPU's default)")
     ap.add_argument("--profile", action="store_true", help="also the device's kernels, per launched step (CUDA)")
+    ap.add_argument("--cprofile", action="store_true", help="also the host's functions (cProfile of one more run)")
     args = ap.parse_args()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     prompt = [[{"role": "user", "content": TASKS[args.task]}]]
@@ -95,6 +99,9 @@ def main() -> None:
                 llm.chat(prompt, params)
                 torch.cuda.synchronize()
             report_critical_path(prof, sum(1 for r in records.records if r.num_seqs), top=30)
+        if args.cprofile:
+            print(f"\n{name}: cProfile of one run ({steps} steps)")
+            print_profile(lambda llm=llm: llm.chat(prompt, params), "tottime", "cumulative", rows=30)
         llm.shutdown()
 
 
