@@ -171,11 +171,14 @@ class LLMEngine:
                                                 self.scheduler.add, self._retire)
             if prev is not None and not self._can_overlap(prev):
                 done, prev = done + self._finish(prev, record), None     # schedule with every token known
-            if self.speculator is not None:
-                self.speculator.propose()
-            self.last_batch = batch = self.scheduler.schedule()   # the engine core reads it when a step fails
-            if self.speculator is not None:
-                self.speculator.fit(batch)
+            batch = self._schedule()
+            if not batch.seqs and prev is not None:
+                # nothing could run beside the step in flight (the speculator held every sequence for its outcome):
+                # read it back and schedule again here, so that the next step is launched before the caller handles
+                # this one's tokens (detokenizing, streaming) instead of after: for a synchronous verify step that
+                # work would otherwise sit between two device steps
+                done, prev = done + self._finish(prev, record), None
+                batch = self._schedule()
             if self.fault_injector is not None:
                 self.fault_injector(batch)
             if record is not None:
@@ -207,6 +210,15 @@ class LLMEngine:
         if record is not None:   # outside the try: the step itself succeeded, whatever an observer does
             self.observers.send(record, len(done))
         return done
+
+    def _schedule(self) -> ScheduledBatch:
+        """The next batch, drafts proposed and fitted to it."""
+        if self.speculator is not None:
+            self.speculator.propose()
+        self.last_batch = batch = self.scheduler.schedule()   # the engine core reads it when a step fails
+        if self.speculator is not None:
+            self.speculator.fit(batch)
+        return batch
 
     def _can_overlap(self, prev: LaunchedStep) -> bool:
         """Whether the next batch may be sampled before ``prev``'s tokens are on the host (with speculation: set up
