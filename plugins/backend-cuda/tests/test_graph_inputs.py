@@ -4,13 +4,16 @@ the GPU suite's, test_chunk_graphs_gpu.py)."""
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from cvllm.engine.step_inputs import HostStep, pack, to_device
 from cvllm.forward_context import ForwardContext
 from cvllm_cuda.graphs import DecodeGraphs, batch_size_ladder, chunk_ladder
+from cvllm_cuda.staging import StepStaging
 
 
 def test_batch_sizes_pad_at_most_seven_rows_above_eight():
@@ -89,3 +92,60 @@ def test_a_chunk_longer_than_the_graphs_runs_eagerly():
     graphs.forward = lambda ids, positions, ctx: torch.full((ids.shape[0], 1), -1.0)
     ids, positions, ctx = context([17], 0, 2)
     assert (graphs.prefill_chunk(ids, positions, ctx) == -1).all() and graphs.chunk_replays == 0
+
+
+def host_step(q_lens: list[int], context_len: int, blocks: int, num_fill: int = 0) -> HostStep:
+    """A step's host tensors as build_host_step lays them out (packed), sequences of ``q_lens`` queries each."""
+    starts = [0, *itertools.accumulate(q_lens)]
+    rows, seqs = starts[-1], len(q_lens)
+    seq_lens = [context_len + q for q in q_lens]
+    tensors = [torch.arange(7, 7 + rows), torch.arange(context_len, context_len + rows),
+               torch.tensor(starts, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
+               torch.arange(100, 100 + rows), torch.arange(1, 1 + blocks * seqs, dtype=torch.int32).view(seqs, blocks),
+               torch.tensor([s - 1 for s in starts[1:]]), torch.arange(2 * num_fill).view(2, num_fill)]
+    return HostStep(tensors, starts, list(q_lens), seq_lens, max(q_lens) == 1, pack(tensors))
+
+
+@pytest.mark.parametrize("q_lens, fill", [([1], 0), ([1, 1, 1], 2), ([5, 5, 5], 0), ([11], 0), ([30, 1, 1], 1)])
+def test_a_staged_step_has_its_inputs_in_place_and_its_padding_written(q_lens, fill):
+    staging = StepStaging(torch.device("cpu"), rows=40, seqs=8, table_words=64)
+    staging.slot_mapping.fill_(5)                # what an earlier, longer step left
+    staging.seq_lens.fill_(9)
+    host = host_step(q_lens, 30, 3, fill)
+    staged = staging.stage(host)
+    assert all(torch.equal(a, b) for a, b in zip(staged, host.tensors))
+    assert staging.owns(staged[0]) and not staging.owns(host.tensors[0])
+    rows, seqs = sum(q_lens), len(q_lens)
+    assert (staging.slot_mapping[rows:] == -1).all()
+    assert (staging.seq_lens[seqs:] == max(q_lens)).all()   # a graph's padding sequences attend to Q keys
+    ids, positions, ctx, logits_rows = to_device(host, SimpleNamespace(device=torch.device("cpu")), 16,
+                                                 staging=staging)
+    assert staging.owns(ids) and torch.equal(ctx.block_tables, host.tensors[5])
+
+
+def test_a_step_that_does_not_fit_is_not_staged():
+    staging = StepStaging(torch.device("cpu"), rows=8, seqs=4, table_words=12)
+    assert staging.stage(host_step([9], 0, 1)) is None          # more tokens than rows
+    assert staging.stage(host_step([1] * 5, 10, 1)) is None     # more sequences
+    assert staging.stage(host_step([1, 1], 10, 7)) is None      # more block-table entries
+    ids, *_ = to_device(host_step([9], 0, 1), SimpleNamespace(device=torch.device("cpu")), 16, staging=staging)
+    assert not staging.owns(ids)
+
+
+def test_graphs_replay_a_staged_step_copying_only_its_block_tables():
+    graphs = staged_graphs()
+    graphs.slot_mapping.fill_(5)
+    graphs.seq_lens.fill_(9)
+    backend = SimpleNamespace(device=torch.device("cpu"))
+    ids, positions, ctx, _ = to_device(host_step([5, 5, 5], 30, 3), backend, 16, staging=graphs.staging)
+    graphs.input_ids.add_(0)
+    graphs(ids, positions, ctx)                           # three sequences verifying 4 drafts: the graph of 4
+    assert graphs.graphs[4, 5][0].replays == 1
+    assert torch.equal(graphs.input_ids[:15], torch.arange(7, 22))
+    assert (graphs.slot_mapping[15:20] == -1).all() and graphs.seq_lens.tolist()[:4] == [35, 35, 35, 5]
+    assert torch.equal(graphs.block_tables[:3, :3], ctx.block_tables)
+    ids, positions, ctx, rows = to_device(host_step([11], 40, 4), backend, 16, staging=graphs.staging)
+    logits = graphs.prefill_chunk(ids, positions, ctx)   # a lone chunk: the graph of 16, 5 spare rows
+    assert graphs.chunk_graphs[16][0].replays == 1 and logits.shape[0] == 11
+    assert graphs.chunk_start_loc.tolist() == [0, 11] and (graphs.slot_mapping[11:16] == -1).all()
+    assert torch.equal(graphs.block_tables[0, :4], ctx.block_tables[0])

@@ -155,6 +155,9 @@ class ModelRunner:
         self.decode_forward = self.decode_logits   # decode-only steps; the backend may wrap it (CUDA graphs)
         self.chunk_forward = self.decode_logits    # a lone sequence's last prefill chunk (is_decode_path)
         self.graph_chunk_tokens = 0   # the longest such chunk the graphs take (enable_decode_graphs)
+        # where the graphs read their inputs, if the backend's graphs have such a place (``stage(host)``): steps that
+        # fit are put there directly (step_inputs.to_device)
+        self.staging = None
         self._kv_scales_pending = True
 
     def kv_bytes_per_block(self) -> int:
@@ -188,6 +191,7 @@ class ModelRunner:
                 graphs.capture_all()
             self.decode_forward, self.chunk_forward = graphs, graphs.prefill_chunk
             self.graph_chunk_tokens = chunk_tokens
+            self.staging = getattr(graphs, "staging", None)
 
     def decode_path(self, batch: ScheduledBatch, ctx: ForwardContext, all_logits: bool = False,
                     extra_indices: torch.Tensor | None = None) -> bool:
@@ -215,7 +219,8 @@ class ModelRunner:
         ``previous_tokens``: (sampled ids [B'] on the device, seq_id -> row) of the step still in flight; a
         sequence whose last token is among them takes it from there (async scheduling)."""
         host = build_host_step(batch, self.block_size, previous_tokens[1] if previous_tokens else None)
-        return to_device(host, self.backend, self.block_size, previous_tokens[0] if previous_tokens else None)
+        return to_device(host, self.backend, self.block_size, previous_tokens[0] if previous_tokens else None,
+                         self.staging)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, all_logits: bool = False, extra_indices: torch.Tensor | None = None,

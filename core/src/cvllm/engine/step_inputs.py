@@ -161,15 +161,19 @@ def host_step_from_packed(packed: torch.Tensor, num_tokens: int, num_seqs: int, 
     return HostStep(tensors, query_start, query_lens, seq_lens, is_decode_only, packed)
 
 
-def to_device(host: HostStep, backend, block_size: int, previous_ids: torch.Tensor | None = None
+def to_device(host: HostStep, backend, block_size: int, previous_ids: torch.Tensor | None = None, staging=None
               ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, torch.Tensor]:
     """(input ids, positions, context, logits rows) on the backend's device, in one non-blocking upload (a decode
     step has eight inputs, and each copy has a fixed cost) of ``host.packed`` (packed here if the host step has
     none). They travel as bytes and are viewed back in their own dtypes: no conversion kernel on the device.
     ``previous_ids``: the in-flight step's sampled ids on the device, for the ``fill`` rows (None: leave them, a
-    tensor-parallel worker gets them from rank 0)."""
+    tensor-parallel worker gets them from rank 0). ``staging``: where the backend's graphs read their inputs
+    (``stage(host)``: the tensors there, or None for a step that does not fit): a step that fits goes there."""
     device = backend.device
-    if device.type == "cpu":
+    staged = staging.stage(host) if staging is not None else None
+    if staged is not None:
+        ids, positions, query_start, seq_lens, slots, tables, logits_indices, fill = staged
+    elif device.type == "cpu":
         ids, positions, query_start, seq_lens, slots, tables, logits_indices, fill = host.tensors
     else:
         packed = pack(host.tensors) if host.packed is None else host.packed

@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 from cvllm.forward_context import ForwardContext
+from cvllm_cuda.staging import StepStaging
 
 logger = logging.getLogger(__name__)
 
@@ -63,15 +64,16 @@ class DecodeGraphs:
         device = backend.device
         n = max(size for size, _ in self.shapes)
         rows = max([size * q for size, q in self.shapes] + self.chunk_sizes)
-        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
-        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((rows,), -1, dtype=torch.long, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        # the graphs read their inputs where ModelRunner.prepare puts a step that fits (staging.py)
+        self.staging = StepStaging(device, rows, n)
+        self.input_ids, self.positions = self.staging.input_ids, self.staging.positions
+        self.slot_mapping = self.staging.slot_mapping.fill_(-1)
+        self.seq_lens = self.staging.seq_lens.fill_(1)
         # each sequence's Q queries start at a multiple of Q
         self.query_start_loc = {q: torch.arange(0, n * q + 1, q, dtype=torch.int32, device=device)
                                 for q in self.sizes}
-        # a lone chunk's queries: [0, q] at replay for a graph of Q >= q rows
-        self.chunk_start_loc = torch.zeros(2, dtype=torch.int32, device=device)
+        # a lone chunk's queries: [0, q] at replay for a graph of Q >= q rows (a staged chunk's own query starts)
+        self.chunk_start_loc = self.staging.query_start[:2]
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.chunk_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -144,8 +146,8 @@ class DecodeGraphs:
         if (size, q) not in self.graphs:
             self._capture(size, q)
         rows = self._copy_inputs(input_ids, positions, ctx)
-        if size > batch:  # padding rows: write no KV, attend to Q keys of some block
-            self.slot_mapping[rows:size * q].fill_(-1)
+        if size > batch and not self.staging.owns(input_ids):   # padding rows: write no KV, attend to Q keys
+            self.slot_mapping[rows:size * q].fill_(-1)           # (a staged step has them so already)
             self.seq_lens[batch:size].fill_(q)
         graph, out = self.graphs[size, q]
         graph.replay()
@@ -154,13 +156,16 @@ class DecodeGraphs:
         return out[:rows]
 
     def _copy_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> int:
-        """The step's inputs into the graphs' buffers (their first rows and sequences); returns the rows."""
+        """The step's inputs into the graphs' buffers (their first rows and sequences); returns the rows. A staged
+        step's are there already but for its block tables, which are staged compact."""
         rows, batch = input_ids.shape[0], ctx.seq_lens.shape[0]
+        self.block_tables[:batch, :ctx.block_tables.shape[1]].copy_(ctx.block_tables)
+        if self.staging.owns(input_ids):
+            return rows
         self.input_ids[:rows].copy_(input_ids)
         self.positions[:rows].copy_(positions)
         self.slot_mapping[:rows].copy_(ctx.slot_mapping)
         self.seq_lens[:batch].copy_(ctx.seq_lens)
-        self.block_tables[:batch, :ctx.block_tables.shape[1]].copy_(ctx.block_tables)
         return rows
 
     def prefill_chunk(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -173,8 +178,9 @@ class DecodeGraphs:
             return self.forward(input_ids, positions, ctx)
         size = self.chunk_sizes[at]
         self._copy_inputs(input_ids, positions, ctx)
-        self.slot_mapping[q:size].fill_(-1)   # spare rows: no KV written
-        self.chunk_start_loc.copy_(ctx.query_start_loc)
+        if not self.staging.owns(input_ids):   # (a staged chunk has its query starts and spare slots in place)
+            self.slot_mapping[q:size].fill_(-1)   # spare rows: no KV written
+            self.chunk_start_loc.copy_(ctx.query_start_loc)
         graph, out = self.chunk_graphs[size]
         graph.replay()
         self.replays += 1
