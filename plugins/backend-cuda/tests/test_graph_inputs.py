@@ -108,7 +108,7 @@ def host_step(q_lens: list[int], context_len: int, blocks: int, num_fill: int = 
 
 @pytest.mark.parametrize("q_lens, fill", [([1], 0), ([1, 1, 1], 2), ([5, 5, 5], 0), ([11], 0), ([30, 1, 1], 1)])
 def test_a_staged_step_has_its_inputs_in_place_and_its_padding_written(q_lens, fill):
-    staging = StepStaging(torch.device("cpu"), rows=40, seqs=8, table_words=64)
+    staging = StepStaging(torch.device("cpu"), rows=40, seqs=8, max_blocks=6)
     staging.slot_mapping.fill_(5)                # what an earlier, longer step left
     staging.seq_lens.fill_(9)
     host = host_step(q_lens, 30, 3, fill)
@@ -124,21 +124,22 @@ def test_a_staged_step_has_its_inputs_in_place_and_its_padding_written(q_lens, f
 
 
 def test_a_step_that_does_not_fit_is_not_staged():
-    staging = StepStaging(torch.device("cpu"), rows=8, seqs=4, table_words=12)
+    staging = StepStaging(torch.device("cpu"), rows=8, seqs=4, max_blocks=6, table_bytes=3 * 6 * 4)
     assert staging.stage(host_step([9], 0, 1)) is None          # more tokens than rows
-    assert staging.stage(host_step([1] * 5, 10, 1)) is None     # more sequences
-    assert staging.stage(host_step([1, 1], 10, 7)) is None      # more block-table entries
+    assert staging.stage(host_step([1] * 4, 10, 1)) is None     # more sequences than the twins' table rows
+    assert staging.stage(host_step([1, 1], 10, 7)) is None      # more blocks than captured
+    assert staging.stage(host_step([1] * 3, 10, 6)) is not None
     ids, *_ = to_device(host_step([9], 0, 1), SimpleNamespace(device=torch.device("cpu")), 16, staging=staging)
     assert not staging.owns(ids)
 
 
-def test_graphs_replay_a_staged_step_copying_only_its_block_tables():
+def test_graphs_replay_a_staged_step_with_no_copies_of_its_inputs():
     graphs = staged_graphs()
     graphs.slot_mapping.fill_(5)
     graphs.seq_lens.fill_(9)
     backend = SimpleNamespace(device=torch.device("cpu"))
     ids, positions, ctx, _ = to_device(host_step([5, 5, 5], 30, 3), backend, 16, staging=graphs.staging)
-    graphs.input_ids.add_(0)
+    assert ctx.block_tables.stride(0) == graphs.block_tables.stride(0)   # staged in the graphs' own table
     graphs(ids, positions, ctx)                           # three sequences verifying 4 drafts: the graph of 4
     assert graphs.graphs[4, 5][0].replays == 1
     assert torch.equal(graphs.input_ids[:15], torch.arange(7, 22))

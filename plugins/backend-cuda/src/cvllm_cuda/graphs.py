@@ -65,7 +65,7 @@ class DecodeGraphs:
         n = max(size for size, _ in self.shapes)
         rows = max([size * q for size, q in self.shapes] + self.chunk_sizes)
         # the graphs read their inputs where ModelRunner.prepare puts a step that fits (staging.py)
-        self.staging = StepStaging(device, rows, n)
+        self.staging = StepStaging(device, rows, n, max_blocks_per_seq)
         self.input_ids, self.positions = self.staging.input_ids, self.staging.positions
         self.slot_mapping = self.staging.slot_mapping.fill_(-1)
         self.seq_lens = self.staging.seq_lens.fill_(1)
@@ -74,7 +74,7 @@ class DecodeGraphs:
                                 for q in self.sizes}
         # a lone chunk's queries: [0, q] at replay for a graph of Q >= q rows (a staged chunk's own query starts)
         self.chunk_start_loc = self.staging.query_start[:2]
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.block_tables = self.staging.block_tables
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.chunk_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
@@ -156,12 +156,12 @@ class DecodeGraphs:
         return out[:rows]
 
     def _copy_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> int:
-        """The step's inputs into the graphs' buffers (their first rows and sequences); returns the rows. A staged
-        step's are there already but for its block tables, which are staged compact."""
+        """The step's inputs into the graphs' buffers (their first rows and sequences; a staged step's are there
+        already); returns the rows."""
         rows, batch = input_ids.shape[0], ctx.seq_lens.shape[0]
-        self.block_tables[:batch, :ctx.block_tables.shape[1]].copy_(ctx.block_tables)
         if self.staging.owns(input_ids):
             return rows
+        self.block_tables[:batch, :ctx.block_tables.shape[1]].copy_(ctx.block_tables)
         self.input_ids[:rows].copy_(input_ids)
         self.positions[:rows].copy_(positions)
         self.slot_mapping[:rows].copy_(ctx.slot_mapping)
