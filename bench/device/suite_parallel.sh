@@ -3,6 +3,7 @@
 # (SUITE_LIMIT_S, default 500 s) so that the summary prints inside the call, then per step the tests run (pytest's
 # progress characters: its summary line does not reach these logs), the failures, and the failing tests' headers.
 #   carry the snapshot as .snap (bench/device/README.md); in the call: COMMIT=<hash> bash .snap/bench/device/suite_parallel.sh
+#   (or the working tree: COMMIT=<hash> bash bench/device/suite_parallel.sh; STREAMS= picks groups, below)
 cd "$(dirname "$0")/../.." && source bench/device/h200_setup.sh || exit 1
 export CVLLM_BENCH_COMMIT=$COMMIT
 mkdir -p /tmp/logs
@@ -13,6 +14,8 @@ streams=("gpu-tests-engine gpu-tests-spec-embed gpu-tests-argmax gpu-tests-matmu
          "gpu-tests-quant gpu-tests-moe"
          "gpu-tests-kquants"
          "gpu-tests-families gpu-tests-deepseek")
+# STREAMS="a b;c;d e" runs those groups instead (streams separated by ';'): part of the suite in one call
+if [ -n "${STREAMS:-}" ]; then IFS=';' read -r -a streams <<< "$STREAMS"; fi
 i=0
 for s in "${streams[@]}"; do
   mkdir -p /tmp/logs/$i
