@@ -126,3 +126,25 @@ def test_a_sequence_whose_guesses_fail_waits_for_its_outcomes(path, monkeypatch)
     assert stats.spec_guess_misses < always_stats.spec_guess_misses / 2, (stats.spec_guess_misses,
                                                                           always_stats.spec_guess_misses)
     assert stats.spec_verifications > 0
+
+
+def test_a_held_sequence_is_read_back_and_stepped_again_in_one_call(path):
+    """A sequence the speculator holds (its guesses fail) waits for its outcome; the step that reads it back launches
+    its next step too, before the caller handles the tokens: no step() call only reads a step back, but the last."""
+    prompts = repetitive_prompts(2, seed=6)
+    llm = LLM(model=str(path), **ENGINE, speculative_config=NGRAM, async_scheduling=True)
+    records = []
+
+    class Keep:
+        device_timing = False
+        on_step = staticmethod(records.append)
+
+    with llm.llm_engine.observers.observing(Keep()):
+        spec = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    plain, _ = run(path, prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), None)
+    assert [[(list(c.token_ids), c.finish_reason, c.text) for c in out.outputs] for out in spec] == plain
+    stats = llm.llm_engine.stats
+    assert stats.spec_verifications > 0 and stats.overlapped_steps < stats.steps   # some steps waited
+    only_read_back = [r.index for r in records if not r.num_seqs]
+    assert only_read_back == [records[-1].index] or not only_read_back, only_read_back
