@@ -150,3 +150,10 @@ def test_graphs_replay_a_staged_step_with_no_copies_of_its_inputs():
     assert graphs.chunk_graphs[16][0].replays == 1 and logits.shape[0] == 11
     assert graphs.chunk_start_loc.tolist() == [0, 11] and (graphs.slot_mapping[11:16] == -1).all()
     assert torch.equal(graphs.block_tables[0, :4], ctx.block_tables[0])
+
+
+def test_the_runner_is_offered_the_staging_only_when_switched_on(monkeypatch):
+    assert staged_graphs().input_staging is None   # (off until measured on the GPU: docs/cli.md)
+    monkeypatch.setenv("CVLLM_STAGE_STEP_INPUTS", "1")
+    graphs = staged_graphs()
+    assert graphs.input_staging is graphs.staging

@@ -155,8 +155,8 @@ class ModelRunner:
         self.decode_forward = self.decode_logits   # decode-only steps; the backend may wrap it (CUDA graphs)
         self.chunk_forward = self.decode_logits    # a lone sequence's last prefill chunk (is_decode_path)
         self.graph_chunk_tokens = 0   # the longest such chunk the graphs take (enable_decode_graphs)
-        # where the graphs read their inputs, if the backend's graphs have such a place (``stage(host)``): steps that
-        # fit are put there directly (step_inputs.to_device)
+        # where the graphs read their inputs, if the backend's graphs offer such a place (``input_staging``, whose
+        # ``stage(host)`` puts a step that fits there: step_inputs.to_device)
         self.staging = None
         self._kv_scales_pending = True
 
@@ -191,7 +191,7 @@ class ModelRunner:
                 graphs.capture_all()
             self.decode_forward, self.chunk_forward = graphs, graphs.prefill_chunk
             self.graph_chunk_tokens = chunk_tokens
-            self.staging = getattr(graphs, "staging", None)
+            self.staging = getattr(graphs, "input_staging", None)
 
     def decode_path(self, batch: ScheduledBatch, ctx: ForwardContext, all_logits: bool = False,
                     extra_indices: torch.Tensor | None = None) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -64,8 +65,10 @@ class DecodeGraphs:
         device = backend.device
         n = max(size for size, _ in self.shapes)
         rows = max([size * q for size, q in self.shapes] + self.chunk_sizes)
-        # the graphs read their inputs where ModelRunner.prepare puts a step that fits (staging.py)
+        # the graphs read their inputs from one region, where ModelRunner.prepare puts a step that fits (staging.py)
+        # when ``input_staging`` offers it to the runner: CVLLM_STAGE_STEP_INPUTS=1 until it is measured on the GPU
         self.staging = StepStaging(device, rows, n, max_blocks_per_seq)
+        self.input_staging = self.staging if os.environ.get("CVLLM_STAGE_STEP_INPUTS", "0") == "1" else None
         self.input_ids, self.positions = self.staging.input_ids, self.staging.positions
         self.slot_mapping = self.staging.slot_mapping.fill_(-1)
         self.seq_lens = self.staging.seq_lens.fill_(1)
