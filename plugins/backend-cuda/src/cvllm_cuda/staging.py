@@ -46,12 +46,7 @@ class StepStaging:
         self.offsets = [*placed[:5], placed[7], placed[5], placed[6]]   # in the layout's order
         self.tables_at = placed[7]
         self.region = torch.zeros(size, dtype=torch.uint8, device=device)
-        twin_size = self.tables_at + self.table_rows * max_blocks * 4
-        pinned = device.type == "cuda"
-        self.twins = [torch.zeros(twin_size, dtype=torch.uint8, pin_memory=pinned) for _ in range(TWINS)]
-        self._twin_bytes = [twin.numpy() for twin in self.twins]
-        self._twin_tables = [b[self.tables_at:].view(np.int32).reshape(self.table_rows, max_blocks)
-                             for b in self._twin_bytes]
+        self.twins: list[torch.Tensor] = []   # made at the first step staged (none while nothing is)
         self._copied: list[torch.cuda.Event | None] = [None] * TWINS
         self._next = 0
         self._typed = {dtype: self.region.view(dtype) for dtype in (i64, i32)}
@@ -61,6 +56,14 @@ class StepStaging:
         self.input_ids, self.positions, self.query_start, self.seq_lens, self.slot_mapping = whole[:5]
         self.block_tables = whole[7]
         self.device = device
+
+    def _make_twins(self) -> None:
+        size = self.tables_at + self.table_rows * self.max_blocks * 4
+        pinned = self.device.type == "cuda"
+        self.twins = [torch.zeros(size, dtype=torch.uint8, pin_memory=pinned) for _ in range(TWINS)]
+        self._twin_bytes = [twin.numpy() for twin in self.twins]
+        self._twin_tables = [b[self.tables_at:].view(np.int32).reshape(self.table_rows, self.max_blocks)
+                             for b in self._twin_bytes]
 
     def _view(self, shape: tuple[int, ...], dtype: torch.dtype, offset: int, row_stride: int = 0) -> torch.Tensor:
         base = self._typed[dtype]
@@ -79,6 +82,8 @@ class StepStaging:
         max_blocks, num_logits, num_fill = shapes[5][0][1], shapes[6][0][0], shapes[7][0][1]
         if not self.fits(num_tokens, num_seqs, max_blocks, num_logits):
             return None
+        if not self.twins:
+            self._make_twins()
         i = self._next
         self._next = (i + 1) % TWINS
         if self._copied[i] is not None:
