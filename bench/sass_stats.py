@@ -29,7 +29,12 @@ from cvllm_cuda.quant_planes import QuantLayout
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "plugins/backend-cuda/tests"))
 import sm90  # noqa: E402
-from test_quant_matmul import LAYOUTS  # noqa: E402
+from test_quant_matmul import LAYOUTS as TEST_LAYOUTS  # noqa: E402
+
+from cvllm_gguf.planes import LAYOUTS as GGUF_LAYOUTS  # noqa: E402
+
+# the tests' layouts, and the GGUF types they lack (q4_0, q5_1, q5_k: every high-plane width of the int8 GEMV)
+LAYOUTS = {**{qtype.name.lower(): layout for qtype, layout in GGUF_LAYOUTS.items()}, **TEST_LAYOUTS}
 
 SHARED_LIMIT = 232448   # bytes of shared memory a block may have on the H200 (sm_90)
 PLANES = {"low_ptr": "*i32", "high_ptr": "*i32", "d_ptr": "*fp16", "m_ptr": "*fp16", "a_ptr": "*u8", "b_ptr": "*u8"}

@@ -1,11 +1,14 @@
-"""The int8-activation GEMV (kernels/quant_gemv_int8.py: llama.cpp's numerics for GGUF layouts without a high plane,
-1 to MAX_ROWS rows of x) against the rounded-activation reference; every row's bits as when alone, whether its
-program takes one row or several. In Triton's interpreter without a GPU, compiled with one."""
+"""The int8-activation GEMV (kernels/quant_gemv_int8.py: llama.cpp's numerics for the GGUF layouts, those with a high
+plane too, 1 to MAX_ROWS rows of x) against the rounded-activation reference; every row's bits as when alone,
+whether its program takes one row or several. The high-plane layouts' weights are random GGUF blocks repacked by
+cvllm_gguf (the files' bit order) and checked against the GGUF dequantizer. In Triton's interpreter without a GPU,
+compiled with one."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,12 +20,48 @@ from test_quant_matmul import DEVICE, LAYOUTS, needs_gpu, random_weight  # noqa:
 
 from cvllm_cuda.kernels import quant_gemv_int8  # noqa: E402
 from cvllm_cuda.kernels.quant_matmul import quant_matmul  # noqa: E402
-from cvllm_cuda.quant_planes import QuantLayout, dequantize_planes  # noqa: E402
+from cvllm_cuda.quant_planes import QuantLayout, QuantWeight, dequantize_planes  # noqa: E402
+
+
+# the GGUF types with a high plane (cvllm_gguf.planes.LAYOUTS: Q6_K 4 + 2 bits, Q5_* 4 + 1, Q3_K 2 + 1) and the byte
+# offsets of their blocks' f16 scales
+@pytest.fixture(autouse=True)
+def high_planes_on(monkeypatch):
+    """The high-plane layouts take the int8 GEMV only when switched on (quant_gemv_int8.HIGH_PLANES_ENV) until it has
+    run on a GPU: these tests are its checks."""
+    monkeypatch.setenv(quant_gemv_int8.HIGH_PLANES_ENV, "1")
+
+
+HIGH_PLANE_TYPES = {"Q6_K": (208,), "Q5_K": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q3_K": (108,)}
+
+
+def gguf_weight(name: str, n: int, k: int, seed: int) -> tuple[QuantWeight, torch.Tensor]:
+    """A [n, k] weight of random GGUF blocks (random quants and high bits, small finite scales) repacked into planes
+    by cvllm_gguf, and the GGUF dequantizer's float32 values of the same blocks (independent of the planes)."""
+    pytest.importorskip("cvllm_gguf")
+    from cvllm_gguf.dequant import dequantize
+    from cvllm_gguf.planes import to_planes
+    from cvllm_gguf.quant_types import FORMATS, GGMLType
+    qtype = GGMLType[name]
+    fmt = FORMATS[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n * k // fmt.block_size, fmt.type_size), dtype=np.uint8)
+    for at in HIGH_PLANE_TYPES[name]:
+        scales = rng.uniform(1e-3, 1e-2, size=blocks.shape[0]).astype(np.float16)
+        blocks[:, at:at + 2] = scales.view(np.uint8).reshape(-1, 2)
+    raw = torch.from_numpy(blocks.reshape(n, -1))
+    return to_planes(raw, qtype, k).to(DEVICE), dequantize(raw, qtype, (n, k)).float().to(DEVICE)
+
+
+def assert_rounded_reference(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """``out`` is x rounded to int8 per 32 inputs times ``w`` (float64 reference; float32 sums in another order)."""
+    ref = (quant_gemv_int8.dequantized_activations(x).double() @ w.double().T).float()
+    torch.testing.assert_close(out.float().cpu(), ref.cpu(), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
 @needs_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["q4_k", "q8_0", "q2_k"])
+@pytest.mark.parametrize("name", ["q4_k", "q8_0", "q2_k", "q6_k", "q5_0", "q3_k"])
 def test_gpu_int8_gemv_rows_together_change_no_bit(name):
     """Compiled, at a Llama-shaped K and the default tiles and splits: the rows of x together in a program
     (rows_per_program) give every row the bits it gets in a program of its own, and alone."""
@@ -37,6 +76,22 @@ def test_gpu_int8_gemv_rows_together_change_no_bit(name):
     alone = torch.empty(1, 1000, device=DEVICE, dtype=torch.bfloat16)
     quant_gemv_int8.quant_gemv_int8(x[2:3], weight, alone)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]) and torch.equal(outs[2][2:3], alone)
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", HIGH_PLANE_TYPES)
+def test_gpu_high_plane_int8_gemv_equals_the_rounded_reference(name):
+    """Compiled (prmt, lop3, dp4a), the default tiles and splits at a Llama-shaped K: GGUF blocks with a high plane
+    against the GGUF dequantizer's weight times the rounded x, one row and MAX_ROWS together."""
+    weight, w = gguf_weight(name, 1000, 4096, seed=3)
+    x = torch.randn(quant_gemv_int8.MAX_ROWS, 4096, device=DEVICE)
+    out = torch.full((x.shape[0], 1000), float("nan"), device=DEVICE)
+    quant_gemv_int8.quant_gemv_int8(x, weight, out)
+    assert_rounded_reference(out, x, w)
+    one = torch.full((1, 1000), float("nan"), device=DEVICE)
+    quant_gemv_int8.quant_gemv_int8(x[1:2], weight, one)
+    assert torch.equal(one, out[1:2])
 
 
 @pytest.mark.parametrize("name", ["q4_k", "q4_0", "q8_0", "q2_k", "gptq4_g128"])
@@ -109,12 +164,86 @@ def test_int8_gemv_rows_together_or_apart_give_the_same_bits(name):
     assert torch.equal(outs[2][-1:], alone)
 
 
-def test_int8_activations_are_off_for_high_planes_fp8_and_the_switch(monkeypatch):
-    assert not quant_gemv_int8.applies(dataclasses.replace(LAYOUTS["q6_k"], int8_activations=True), 1024)
-    assert not quant_gemv_int8.applies(LAYOUTS["q4_k"], 1024)   # not set: GPTQ's W4A16, FP8
+@pytest.mark.parametrize("name", HIGH_PLANE_TYPES)
+@pytest.mark.parametrize("config,n,k,splits", [
+    (None, 21, 1024, None),        # the default tiles (the interpreter splits K in 2 at 1024), N not a tile multiple
+    ((16, 8, 4), 48, 512, 1),      # every tile in bounds: the unmasked form (EVEN)
+    ((16, 8, 4), 13, 768, 3),      # N tail, K in 3 parts
+    ((16, 64, 4), 16, 768, 1),     # K tail: the last step's tile is part past the weight (4-bit: 96 words of 64)
+])
+def test_high_plane_int8_gemv_equals_the_rounded_reference(name, config, n, k, splits):
+    """Q6_K, Q5_K, Q5_0, Q5_1 and Q3_K from real GGUF blocks: each element's high bits above its low bits in the
+    bytes dp4a takes, against the GGUF dequantizer's weight times the rounded x (so a high bit dropped or taken from
+    another element fails), with the tiles' masks and K splits; the T=1 dispatch takes this path."""
+    weight, w = gguf_weight(name, n, k, seed=n + k)
+    assert quant_gemv_int8.applies(weight.layout, k)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).to(DEVICE)
+    x[0, 64:96] = 0.0   # an all-zero block of 32 has scale 0
+    out = torch.full((1, n), float("nan"), device=DEVICE)
+    quant_gemv_int8.quant_gemv_int8(x, weight, out, config, splits=splits)
+    assert_rounded_reference(out, x, w)
+    exact = x @ w.T
+    assert ((out - exact).abs().max() / exact.abs().max()).item() < 2e-2
+    assert_rounded_reference(quant_matmul(x, weight), x, w)
+
+
+@pytest.mark.parametrize("name", HIGH_PLANE_TYPES)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_high_plane_rows_together_or_apart_give_the_same_bits(name, splits):
+    """1 to MAX_ROWS rows of x with a high plane: every row the same bits whether its program takes 1, 2, ... or all
+    of the rows, whatever the number of rows in the call, as alone; K whole or in 3 parts."""
+    rows = quant_gemv_int8.MAX_ROWS
+    weight, w = gguf_weight(name, 24, 512, seed=5)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(19)).to(DEVICE)
+    alone = torch.full((rows, 24), float("nan"), device=DEVICE)
+    for i in range(rows):
+        quant_gemv_int8.quant_gemv_int8(x[i:i + 1], weight, alone[i:i + 1], splits=splits)
+    assert_rounded_reference(alone, x, w)
+    for t in range(2, rows + 1):
+        for per_program in range(1, t + 1):
+            out = torch.full((t, 24), float("nan"), device=DEVICE)
+            quant_gemv_int8.quant_gemv_int8(x[:t], weight, out, splits=splits, rows_per_program=per_program)
+            assert torch.equal(out, alone[:t]), (t, per_program)
+
+
+@pytest.mark.parametrize("low,high,scale_group", [(4, 2, 64), (4, 1, 16), (2, 1, 64)])
+def test_high_plane_loaded_per_word_where_a_factor_group_is_not_one_high_word(low, high, scale_group):
+    """A high-plane word spans 2 (4 + 2 bits, 2 + 1) or 4 (4 + 1) low words; where a factor group holds another
+    number of low words (not a GGUF layout but Q3_K, whose 16-element groups are one word), each word loads its own
+    high word and picks its part: against the layout's reference, a few rows together and apart."""
+    layout = QuantLayout(low, high, scale_group, 256, a_mode=1, b_mode=1, b_const=-8, int8_activations=True)
+    weight = random_weight(layout, 20, 768, DEVICE, seed=23)
+    w = dequantize_planes(weight).to(DEVICE)
+    x = torch.randn(3, 768, generator=torch.Generator().manual_seed(23)).to(DEVICE)
+    together = torch.full((3, 20), float("nan"), device=DEVICE)
+    quant_gemv_int8.quant_gemv_int8(x, weight, together, (16, 8, 4), splits=2, rows_per_program=3)
+    assert_rounded_reference(together, x, w)
+    apart = torch.full((3, 20), float("nan"), device=DEVICE)
+    quant_gemv_int8.quant_gemv_int8(x, weight, apart, (16, 8, 4), splits=2, rows_per_program=1)
+    assert torch.equal(together, apart)
+
+
+def test_int8_activations_cover_high_planes_but_not_fp8_or_the_switch(monkeypatch):
+    """The GGUF layouts take the int8 GEMV, high planes too; not a layout without ``int8_activations`` (GPTQ's
+    W4A16, FP8), plane widths whose integers do not fit a byte of dp4a or that the kernel does not unpack, nor any
+    with CVLLM_QUANT_INT8_ACTIVATIONS=0."""
     on = dataclasses.replace(LAYOUTS["q4_k"], int8_activations=True)
+    for name in ("q6_k", "q3_k", "q5_0"):
+        assert quant_gemv_int8.applies(dataclasses.replace(LAYOUTS[name], int8_activations=True), 1024)
+    assert not quant_gemv_int8.applies(LAYOUTS["q4_k"], 1024)   # not set: GPTQ's W4A16, FP8
+    assert not quant_gemv_int8.applies(LAYOUTS["q6_k"], 1024)
+    for widths in ((8, 1), (2, 2)):
+        assert not quant_gemv_int8.applies(QuantLayout(*widths, 32, 256, int8_activations=True), 1024)
+    assert not quant_gemv_int8.applies(on, 1000)   # not whole blocks of 32 inputs
     monkeypatch.setenv(quant_gemv_int8.ENV, "0")
     assert not quant_gemv_int8.applies(on, 1024)
+    assert not quant_gemv_int8.applies(dataclasses.replace(LAYOUTS["q6_k"], int8_activations=True), 1024)
+
+
+def test_high_planes_are_off_by_default(monkeypatch):
+    monkeypatch.delenv(quant_gemv_int8.HIGH_PLANES_ENV)
+    assert not quant_gemv_int8.applies(dataclasses.replace(LAYOUTS["q6_k"], int8_activations=True), 1024)
+    assert quant_gemv_int8.applies(dataclasses.replace(LAYOUTS["q4_k"], int8_activations=True), 1024)
 
 
 def test_rows_go_together_in_a_program_only_on_a_large_layer():

@@ -51,3 +51,18 @@ def test_mixed_batches_match(tmp_path, enforce_eager):
     want, _, _ = run(tmp_path, "float32", 3, None, mixed=True, enforce_eager=enforce_eager)
     got, _, stats = run(tmp_path, "float32", 3, SPEC, mixed=True, enforce_eager=enforce_eager)
     assert got == want and stats.spec_verifications > 0
+
+
+@pytest.mark.parametrize("batch, mixed", [(1, False), (3, False), (3, True)])
+def test_staged_step_inputs_change_nothing(tmp_path, monkeypatch, batch, mixed):
+    """CVLLM_STAGE_STEP_INPUTS=1 (cvllm_cuda/staging.py): decode, verify and prefill steps written straight into the
+    graphs' input region give the tokens of the general upload, with and without speculation (async decode rows
+    filled from the step in flight, padded verify batches, mixed eager steps, lone prefill chunks)."""
+    make_checkpoint(tmp_path, "llama")
+    want, _, _ = run(tmp_path, "float32", batch, None, mixed=mixed)
+    want_spec, _, _ = run(tmp_path, "float32", batch, SPEC, mixed=mixed)
+    monkeypatch.setenv("CVLLM_STAGE_STEP_INPUTS", "1")
+    got, graphs, _ = run(tmp_path, "float32", batch, None, mixed=mixed)
+    got_spec, spec_graphs, stats = run(tmp_path, "float32", batch, SPEC, mixed=mixed)
+    assert got == want and got_spec == want_spec == want
+    assert graphs.input_staging is not None and graphs.replays > 0 and stats.spec_verifications > 0

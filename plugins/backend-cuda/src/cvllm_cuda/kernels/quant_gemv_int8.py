@@ -14,11 +14,21 @@ one ``dp4a`` multiplies four weight bytes by four activation bytes and adds them
   2-bit; the word itself 8-bit) at shift ``s * bits`` holds elements ``s, s + P, s + 2P, s + 3P`` (P = 8 / bits)
   in its four bytes; the activation pack (word, s) holds the same elements' int8s. Per word
   ``scale * d_x * sum(q_w q_x) + offset * sum(x)``, the float formula with x rounded.
+- High planes (Q6_K 4 + 2 bits, Q5_0, Q5_1, Q5_K 4 + 1, Q3_K 2 + 1: int8_bytes.weight_bytes): each byte then holds the
+  element's whole integer, its high bits above the low ones (6 bits at most, so unsigned bytes times int8 still
+  fit dp4a exactly); the activation packs are the same. A high-plane word spans 2 or 4 low words and is loaded
+  once per factor group where a group is one (Q6_K, Q5_*). Q6_K's 2-bit pairs are masked into four copies of
+  the high word once per high word, and one byte permute (``prmt``) per word and phase picks the bytes it
+  needs, merged under the low bits with a single ``lop3``; the 1-bit planes are spread a chunk of elements per
+  byte (a byte permute and a multiply), then shifted and masked per phase. SASS instructions in the main loop per
+  weight element (sm_90, bench/sass_stats.py int8-gemv; the 4-bit tile (32, 64, 4, 3), the 2-bit (32, 32, 4)):
+  Q4_K 2.0, Q6_K 3.5, Q5_K 2.8, Q5_0 2.5, Q3_K 2.6, Q2_K 2.1; the float GEMV's Q6_K 9.2 (its (32, 32, 4, 3)).
 
-Only layouts without a high plane (Q4_0, Q4_1, Q4_K, Q2_K, Q8_0 and what sets ``int8_activations``); the rest
-keep the float GEMV. ``CVLLM_QUANT_INT8_ACTIVATIONS=0`` keeps every layout on the float GEMV (bit-comparable
-with the CPU path's dequantize-then-matmul). Triton's interpreter has no inline PTX: there ``dp4a`` is
-spelled out with shifts (the tests run that; the GPU tests run the instruction).
+Layouts that set ``int8_activations`` (GGUF's) and whose planes fit a byte (not an 8-bit low plane with a high
+one); FP8 and GPTQ/AWQ (W4A16) keep the float GEMV. ``CVLLM_QUANT_INT8_ACTIVATIONS=0`` keeps every layout on the
+float GEMV (bit-comparable with the CPU path's dequantize-then-matmul). Triton's interpreter has no inline PTX:
+there ``dp4a``, ``prmt`` and ``lop3`` are spelled out with shifts and masks (the tests run that; the GPU tests
+run the instructions).
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import triton
 import triton.language as tl
 
 from cvllm_cuda.kernels import gpu
+from cvllm_cuda.kernels.int8_bytes import weight_bytes
 from cvllm_cuda.kernels.pdl import options as pdl_options
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.quant_gemv import GEMV_CONFIGS
@@ -64,13 +75,32 @@ INT8_GEMV_CONFIGS = {2: GEMV_CONFIGS[2], 4: (32, 64, 4, 3), 8: (64, 64, 4, 3)}
 # programs per SM the K split aims at, by low-plane bits: Q4_K 54.7 us a layer at 1 (every SM one program), 56.8 at
 # 4, 56.5 never split (2026-12-03, quant_gemv_stack.py); Q8_0 at 1 with three stages (above; with one stage 4 had won)
 INT8_PROGRAMS_PER_SM = {2: 4, 4: 1, 8: 1}
+# the widths (low bits, high bits) of the high planes the kernel unpacks (GGUF's Q6_K, Q5_*, Q3_K: an integer of at
+# most 6 bits, within a byte of dp4a) and their (tile, programs per SM), not yet timed: Q5_* and Q3_K those of their
+# low width (at MAX_ROWS rows 168 registers, no spill). Not Q6_K's: its 16-input groups keep a sum per word and row,
+# and the 4-bit tile spills at MAX_ROWS rows (255 registers and 16 B of stack, as it did before this kernel took high
+# planes); the same tile in 8 warps holds them (204 registers), and was the float GEMV's best Q6_K tile (GEMV_CONFIGS)
+INT8_HIGH_PLANE_CONFIGS = {(4, 2): ((32, 64, 8, 3), 1), (4, 1): (INT8_GEMV_CONFIGS[4], INT8_PROGRAMS_PER_SM[4]),
+                           (2, 1): (INT8_GEMV_CONFIGS[2], INT8_PROGRAMS_PER_SM[2])}
 ENV = "CVLLM_QUANT_INT8_ACTIVATIONS"
+# the high-plane layouts take this GEMV only with CVLLM_QUANT_INT8_HIGH_PLANES=1 until it has run on a GPU (written
+# and checked in the interpreter and compiled for sm_90 on the CPU only; the float GEMV serves them meanwhile)
+HIGH_PLANES_ENV = "CVLLM_QUANT_INT8_HIGH_PLANES"
 
 
 def applies(layout: QuantLayout, in_features: int) -> bool:
     """Whether the batch-1 product of a weight in ``layout`` takes this path."""
-    return (layout.int8_activations and not layout.high_bits and not layout.float8 and in_features % BLOCK == 0
+    widths = (layout.low_bits, layout.high_bits)
+    planes_ok = not widths[1] or (widths in INT8_HIGH_PLANE_CONFIGS and os.environ.get(HIGH_PLANES_ENV, "0") == "1")
+    return (layout.int8_activations and not layout.float8 and planes_ok and in_features % BLOCK == 0
             and os.environ.get(ENV, "1") != "0")
+
+
+def default_tiles(layout: QuantLayout) -> tuple[tuple, int]:
+    """(BLOCK_N, BLOCK_W, num_warps[, stages]) and the programs per SM the K split aims at, untuned."""
+    if layout.high_bits:
+        return INT8_HIGH_PLANE_CONFIGS[layout.low_bits, layout.high_bits]
+    return INT8_GEMV_CONFIGS[layout.low_bits], INT8_PROGRAMS_PER_SM[layout.low_bits]
 
 
 @triton.jit
@@ -121,19 +151,18 @@ def _dot4(a, b, c, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _row_step(acc, low, scale, offset, pack_ptrs, xd_ptr, xsum_ptr, xblock_sum_ptr, words, gwords, word_ok,
+def _row_step(acc, wbytes, scale, offset, pack_ptrs, xd_ptr, xsum_ptr, xblock_sum_ptr, words, gwords, word_ok,
               num_words, LOW_BITS: tl.constexpr, GROUP_WORDS: tl.constexpr, ONE_BLOCK: tl.constexpr,
               EVEN: tl.constexpr, INTERPRET: tl.constexpr):
-    """One row of x's share of a K step: ``acc`` plus the tile's words (``low``, loaded once for all the rows) times
-    the row's int8 packs, summed per group (ONE_BLOCK) or per word. The same operations for every row and every
-    number of rows, so a row's output does not depend on the rows beside it."""
+    """One row of x's share of a K step: ``acc`` plus the tile's words (``wbytes``, their dp4a operands per phase,
+    made once for all the rows) times the row's int8 packs, summed per group (ONE_BLOCK) or per word. The same
+    operations for every row and every number of rows, so a row's output does not depend on the rows beside it."""
     PER_WORD: tl.constexpr = 32 // LOW_BITS
     PHASES: tl.constexpr = 8 // LOW_BITS
-    BYTE_MASK: tl.constexpr = 0x0F0F0F0F if LOW_BITS == 4 else 0x03030303 if LOW_BITS == 2 else -1
-    dots = tl.zeros(low.shape, dtype=tl.int32)
+    dots = tl.zeros(wbytes[0].shape, dtype=tl.int32)
     for s in tl.static_range(PHASES):
         pack = load_masked(pack_ptrs + s, word_ok, 0)
-        dots = _dot4((low >> (s * LOW_BITS)) & BYTE_MASK, pack + tl.zeros_like(dots), dots, INTERPRET)
+        dots = _dot4(wbytes[s], pack + tl.zeros_like(dots), dots, INTERPRET)
     if ONE_BLOCK:
         block = gwords // GROUP_WORDS
         block_ok = None if EVEN else gwords < num_words
@@ -157,13 +186,15 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_
                       EVEN: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr,
                       ROWS: tl.constexpr = 1):
     """The float GEMV's tiling and splits (quant_matmul._gemv_kernel), integer dot products per word. Where a factor
-    group is one activation block (32 inputs: Q4_0, Q4_1, Q4_K, Q8_0), the group's word products are added as
-    integers and turned into a float once per group and column, not once per word. ROWS rows of x a program,
-    rows ``program_id(0) * ROWS`` on (a few rows: a decode batch, a speculative verify step): each weight tile is
-    loaded and its factors computed once for all of them, and each row is summed as it is alone (_row_step), so a
-    row's output does not depend on the others or on ROWS; the tiles and K splits depend on the weight only. A last
-    program with fewer rows computes its last row again in their place and stores nothing for them. Out row t of
-    split j at ``(j * T + t) * N`` with splits, else at ``t * stride_ot``."""
+    group is one activation block (32 inputs: Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0), the group's word products
+    are added as integers and turned into a float once per group and column, not once per word. A high plane's
+    words come with the low words' tile, one per factor group where a group is one high word (Q6_K, Q5_*), else
+    one per low word (Q3_K), and each word's bytes are made once for all the rows (weight_bytes). ROWS rows of x a
+    program, rows ``program_id(0) * ROWS`` on (a few rows: a decode batch, a speculative verify step): each weight
+    tile is loaded and its factors computed once for all of them, and each row is summed as it is alone
+    (_row_step), so a row's output does not depend on the others or on ROWS; the tiles and K splits depend on the
+    weight only. A last program with fewer rows computes its last row again in their place and stores nothing for
+    them. Out row t of split j at ``(j * T + t) * N`` with splits, else at ``t * stride_ot``."""
     wait_for_previous_kernel(USE_PDL)
     PER_WORD: tl.constexpr = 32 // LOW_BITS
     PHASES: tl.constexpr = 8 // LOW_BITS
@@ -191,17 +222,36 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_
     # instructions); EVEN: every tile in bounds, no masks
     low_ptrs = low_ptr + (start + tile_words) * N + cols3                       # [GROUPS, GROUP_WORDS, BLOCK_N]
     pack_ptrs = packs_ptr + (start + tile_words) * PHASES                       # [GROUPS, GROUP_WORDS, 1]
+    # a high-plane word spans LOW_BITS / HIGH_BITS low words (whole ones per tile and split: which part of it a
+    # word holds is the same every step); where a factor group is one high word (Q6_K, Q5_*), it is loaded once
+    # per group, [GROUPS, 1, BLOCK_N] as the factors are, else once per low word
+    WORDS_PER_HIGH: tl.constexpr = LOW_BITS // HIGH_BITS if HIGH_BITS > 0 else 1
+    HIGH_PER_GROUP: tl.constexpr = GROUP_WORDS == WORDS_PER_HIGH
+    part = tile_words % WORDS_PER_HIGH
+    if HIGH_BITS > 0:
+        tl.static_assert(BLOCK_W % WORDS_PER_HIGH == 0, "a tile must hold whole high-plane words")
+        if HIGH_PER_GROUP:
+            high_ptrs = high_ptr + ((start + group_first) // WORDS_PER_HIGH)[:, None, None] * N + cols3
+        else:
+            high_ptrs = high_ptr + (start + tile_words) // WORDS_PER_HIGH * N + cols3
     # STAGES > 1: the next tiles' loads are issued while this one computes
     for w0 in tl.range(start, num_words, BLOCK_W, num_stages=STAGES):
         words = w0 + tile_words
         gwords = (w0 + group_first)[:, None, None]
         if EVEN:
             word_ok = None
+            ok = None
             group_ok = None
         else:
             word_ok = words < num_words
+            ok = word_ok & (cols3 < N)
             group_ok = (gwords < num_words) & (cols3 < N)
-        low = load_masked(low_ptrs, None if EVEN else word_ok & (cols3 < N), 0)
+        low = load_masked(low_ptrs, ok, 0)
+        high = low
+        if HIGH_BITS > 0:
+            high = load_masked(high_ptrs, group_ok if HIGH_PER_GROUP else ok, 0)
+            high_ptrs += BLOCK_W // WORDS_PER_HIGH * N
+        wbytes = weight_bytes(low, high, part, LOW_BITS, HIGH_BITS, INTERPRET)
         # the factors loaded as [GROUPS, 1, BLOCK_N], in the tile's own layout: loaded [GROUPS, BLOCK_N] they would
         # be moved through shared memory every step, a barrier that stalls all the program's warps
         scale, offset = word_factors(d_ptr, m_ptr, a_ptr, b_ptr, gwords * PER_WORD, cols3, group_ok, N, SCALE_GROUP,
@@ -209,7 +259,7 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_
         stepped = ()
         for r in tl.static_range(ROWS):
             at = row_offsets[r]
-            stepped = stepped + (_row_step(accs[r], low, scale, offset, pack_ptrs + at * (K // 4),
+            stepped = stepped + (_row_step(accs[r], wbytes, scale, offset, pack_ptrs + at * (K // 4),
                                            xd_ptr + at * (K // 32), xsum_ptr + at * (K // PER_WORD),
                                            xblock_sum_ptr + at * (K // 32), words, gwords, word_ok, num_words,
                                            LOW_BITS, GROUP_WORDS, ONE_BLOCK, EVEN, INTERPRET),)
@@ -285,11 +335,12 @@ def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, con
     if not x.is_contiguous():
         x = x.contiguous()
     tuned = None if config else gpu.tuned_entry(TUNED_QUANT_GEMV, x.device, quant_gemv_key(n, k, lay))
-    block_n, block_w, warps, *stages = tuned[:4] if tuned else config or INT8_GEMV_CONFIGS[lay.low_bits]
+    default, programs_per_sm = default_tiles(lay)
+    block_n, block_w, warps, *stages = tuned[:4] if tuned else config or default
     if activations is None:
         activations = quantize_activations(x, lay.low_bits)
     splits, split_words = split_k(cdiv(n, block_n), k, lay.low_bits, block_w, x.device, splits,
-                                  tuned[4] if tuned else INT8_PROGRAMS_PER_SM[lay.low_bits])
+                                  tuned[4] if tuned else programs_per_sm)
     target = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
     gw = group_words(lay, block_w)
     launch = pdl_options(x.device)
