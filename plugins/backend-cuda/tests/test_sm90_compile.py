@@ -124,7 +124,7 @@ def test_swapped_low_bit_gemm_compiles(monkeypatch, name, rows):
 
 
 @compiles
-@pytest.mark.parametrize("name", ["q4_k", "q8_0", "q2_k"])
+@pytest.mark.parametrize("name", ["q4_k", "q8_0", "q2_k", "q6_k", "q5_0", "q3_k"])
 def test_int8_gemv_of_several_rows_compiles_without_spills(monkeypatch, name):
     """The int8 GEMV with MAX_ROWS rows of x in a program (one accumulator a row, kept in registers) at its default
     tiles: compiled for sm_90 with no local-memory traffic (spilled accumulators would cost more than the weight
