@@ -79,7 +79,7 @@ def main() -> None:
             results.setdefault(name, {})[shape] = {"bytes": nbytes, "us": rows}
             if best_key != "default" and best < 0.97 * rows["default"]:
                 cfg, pps = tiles[best_key]
-                table[str(quant_gemv_key(n, k, layout))] = (*cfg, pps)
+                table[str(quant_gemv_key(n, k, layout, kernel is quant_gemv_int8))] = (*cfg, pps)
             del weights
             torch.cuda.empty_cache()
             if args.json:

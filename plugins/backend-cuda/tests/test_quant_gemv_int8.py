@@ -255,3 +255,14 @@ def test_rows_go_together_in_a_program_only_on_a_large_layer():
     assert quant_gemv_int8.program_rows(3, 28672, 4096) == 3
     assert quant_gemv_int8.program_rows(5, 960, 576) == 1
     assert quant_gemv_int8.program_rows(1, 4096, 4096) == 1
+
+
+def test_tuned_tiles_are_keyed_by_the_kernel_that_runs():
+    """A GGUF Q4_K weight's tiles tuned for the int8 GEMV are not the float GEMV's (which runs it under
+    CVLLM_QUANT_INT8_ACTIVATIONS=0): the tuned table is keyed by the kernel, not by the layout's flag."""
+    from cvllm_cuda.kernels.tuned_matmul import TUNED_QUANT_GEMV, quant_gemv_key
+
+    q4_k = dataclasses.replace(LAYOUTS["q4_k"], int8_activations=True)
+    h200 = TUNED_QUANT_GEMV["NVIDIA H200"]
+    assert quant_gemv_key(4096, 4096, q4_k, True) in h200
+    assert quant_gemv_key(4096, 4096, q4_k, False) not in h200

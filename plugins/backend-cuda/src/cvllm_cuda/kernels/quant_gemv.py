@@ -158,7 +158,7 @@ def quant_gemv(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: 
                splits: int | None = None) -> None:
     """out[0] = weight @ x[0] (x [1, K] and out [1, N], contiguous)."""
     n, k = weight.out_features, weight.in_features
-    tuned = None if config else gpu.tuned_entry(TUNED_QUANT_GEMV, x.device, quant_gemv_key(n, k, weight.layout))
+    tuned = None if config else gpu.tuned_entry(TUNED_QUANT_GEMV, x.device, quant_gemv_key(n, k, weight.layout, False))
     block_n, block_w, warps, *stages = tuned[:4] if tuned else config or GEMV_CONFIGS[weight.layout.low_bits]
     splits, split_words = split_k(cdiv(n, block_n), k, weight.layout.low_bits, block_w, x.device, splits,
                                   tuned[4] if tuned else GEMV_PROGRAMS_PER_SM)

@@ -334,7 +334,7 @@ def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, con
     t = x.shape[0]
     if not x.is_contiguous():
         x = x.contiguous()
-    tuned = None if config else gpu.tuned_entry(TUNED_QUANT_GEMV, x.device, quant_gemv_key(n, k, lay))
+    tuned = None if config else gpu.tuned_entry(TUNED_QUANT_GEMV, x.device, quant_gemv_key(n, k, lay, True))
     default, programs_per_sm = default_tiles(lay)
     block_n, block_w, warps, *stages = tuned[:4] if tuned else config or default
     if activations is None:

@@ -47,10 +47,12 @@ TUNED_SKINNY: dict[str, dict[tuple[int, int, int, str], tuple[int, ...]]] = {
 }
 
 
-def quant_gemv_key(out_features: int, in_features: int, layout) -> tuple[int, int, int, int, bool]:
-    """TUNED_QUANT_GEMV's key of a weight shape in a plane layout (quant_planes.QuantLayout): the planes' widths and
-    the activations' kind decide the tiles, not the factors' groups."""
-    return (out_features, in_features, layout.low_bits, layout.high_bits, layout.int8_activations)
+def quant_gemv_key(out_features: int, in_features: int, layout, int8_kernel: bool) -> tuple[int, int, int, int, bool]:
+    """TUNED_QUANT_GEMV's key of a weight shape in a plane layout (quant_planes.QuantLayout) for the GEMV that runs it
+    (``int8_kernel``: quant_gemv_int8's, else the float one): the planes' widths and the kernel decide the tiles, not
+    the factors' groups. (Keyed by the kernel, not by the layout's ``int8_activations``: a GGUF layout runs the float
+    GEMV under CVLLM_QUANT_INT8_ACTIVATIONS=0, and must not take the int8 kernel's tiles there.)"""
+    return (out_features, in_features, layout.low_bits, layout.high_bits, int8_kernel)
 
 
 TUNED_QUANT_GEMV: dict[str, dict[tuple[int, int, int, int, bool], tuple[int, int, int, int, int]]] = {
