@@ -33,7 +33,10 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 LAYOUTS = {   # as the GGUF plugin and GPTQ repack them (int8 activations: GGUF's, llama.cpp's numerics)
     "q4_k": QuantLayout(4, 0, 32, 256, a_mode=2, b_mode=2, b_const=-1, has_m=True, int8_activations=True),
     "q8_0": QuantLayout(8, 0, 32, 32, b_const=-128, int8_activations=True),
-    "q6_k": QuantLayout(4, 2, 16, 256, a_mode=1, b_mode=1, b_const=-32),
+    "q6_k": QuantLayout(4, 2, 16, 256, a_mode=1, b_mode=1, b_const=-32),   # the float GEMV
+    # the int8 GEMV's high planes (CVLLM_QUANT_INT8_HIGH_PLANES=1; quant_gemv_int8 itself is timed here either way)
+    "q6_k_int8": QuantLayout(4, 2, 16, 256, a_mode=1, b_mode=1, b_const=-32, int8_activations=True),
+    "q5_k_int8": QuantLayout(4, 1, 32, 256, a_mode=2, b_mode=2, b_const=-1, has_m=True, int8_activations=True),
     "gptq4_g128": QuantLayout(4, 0, 128, 128, b_mode=2, b_const=-1),
 }
 
@@ -148,8 +151,7 @@ def main() -> None:
         best = sorted(rows.items(), key=lambda kv: kv[1])
         results["planes"][name] = {"bytes_per_layer": nbytes, "us_per_layer": rows}
         int8 = layout.int8_activations
-        default = quant_gemv_int8.INT8_GEMV_CONFIGS[layout.low_bits] if int8 else None
-        pps = quant_gemv_int8.INT8_PROGRAMS_PER_SM[layout.low_bits] if int8 else quant_tiles.PROGRAMS_PER_SM
+        default, pps = quant_gemv_int8.default_tiles(layout) if int8 else (None, quant_tiles.PROGRAMS_PER_SM)
         print(f"{name}: {nbytes / 1e6:.1f} MB/layer; default {default} pps {pps}", flush=True)
         for key, us in best[:8]:
             print(f"  {key:24s} {us:7.1f} us/layer {nbytes / us / 1e6:5.2f} TB/s  x{bf16 / us:4.2f} vs bf16",

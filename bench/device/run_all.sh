@@ -155,6 +155,9 @@ ggufhigh)
     # ffn_down / attn_v) against the float GEMV, batch 1, beside bf16 (~4 min); its GPU tests first
     run gpu-tests-int8-gemv 200 python3 -m pytest -m gpu -p no:cacheprovider -q \
         plugins/backend-cuda/tests/test_quant_gemv_int8.py --durations=3
+    # a Llama-3-8B layer's four GEMVs at the default tiles: Q6_K by the float GEMV and by the int8 one, Q5_K, Q4_K
+    run quant-gemv-stack-high 150 python3 bench/quant_gemv_stack.py --defaults --layouts q4_k,q6_k,q6_k_int8,q5_k_int8 \
+        --json "$out/$day-h200-quant_gemv_stack-high-$commit.json"
     run latency-bf16 90 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
         --json "$out/$day-h200-latency-bf16-ggufhigh-$commit.json"
     run write-q4_k_m 120 python3 bench/random_gguf.py /tmp/llama3-8b-q4_k_m.gguf --shape llama3-8b --mix q4_k_m
