@@ -157,3 +157,24 @@ def test_the_runner_is_offered_the_staging_only_when_switched_on(monkeypatch):
     monkeypatch.setenv("CVLLM_STAGE_STEP_INPUTS", "1")
     graphs = staged_graphs()
     assert graphs.input_staging is graphs.staging
+
+
+def test_a_shape_captured_at_its_first_staged_step_replays_the_steps_inputs():
+    """A graph captured lazily runs on placeholder inputs in the very buffers a staged step is in: they are set aside
+    and put back, so the replay reads the step's."""
+    graphs = staged_graphs()
+    del graphs.graphs[4, 5]
+
+    def capture(size, q, chunk=False):   # what _capture does to the buffers
+        graphs.slot_mapping[:size * q].fill_(-1)
+        graphs.seq_lens[:size].fill_(q)
+        graphs.input_ids.zero_()
+        graphs.graphs[size, q] = (stub := Replayed(size * q), stub.out)
+
+    graphs._capture = capture
+    ids, positions, ctx, _ = to_device(host_step([5, 5, 5], 30, 3), SimpleNamespace(device=torch.device("cpu")), 16,
+                                       staging=graphs.staging)
+    graphs(ids, positions, ctx)
+    assert graphs.graphs[4, 5][0].replays == 1
+    assert torch.equal(graphs.input_ids[:15], torch.arange(7, 22))
+    assert torch.equal(graphs.slot_mapping[:15], torch.arange(100, 115)) and graphs.seq_lens.tolist()[:3] == [35] * 3

@@ -147,7 +147,11 @@ class DecodeGraphs:
             return self.forward(input_ids, positions, ctx)   # not a captured shape: run eagerly
         size = sizes[at]
         if (size, q) not in self.graphs:
+            # a capture runs on placeholder inputs in the graphs' buffers: a staged step's are set aside meanwhile
+            staged = self.staging.region.clone() if self.staging.owns(input_ids) else None
             self._capture(size, q)
+            if staged is not None:
+                self.staging.region.copy_(staged)
         rows = self._copy_inputs(input_ids, positions, ctx)
         if size > batch and not self.staging.owns(input_ids):   # padding rows: write no KV, attend to Q keys
             self.slot_mapping[rows:size * q].fill_(-1)           # (a staged step has them so already)
