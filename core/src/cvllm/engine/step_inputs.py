@@ -8,6 +8,7 @@ its device tensors and ForwardContext (``to_device``), so no rank derives a cont
 from __future__ import annotations
 
 import array
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -85,8 +86,7 @@ def build_host_step(batch: ScheduledBatch, block_size: int, previous_rows: dict[
         tables.extend(padding[len(seq.block_table):])
 
     num_seqs, num_tokens = len(seqs), len(input_ids)
-    shapes = layout(num_tokens, num_seqs, max_blocks, len(logits_rows), len(fill_at))
-    offsets, size = placement(shapes)
+    shapes, offsets, size = placed_layout(num_tokens, num_seqs, max_blocks, len(logits_rows), len(fill_at))
     packed = np.zeros(size, dtype=np.uint8)
     views = [np.ndarray(shape, NUMPY_DTYPES[dtype], packed, at) for (shape, dtype), at in zip(shapes, offsets)]
     ids, positions, query_start_v, seq_lens_v, slots, block_tables, logits_indices, fill = views
@@ -117,6 +117,15 @@ def placement(shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[i
         size = math.prod(shape) * dtype.itemsize
         end += size + (-size % ALIGN)
     return offsets, end
+
+
+@functools.lru_cache(maxsize=1024)
+def placed_layout(num_tokens: int, num_seqs: int, max_blocks: int, num_logits: int, num_fill: int
+                  ) -> tuple[list[tuple[tuple[int, ...], torch.dtype]], list[int], int]:
+    """``layout`` and its ``placement`` (offsets, size), kept for the sizes steps repeat (a fifth of a batch-1 step's
+    host packing time otherwise). Not to be modified."""
+    shapes = layout(num_tokens, num_seqs, max_blocks, num_logits, num_fill)
+    return (shapes, *placement(shapes))
 
 
 def layout(num_tokens: int, num_seqs: int, max_blocks: int, num_logits: int, num_fill: int
