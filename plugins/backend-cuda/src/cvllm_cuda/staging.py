@@ -23,7 +23,7 @@ import math
 import numpy as np
 import torch
 
-from cvllm.engine.step_inputs import HostStep, placement
+from cvllm.engine.step_inputs import HostStep, placed_layout, placement
 
 TWINS = 3
 # bytes of block-table rows a staged step may have (each row max_blocks_per_seq entries): 64 sequences of 4,096
@@ -90,7 +90,7 @@ class StepStaging:
             self._copied[i].synchronize()   # (its copy ran long ago: a step or two back)
         twin = self._twin_bytes[i]
         packed = host.packed.numpy()
-        sources = placement(shapes)[0]
+        sources = placed_layout(num_tokens, num_seqs, max_blocks, num_logits, num_fill)[1]   # (its bytes in packed)
         for j, ((shape, dtype), source, target) in enumerate(zip(shapes, sources, self.offsets)):
             nbytes = math.prod(shape) * dtype.itemsize
             if j == 5:   # the block tables, into rows of max_blocks entries (past a sequence's blocks: stale)
