@@ -138,6 +138,7 @@ def test_graphs_replay_a_staged_step_with_no_copies_of_its_inputs():
     graphs.slot_mapping.fill_(5)
     graphs.seq_lens.fill_(9)
     backend = SimpleNamespace(device=torch.device("cpu"))
+    graphs._copy_inputs = None   # (a staged step's replay copies nothing: calling it would fail)
     ids, positions, ctx, _ = to_device(host_step([5, 5, 5], 30, 3), backend, 16, staging=graphs.staging)
     assert ctx.block_tables.stride(0) == graphs.block_tables.stride(0)   # staged in the graphs' own table
     graphs(ids, positions, ctx)                           # three sequences verifying 4 drafts: the graph of 4

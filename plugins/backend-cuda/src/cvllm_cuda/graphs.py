@@ -145,35 +145,33 @@ class DecodeGraphs:
         at = bisect.bisect_left(sizes, batch)
         if at == len(sizes):
             return self.forward(input_ids, positions, ctx)   # not a captured shape: run eagerly
-        size = sizes[at]
+        size, rows = sizes[at], input_ids.shape[0]
+        staged = self.staging.owns(input_ids)   # (then its inputs and padding are in the buffers already)
         if (size, q) not in self.graphs:
             # a capture runs on placeholder inputs in the graphs' buffers: a staged step's are set aside meanwhile
-            staged = self.staging.region.clone() if self.staging.owns(input_ids) else None
+            kept = self.staging.region.clone() if staged else None
             self._capture(size, q)
-            if staged is not None:
-                self.staging.region.copy_(staged)
-        rows = self._copy_inputs(input_ids, positions, ctx)
-        if size > batch and not self.staging.owns(input_ids):   # padding rows: write no KV, attend to Q keys
-            self.slot_mapping[rows:size * q].fill_(-1)           # (a staged step has them so already)
-            self.seq_lens[batch:size].fill_(q)
+            if kept is not None:
+                self.staging.region.copy_(kept)
+        if not staged:
+            self._copy_inputs(input_ids, positions, ctx)
+            if size > batch:  # padding rows: write no KV, attend to Q keys of some block
+                self.slot_mapping[rows:size * q].fill_(-1)
+                self.seq_lens[batch:size].fill_(q)
         graph, out = self.graphs[size, q]
         graph.replay()
         self.replays += 1
         self.verify_replays += q > 1
         return out[:rows]
 
-    def _copy_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> int:
-        """The step's inputs into the graphs' buffers (their first rows and sequences; a staged step's are there
-        already); returns the rows."""
+    def _copy_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> None:
+        """A step uploaded the general way: its inputs into the graphs' buffers (their first rows and sequences)."""
         rows, batch = input_ids.shape[0], ctx.seq_lens.shape[0]
-        if self.staging.owns(input_ids):
-            return rows
         self.block_tables[:batch, :ctx.block_tables.shape[1]].copy_(ctx.block_tables)
         self.input_ids[:rows].copy_(input_ids)
         self.positions[:rows].copy_(positions)
         self.slot_mapping[:rows].copy_(ctx.slot_mapping)
         self.seq_lens[:batch].copy_(ctx.seq_lens)
-        return rows
 
     def prefill_chunk(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """A lone sequence's prefill chunk of q tokens in the graph of the shortest captured length Q >= q: logits
@@ -184,8 +182,8 @@ class DecodeGraphs:
         if at == len(self.chunk_sizes) or ctx.block_tables.shape[1] > self.block_tables.shape[1]:
             return self.forward(input_ids, positions, ctx)
         size = self.chunk_sizes[at]
-        self._copy_inputs(input_ids, positions, ctx)
-        if not self.staging.owns(input_ids):   # (a staged chunk has its query starts and spare slots in place)
+        if not self.staging.owns(input_ids):   # (a staged chunk has its inputs, query starts and spare slots there)
+            self._copy_inputs(input_ids, positions, ctx)
             self.slot_mapping[q:size].fill_(-1)   # spare rows: no KV written
             self.chunk_start_loc.copy_(ctx.query_start_loc)
         graph, out = self.chunk_graphs[size]
