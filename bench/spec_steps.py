@@ -74,8 +74,12 @@ def main() -> None:
     ap.add_argument("--sync", action="store_true", help="synchronous steps (the CPU's default)")
     ap.add_argument("--profile", action="store_true", help="also the device's kernels, per launched step (CUDA)")
     ap.add_argument("--cprofile", action="store_true", help="also the host's functions (cProfile of one more run)")
+    ap.add_argument("--device-drafts", action="store_true",
+                    help="n-gram drafts looked up on the device, verify steps launched a step behind (ngram_device.py)")
     args = ap.parse_args()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    if args.device_drafts:
+        spec["device_drafts"] = True
     prompt = [[{"role": "user", "content": TASKS[args.task]}]]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     for name, config in (("plain", None), ("ngram", spec)):

@@ -82,7 +82,7 @@ def timed_generate(llm: LLM, prompts, params) -> tuple[list, float, float]:
 
 
 COUNTERS = ("spec_draft_tokens", "spec_accepted_tokens", "spec_verifications", "steps", "spec_guesses",
-            "spec_guess_misses")
+            "spec_guess_misses", "spec_lagged_steps")
 
 
 def run_pair(make_llm, prompts, params, spec: dict, repeat: int = 1) -> dict:
@@ -132,7 +132,7 @@ def summary(llm, before: list, outputs: list, seconds: list, decode_seconds: lis
     wall = sum(statistics.median(s) for s in seconds)
     decode_wall = sum(statistics.median(s) for s in decode_seconds)
     stats = llm.llm_engine.stats
-    drafted, accepted, verifications, steps, guesses, misses = (
+    drafted, accepted, verifications, steps, guesses, misses, lagged = (
         (getattr(stats, c) - b) / repeat for c, b in zip(COUNTERS, before))   # a run's
     return {"async_scheduling": llm.llm_engine.async_scheduling,   # (the engine's, default or not)
             "tok_s": round(tokens / wall, 1),
@@ -144,7 +144,9 @@ def summary(llm, before: list, outputs: list, seconds: list, decode_seconds: lis
             "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
             "mean_tokens_per_verify": round(1 + accepted / verifications, 2) if verifications else None,
             # async scheduling: next steps launched on a guessed outcome, and how many were wrong (void)
-            "guesses": guesses, "guess_misses": misses}
+            "guesses": guesses, "guess_misses": misses,
+            # device drafts: verify steps launched a step behind on inputs the device computed (ngram_device.py)
+            "lagged_steps": lagged}
 
 
 def command_flags(argv: list[str]) -> list[str]:
@@ -168,10 +170,14 @@ def main() -> None:
     ap.add_argument("--async-scheduling", action="store_true",
                     help="launch each step before the last one is read back (the GPU's default; speculator.py)")
     ap.add_argument("--repeat", type=int, default=5, help="runs of each task; the median counts")
+    ap.add_argument("--device-drafts", action="store_true",
+                    help="n-gram drafts looked up on the device, verify steps launched a step behind (ngram_device.py)")
     ap.add_argument("--json")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    if args.device_drafts:
+        spec["device_drafts"] = True
     if args.draft_model:
         spec = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": args.k}
     if args.draft_token_cost is not None:
@@ -199,7 +205,7 @@ def main() -> None:
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
             "command": " ".join(["python bench/speculative.py", *command_flags(sys.argv[1:])]),
             "k": args.k, "max_tokens": args.max_tokens, "repeat": args.repeat,
-            "async_scheduling_flag": args.async_scheduling,
+            "async_scheduling_flag": args.async_scheduling, "device_drafts": args.device_drafts,
             "results": results}, indent=2) + "\n")
 
 

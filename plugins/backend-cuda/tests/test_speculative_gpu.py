@@ -66,3 +66,25 @@ def test_staged_step_inputs_change_nothing(tmp_path, monkeypatch, batch, mixed):
     got_spec, spec_graphs, stats = run(tmp_path, "float32", batch, SPEC, mixed=mixed)
     assert got == want and got_spec == want_spec == want
     assert graphs.input_staging is not None and graphs.replays > 0 and stats.spec_verifications > 0
+
+
+@pytest.mark.parametrize("batch, mixed, options", [(1, False, {}), (3, False, {}), (3, True, {}),
+                                                   (3, False, {"enforce_eager": True}), (3, False, {"staged": True})],
+                         ids=["1", "3", "mixed", "eager", "staged"])
+def test_device_drafts_change_nothing(tmp_path, monkeypatch, batch, mixed, options):
+    """device_drafts (engine/ngram_device.py): verify steps launched a step behind on inputs the device computed
+    (the n-gram lookup, positions, slots, lengths), replayed in the verify graphs (or eager, or staged), give the
+    plain run's tokens."""
+    options = dict(options)
+    if options.pop("staged", False):
+        monkeypatch.setenv("CVLLM_STAGE_STEP_INPUTS", "1")
+    make_checkpoint(tmp_path, "llama")
+    want, _, _ = run(tmp_path, "float32", batch, None, mixed=mixed, **options)
+    spec = {**SPEC, "device_drafts": True, "draft_token_cost": 0}
+    got, graphs, stats = run(tmp_path, "float32", batch, spec, mixed=mixed, **options)
+    assert got == want
+    assert stats.spec_verifications > 0
+    if not mixed:
+        assert stats.spec_lagged_steps > 0
+        if not options:
+            assert graphs.verify_replays > 0

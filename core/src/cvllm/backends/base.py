@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from cvllm.distributed import tp_size
+from cvllm.engine.ngram_device import advance_ngram
 from cvllm.forward_context import ForwardContext, current_forward_context
 
 Tensor = torch.Tensor
@@ -56,6 +57,10 @@ class Backend:
     # engine/speculative.py draft_length). A device whose step reads the weights once whatever the rows pays little
     # for a draft; a CPU computes every row's products, so each draft costs a share of the step
     draft_token_cost: float = 0.1
+    # n-gram speculation's default for drafts looked up on the device (SpeculativeConfig.device_drafts), and the
+    # function that does it after a verify step (ngram_device.advance_ngram's contract; a kernel may replace it)
+    device_drafts: bool = False
+    advance_ngram = staticmethod(advance_ngram)
 
     # Optional fused kernels. The layers call one when the backend of the forward pass in progress
     # has it (not None) and run their torch code otherwise, so model code never changes; a fused

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cvllm.engine.ngram_device import NgramHistory
 from cvllm.engine.observers import StepRecord
 from cvllm.engine.penalties import PenaltyHistory
 from cvllm.engine.prompt_logprobs import prompt_logprob_rows, record_prompt_logprobs
@@ -35,6 +36,9 @@ class ForwardedStep:
     scoring: bool
     speculative: bool               # some sampling sequence verifies drafts (its 1 + K positions are rows)
     num_drafts: list[int] | None = None   # each sampling sequence's drafts when it was forwarded (speculative)
+    # a step whose next inputs the device computes (ScheduledBatch.device_drafts): its input ids and positions
+    inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+    lagged: bool = False
 
     def sampler_rows(self) -> list:
         """The sampler's rows: a sequence verifying K drafts has K + 1 (speculative.py)."""
@@ -54,6 +58,10 @@ class LaunchedStep:
     drafts: list[list[int]] | None = None     # ... their tokens, taken off the sequences once launched (speculator.py)
     # sequences whose rows are void: the step was launched on a wrong guess of the previous one's outcome
     void: set[int] = field(default_factory=set)
+    # the next step's input ids and positions, flat, as the device computed them from this verify step's outcome
+    # (ngram_device.py); its readback's last tensor is then the drafts it verified (the host may not know them)
+    feed: tuple[torch.Tensor, torch.Tensor] | None = None
+    lagged: bool = False            # its inputs came from the step before's feed (ScheduledBatch.lagged)
 
     def rows(self):
         """(sequence, its first row, the row after its last, its drafts) per sampling sequence, in row order."""
@@ -69,12 +77,18 @@ class LaunchedStep:
         last token is still on the device read (async scheduling)."""
         return {seq.seq_id: end - 1 for seq, _, end, _ in self.rows()}
 
+    def feed_rows(self) -> dict[int, int]:
+        """seq_id -> its first row in ``feed``: a lagged step's chunk takes its inputs from there on."""
+        return {seq.seq_id: first for seq, first, _, _ in self.rows()}
+
 
 class Executor:
     """What the engine asks of its model workers."""
 
     # the draft model of draft-model speculation (draft_model.py), run beside the model; None: none
     draft = None
+    # whether n-gram drafts may be looked up on the device (ngram_device.py; ``enable_device_drafts``)
+    supports_device_drafts = False
 
     def kv_bytes_per_block(self) -> int:
         """Device bytes of one KV block (block_size tokens of every attention layer a worker holds)."""
@@ -122,6 +136,11 @@ class Executor:
         device (embeddings: engine/embedding.py)."""
         raise NotImplementedError
 
+    def enable_device_drafts(self, num_rows: int, max_len: int, min_n: int, max_n: int) -> None:
+        """Keep up to ``num_rows`` sequences' tokens (``max_len`` each) on the device for n-gram lookups there, with
+        suffixes of ``min_n``..``max_n`` tokens: the steps marked ``device_drafts`` compute the next one's inputs."""
+        raise NotImplementedError
+
     def propose_drafts(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
         """The draft model's ``ks[i]`` greedy drafts for each ``seqs[i]`` (draft_model.py)."""
         return self.draft.propose(seqs, ks)
@@ -155,6 +174,20 @@ class InProcessExecutor(Executor):
         self.draft = draft
         # token counts of penalised sequences, on the device: penalties need no host token list (penalties.py)
         self.penalties = PenaltyHistory(vocab_size, backend.device)
+        self.ngram: NgramHistory | None = None   # (enable_device_drafts)
+        self._ngram_lookup = (1, 1)
+
+    @property
+    def supports_device_drafts(self) -> bool:
+        # a real model (not fake steps), one worker, and layers that read sequence lengths on the device only (a
+        # lagged step's host lengths are a step behind; the CPU's are set right: step_inputs.to_device)
+        runner = self.runner
+        return (type(self) is InProcessExecutor and hasattr(runner, "prepare")
+                and (self.backend.device.type == "cpu" or not getattr(runner, "reads_host_lengths", True)))
+
+    def enable_device_drafts(self, num_rows: int, max_len: int, min_n: int, max_n: int) -> None:
+        self.ngram = NgramHistory(num_rows, max_len, self.backend.device)
+        self._ngram_lookup = (min_n, max_n)
 
     def kv_bytes_per_block(self) -> int:
         # a draft model's cache has as many blocks as the model's (draft_model.py): a block costs both
@@ -180,18 +213,23 @@ class InProcessExecutor(Executor):
         scoring, extra = prompt_logprob_rows(batch)
         previous_tokens = None
         if previous is not None and previous.out is not None:
-            previous_tokens = (previous.out.token_ids, previous.fill_rows())
-        if record is None and self.draft is None:
+            if batch.lagged:   # every input of its chunks is on the device (ngram_device.py)
+                previous_tokens = (previous.feed[0], previous.feed_rows(), previous.feed[1])
+            else:
+                previous_tokens = (previous.out.token_ids, previous.fill_rows())
+        inputs = None
+        if record is None and self.draft is None and not batch.device_drafts:
             logits = self.runner.run(batch, extra_indices=extra, previous_tokens=previous_tokens)
         else:
-            logits = self._observed_forward(batch, extra, previous_tokens, record)
+            logits, inputs = self._observed_forward(batch, extra, previous_tokens, record)
         speculative = batch.num_draft_chunk_tokens > 0
         num_drafts = [seq.num_drafts for seq in sampling] if speculative else None
         if scoring:
             num_rows = len(sampling) + sum(num_drafts or ())
             record_prompt_logprobs(batch, scoring, logits[num_rows:])
             logits = logits[:num_rows]
-        return ForwardedStep(sampling, logits, bool(scoring), speculative, num_drafts)
+        return ForwardedStep(sampling, logits, bool(scoring), speculative, num_drafts,
+                             inputs[:2] if batch.device_drafts else None, batch.lagged)
 
     def sample(self, step: ForwardedStep, allowed: tuple[list[int], torch.Tensor] | None,
                record: StepRecord | None = None) -> LaunchedStep:
@@ -202,21 +240,48 @@ class InProcessExecutor(Executor):
             allowed = (upload(torch.tensor(rows), device), upload(bits, device))   # no wait for the device
         out = self.sampler(step.logits, step.sampler_rows(), history=self.penalties, allowed=allowed) \
             if sampling else None
-        readback = None
+        readback = feed = None
         if out is not None:   # queued now, so reading it back later does not wait for the next step
             ids = out.token_ids if out.reported_ids is None else out.reported_ids   # -1: a row's logits were not finite
             wanted = [ids] if out.logprobs is None else [ids, out.logprobs, out.top_ids, out.top_logprobs]
+            if step.inputs is not None:
+                feed, drafts = self._advance_drafts(step, out.token_ids)
+                wanted.append(drafts)
             readback = self.backend.start_readback(wanted)
         if record is not None:
             record.mark("sample")
             record.device_mark(self.backend, "sampled")
-        return LaunchedStep(sampling, out, readback, step.scoring, step.speculative, step.num_drafts)
+        return LaunchedStep(sampling, out, readback, step.scoring, step.speculative, step.num_drafts, feed=feed,
+                            lagged=step.lagged)
+
+    def _advance_drafts(self, step: ForwardedStep, sampled: torch.Tensor
+                        ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """A device-drafted verify step's outcome and the next step's inputs, computed on the device
+        (ngram_device.advance_ngram): (next ids, next positions) flat, and the drafts verified (for the host). A
+        sequence's tokens go to the device where it starts (its step not lagged: all its tokens on the host)."""
+        ngram = self.ngram
+        k = step.num_drafts[0]
+        if not step.lagged:
+            keep = {seq.seq_id for seq in step.sampling}
+            for seq_id in [s for s in ngram.rows if s not in keep]:
+                ngram.release(seq_id)
+            for seq in step.sampling:
+                ngram.load(ngram.row(seq.seq_id), seq.token_ids[:len(seq.token_ids) - k])
+        rows = ngram.rows_tensor([seq.seq_id for seq in step.sampling])
+        ids, positions = step.inputs
+        chunks = ids.view(-1, k + 1)
+        drafts = chunks[:, 1:]
+        next_ids, next_positions = self.backend.advance_ngram(
+            sampled.view(-1, k + 1), drafts, positions.view(-1, k + 1)[:, 0], rows, ngram.history, ngram.lengths,
+            *self._ngram_lookup)
+        return (next_ids.view(-1), next_positions.view(-1)), drafts.reshape(-1)
 
     @torch.inference_mode()
     def _observed_forward(self, batch: ScheduledBatch, extra: torch.Tensor | None,
-                          previous_tokens: PreviousTokens | None, record: StepRecord | None) -> torch.Tensor:
+                          previous_tokens: PreviousTokens | None, record: StepRecord | None) -> tuple:
         """``ModelRunner.run`` in its two halves, with the marks between them (``record`` None: no marks), then
-        the draft model's forward on the same inputs (its KV cache mirrors the model's: draft_model.py)."""
+        the draft model's forward on the same inputs (its KV cache mirrors the model's: draft_model.py). Returns
+        the logits and the inputs."""
         if record is not None:
             record.device_mark(self.backend, "launch")
         inputs = self.runner.prepare(batch, previous_tokens)
@@ -229,7 +294,7 @@ class InProcessExecutor(Executor):
         if record is not None:
             record.mark("forward")
             record.device_mark(self.backend, "forwarded")
-        return logits
+        return logits, inputs
 
     def prompt_logits(self, batch: ScheduledBatch) -> torch.Tensor:
         return self.runner.run(batch, all_logits=True)
@@ -242,6 +307,8 @@ class InProcessExecutor(Executor):
 
     def release(self, seq_id: int) -> None:
         self.penalties.release(seq_id)
+        if self.ngram is not None:
+            self.ngram.release(seq_id)
 
     def synchronize(self) -> None:
         self.backend.synchronize()

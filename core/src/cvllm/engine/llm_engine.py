@@ -54,11 +54,28 @@ class LLMEngine:
         self.speculator = None if speculative is None else Speculator(
             speculative, scheduler, self.max_model_len, executor.propose_drafts if executor.draft else None,
             backend.draft_token_cost)
+        if speculative is not None:
+            self._enable_device_drafts(speculative)
         # structured requests wait here while their grammars compile
         self.grammar_admission = GrammarAdmission(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                                   scheduler.config.max_num_seqs)
         self._shut_down = False
         self._seq_ids = itertools.count()
+
+    def _enable_device_drafts(self, spec: SpeculativeConfig) -> None:
+        """N-gram drafts looked up on the device (ngram_device.py), where asked (else the backend's default) and
+        possible: async scheduling, and an executor that can."""
+        wanted = spec.device_drafts if spec.device_drafts is not None else self.backend.device_drafts
+        if not wanted or spec.method != "ngram":
+            return
+        if not (self.async_scheduling and self.executor.supports_device_drafts):
+            if spec.device_drafts:
+                logger.warning("speculative_config device_drafts: not used (it needs async scheduling, one worker "
+                               "and a model whose attention reads sequence lengths on the device)")
+            return
+        self.executor.enable_device_drafts(spec.disable_by_batch_size, self.max_model_len, spec.prompt_lookup_min,
+                                           spec.prompt_lookup_max)
+        self.speculator.device_drafts = True
 
     @property
     def runner(self):
@@ -187,6 +204,7 @@ class LLMEngine:
             if batch.seqs:
                 launched, finished = self._launch(batch, prev, record)
                 overlapped = prev is not None   # launched before the last step's tokens were read
+                self.stats.spec_lagged_steps += batch.lagged
                 if finished is not None:
                     done, prev = done + finished, None
             if prev is not None:
@@ -265,6 +283,9 @@ class LLMEngine:
         if step.readback is None:
             return []
         host = [t.tolist() for t in step.readback()]
+        if step.feed is not None:   # the drafts it verified, which the device looked up (ngram_device.py)
+            flat, k = host.pop(), step.num_drafts[0]
+            step.drafts = [flat[i:i + k] for i in range(0, len(flat), k)]
         if record is not None:
             record.mark("wait")
         token_ids = host[0]

@@ -151,6 +151,9 @@ class ModelRunner:
         self.dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype or dtype   # float8_e4m3fn: an FP8 cache (layers/kv_fp8.py)
         self.attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        # a layer that reads the sequences' lengths on the host (ForwardContext.seq_lens_cpu) in verify steps (MLA's
+        # prefill path) rules out lagged steps on a GPU, whose host lengths are a step behind (ngram_device.py)
+        self.reads_host_lengths = any(getattr(m, "reads_host_lengths", False) for m in model.modules())
         self.num_blocks = 0
         self.decode_forward = self.decode_logits   # decode-only steps; the backend may wrap it (CUDA graphs)
         self.chunk_forward = self.decode_logits    # a lone sequence's last prefill chunk (is_decode_path)
@@ -217,10 +220,11 @@ class ModelRunner:
         """Flat varlen tensors for the batch on the device (step_inputs.py).
 
         ``previous_tokens``: (sampled ids [B'] on the device, seq_id -> row) of the step still in flight; a
-        sequence whose last token is among them takes it from there (async scheduling)."""
+        sequence whose last token is among them takes it from there (async scheduling). With a third entry, the
+        positions of a lagged step's inputs (ngram_device.py)."""
         host = build_host_step(batch, self.block_size, previous_tokens[1] if previous_tokens else None)
         return to_device(host, self.backend, self.block_size, previous_tokens[0] if previous_tokens else None,
-                         self.staging)
+                         self.staging, previous_tokens[2] if previous_tokens and len(previous_tokens) > 2 else None)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, all_logits: bool = False, extra_indices: torch.Tensor | None = None,

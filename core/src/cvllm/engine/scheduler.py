@@ -41,6 +41,7 @@ class EngineStats:
     spec_verifications: int = 0   # sequence-steps that verified drafts
     spec_guesses: int = 0         # steps launched before the verify step they follow was read back (per sequence)
     spec_guess_misses: int = 0    # ... whose guess of its outcome was wrong (their rows were void)
+    spec_lagged_steps: int = 0    # verify steps launched a step behind on inputs the device computed (no guess)
 
 
 @dataclass(slots=True)
@@ -52,6 +53,10 @@ class ScheduledBatch:
     # the sequences that reach their last token this step (their logits are sampled); fixed when scheduled
     sample_indices: list[int] = field(default_factory=list)
     num_draft_chunk_tokens: int = 0   # tokens of decodes with drafts (speculative), in num_prefill_tokens
+    # every sequence verifies K drafts and the device computes the next step's inputs (ngram_device.py) ...
+    device_drafts: bool = False
+    # ... and this step's came from there: built a step behind, launched before the one before it was read back
+    lagged: bool = False
 
     def __len__(self) -> int:
         return len(self.seqs)

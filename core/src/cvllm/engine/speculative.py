@@ -44,6 +44,9 @@ class SpeculativeConfig:
     # what one draft adds to a step's time, as a fraction of a decode step: sets how many drafts a sequence verifies
     # (draft_length); None: the backend's figure (Backend.draft_token_cost), 0: always num_speculative_tokens
     draft_token_cost: float | None = None
+    # n-gram drafts looked up on the device, so that with async scheduling a verify step is launched before the one
+    # before it is read back (ngram_device.py); None: the backend's default (Backend.device_drafts)
+    device_drafts: bool | None = None
 
     @classmethod
     def from_dict(cls, spec: dict | None) -> SpeculativeConfig | None:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cvllm.engine.ngram_device import pad_drafts
 from cvllm.engine.sequence import Sequence, SequenceStatus
 from cvllm.engine.speculative import (
     MIN_PROPOSALS,
@@ -89,6 +90,10 @@ class Speculator:
         self.pending: dict[int, Guess] = {}   # seq_id -> its guess, from ``guess`` until ``settle`` (one step() call)
         self._held: list[tuple[Sequence, int]] = []   # (sequence, its num_inflight) left out of the next step
         self.unused: dict[int, list[int | None]] = {}   # seq_id -> the guess not launched on (held), to score it
+        # drafts looked up on the device and verify steps launched a step behind (``lag``); set by the engine where
+        # the backend, the executor and async scheduling allow it
+        self.device_drafts = False
+        self._lagged: list[tuple[Sequence, int]] = []   # (sequence, its num_inflight) set up by ``lag``
 
     @property
     def active(self) -> bool:
@@ -139,7 +144,10 @@ class Speculator:
             bm = self.scheduler.block_manager
             wanted = [(seq, k) for seq, k in wanted if bm.grow(seq, len(seq.token_ids) + k)]
             proposals = self.propose_drafts([seq for seq, _ in wanted], [k for _, k in wanted]) if wanted else []
-        for (seq, _), drafts in zip(wanted, proposals):
+        most = spec.num_speculative_tokens
+        for (seq, k), drafts in zip(wanted, proposals):
+            if self.device_drafts and k == most:   # a step the device may go on from: K drafts each (pad_drafts)
+                drafts = pad_drafts(drafts, seq.token_ids[-1], k)
             self._add_drafts(seq, drafts)
 
     def _add_drafts(self, seq: Sequence, drafts: list[int]) -> None:
@@ -155,7 +163,11 @@ class Speculator:
         not worth a guess sits the next step out (``hold``)."""
         if not self.overlaps:
             return not self.active
+        if prev.feed is not None:
+            return self.lag(prev)
         drafting = self.active
+        if self.device_drafts and drafting and self._all_draft_k():
+            return False   # rather than guess, read it back: the next step verifies K drafts each, then lagged ones
         if (drafting or prev.speculative) and any(seq.grammar is not None for seq in self.scheduler.running):
             return False   # (their matchers read the last step back mid-launch, before detach: LLMEngine._launch)
         for seq, _, _, drafts in prev.rows():
@@ -190,6 +202,45 @@ class Speculator:
                 self._add_drafts(seq, more)
         return True
 
+    def lag(self, prev) -> bool:
+        """Set every running sequence up to verify K drafts whose every input the device computes from ``prev``'s
+        outcome (ngram_device.py): the next step is built a step behind and launched before ``prev`` is read back,
+        with no guess. False, with nothing changed but blocks, where some sequence cannot (it is not in ``prev``, it
+        does not draft K now, or its context would run out), or requests wait to start: ``prev`` is read back first.
+
+        A lagged sequence's verified tokens are all computed (``prev``'s chunk starts at its last one), so a chunk of
+        K + 1 tokens from there is scheduled, each one a row the device fills; its blocks cover the furthest the chunk
+        may reach, ``prev`` having accepted all its drafts."""
+        scheduler, most = self.scheduler, self.config.num_speculative_tokens
+        config = scheduler.config
+        if (not self.active or scheduler.waiting or prev.void
+                or len(scheduler.running) * (most + 1) > config.max_num_batched_tokens
+                or 0 < config.prefill_chunk_size <= most):   # (every chunk whole: the device fills K + 1 rows each)
+            return False
+        in_prev = {seq.seq_id for seq in prev.sampling}
+        for seq in scheduler.running:
+            num_tokens = len(seq.token_ids)
+            if (seq.seq_id not in in_prev or seq.num_computed_tokens != num_tokens
+                    or num_tokens + 2 * most + 2 > self.max_model_len
+                    or self.budget(seq, num_tokens + most + 1, seq.spec_proposed + most, seq.spec_accepted + most,
+                                   seq.spec_rejections) < most):
+                return False
+        bm = scheduler.block_manager
+        if not all(bm.grow(seq, len(seq.token_ids) + 2 * most + 1) for seq in scheduler.running):
+            return False
+        for seq in scheduler.running:
+            self._lagged.append((seq, seq.num_inflight))
+            seq.num_inflight = most + 1   # (for the scheduler: the chunk's tokens; fit sets it back)
+            seq.num_drafts = most
+        return True
+
+    def _all_draft_k(self) -> bool:
+        """Whether every running sequence would verify K drafts after the step in flight (its one token)."""
+        most = self.config.num_speculative_tokens
+        return all(seq.grammar is None and self.budget(seq, seq.num_tokens, seq.spec_proposed, seq.spec_accepted,
+                                                       seq.spec_rejections) == most
+                   for seq in self.scheduler.running)
+
     def _lookup_after(self, seq: Sequence, drafts: list[int], budget: int) -> tuple[int | None, list[int]]:
         """The bonus token the n-gram lookup predicts after ``seq``'s tokens and ``drafts`` (None: no match), and up
         to ``budget`` drafts after it. The assumed tokens go on the sequence's lookup bytes for the searches and come
@@ -221,11 +272,24 @@ class Speculator:
         for seq, num_inflight in self._held:
             seq.num_inflight = num_inflight
         self._held = []
+        for seq, num_inflight in self._lagged:
+            seq.num_inflight = num_inflight
+            if seq.seq_id not in scheduled:
+                seq.num_drafts = 0
+        batch.lagged = bool(self._lagged) and bool(batch.seqs)
+        self._lagged = []
         for seq_id, guess in list(self.pending.items()):
             if seq_id not in scheduled:
                 self._unguess(guess)
-        if not self._drafted:
-            return
+        if self._drafted:
+            self._fit_drafts(batch, scheduled)
+        most = self.config.num_speculative_tokens
+        batch.device_drafts = (self.device_drafts and bool(batch.seqs) and not self.pending and self.active
+                               and len(batch.sample_indices) == len(batch.seqs)
+                               and all(seq.num_drafts == most and n == most + 1
+                                       for seq, n in zip(batch.seqs, batch.num_tokens)))
+
+    def _fit_drafts(self, batch, scheduled: dict[int, int]) -> None:
         changed = False
         drafted, self._drafted = self._drafted, []
         for seq in drafted:   # (running, or preempted by this schedule)
@@ -255,7 +319,9 @@ class Speculator:
     def detach(self, step) -> None:
         """Once ``step`` is launched (before the scheduler registers its prefix-cache blocks): each sequence's
         drafts move from its tokens onto the step, and a guessed sequence's assumed tokens come off (``settle``
-        puts the real ones on)."""
+        puts the real ones on). A lagged step's drafts are on the device only: they come with its readback."""
+        if step.lagged:
+            return
         drafts = []
         for j, seq in enumerate(step.sampling):
             k = step.num_drafts[j] if step.num_drafts else 0
@@ -317,6 +383,10 @@ class Speculator:
 
     def reset(self) -> None:
         """A step failed: forget its guesses and drafts (its requests are failed by the caller)."""
+        for seq, num_inflight in self._lagged:
+            seq.num_inflight = num_inflight
+            seq.num_drafts = 0
+        self._lagged = []
         for guess in list(self.pending.values()):
             if guess.step is None:
                 self._unguess(guess)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cvllm.engine.ngram_device import lagged_fixup
 from cvllm.engine.scheduler import ScheduledBatch
 from cvllm.engine.upload import upload
 from cvllm.forward_context import ForwardContext
@@ -25,8 +26,10 @@ from cvllm.forward_context import ForwardContext
 # mid-serving (~0.5 s each)
 ALIGN = 16
 
-# the step still in flight: its sampled token ids on the device, and each sampling sequence's row in them
-PreviousTokens = tuple[torch.Tensor, dict[int, int]]
+# the step still in flight: its sampled token ids on the device, and each sampling sequence's row in them; after a
+# verify step whose next inputs the device computed (ngram_device.py), those ids and their positions instead, and
+# each sequence's first row in them
+PreviousTokens = tuple[torch.Tensor, dict[int, int]] | tuple[torch.Tensor, dict[int, int], torch.Tensor]
 
 NUMPY_DTYPES = {torch.int64: np.dtype(np.int64), torch.int32: np.dtype(np.int32)}
 
@@ -57,7 +60,8 @@ def build_host_step(batch: ScheduledBatch, block_size: int, previous_rows: dict[
     tensors this small: at batch 1 the fixed cost per op is the whole cost).
 
     ``previous_rows``: seq_id -> row in the sampled ids of the step still in flight; a sequence whose last token
-    is among them gets a placeholder id and a ``fill`` entry (row here, row there)."""
+    is among them gets a placeholder id and a ``fill`` entry (row here, row there). A lagged sequence (every token
+    of its chunk on the device: speculator.py's ``lag``) gets one for each, from its row there on."""
     bs = block_size
     seqs, qlens = batch.seqs, batch.num_tokens
     starts = [seq.num_computed_tokens for seq in seqs]
@@ -67,10 +71,11 @@ def build_host_step(batch: ScheduledBatch, block_size: int, previous_rows: dict[
     for seq, s, n in zip(seqs, starts, qlens):
         known = seq.token_ids[s:s + n]
         input_ids.extend(known)
-        if len(known) < n:        # the last token is still in flight (at most one: a decode row)
-            fill_at.append(len(input_ids))
-            fill_from.append(previous_rows[seq.seq_id])
-            input_ids.append(0)
+        if len(known) < n:        # the last token is still in flight (a decode row), or the whole chunk (lagged)
+            first, missing = previous_rows[seq.seq_id], n - len(known)
+            fill_at.extend(range(len(input_ids), len(input_ids) + missing))
+            fill_from.extend(range(first, first + missing))
+            input_ids.extend([0] * missing)
     seq_lens = [s + n for s, n in zip(starts, qlens)]
     query_start = [0, *itertools.accumulate(qlens)]
     # a sampled sequence's last row; a speculating one's last 1 + K (every draft position is sampled: speculative.py)
@@ -170,14 +175,17 @@ def host_step_from_packed(packed: torch.Tensor, num_tokens: int, num_seqs: int, 
     return HostStep(tensors, query_start, query_lens, seq_lens, is_decode_only, packed)
 
 
-def to_device(host: HostStep, backend, block_size: int, previous_ids: torch.Tensor | None = None, staging=None
+def to_device(host: HostStep, backend, block_size: int, previous_ids: torch.Tensor | None = None, staging=None,
+              previous_positions: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, torch.Tensor]:
     """(input ids, positions, context, logits rows) on the backend's device, in one non-blocking upload (a decode
     step has eight inputs, and each copy has a fixed cost) of ``host.packed`` (packed here if the host step has
     none). They travel as bytes and are viewed back in their own dtypes: no conversion kernel on the device.
     ``previous_ids``: the in-flight step's sampled ids on the device, for the ``fill`` rows (None: leave them, a
     tensor-parallel worker gets them from rank 0). ``staging``: where the backend's graphs read their inputs
-    (``stage(host)``: the tensors there, or None for a step that does not fit): a step that fits goes there."""
+    (``stage(host)``: the tensors there, or None for a step that does not fit): a step that fits goes there.
+    ``previous_positions``: a lagged step's positions, computed on the device with ``previous_ids`` (ngram_device.py):
+    its positions, slots and sequence lengths are set from them there; the host's were one step behind."""
     device = backend.device
     staged = staging.stage(host) if staging is not None else None
     if staged is not None:
@@ -189,7 +197,12 @@ def to_device(host: HostStep, backend, block_size: int, previous_ids: torch.Tens
         shapes = [(tuple(t.shape), t.dtype) for t in host.tensors]
         ids, positions, query_start, seq_lens, slots, tables, logits_indices, fill = unpack(
             upload(packed, device), shapes)
-    if previous_ids is not None and host.num_fill:   # sampled ids feed the next step's input ids on the device
+    seq_lens_host = host.seq_lens
+    if previous_positions is not None:
+        lagged_fixup(ids, positions, seq_lens, slots, tables, fill, previous_ids, previous_positions, block_size)
+        if device.type == "cpu":   # (the CPU's attention reads the lengths as host lists: here they are at hand)
+            seq_lens_host = seq_lens.tolist()
+    elif previous_ids is not None and host.num_fill:   # sampled ids feed the next step's input ids on the device
         ids.index_copy_(0, fill[0], previous_ids.index_select(0, fill[1]))   # (cheaper to call than ids[...] = ...)
     ctx = ForwardContext(
         backend=backend,
@@ -199,9 +212,9 @@ def to_device(host: HostStep, backend, block_size: int, previous_ids: torch.Tens
         block_tables=tables,
         query_start_loc_cpu=host.query_start,
         query_lens_cpu=host.query_lens,
-        seq_lens_cpu=host.seq_lens,
+        seq_lens_cpu=seq_lens_host,
         max_query_len=max(host.query_lens),
-        max_seq_len=max(host.seq_lens),
+        max_seq_len=max(seq_lens_host),
         is_decode_only=host.is_decode_only,
         block_size=block_size,
     )

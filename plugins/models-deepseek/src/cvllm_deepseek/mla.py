@@ -44,6 +44,9 @@ def softmax_scale(config: ModelConfig) -> float:
 
 
 class DeepseekV2Attention(nn.Module):
+    # its prefill path (mla_prefill.py, also a verify step's) slices the cache by the host's sequence lengths
+    reads_host_lengths = True
+
     def __init__(self, config: ModelConfig, interleaved_rope: bool):
         super().__init__()
         hidden, heads = config.hidden_size, config.num_attention_heads

@@ -1,0 +1,149 @@
+"""N-gram drafts looked up on the device (engine/ngram_device.py) with async scheduling, on a tiny random Llama:
+each verify step is launched a step behind, before the one before it is read back, on the inputs the device
+computed from that step's outcome (its bonus token, its positions, the next drafts). The output is the plain
+path's: greedy token for token (batches, chunked prefill, preemption, requests arriving mid-run, stop strings and
+max_tokens inside accepted drafts, logprobs), and sampled with seeds, reproducible. The CPU backend runs the same
+torch ops a GPU would, on its own memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cvllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+ENGINE = {"dtype": "float32", "block_size": 16, "max_num_seqs": 8, "max_num_batched_tokens": 128}
+# draft_token_cost 0: every sequence verifies all K drafts, as on a GPU (lagged steps need K each)
+DEVICE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+          "draft_token_cost": 0, "device_drafts": True}
+# two tokens favoured far above the rest: drafts copied from the output are often right, and sometimes wrong
+BIAS = {300: 100.0, 301: 100.0}
+
+
+def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    prompts = []
+    for _ in range(n):
+        phrase = torch.randint(3, 512, (int(torch.randint(3, 9, (1,), generator=generator)),), generator=generator)
+        prompts.append(phrase.repeat(4).tolist() + torch.randint(3, 512, (2,), generator=generator).tolist())
+    return prompts
+
+
+def run(path, prompts, params, speculative: dict | None, **engine):
+    llm = LLM(model=str(path), **{**ENGINE, **engine}, speculative_config=speculative)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [[(list(c.token_ids), c.finish_reason, c.text) for c in out.outputs] for out in outputs], \
+        llm.llm_engine.stats
+
+
+def assert_lagged(stats) -> None:
+    assert stats.spec_lagged_steps > 0 and stats.spec_verifications > 0, stats
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens, stats   # both outcomes seen
+
+
+@pytest.fixture(scope="module")
+def path(tiny_checkpoint):
+    return tiny_checkpoint("llama").path
+
+
+@pytest.mark.parametrize("engine", [{}, {"max_num_batched_tokens": 32}, {"num_kv_blocks": 12}, {"mixed": True}],
+                         ids=["batch", "chunked-prefill", "preemption", "mixed"])
+def test_greedy_output_is_the_plain_paths(path, engine):
+    """"mixed": half the sequences' drafts are nearly always rejected (a random model's own output), so they stop
+    drafting, and steps run as without device drafts (lagged steps need every sequence to verify K drafts)."""
+    mixed = engine.pop("mixed", False)
+    prompts = repetitive_prompts(6, seed=1)
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2,
+                             logit_bias=BIAS if i % 2 or not mixed else None) for i in range(len(prompts))]
+    plain, _ = run(path, prompts, params, None, **engine)
+    spec, stats = run(path, prompts, params, DEVICE, async_scheduling=True, **engine)
+    assert [[c[:2] for c in out] for out in spec] == [[c[:2] for c in out] for out in plain]
+    if not mixed:
+        assert_lagged(stats)
+    if "num_kv_blocks" in engine:
+        assert stats.preemptions > 0
+
+
+def test_a_lone_sequence_runs_lagged_steps_and_its_logprobs_are_the_plain_paths(path):
+    prompts = repetitive_prompts(1, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, logprobs=3, logit_bias=BIAS)
+    llm = LLM(model=str(path), **ENGINE)
+    plain = llm.generate([{"prompt_token_ids": prompts[0]}], params)[0].outputs[0]
+    llm = LLM(model=str(path), **ENGINE, speculative_config=DEVICE, async_scheduling=True)
+    spec = llm.generate([{"prompt_token_ids": prompts[0]}], params)[0].outputs[0]
+    stats = llm.llm_engine.stats
+    assert spec.token_ids == plain.token_ids
+    for a, b in zip(spec.logprobs, plain.logprobs):
+        assert a.keys() == b.keys()
+        for token in a:
+            assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-4)
+    assert_lagged(stats)
+    # nearly every step after the first verify one is lagged: a step yields its tokens a step later, not slower
+    assert stats.spec_lagged_steps >= stats.spec_verifications - 3, stats
+
+
+def test_stop_strings_and_max_tokens_inside_accepted_drafts(path):
+    prompts = repetitive_prompts(4, seed=3)
+    free, _ = run(path, prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logit_bias=BIAS),
+                  None)
+    stops = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logit_bias=BIAS, stop=[out[0][2][20:26]])
+             for out in free]
+    lengths = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logit_bias=BIAS, logprobs=3)
+               for n in (1, 2, 7, 13, 29)]
+    for params, reason in ((stops, "stop"), (lengths, "length")):
+        plain = [run(path, [p], s, None)[0][0][0] for p, s in zip(prompts, params)]
+        llm = LLM(model=str(path), **ENGINE, speculative_config=DEVICE, async_scheduling=True)
+        spec = [llm.generate([{"prompt_token_ids": p}], s)[0].outputs[0] for p, s in zip(prompts, params)]
+        assert [(list(c.token_ids), c.finish_reason, c.text) for c in spec] == plain
+        assert all(c.finish_reason == reason for c in spec) and llm.llm_engine.stats.spec_lagged_steps > 0
+
+
+def test_requests_arriving_and_ending_mid_run(path):
+    """Requests added while others run lagged steps (the engine reads the step in flight back, prefills, and goes
+    back to lagged steps), ending at different lengths: each output is the plain path's."""
+    prompts = repetitive_prompts(5, seed=7)
+    params = [SamplingParams(temperature=0, max_tokens=10 + 9 * i, ignore_eos=True, logit_bias=BIAS)
+              for i in range(len(prompts))]
+
+    def staggered(speculative, **engine):
+        llm = LLM(model=str(path), **{**ENGINE, **engine}, speculative_config=speculative)
+        engine_ = llm.llm_engine
+        done: dict[str, list[int]] = {}
+        pending = list(range(len(prompts)))
+        steps = 0
+        while pending or engine_.has_unfinished():
+            if pending and steps % 7 == 0:
+                i = pending.pop(0)
+                engine_.add_request(str(i), prompts[i], params[i])
+            for seq in engine_.step():
+                if seq.is_finished:
+                    done[seq.request_id] = list(seq.output_token_ids)
+            steps += 1
+        return done, engine_.stats
+
+    plain, _ = staggered(None)
+    spec, stats = staggered(DEVICE, async_scheduling=True)
+    assert spec == plain
+    assert_lagged(stats)
+
+
+def test_seeded_sampled_requests_are_reproducible(path):
+    prompts = repetitive_prompts(4, seed=4)
+    params = [SamplingParams(temperature=1.0 + 0.2 * (i % 2), top_k=2 if i % 3 else 0, seed=i, max_tokens=40,
+                             ignore_eos=True, logit_bias=BIAS) for i in range(len(prompts))]
+    first, stats = run(path, prompts, params, DEVICE, async_scheduling=True)
+    again, _ = run(path, prompts, params, DEVICE, async_scheduling=True)
+    assert first == again
+    assert_lagged(stats)
+    # and each token is one of the two the bias allows: sampled from the model's distribution, not a draft's junk
+    assert all(set(c[0]) <= set(BIAS) for out in first for c in out)
+
+
+def test_off_without_async_scheduling_and_by_default_on_the_cpu(path):
+    prompts = repetitive_prompts(2, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logit_bias=BIAS)
+    _, sync = run(path, prompts, params, DEVICE, async_scheduling=False)
+    _, default = run(path, prompts, params, {**DEVICE, "device_drafts": None}, async_scheduling=True)
+    assert sync.spec_lagged_steps == default.spec_lagged_steps == 0
