@@ -8,7 +8,14 @@ import random
 
 import torch
 
-from cvllm.engine.ngram_device import NgramHistory, advance_ngram, lagged_fixup, lookup_drafts, pad_drafts
+from cvllm.engine.ngram_device import (
+    NgramHistory,
+    advance_ngram,
+    advance_ngram_host,
+    lagged_fixup,
+    lookup_drafts,
+    pad_drafts,
+)
 from cvllm.engine.speculative import accepted, propose_ngram
 
 
@@ -65,3 +72,27 @@ def test_lagged_fixup_sets_positions_slots_and_lengths():
     assert ids.tolist() == [21, 22, 23, 11, 12, 13] and positions.tolist() == [2, 3, 4, 6, 7, 8]
     assert seq_lens.tolist() == [5, 9]
     assert slots.tolist() == [5 * 4 + 2, 5 * 4 + 3, 0 * 4 + 0, 7 * 4 + 2, 7 * 4 + 3, 1 * 4 + 0]
+
+
+def test_the_hosts_advance_is_the_devices():
+    """advance_ngram_host (the CPU backend's) against the torch ops a GPU runs: the same next inputs and history."""
+    rng = random.Random(2)
+    for _ in range(300):
+        num_seqs, k, vocab, width = rng.randint(1, 4), rng.randint(1, 6), rng.randint(2, 5), 48
+        min_n = rng.randint(1, 3)
+        max_n = rng.randint(min_n, 5)
+        tables = [NgramHistory(5, width, torch.device("cpu")) for _ in range(2)]
+        seq_ids = rng.sample(range(50), num_seqs)
+        for seq_id in seq_ids:
+            seq = [rng.randrange(vocab) for _ in range(rng.randint(2, width - k - 2))]
+            for table in tables:
+                table.load(table.row(seq_id), seq)
+        samples, drafts = torch.randint(0, vocab, (num_seqs, k + 1)), torch.randint(0, vocab, (num_seqs, k))
+        samples[:, :k] = torch.where(torch.rand(num_seqs, k) < 0.6, drafts, samples[:, :k])   # many accepted
+        first = torch.randint(0, 100, (num_seqs,))
+        outs = [fn(samples, drafts, first, table.rows_tensor(seq_ids), table.history, table.lengths, min_n, max_n)
+                for fn, table in zip((advance_ngram, advance_ngram_host), tables)]
+        assert all(torch.equal(a, b) for a, b in zip(*outs))
+        assert torch.equal(tables[0].lengths, tables[1].lengths)
+        for row, length in enumerate(tables[0].lengths.tolist()):
+            assert torch.equal(tables[0].history[row, :length], tables[1].history[row, :length])

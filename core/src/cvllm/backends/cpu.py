@@ -12,6 +12,7 @@ from cvllm.backends import cpu_kernels, cpu_kind
 from cvllm.backends.base import Backend
 from cvllm.backends.cpu_decode import DecodeKeys, GatherBuffers, chunk_attention, decode_attention
 from cvllm.backends.cpu_fused import make_fused_kernels
+from cvllm.engine.ngram_device import advance_ngram_host
 from cvllm.forward_context import ForwardContext
 from cvllm.layers import kv_fp8
 
@@ -104,6 +105,8 @@ class CpuBackend(Backend):
     # a draft is a row more of every matmul: ~0.15-0.3 of a decode step each on the demo model (2 cores, AVX-512;
     # bench/speculative.py with K = 2 and 4, docs/benchmarks.md)
     draft_token_cost = 0.2
+    # device drafts' step on the host it runs on: its own substring search, not torch ops over every position
+    advance_ngram = staticmethod(advance_ngram_host)
 
     @classmethod
     def is_available(cls) -> bool:
