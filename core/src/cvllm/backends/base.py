@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from cvllm.distributed import tp_size
-from cvllm.engine.ngram_device import advance_ngram
+from cvllm.engine.ngram_device import advance_ngram, lagged_fixup
 from cvllm.forward_context import ForwardContext, current_forward_context
 
 Tensor = torch.Tensor
@@ -61,6 +61,7 @@ class Backend:
     # function that does it after a verify step (ngram_device.advance_ngram's contract; a kernel may replace it)
     device_drafts: bool = False
     advance_ngram = staticmethod(advance_ngram)
+    lagged_fixup = staticmethod(lagged_fixup)   # a lagged step's inputs put in place (ngram_device.py)
 
     # Optional fused kernels. The layers call one when the backend of the forward pass in progress
     # has it (not None) and run their torch code otherwise, so model code never changes; a fused

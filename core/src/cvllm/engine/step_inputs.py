@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cvllm.engine.ngram_device import lagged_fixup
 from cvllm.engine.scheduler import ScheduledBatch
 from cvllm.engine.upload import upload
 from cvllm.forward_context import ForwardContext
@@ -199,7 +198,8 @@ def to_device(host: HostStep, backend, block_size: int, previous_ids: torch.Tens
             upload(packed, device), shapes)
     seq_lens_host = host.seq_lens
     if previous_positions is not None:
-        lagged_fixup(ids, positions, seq_lens, slots, tables, fill, previous_ids, previous_positions, block_size)
+        backend.lagged_fixup(ids, positions, seq_lens, slots, tables, fill, previous_ids, previous_positions,
+                             block_size)
         if device.type == "cpu":   # (the CPU's attention reads the lengths as host lists: here they are at hand)
             seq_lens_host = seq_lens.tolist()
     elif previous_ids is not None and host.num_fill:   # sampled ids feed the next step's input ids on the device

@@ -49,6 +49,7 @@ class CudaBackend(Backend):
         from cvllm_cuda.kernels.activation import gelu_and_mul, silu_and_mul
         from cvllm_cuda.kernels.argmax import argmax
         from cvllm_cuda.kernels.kv_cache import write_kv
+        from cvllm_cuda.kernels.lagged_fixup import lagged_fixup
         from cvllm_cuda.kernels.layer_norm import fused_add_layer_norm
         from cvllm_cuda.kernels.linear import linear
         from cvllm_cuda.kernels.paged_attention import paged_attention
@@ -67,6 +68,8 @@ class CudaBackend(Backend):
         # CVLLM_TRITON_MATMUL=0: every matmul through cuBLAS (an A/B switch for benchmarks, and a way out)
         self.linear = linear if os.environ.get("CVLLM_TRITON_MATMUL", "1") != "0" else None
         self.argmax = argmax   # the sampler's: torch's one-block-a-row reduction takes ~28 us at a 128k vocabulary
+        # device drafts (engine/ngram_device.py): a lagged verify step's inputs in one launch, not ~13 torch ops
+        self.lagged_fixup = lagged_fixup
         # MoE layers: the router's choice in one launch and a grouped GEMM over the routed pairs
         # (CVLLM_FUSED_MOE=0: core's torch forms, for A/B runs)
         if os.environ.get("CVLLM_FUSED_MOE", "1") != "0":
