@@ -186,8 +186,8 @@ specdevice)
         -k "device_drafts or ngram" --durations=3
     run spec-demo-device 150 python3 bench/speculative.py --device-drafts \
         --json "$out/$day-h200-speculative-demo-device-$commit.json"
-    run spec-demo-device-k0 150 python3 bench/speculative.py --device-drafts --draft-token-cost 0 \
-        --json "$out/$day-h200-speculative-demo-device-cost0-$commit.json"
+    run spec-demo-device-k8 150 python3 bench/speculative.py --device-drafts --k 8 \
+        --json "$out/$day-h200-speculative-demo-device-k8-$commit.json"
     run spec-demo-host 150 python3 bench/speculative.py --json "$out/$day-h200-speculative-demo-host-$commit.json"
     run spec-steps-device 120 python3 bench/spec_steps.py --task rewrite --device-drafts ;;
 quant)

@@ -116,7 +116,11 @@ class Speculator:
                 or (params.min_tokens and num_output < params.min_tokens)
                 or (proposed >= MIN_PROPOSALS and accepted_ < spec.min_acceptance_rate * proposed)):
             return 0
-        k = draft_length(accepted_, rejections, self.draft_token_cost, spec.num_speculative_tokens)
+        # with device drafts every drafting sequence verifies K: lagged steps need K each, and the host's time they
+        # take off every step is worth more than the few drafts draft_length would leave out (a draft costs ~4% of a
+        # step on a GPU)
+        k = spec.num_speculative_tokens if self.device_drafts else \
+            draft_length(accepted_, rejections, self.draft_token_cost, spec.num_speculative_tokens)
         k = min(k, self.max_model_len - num_tokens - 1)
         if params.max_tokens is not None:
             k = min(k, params.max_tokens - num_output - 1)
