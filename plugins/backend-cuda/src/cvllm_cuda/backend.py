@@ -52,6 +52,7 @@ class CudaBackend(Backend):
         from cvllm_cuda.kernels.lagged_fixup import lagged_fixup
         from cvllm_cuda.kernels.layer_norm import fused_add_layer_norm
         from cvllm_cuda.kernels.linear import linear
+        from cvllm_cuda.kernels.ngram import advance_ngram
         from cvllm_cuda.kernels.paged_attention import paged_attention
         from cvllm_cuda.kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_plus_one
         from cvllm_cuda.kernels.rotary import rotary, rotary_write_kv
@@ -68,8 +69,9 @@ class CudaBackend(Backend):
         # CVLLM_TRITON_MATMUL=0: every matmul through cuBLAS (an A/B switch for benchmarks, and a way out)
         self.linear = linear if os.environ.get("CVLLM_TRITON_MATMUL", "1") != "0" else None
         self.argmax = argmax   # the sampler's: torch's one-block-a-row reduction takes ~28 us at a 128k vocabulary
-        # device drafts (engine/ngram_device.py): a lagged verify step's inputs in one launch, not ~13 torch ops
-        self.lagged_fixup = lagged_fixup
+        # device drafts (engine/ngram_device.py): a verify step's outcome and the next drafts, and a lagged verify
+        # step's inputs, one launch each (~40 and ~13 torch ops otherwise, on the host's critical path)
+        self.advance_ngram, self.lagged_fixup = advance_ngram, lagged_fixup
         # MoE layers: the router's choice in one launch and a grouped GEMM over the routed pairs
         # (CVLLM_FUSED_MOE=0: core's torch forms, for A/B runs)
         if os.environ.get("CVLLM_FUSED_MOE", "1") != "0":
