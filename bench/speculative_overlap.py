@@ -90,6 +90,7 @@ class CopyModelRunner:
         self.launch_s = launch_s
         self.paraphrase_every, self.paraphrase_len = paraphrase
         self.block_size, self.num_blocks = BLOCK, 0
+        self.reads_host_lengths = False   # (it reads its inputs only: device drafts may run on it)
         self.permutation = copy = copy_permutation(seed).tolist()
         # a paraphrase's next token: two of the copy's skipped each time, so its words are the text's (a lookup of the
         # last token finds them: a wrong guess) in an order not seen before

@@ -179,11 +179,12 @@ class InProcessExecutor(Executor):
 
     @property
     def supports_device_drafts(self) -> bool:
-        # a real model (not fake steps), one worker, and layers that read sequence lengths on the device only (a
-        # lagged step's host lengths are a step behind; the CPU's are set right: step_inputs.to_device)
-        runner = self.runner
-        return (type(self) is InProcessExecutor and hasattr(runner, "prepare")
-                and (self.backend.device.type == "cpu" or not getattr(runner, "reads_host_lengths", True)))
+        # one worker, a runner that computes from its inputs (ModelRunner says whether its layers read sequence
+        # lengths on the host; fake steps do not say), and layers that read them on the device only: a lagged step's
+        # host lengths are a step behind (the CPU's are set right: step_inputs.to_device)
+        reads_host_lengths = getattr(self.runner, "reads_host_lengths", None)
+        return (type(self) is InProcessExecutor and reads_host_lengths is not None
+                and (self.backend.device.type == "cpu" or not reads_host_lengths))
 
     def enable_device_drafts(self, num_rows: int, max_len: int, min_n: int, max_n: int) -> None:
         self.ngram = NgramHistory(num_rows, max_len, self.backend.device)
