@@ -97,13 +97,17 @@ def check(case: Case, device: str) -> tuple[torch.Tensor, ...]:
                                                      ref.history, ref.lengths, ref.min_n, ref.max_n)
     out = case.to(device)
     out.history, out.lengths = out.history.clone(), out.lengths.clone()
-    ids, positions = ngram.advance_ngram(out.samples, out.drafts, out.first_positions, out.rows, out.history,
+    # as the executor passes them: views of a verify step's input ids and positions, [S, K + 1] each
+    k1 = case.samples.shape[1]
+    step_ids = torch.cat([torch.zeros_like(out.drafts[:, :1]), out.drafts], 1)
+    step_positions = out.first_positions[:, None] + torch.arange(k1, device=device)
+    ids, positions = ngram.advance_ngram(out.samples, step_ids[:, 1:], step_positions[:, 0], out.rows, out.history,
                                          out.lengths, out.min_n, out.max_n)
     assert ids.dtype == positions.dtype == torch.int64
     assert torch.equal(ids.cpu(), ref_ids), (ids, ref_ids)
     assert torch.equal(positions.cpu(), ref_positions), (positions, ref_positions)
     assert torch.equal(out.lengths.cpu(), ref.lengths), (out.lengths, ref.lengths)
-    history, width, k1 = out.history.cpu(), case.history.shape[1], case.samples.shape[1]
+    history, width = out.history.cpu(), case.history.shape[1]
     touched = set(case.rows.tolist())
     for row in range(case.history.shape[0]):
         if row not in touched:   # rows of other sequences: untouched

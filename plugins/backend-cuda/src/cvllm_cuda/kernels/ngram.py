@@ -46,6 +46,7 @@ def _token(history_row, samples_row, p, old_len, width, K: tl.constexpr):
 @triton.jit
 def _advance_ngram_kernel(samples_ptr, drafts_ptr, first_positions_ptr, rows_ptr, history_ptr, lengths_ptr,
                           next_ids_ptr, next_positions_ptr, width, stride_samples, stride_drafts, stride_history,
+                          stride_first,
                           K: tl.constexpr, MIN_N: tl.constexpr, MAX_N: tl.constexpr, K1P: tl.constexpr,
                           NP: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_previous_kernel(USE_PDL)
@@ -95,7 +96,7 @@ def _advance_ngram_kernel(samples_ptr, drafts_ptr, first_positions_ptr, rows_ptr
     drafts_next = _token(history_row, samples_row, draft_at, old_len, width, K)
     out = seq * (K + 1) + steps
     tl.store(next_ids_ptr + out, tl.where(steps == 0, bonus, drafts_next), mask=steps <= K)
-    first_position = tl.load(first_positions_ptr + seq)
+    first_position = tl.load(first_positions_ptr + seq * stride_first)
     tl.store(next_positions_ptr + out, first_position + accepted + 1 + steps, mask=steps <= K)
 
 
@@ -110,8 +111,10 @@ def advance_ngram(samples: torch.Tensor, drafts: torch.Tensor, first_positions: 
     k = k1 - 1
     assert k >= 1 and 1 <= min_n <= max_n, (k, min_n, max_n)
     assert drafts.shape == (num_seqs, k) and first_positions.shape == rows.shape == (num_seqs,)
-    for t in (samples, drafts, first_positions, rows, history, lengths):
+    # (the engine passes views of a verify step's inputs: the drafts' rows and the first positions are strided)
+    for t in (samples, drafts, rows, history, lengths):
         assert t.dtype == torch.int64 and t.stride(-1) == 1, (t.dtype, t.stride())
+    assert first_positions.dtype == torch.int64
     next_ids = torch.empty(num_seqs, k1, dtype=torch.int64, device=samples.device)
     next_positions = torch.empty(num_seqs, k1, dtype=torch.int64, device=samples.device)
     if num_seqs == 0:
@@ -119,7 +122,7 @@ def advance_ngram(samples: torch.Tensor, drafts: torch.Tensor, first_positions: 
     width = history.shape[1]
     _advance_ngram_kernel[(num_seqs,)](
         samples, drafts, first_positions, rows, history, lengths, next_ids, next_positions, width,
-        samples.stride(0), drafts.stride(0), history.stride(0),
+        samples.stride(0), drafts.stride(0), history.stride(0), first_positions.stride(0),
         K=k, MIN_N=min_n, MAX_N=max_n, K1P=next_power_of_2(k1), NP=next_power_of_2(max_n + 1),
         BLOCK=min(BLOCK, max(16, next_power_of_2(width))), num_warps=8, **pdl.options(samples.device))
     return next_ids, next_positions
