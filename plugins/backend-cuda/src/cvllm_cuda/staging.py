@@ -40,8 +40,9 @@ class StepStaging:
         i64, i32 = torch.int64, torch.int32
         # step_inputs.layout's tensors (ids, positions, query starts, sequence lengths, slots, block tables, logits
         # rows, fill), placed with the block tables last: a step's transfer ends where its tables do
+        # (fill: a row each at most, every row of a lagged step's chunks: engine/ngram_device.py)
         regions = [((rows,), i64), ((rows,), i64), ((seqs + 1,), i32), ((seqs,), i32), ((rows,), i64),
-                   ((rows,), i64), ((2 * seqs,), i64), ((seqs, max_blocks), i32)]
+                   ((rows,), i64), ((2 * rows,), i64), ((seqs, max_blocks), i32)]
         placed, size = placement(regions)
         self.offsets = [*placed[:5], placed[7], placed[5], placed[6]]   # in the layout's order
         self.tables_at = placed[7]
@@ -70,9 +71,9 @@ class StepStaging:
         strides = (row_stride or shape[1], 1) if len(shape) == 2 else (1,)
         return base.as_strided(shape, strides, base.storage_offset() + offset // dtype.itemsize)
 
-    def fits(self, num_tokens: int, num_seqs: int, max_blocks: int, num_logits: int) -> bool:
+    def fits(self, num_tokens: int, num_seqs: int, max_blocks: int, num_logits: int, num_fill: int = 0) -> bool:
         return (num_tokens <= self.rows and num_seqs <= self.table_rows and max_blocks <= self.max_blocks
-                and num_logits <= self.rows)
+                and num_logits <= self.rows and num_fill <= self.rows)
 
     def stage(self, host: HostStep) -> list[torch.Tensor] | None:
         """``host``'s eight tensors (step_inputs.layout's order) on the device, in this region; None where the step
@@ -80,7 +81,7 @@ class StepStaging:
         shapes = [(tuple(t.shape), t.dtype) for t in host.tensors]
         num_tokens, num_seqs = shapes[0][0][0], shapes[3][0][0]
         max_blocks, num_logits, num_fill = shapes[5][0][1], shapes[6][0][0], shapes[7][0][1]
-        if not self.fits(num_tokens, num_seqs, max_blocks, num_logits):
+        if not self.fits(num_tokens, num_seqs, max_blocks, num_logits, num_fill):
             return None
         if not self.twins:
             self._make_twins()
