@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from cvllm.testing.threads import one_torch_thread as _one_torch_thread
 
 # Everything the tests load is on disk; nothing may reach for the hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).parent))   # the tests' helper modules (speculation.py), under importlib mode
 
 
 @dataclass(slots=True)

@@ -5,32 +5,12 @@ the target's exact distribution, for both methods, is tested in test_draft_model
 from __future__ import annotations
 
 import pytest
-import torch
+from speculation import ENGINE, NGRAM, repetitive_prompts, run  # (this directory: conftest.py)
 
 from cvllm import LLM, SamplingParams
 from cvllm.engine.speculative import SpeculativeConfig, accepted, draft_length, propose_ngram
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-ENGINE = {"dtype": "float32", "block_size": 16, "max_num_seqs": 8, "max_num_batched_tokens": 128}
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-
-
-def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
-    """Prompts that repeat a random phrase: drafts copied from them are often right, and often wrong."""
-    generator = torch.Generator().manual_seed(seed)
-    prompts = []
-    for _ in range(n):
-        phrase = torch.randint(3, 512, (int(torch.randint(3, 9, (1,), generator=generator)),), generator=generator)
-        prompts.append(phrase.repeat(4).tolist() + torch.randint(3, 512, (2,), generator=generator).tolist())
-    return prompts
-
-
-def run(path, prompts, params, speculative: dict | None, **engine):
-    llm = LLM(model=str(path), **{**ENGINE, **engine}, speculative_config=speculative)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    texts = [[(list(c.token_ids), c.finish_reason, c.text) for c in out.outputs] for out in outputs]
-    return texts, llm.llm_engine.stats
 
 
 @pytest.fixture(scope="module")

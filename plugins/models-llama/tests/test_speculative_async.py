@@ -7,30 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from speculation import BIAS, ENGINE, NGRAM, repetitive_prompts, run  # (this directory: conftest.py)
 
 from cvllm import LLM, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-ENGINE = {"dtype": "float32", "block_size": 16, "max_num_seqs": 8, "max_num_batched_tokens": 128}
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-
-
-def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
-    """Prompts that repeat a random phrase (test_speculative.py's): drafts copied from them are often right."""
-    generator = torch.Generator().manual_seed(seed)
-    prompts = []
-    for _ in range(n):
-        phrase = torch.randint(3, 512, (int(torch.randint(3, 9, (1,), generator=generator)),), generator=generator)
-        prompts.append(phrase.repeat(4).tolist() + torch.randint(3, 512, (2,), generator=generator).tolist())
-    return prompts
-
-
-def run(path, prompts, params, speculative: dict | None, **engine):
-    llm = LLM(model=str(path), **{**ENGINE, **engine}, speculative_config=speculative)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    return [[(list(c.token_ids), c.finish_reason, c.text) for c in out.outputs] for out in outputs], \
-        llm.llm_engine.stats
 
 
 def assert_guessed_both_ways(stats) -> None:
@@ -41,11 +22,6 @@ def assert_guessed_both_ways(stats) -> None:
 @pytest.fixture(scope="module")
 def path(tiny_checkpoint):
     return tiny_checkpoint("llama").path
-
-
-# two tokens favoured far above the rest: the output is made of them, so drafts copied from it are often right (and
-# sometimes wrong), and so are the guesses of a verify step's outcome
-BIAS = {300: 100.0, 301: 100.0}
 
 
 @pytest.mark.parametrize("engine", [{}, {"max_num_batched_tokens": 16}, {"num_kv_blocks": 10}],

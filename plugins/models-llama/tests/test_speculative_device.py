@@ -8,34 +8,15 @@ torch ops a GPU would, on its own memory."""
 from __future__ import annotations
 
 import pytest
-import torch
+from speculation import BIAS, ENGINE, repetitive_prompts, run  # (this directory: conftest.py)
 
 from cvllm import LLM, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-ENGINE = {"dtype": "float32", "block_size": 16, "max_num_seqs": 8, "max_num_batched_tokens": 128}
 # (every drafting sequence verifies all K drafts with device drafts, whatever the CPU's draft cost)
 DEVICE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
           "device_drafts": True}
-# two tokens favoured far above the rest: drafts copied from the output are often right, and sometimes wrong
-BIAS = {300: 100.0, 301: 100.0}
-
-
-def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    prompts = []
-    for _ in range(n):
-        phrase = torch.randint(3, 512, (int(torch.randint(3, 9, (1,), generator=generator)),), generator=generator)
-        prompts.append(phrase.repeat(4).tolist() + torch.randint(3, 512, (2,), generator=generator).tolist())
-    return prompts
-
-
-def run(path, prompts, params, speculative: dict | None, **engine):
-    llm = LLM(model=str(path), **{**ENGINE, **engine}, speculative_config=speculative)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    return [[(list(c.token_ids), c.finish_reason, c.text) for c in out.outputs] for out in outputs], \
-        llm.llm_engine.stats
 
 
 def assert_lagged(stats) -> None:
