@@ -36,6 +36,8 @@ def kind(record, k: int) -> str:
         return "readback only"
     if record.num_prefill_tokens > k + 1 or (record.num_prefill_tokens and record.num_decodes):
         return "prefill"
+    if record.lagged:   # (device drafts: launched a step behind, before the verify step it follows was read back)
+        return "lagged verify"
     return "verify" if record.num_prefill_tokens else "decode"
 
 
@@ -58,10 +60,10 @@ def table(records, k: int) -> str:
             previous_end = marks["sampled"]
     columns = ["step", "schedule", "prepare", "forward", "sample", "advance", "wait", "finish",
                "gpu fwd", "gpu step", "gpu idle"]
-    lines = [f"{'kind':<14}{'n':>5}" + "".join(f"{c:>10}" for c in columns) + "   (median ms)"]
+    lines = [f"{'kind':<15}{'n':>5}" + "".join(f"{c:>10}" for c in columns) + "   (median ms)"]
     for name, row in rows.items():
         n = len(row["step"])
-        lines.append(f"{name:<14}{n:>5}" + "".join(
+        lines.append(f"{name:<15}{n:>5}" + "".join(
             f"{statistics.median(row[c]):>10.3f}" if row.get(c) else f"{'':>10}" for c in columns))
     return "\n".join(lines)
 

@@ -37,6 +37,7 @@ class StepRecord:
     num_prefill_tokens: int = 0   # prompt tokens computed (whole prompts and chunks)
     num_sampled: int = 0          # sequences that sample a token from this batch
     num_outputs: int = 0          # sequences that got a token back in this step (of this batch or the previous)
+    lagged: bool = False          # a verify step built a step behind on inputs the device computed (device drafts)
     step_s: float = 0.0           # the whole step on the host
     host: dict[str, float] = field(default_factory=dict)
     device: list[tuple[str, float, Any]] = field(default_factory=list)
@@ -68,6 +69,7 @@ class StepRecord:
         self.mark("schedule")
         self.num_seqs, self.num_decodes = len(batch.seqs), batch.num_decodes
         self.num_prefill_tokens, self.num_sampled = batch.num_prefill_tokens, len(batch.sample_indices)
+        self.lagged = batch.lagged
 
 
 class StepObserver(Protocol):
