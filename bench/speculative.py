@@ -170,12 +170,15 @@ def main() -> None:
     ap.add_argument("--async-scheduling", action="store_true",
                     help="launch each step before the last one is read back (the GPU's default; speculator.py)")
     ap.add_argument("--repeat", type=int, default=5, help="runs of each task; the median counts")
+    ap.add_argument("--prompt-lookup-min", type=int, default=2,
+                    help="the n-gram method's shortest suffix looked up (1: any earlier occurrence of the last token)")
     ap.add_argument("--device-drafts", action="store_true",
                     help="n-gram drafts looked up on the device, verify steps launched a step behind (ngram_device.py)")
     ap.add_argument("--json")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
+            "prompt_lookup_min": args.prompt_lookup_min}
     if args.device_drafts:
         spec["device_drafts"] = True
     if args.draft_model:

@@ -193,10 +193,12 @@ specdevice)
     run spec-demo-device-k8 150 python3 bench/speculative.py --device-drafts --k 8 \
         --json "$out/$day-h200-speculative-demo-device-k8-$commit.json" ;;
 specdevice2)
-    # issue 22, after specdevice: device drafts with the step inputs staged (CVLLM_STAGE_STEP_INPUTS=1), and the
-    # steps' timings with device drafts (~5 min)
+    # issue 22, after specdevice: device drafts with the step inputs staged (CVLLM_STAGE_STEP_INPUTS=1), with
+    # one-token suffixes looked up too (a wrong draft costs a lagged step little), and the steps' timings (~7 min)
     run spec-demo-device-staged 150 env CVLLM_STAGE_STEP_INPUTS=1 python3 bench/speculative.py --device-drafts \
         --json "$out/$day-h200-speculative-demo-device-staged-$commit.json"
+    run spec-demo-device-min1 150 python3 bench/speculative.py --device-drafts --prompt-lookup-min 1 \
+        --json "$out/$day-h200-speculative-demo-device-min1-$commit.json"
     run spec-steps-device 120 python3 bench/spec_steps.py --task rewrite --device-drafts ;;
 quant)
     for q in none q4k q8_0 gptq fp8; do
