@@ -13,7 +13,7 @@ from cvllm.testing.requirements import import_or_skip
 
 import_or_skip("triton")  # a skip locally, an error under CI=true
 
-from cvllm_cuda.kernels.argmax import CHUNK, argmax  # noqa: E402
+from cvllm_cuda.kernels.argmax import CHUNK, argmax, argmax_reported  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -37,6 +37,22 @@ def awkward_rows(generator: torch.Generator, rows: int, vocab: int, dtype: torch
 def test_argmax_matches_torch(generator, dtype, rows, vocab):
     x = awkward_rows(generator, rows, vocab, dtype)
     assert torch.equal(argmax(x), x.argmax(dim=-1))
+
+
+def reported_reference(x: torch.Tensor) -> torch.Tensor:
+    """What the sampler tells the host for a greedy row: the argmax, -1 where the row holds NaN or +inf."""
+    return torch.where(x.amax(dim=-1) < float("inf"), x.argmax(dim=-1), -1)
+
+
+@pytest.mark.parametrize("rows,vocab", [(5, 3 * CHUNK + 17), (6, 100)])
+def test_argmax_reported_flags_rows_that_are_not_finite(generator, rows, vocab):
+    x = awkward_rows(generator, rows, vocab, torch.float32)
+    x[0, 3] = float("inf")                 # +inf alone: not finite
+    if rows > 5:
+        x[5, vocab - 1] = float("nan")     # NaN in the last chunk only
+    ids, reported = argmax_reported(x)
+    assert torch.equal(ids, x.argmax(dim=-1)) and torch.equal(reported, reported_reference(x))
+    assert (reported == -1).sum() == (4 if rows > 5 else 3)   # rows 0, 3, 4 (and 5); row 2 (all -inf) is finite
 
 
 def test_the_sampler_takes_the_argmax_it_is_given(generator):
@@ -67,6 +83,33 @@ def test_the_sampler_takes_the_argmax_it_is_given(generator):
 def test_argmax_on_the_gpu(generator, dtype, rows, vocab):
     x = awkward_rows(generator, rows, vocab, dtype)
     assert torch.equal(argmax(x), x.argmax(dim=-1))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("rows,vocab", [(1, 128256), (5, 49152), (256, 151936)])
+def test_argmax_reported_on_the_gpu(generator, rows, vocab):
+    x = awkward_rows(generator, rows, vocab, torch.bfloat16)
+    ids, reported = argmax_reported(x)
+    assert torch.equal(ids, x.argmax(dim=-1)) and torch.equal(reported, reported_reference(x))
+
+
+def test_the_greedy_sampler_uses_the_reported_argmax(generator):
+    from cvllm.engine.sampler import Sampler
+    from cvllm.sampling_params import SamplingParams
+
+    class Row:
+        def __init__(self, params):
+            self.sampling_params, self.generator = params, None
+
+    x = awkward_rows(generator, 5, 3 * CHUNK + 17, torch.float32)
+    calls = []
+    sampler = Sampler(argmax, lambda t: calls.append(t.shape) or argmax_reported(t))
+    out = sampler(x, [Row(SamplingParams(temperature=0))] * 5)
+    assert calls and torch.equal(out.token_ids, x.argmax(dim=-1)) and torch.equal(out.reported_ids,
+                                                                                   reported_reference(x))
+    plain = Sampler(argmax)(x, [Row(SamplingParams(temperature=0))] * 5)
+    assert torch.equal(plain.reported_ids, out.reported_ids)
 
 
 @pytest.mark.gpu

@@ -97,6 +97,9 @@ class Backend:
     #   argmax(x [B, V]) -> int64 [B]: ``x.argmax(dim=-1)`` (first index of the max; NaN ranks highest), for
     #       the sampler (the engine hands it over; no forward pass is in progress when it samples)
     argmax: Callable[[Tensor], Tensor] | None = None
+    #   argmax_reported(x [B, V]) -> (int64 [B], int64 [B]): ``argmax`` and the ids the host is told, -1 where a row
+    #       holds NaN or +inf (the sampler's greedy path then needs no check of its own)
+    argmax_reported: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None
     fused_add_rms_norm: Callable[[Tensor, Tensor | None, Tensor, float], Tensor | tuple[Tensor, Tensor]] | None = None
     fused_add_rms_norm_plus_one: Callable[[Tensor, Tensor | None, Tensor, float],
                                           Tensor | tuple[Tensor, Tensor]] | None = None

@@ -61,7 +61,8 @@ def build_engine(config: EngineConfig, imports_seconds: float | None = None) -> 
         offload_experts(model, config.num_experts_offload_per_rank, backend.device)
         runner = ModelRunner(model, backend, config.block_size, dtype,
                              kv_cache_torch_dtype(config.kv_cache_dtype, dtype))
-    sampler = Sampler(backend.argmax)   # the backend's argmax kernel where it has one (None: torch's)
+    # the backend's argmax kernels where it has them (None: torch's)
+    sampler = Sampler(backend.argmax, backend.argmax_reported)
     draft = build_draft(config, checkpoint, backend, dtype)   # draft-model speculation's, else None
     executor = _executor(config, runner, sampler, backend, checkpoint.config.vocab_size, draft)
     phases.mark("weights")

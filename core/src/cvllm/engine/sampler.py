@@ -63,10 +63,13 @@ def torch_argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 argmax_reported: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None):
         """``argmax`` over the vocabulary, for greedy rows and the exponential race: the backend's kernel
-        (Backend.argmax) where it has one."""
+        (Backend.argmax) where it has one; ``argmax_reported``: the same with the ids the host is told (-1 where a
+        row is not finite) from one pass (Backend.argmax_reported), for a batch of plain greedy rows."""
         self.argmax = argmax or torch_argmax
+        self.argmax_reported = argmax_reported
         self.logits_processors = LogitsProcessors()
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplerRow],
@@ -77,11 +80,16 @@ class Sampler:
         ``allowed``: (row indices, int32 bitmask) on the device, the tokens the grammars of those rows allow
         (structured output); applied first, so nothing after it can bring a forbidden token back."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
+        params = [row.sampling_params for row in rows]
+        plain_greedy = allowed is None and all(_plain_greedy(p) for p in params)
+        if plain_greedy and self.argmax_reported is not None:
+            # the usual batch-1 step, in the backend's one pass: the argmax, and -1 where a row is not finite
+            token_ids, reported_ids = self.argmax_reported(logits)
+            return SamplerOutput(token_ids, None, None, None, reported_ids)
         # False for a row with NaN or +inf (-inf is a masked token): its max is NaN or +inf. One reduction, no
         # [B, V] boolean temporary, on the hot path of every step
         sane = logits.amax(dim=-1) < float("inf")
-        params = [row.sampling_params for row in rows]
-        if allowed is None and all(_plain_greedy(p) for p in params):
+        if plain_greedy:
             # the usual batch-1 step: only the argmax (what the general path below computes for such rows, in one
             # pass over the rows instead of one per feature: host time a step, where the device waits for it)
             token_ids = self.argmax(logits)

@@ -47,7 +47,7 @@ class CudaBackend(Backend):
 
     def __init__(self) -> None:
         from cvllm_cuda.kernels.activation import gelu_and_mul, silu_and_mul
-        from cvllm_cuda.kernels.argmax import argmax
+        from cvllm_cuda.kernels.argmax import argmax, argmax_reported
         from cvllm_cuda.kernels.kv_cache import write_kv
         from cvllm_cuda.kernels.lagged_fixup import lagged_fixup
         from cvllm_cuda.kernels.layer_norm import fused_add_layer_norm
@@ -68,7 +68,9 @@ class CudaBackend(Backend):
         self.rotary_write_kv = rotary_write_kv if os.environ.get("CVLLM_FUSED_ROPE_KV", "1") != "0" else None
         # CVLLM_TRITON_MATMUL=0: every matmul through cuBLAS (an A/B switch for benchmarks, and a way out)
         self.linear = linear if os.environ.get("CVLLM_TRITON_MATMUL", "1") != "0" else None
-        self.argmax = argmax   # the sampler's: torch's one-block-a-row reduction takes ~28 us at a 128k vocabulary
+        # the sampler's: torch's one-block-a-row reduction takes ~28 us at a 128k vocabulary; the greedy path's also
+        # says which rows are not finite, in the same two launches
+        self.argmax, self.argmax_reported = argmax, argmax_reported
         # device drafts (engine/ngram_device.py): a verify step's outcome and the next drafts, and a lagged verify
         # step's inputs, one launch each (~40 and ~13 torch ops otherwise, on the host's critical path)
         self.advance_ngram, self.lagged_fixup = advance_ngram, lagged_fixup

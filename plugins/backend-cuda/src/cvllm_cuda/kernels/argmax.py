@@ -37,7 +37,8 @@ def _chunk_argmax_kernel(x_ptr, values_ptr, indices_ptr, vocab, stride_x, num_ch
 
 
 @triton.jit
-def _row_argmax_kernel(values_ptr, indices_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr):
+def _row_argmax_kernel(values_ptr, indices_ptr, out_ptr, reported_ptr, num_chunks, BLOCK_C: tl.constexpr,
+                       REPORT: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     chunks = tl.arange(0, BLOCK_C)
@@ -48,22 +49,36 @@ def _row_argmax_kernel(values_ptr, indices_ptr, out_ptr, num_chunks, BLOCK_C: tl
     best = tl.max(tl.where(is_nan, float("-inf"), values), axis=0)
     first = tl.min(tl.where(values == best, indices, 2**31 - 1), axis=0)
     first_nan = tl.min(tl.where(is_nan, indices, 2**31 - 1), axis=0)
-    tl.store(out_ptr + row, tl.where(first_nan < 2**31 - 1, first_nan, first).to(tl.int64))
+    token = tl.where(first_nan < 2**31 - 1, first_nan, first).to(tl.int64)
+    tl.store(out_ptr + row, token)
+    if REPORT:   # -1 for a row whose logits hold NaN or +inf (the sampler's "not finite"; -inf is a masked token)
+        tl.store(reported_ptr + row, tl.where((first_nan < 2**31 - 1) | (best == float("inf")), -1, token))
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` of ``[B, V]`` logits (any float dtype, rows contiguous): int64 ``[B]``."""
+    return _argmax(logits, False)[0]
+
+
+def argmax_reported(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``argmax`` and, from the same launches, the ids the host is told: -1 where a row's logits hold NaN or +inf
+    (what the sampler's greedy path otherwise computes with three more ops a step: amax, compare, where)."""
+    return _argmax(logits, True)
+
+
+def _argmax(logits: torch.Tensor, report: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     rows, vocab = logits.shape
     assert logits.stride(1) == 1 and vocab < 2**31 - 1, (logits.stride(), vocab)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    reported = torch.empty(rows, dtype=torch.int64, device=logits.device) if report else None
     if rows == 0:
-        return out
+        return out, reported
     num_chunks = cdiv(vocab, CHUNK)
     values = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
     indices = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
     launch = pdl.options(logits.device)
     _chunk_argmax_kernel[(rows, num_chunks)](logits, values, indices, vocab, logits.stride(0), num_chunks,
                                              CHUNK=CHUNK, num_warps=8, **launch)
-    _row_argmax_kernel[(rows,)](values, indices, out, num_chunks, BLOCK_C=max(2, next_power_of_2(num_chunks)),
-                                num_warps=1, **launch)
-    return out
+    _row_argmax_kernel[(rows,)](values, indices, out, out if reported is None else reported, num_chunks,
+                                BLOCK_C=max(2, next_power_of_2(num_chunks)), REPORT=report, num_warps=1, **launch)
+    return out, reported
