@@ -110,6 +110,20 @@ def test_requests_arriving_and_ending_mid_run(path):
     assert_lagged(stats)
 
 
+def test_a_full_batch_keeps_lagging_while_requests_wait(path):
+    """max_num_seqs 2, six requests: while two run and the rest wait for a free slot, steps stay lagged (a waiting
+    request that could not start anyway does not make the engine read each step back)."""
+    prompts = repetitive_prompts(6, seed=8)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logit_bias=BIAS)
+    plain, _ = run(path, prompts, params, None, max_num_seqs=2)
+    spec, stats = run(path, prompts, params, DEVICE, async_scheduling=True, max_num_seqs=2)
+    assert [[c[:2] for c in out] for out in spec] == [[c[:2] for c in out] for out in plain]
+    assert_lagged(stats)
+    # between the requests' starts (each a prefill, then a verify step read back): 16 of 55 steps lagged here, 8
+    # when every waiting request stopped the lag
+    assert stats.spec_lagged_steps * 4 > stats.steps, stats
+
+
 def test_seeded_sampled_requests_are_reproducible(path):
     prompts = repetitive_prompts(4, seed=4)
     params = [SamplingParams(temperature=1.0 + 0.2 * (i % 2), top_k=2 if i % 3 else 0, seed=i, max_tokens=40,

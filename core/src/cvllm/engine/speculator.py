@@ -210,14 +210,17 @@ class Speculator:
         """Set every running sequence up to verify K drafts whose every input the device computes from ``prev``'s
         outcome (ngram_device.py): the next step is built a step behind and launched before ``prev`` is read back,
         with no guess. False, with nothing changed but blocks, where some sequence cannot (it is not in ``prev``, it
-        does not draft K now, or its context would run out), or requests wait to start: ``prev`` is read back first.
+        does not draft K now, or its context would run out), or a request could start now: ``prev`` is read back
+        first.
 
         A lagged sequence's verified tokens are all computed (``prev``'s chunk starts at its last one), so a chunk of
         K + 1 tokens from there is scheduled, each one a row the device fills; its blocks cover the furthest the chunk
         may reach, ``prev`` having accepted all its drafts."""
         scheduler, most = self.scheduler, self.config.num_speculative_tokens
         config = scheduler.config
-        if (not self.active or scheduler.waiting or prev.void
+        # (a request that could start now is prefilled after reading prev back; one waiting for a free slot is not)
+        startable = scheduler.waiting and len(scheduler.running) < config.max_num_seqs
+        if (not self.active or startable or prev.void
                 or len(scheduler.running) * (most + 1) > config.max_num_batched_tokens
                 or 0 < config.prefill_chunk_size <= most):   # (every chunk whole: the device fills K + 1 rows each)
             return False
