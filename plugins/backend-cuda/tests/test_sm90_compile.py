@@ -154,3 +154,31 @@ def test_dequantize_rows_compiles(monkeypatch, name, lookups):
     ids = torch.zeros(lookups, dtype=torch.long)
     lookup = lambda: quant_matmul.dequantize_rows(weight, ids, torch.bfloat16)  # noqa: E731
     assert len(compiled_launches(monkeypatch, quant_matmul, "_dequantize_kernel", lookup)) == 1
+
+
+@compiles
+@pytest.mark.parametrize("report", [False, True])
+def test_argmax_compiles(monkeypatch, report):
+    """The sampler's argmax in bf16 logits, with and without the rows that are not finite reported."""
+    argmax = importlib.import_module("cvllm_cuda.kernels.argmax")
+    chunks = sm90.LaunchRecorder(argmax._chunk_argmax_kernel)
+    monkeypatch.setattr(argmax, "_chunk_argmax_kernel", chunks)
+    logits = torch.zeros(5, 49152, dtype=torch.bfloat16)
+    kernels = compiled_launches(monkeypatch, argmax, "_row_argmax_kernel",
+                                lambda: argmax.argmax_reported(logits) if report else argmax.argmax(logits))
+    assert len(kernels) == 1 and len(chunks.launches) == 1
+    sm90.compile_launch(chunks.fn, *chunks.launches[0])
+
+
+@compiles
+def test_lagged_fixup_compiles(monkeypatch):
+    """A lagged verify step's inputs put in place (device drafts), with the tables in the graphs' row stride."""
+    lagged = importlib.import_module("cvllm_cuda.kernels.lagged_fixup")
+    rows, seqs = 10, 2
+    tables = torch.zeros(seqs, 16, dtype=torch.int32)[:, :4]
+    fill = torch.stack([torch.arange(rows), torch.arange(rows)])
+    fixup = lambda: lagged.lagged_fixup(   # noqa: E731
+        torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64),
+        torch.zeros(seqs, dtype=torch.int32), torch.zeros(rows, dtype=torch.int64), tables, fill,
+        torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64), 16)
+    assert len(compiled_launches(monkeypatch, lagged, "_lagged_fixup_kernel", fixup)) == 1
