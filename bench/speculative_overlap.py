@@ -103,9 +103,10 @@ class CopyModelRunner:
         self.num_blocks = num_blocks
 
     def prepare(self, batch, previous_tokens=None):
-        host = build_host_step(batch, BLOCK, previous_tokens[1] if previous_tokens else None)
-        return to_device(host, self.device, BLOCK, previous_tokens[0] if previous_tokens else None, None,
-                         previous_tokens[2] if previous_tokens and len(previous_tokens) > 2 else None)
+        host = build_host_step(batch, BLOCK, previous_tokens.rows if previous_tokens else None)
+        if previous_tokens is None:
+            return to_device(host, self.device, BLOCK)
+        return to_device(host, self.device, BLOCK, previous_tokens.ids, None, previous_tokens.positions)
 
     def run(self, batch, all_logits=False, extra_indices=None, previous_tokens=None):
         return self.forward(batch, self.prepare(batch, previous_tokens), all_logits, extra_indices)

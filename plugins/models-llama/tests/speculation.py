@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from cvllm import LLM
+from cvllm import LLM, SamplingParams
 
 ENGINE = {"dtype": "float32", "block_size": 16, "max_num_seqs": 8, "max_num_batched_tokens": 128}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -30,3 +30,25 @@ def run(path, prompts, params, speculative: dict | None, **engine):
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     return [[(list(c.token_ids), c.finish_reason, c.text) for c in out.outputs] for out in outputs], \
         llm.llm_engine.stats
+
+
+def stops_and_lengths_match(path, speculative: dict, **engine) -> list:
+    """Requests that end at a stop string, and at max_tokens, where those fall inside accepted drafts, each run alone
+    (as one engine serves them one after another) with ``speculative`` and without: asserts the same tokens, finish
+    reasons and texts; returns the speculating engines' stats (one for the stops, one for the lengths)."""
+    prompts = repetitive_prompts(5, seed=3)
+    free, _ = run(path, prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logit_bias=BIAS),
+                  None)
+    stops = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logit_bias=BIAS, stop=[out[0][2][20:26]])
+             for out in free]
+    lengths = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logit_bias=BIAS, logprobs=3)
+               for n in (1, 2, 7, 13, 29)]
+    stats = []
+    for params, reason in ((stops, "stop"), (lengths, "length")):
+        plain = [run(path, [p], s, None)[0][0][0] for p, s in zip(prompts, params)]
+        llm = LLM(model=str(path), **{**ENGINE, **engine}, speculative_config=speculative)
+        spec = [llm.generate([{"prompt_token_ids": p}], s)[0].outputs[0] for p, s in zip(prompts, params)]
+        assert [(list(c.token_ids), c.finish_reason, c.text) for c in spec] == plain
+        assert all(c.finish_reason == reason for c in spec)
+        stats.append(llm.llm_engine.stats)
+    return stats

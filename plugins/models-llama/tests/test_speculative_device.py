@@ -8,7 +8,7 @@ torch ops a GPU would, on its own memory."""
 from __future__ import annotations
 
 import pytest
-from speculation import BIAS, ENGINE, repetitive_prompts, run  # (this directory: conftest.py)
+from speculation import BIAS, ENGINE, repetitive_prompts, run, stops_and_lengths_match  # (this directory: conftest.py)
 
 from cvllm import LLM, SamplingParams
 
@@ -66,19 +66,8 @@ def test_a_lone_sequence_runs_lagged_steps_and_its_logprobs_are_the_plain_paths(
 
 
 def test_stop_strings_and_max_tokens_inside_accepted_drafts(path):
-    prompts = repetitive_prompts(4, seed=3)
-    free, _ = run(path, prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logit_bias=BIAS),
-                  None)
-    stops = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logit_bias=BIAS, stop=[out[0][2][20:26]])
-             for out in free]
-    lengths = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logit_bias=BIAS, logprobs=3)
-               for n in (1, 2, 7, 13, 29)]
-    for params, reason in ((stops, "stop"), (lengths, "length")):
-        plain = [run(path, [p], s, None)[0][0][0] for p, s in zip(prompts, params)]
-        llm = LLM(model=str(path), **ENGINE, speculative_config=DEVICE, async_scheduling=True)
-        spec = [llm.generate([{"prompt_token_ids": p}], s)[0].outputs[0] for p, s in zip(prompts, params)]
-        assert [(list(c.token_ids), c.finish_reason, c.text) for c in spec] == plain
-        assert all(c.finish_reason == reason for c in spec) and llm.llm_engine.stats.spec_lagged_steps > 0
+    for stats in stops_and_lengths_match(path, DEVICE, async_scheduling=True):
+        assert stats.spec_lagged_steps > 0
 
 
 def test_requests_arriving_and_ending_mid_run(path):

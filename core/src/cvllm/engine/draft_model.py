@@ -30,6 +30,7 @@ from cvllm.engine.model_runner import ModelRunner, build_model
 from cvllm.engine.sampler import torch_argmax
 from cvllm.engine.scheduler import ScheduledBatch
 from cvllm.engine.speculative import SpeculativeConfig
+from cvllm.engine.step_inputs import PreviousTokens
 from cvllm.forward_context import forward_context
 from cvllm.layers.kv_fp8 import kv_cache_torch_dtype
 
@@ -109,13 +110,13 @@ class DraftModel:
                 row.num_computed_tokens = len(row.token_ids) - 1 + j
             batch = ScheduledBatch(live, [1] * len(live), num_decodes=len(live), sample_indices=list(range(len(live))))
             ids = self.argmax(self.runner.run(batch, previous_tokens=previous))
-            previous = (ids, {row.seq_id: i for i, row in enumerate(live)})
+            previous = PreviousTokens(ids, {row.seq_id: i for i, row in enumerate(live)})
             rounds.append(previous)
-        host = torch.cat([ids for ids, _ in rounds[:-1]]).tolist()   # the last round only wrote KV
+        host = torch.cat([round_.ids for round_ in rounds[:-1]]).tolist()   # the last round only wrote KV
         starts = [0]
-        for ids, _ in rounds[:-1]:
-            starts.append(starts[-1] + ids.shape[0])
-        return [[host[starts[j] + rounds[j][1][row.seq_id]] for j in range(k)] for row, k in zip(rows, ks)]
+        for round_ in rounds[:-1]:
+            starts.append(starts[-1] + round_.ids.shape[0])
+        return [[host[starts[j] + rounds[j].rows[row.seq_id]] for j in range(k)] for row, k in zip(rows, ks)]
 
     def shutdown(self) -> None:
         self.runner = None

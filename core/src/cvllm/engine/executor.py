@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,10 +21,8 @@ from cvllm.engine.prompt_logprobs import prompt_logprob_rows, record_prompt_logp
 from cvllm.engine.scheduler import ScheduledBatch
 from cvllm.engine.sequence import Sequence
 from cvllm.engine.speculative import sampler_rows
+from cvllm.engine.step_inputs import PreviousTokens
 from cvllm.engine.upload import upload
-
-if TYPE_CHECKING:
-    from cvllm.engine.step_inputs import PreviousTokens
 
 
 @dataclass(slots=True)
@@ -179,12 +176,11 @@ class InProcessExecutor(Executor):
 
     @property
     def supports_device_drafts(self) -> bool:
-        # one worker, a runner that computes from its inputs (ModelRunner says whether its layers read sequence
-        # lengths on the host; fake steps do not say), and layers that read them on the device only: a lagged step's
-        # host lengths are a step behind (the CPU's are set right: step_inputs.to_device)
+        # a runner that computes from its inputs (ModelRunner says whether its layers read sequence lengths on the
+        # host; fake steps do not say), and layers that read them on the device only: a lagged step's host lengths
+        # are a step behind (the CPU's are set right: step_inputs.to_device)
         reads_host_lengths = getattr(self.runner, "reads_host_lengths", None)
-        return (type(self) is InProcessExecutor and reads_host_lengths is not None
-                and (self.backend.device.type == "cpu" or not reads_host_lengths))
+        return reads_host_lengths is not None and (self.backend.device.type == "cpu" or not reads_host_lengths)
 
     def enable_device_drafts(self, num_rows: int, max_len: int, min_n: int, max_n: int) -> None:
         self.ngram = NgramHistory(num_rows, max_len, self.backend.device)
@@ -215,9 +211,9 @@ class InProcessExecutor(Executor):
         previous_tokens = None
         if previous is not None and previous.out is not None:
             if batch.lagged:   # every input of its chunks is on the device (ngram_device.py)
-                previous_tokens = (previous.feed[0], previous.feed_rows(), previous.feed[1])
+                previous_tokens = PreviousTokens(previous.feed[0], previous.feed_rows(), previous.feed[1])
             else:
-                previous_tokens = (previous.out.token_ids, previous.fill_rows())
+                previous_tokens = PreviousTokens(previous.out.token_ids, previous.fill_rows())
         inputs = None
         if record is None and self.draft is None and not batch.device_drafts:
             logits = self.runner.run(batch, extra_indices=extra, previous_tokens=previous_tokens)

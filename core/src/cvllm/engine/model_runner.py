@@ -219,12 +219,14 @@ class ModelRunner:
                 ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, torch.Tensor]:
         """Flat varlen tensors for the batch on the device (step_inputs.py).
 
-        ``previous_tokens``: (sampled ids [B'] on the device, seq_id -> row) of the step still in flight; a
-        sequence whose last token is among them takes it from there (async scheduling). With a third entry, the
-        positions of a lagged step's inputs (ngram_device.py)."""
-        host = build_host_step(batch, self.block_size, previous_tokens[1] if previous_tokens else None)
-        return to_device(host, self.backend, self.block_size, previous_tokens[0] if previous_tokens else None,
-                         self.staging, previous_tokens[2] if previous_tokens and len(previous_tokens) > 2 else None)
+        ``previous_tokens``: the step still in flight; a sequence whose last token (a lagged one: every token of its
+        chunk) is among its ids takes it from there (async scheduling)."""
+        if previous_tokens is None:
+            return to_device(build_host_step(batch, self.block_size, None), self.backend, self.block_size, None,
+                             self.staging)
+        host = build_host_step(batch, self.block_size, previous_tokens.rows)
+        return to_device(host, self.backend, self.block_size, previous_tokens.ids, self.staging,
+                         previous_tokens.positions)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, all_logits: bool = False, extra_indices: torch.Tensor | None = None,

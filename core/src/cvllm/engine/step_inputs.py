@@ -12,6 +12,7 @@ import functools
 import itertools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -25,10 +26,15 @@ from cvllm.forward_context import ForwardContext
 # mid-serving (~0.5 s each)
 ALIGN = 16
 
-# the step still in flight: its sampled token ids on the device, and each sampling sequence's row in them; after a
-# verify step whose next inputs the device computed (ngram_device.py), those ids and their positions instead, and
-# each sequence's first row in them
-PreviousTokens = tuple[torch.Tensor, dict[int, int]] | tuple[torch.Tensor, dict[int, int], torch.Tensor]
+
+
+class PreviousTokens(NamedTuple):
+    """The step still in flight, as the next step's inputs read it on the device: its sampled token ids and each
+    sampling sequence's row in them; or, after a verify step whose next inputs the device computed (ngram_device.py),
+    those ids, each sequence's first row in them, and their ``positions`` (the next step is then lagged)."""
+    ids: torch.Tensor
+    rows: dict[int, int]
+    positions: torch.Tensor | None = None
 
 NUMPY_DTYPES = {torch.int64: np.dtype(np.int64), torch.int32: np.dtype(np.int32)}
 

@@ -188,6 +188,9 @@ class BroadcastingRunner:
 
 
 class TensorParallelExecutor(InProcessExecutor):
+    # the workers' step inputs come from rank 0's packed bytes; a lagged step's are fixed up on rank 0's device only
+    supports_device_drafts = False
+
     def __init__(self, runner: BroadcastingRunner, sampler, backend, vocab_size: int):
         super().__init__(runner, sampler, backend, vocab_size)
         self.group = runner.group
