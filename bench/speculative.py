@@ -170,17 +170,20 @@ def main() -> None:
     ap.add_argument("--async-scheduling", action="store_true",
                     help="launch each step before the last one is read back (the GPU's default; speculator.py)")
     ap.add_argument("--repeat", type=int, default=5, help="runs of each task; the median counts")
-    ap.add_argument("--prompt-lookup-min", type=int, default=2,
+    ap.add_argument("--prompt-lookup-min", type=int, default=1,
                     help="the n-gram method's shortest suffix looked up (1: any earlier occurrence of the last token)")
-    ap.add_argument("--device-drafts", action="store_true",
-                    help="n-gram drafts looked up on the device, verify steps launched a step behind (ngram_device.py)")
+    drafts = ap.add_mutually_exclusive_group()
+    drafts.add_argument("--device-drafts", action="store_true",
+                        help="n-gram drafts looked up on the device, verify steps launched a step behind "
+                             "(ngram_device.py; the CUDA backend's default)")
+    drafts.add_argument("--host-drafts", action="store_true", help="n-gram drafts looked up on the host")
     ap.add_argument("--json")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
             "prompt_lookup_min": args.prompt_lookup_min}
-    if args.device_drafts:
-        spec["device_drafts"] = True
+    if args.device_drafts or args.host_drafts:
+        spec["device_drafts"] = args.device_drafts
     if args.draft_model:
         spec = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": args.k}
     if args.draft_token_cost is not None:
@@ -208,7 +211,8 @@ def main() -> None:
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
             "command": " ".join(["python bench/speculative.py", *command_flags(sys.argv[1:])]),
             "k": args.k, "max_tokens": args.max_tokens, "repeat": args.repeat,
-            "async_scheduling_flag": args.async_scheduling, "device_drafts": args.device_drafts,
+            "async_scheduling_flag": args.async_scheduling,
+            "device_drafts": True if args.device_drafts else False if args.host_drafts else None,
             "results": results}, indent=2) + "\n")
 
 
