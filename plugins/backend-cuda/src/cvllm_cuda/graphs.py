@@ -21,6 +21,7 @@ layer works row by row), and only the real rows' logits are returned.
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 import os
 import time
@@ -102,6 +103,7 @@ class DecodeGraphs:
     def capture_all(self) -> None:
         """Capture every shape, largest first so the smaller graphs reuse its memory pool."""
         started = time.perf_counter()
+        gc.collect()   # dead engines' graphs freed now, not mid-capture (_capture)
         shapes = [(size, q, False) for size, q in self.shapes] + [(1, q, True) for q in self.chunk_sizes]
         for size, q, chunk in sorted(shapes, key=lambda shape: shape[0] * shape[1], reverse=True):
             self._capture(size, q, chunk)
@@ -129,8 +131,17 @@ class DecodeGraphs:
             self.forward(ids, positions, context())
         torch.cuda.current_stream(self.backend.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self.forward(ids, positions, context())
+        # no garbage collection while capturing: a cycle that holds an earlier engine's graphs, freed mid-capture,
+        # destroys them, which the driver forbids during a capture and answers by invalidating this one (seen on the
+        # H200 in the GPU tests: "operation not permitted when stream is capturing (function reset)")
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self.forward(ids, positions, context())
+        finally:
+            if collecting:
+                gc.enable()
         if self.pool is None:
             self.pool = graph.pool()
         (self.chunk_graphs if chunk else self.graphs)[q if chunk else (size, q)] = (graph, out)
