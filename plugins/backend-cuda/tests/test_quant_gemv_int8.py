@@ -27,8 +27,7 @@ from cvllm_cuda.quant_planes import QuantLayout, QuantWeight, dequantize_planes 
 # offsets of their blocks' f16 scales
 @pytest.fixture(autouse=True)
 def high_planes_on(monkeypatch):
-    """The high-plane layouts take the int8 GEMV only when switched on (quant_gemv_int8.HIGH_PLANES_ENV) until it has
-    run on a GPU: these tests are its checks."""
+    """The high-plane layouts take the int8 GEMV (quant_gemv_int8.HIGH_PLANES_ENV): on even where a run says "0"."""
     monkeypatch.setenv(quant_gemv_int8.HIGH_PLANES_ENV, "1")
 
 
@@ -240,10 +239,13 @@ def test_int8_activations_cover_high_planes_but_not_fp8_or_the_switch(monkeypatc
     assert not quant_gemv_int8.applies(dataclasses.replace(LAYOUTS["q6_k"], int8_activations=True), 1024)
 
 
-def test_high_planes_are_off_by_default(monkeypatch):
+def test_high_planes_are_on_by_default_and_can_be_switched_off(monkeypatch):
+    q6_k, q4_k = (dataclasses.replace(LAYOUTS[name], int8_activations=True) for name in ("q6_k", "q4_k"))
     monkeypatch.delenv(quant_gemv_int8.HIGH_PLANES_ENV)
-    assert not quant_gemv_int8.applies(dataclasses.replace(LAYOUTS["q6_k"], int8_activations=True), 1024)
-    assert quant_gemv_int8.applies(dataclasses.replace(LAYOUTS["q4_k"], int8_activations=True), 1024)
+    assert quant_gemv_int8.applies(q6_k, 1024) and quant_gemv_int8.applies(q4_k, 1024)
+    monkeypatch.setenv(quant_gemv_int8.HIGH_PLANES_ENV, "0")
+    assert not quant_gemv_int8.applies(q6_k, 1024)
+    assert quant_gemv_int8.applies(q4_k, 1024)
 
 
 def test_rows_go_together_in_a_program_only_on_a_large_layer():

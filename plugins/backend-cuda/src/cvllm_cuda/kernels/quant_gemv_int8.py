@@ -83,15 +83,15 @@ INT8_PROGRAMS_PER_SM = {2: 4, 4: 1, 8: 1}
 INT8_HIGH_PLANE_CONFIGS = {(4, 2): ((32, 64, 8, 3), 1), (4, 1): (INT8_GEMV_CONFIGS[4], INT8_PROGRAMS_PER_SM[4]),
                            (2, 1): (INT8_GEMV_CONFIGS[2], INT8_PROGRAMS_PER_SM[2])}
 ENV = "CVLLM_QUANT_INT8_ACTIVATIONS"
-# the high-plane layouts take this GEMV only with CVLLM_QUANT_INT8_HIGH_PLANES=1 until it has run on a GPU (written
-# and checked in the interpreter and compiled for sm_90 on the CPU only; the float GEMV serves them meanwhile)
+# the high-plane layouts take this GEMV too (CVLLM_QUANT_INT8_HIGH_PLANES=0: the float GEMV, for A/B runs): on the
+# H200 a Q4_K_M file's batch-1 decode 377 tok/s with it, 348 without (docs/benchmarks.md, 2026-12-05)
 HIGH_PLANES_ENV = "CVLLM_QUANT_INT8_HIGH_PLANES"
 
 
 def applies(layout: QuantLayout, in_features: int) -> bool:
     """Whether the batch-1 product of a weight in ``layout`` takes this path."""
     widths = (layout.low_bits, layout.high_bits)
-    planes_ok = not widths[1] or (widths in INT8_HIGH_PLANE_CONFIGS and os.environ.get(HIGH_PLANES_ENV, "0") == "1")
+    planes_ok = not widths[1] or (widths in INT8_HIGH_PLANE_CONFIGS and os.environ.get(HIGH_PLANES_ENV, "1") != "0")
     return (layout.int8_activations and not layout.float8 and planes_ok and in_features % BLOCK == 0
             and os.environ.get(ENV, "1") != "0")
 
