@@ -67,7 +67,8 @@ class DecodeGraphs:
         n = max(size for size, _ in self.shapes)
         rows = max([size * q for size, q in self.shapes] + self.chunk_sizes)
         # the graphs read their inputs from one region, where ModelRunner.prepare puts a step that fits (staging.py)
-        # when ``input_staging`` offers it to the runner: CVLLM_STAGE_STEP_INPUTS=1 until it is measured on the GPU
+        # when ``input_staging`` offers it to the runner: CVLLM_STAGE_STEP_INPUTS=1 (+2.3% on the demo's plain
+        # decoding on the H200; off by default until the whole GPU suite has run with it)
         self.staging = StepStaging(device, rows, n, max_blocks_per_seq)
         self.input_staging = self.staging if os.environ.get("CVLLM_STAGE_STEP_INPUTS", "0") == "1" else None
         self.input_ids, self.positions = self.staging.input_ids, self.staging.positions
