@@ -184,14 +184,14 @@ def test_swapped_kernel_equals_the_reference(name, dtype, t, n, splits):
     assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
 
 
-def test_swapped_kernel_orders_x_as_its_lanes_take_the_words():
-    """Lane j of a 4-bit word holds elements j and j + 4; x's word of 8 inputs goes in that order."""
+def test_swapped_kernel_reads_x_as_it_is_in_lane_order_and_permuted_by_position_otherwise():
+    """Lane j of a 4-bit word holds elements 2 j and 2 j + 1, so the lanes come out in K order and x needs no copy;
+    position-major, x[t, S * K / P + w] is input w * P + S."""
     from cvllm_cuda.kernels.quant_gemm_swapped import permuted
     x = torch.arange(16.0).view(1, 16)
-    lanes = permuted(x, random_weight(LAYOUTS["q4_k"], 1, 256, "cpu"), lanes=True)
-    # position a * 4 + b * 2 + m holds input 2 b + a + 4 m
-    assert lanes[0, :8].tolist() == [0, 4, 2, 6, 1, 5, 3, 7]
-    assert lanes[0, 8:].tolist() == [8, 12, 10, 14, 9, 13, 11, 15]
+    assert permuted(x, random_weight(LAYOUTS["q4_k"], 1, 256, "cpu"), lanes=True) is x
+    by_position = permuted(x, random_weight(LAYOUTS["q4_k"], 1, 256, "cpu"), lanes=False)
+    assert by_position[0].tolist() == [0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15]
 
 
 def test_decode_batches_of_lane_layouts_take_the_swapped_gemm(monkeypatch):

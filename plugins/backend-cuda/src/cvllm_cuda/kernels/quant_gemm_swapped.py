@@ -4,18 +4,24 @@ Why: quant_matmul's unpacked GEMM computes x @ W^T with the unpacked weight tile
 which Hopper's wgmma reads from shared memory, so every K step stores the bf16 tile there (a 16-bit store an
 element) and waits for the wgmma before unpacking the next. The first operand may come from registers: swapped, the
 weight is unpacked straight into them and x goes through shared memory instead, by asynchronous copies. That needs x
-in the order the unpacked weights come out in, made by one permute a call (a copy of x, ``T x K``):
+in the order the unpacked weights come out in:
 
 - position-major (every layout): ``x[t, S * K / P + w]`` = input ``w * P + S`` (P elements a word), one dot per
-  element position S of the words, each over that position's slice;
+  element position S of the words, each over that position's slice; x permuted by a copy a call (``T x K``);
 - lane order (4-bit planes without a high plane, bf16 x: Q4_0, Q4_1, Q4_K, GPTQ/AWQ 4-bit): Marlin's unpack in
-  bf16. A 32-bit lane takes two weights 16 bits apart in the word (elements j and j + 4), one lop3 puts both into the
-  mantissas of 128.0, an exact bf16x2 subtraction leaves the integers, one bf16x2 FMA applies the factors (rounded to
-  bf16: errors a little above the float path's). Each word's 8 inputs are reordered to the lanes' order.
+  bf16. A 32-bit lane takes two neighbouring weights (elements 2 j and 2 j + 1: one ``prmt`` puts byte j of the word
+  in its low half and byte j of the word shifted by 4 in its high half), one lop3 puts both into the mantissas of
+  128.0, an exact bf16x2 subtraction leaves the integers, one bf16x2 FMA applies the factors (rounded to bf16: errors
+  a little above the float path's). The lanes come out in K order, so x is read as it is (until 2026-12-05 a lane
+  held elements j and j + 4, one shift fewer a word, and x was permuted by a copy a call: ~3 us of a 64-row step's
+  every GEMM on the H200, a torch kernel that also broke the chain of programmatic dependent launches).
 
 Compiled for sm_90 on a CPU (2026-12-04, q4_k, 64 rows): ~5.5 loop instructions a weight element in lane order,
-against ~9.9 for the unpacked GEMM. On the H200, lane order with LANE_CONFIG is 20-30% faster than the unpacked GEMM
-at 2-32 rows, ~8-12% at 48-64 (quant_matmul.SWAPPED_MAX_ROWS: where quant_gemm takes it by default);
+against ~9.9 for the unpacked GEMM; the lanes in K order add 8 a loop iteration (253 -> 261 at 64 rows, 248 -> 256
+at 16; gptq4_g128 237 -> 246, 220 -> 228; `bench/sass_stats.py gemm-swapped --config 64,8,4,4`), with the same
+layout conversions and barriers: not yet timed on the GPU against the copy of x they save. On the H200, lane order
+with LANE_CONFIG is 20-30% faster than the unpacked GEMM at 2-32 rows, ~8-12% at 48-64 (quant_matmul.SWAPPED_MAX_ROWS:
+where quant_gemm takes it by default);
 position-major (the other layouts) is not timed and not a default. ``CVLLM_QUANT_GEMM=swapped|unpacked`` (read at
 import) forces one for every layout and row count; ``quant_gemm(..., kernel="swapped")`` picks it per call.
 """
@@ -50,11 +56,14 @@ SWAPPED_CONFIGS = {2: (128, 16, 4, 3), 4: (128, 16, 4, 4), 8: (128, 32, 4, 4)}
 # 1.5-2.5x slower; bench/results/2026-12-04-h200-gemm_swapped_probe-tiles-5c9bebb.json)
 LANE_CONFIG = (64, 8, 4, 4)
 
-_LANE = "lop3.b32 t, t, 0x000F000F, c, 0xEA; sub.rn.bf16x2 t, t, c; fma.rn.bf16x2 $%d, t, s2, o2; "
+# lane j: byte j of the word in the low half, byte j of the word shifted by 4 in the high half (one prmt: selector
+# nibbles j, j, 4 + j, 4 + j), so that the mask leaves element 2 j below 128.0's mantissa and element 2 j + 1 above
+_LANE = ("prmt.b32 t, $4, h, %d; lop3.b32 t, t, 0x000F000F, c, 0xEA; sub.rn.bf16x2 t, t, c; "
+         "fma.rn.bf16x2 $%d, t, s2, o2; ")
 LANES_ASM = tl.constexpr(
-    "{ .reg .b32 c, s2, o2, t; .reg .b16 sb, ob; mov.b32 c, 0x43004300; cvt.rn.bf16.f32 sb, $5; "
-    "cvt.rn.bf16.f32 ob, $6; mov.b32 s2, {sb, sb}; mov.b32 o2, {ob, ob}; mov.b32 t, $4; " + _LANE % 0
-    + "shr.b32 t, $4, 4; " + _LANE % 1 + "shr.b32 t, $4, 8; " + _LANE % 2 + "shr.b32 t, $4, 12; " + _LANE % 3 + "}")
+    "{ .reg .b32 c, s2, o2, t, h; .reg .b16 sb, ob; mov.b32 c, 0x43004300; cvt.rn.bf16.f32 sb, $5; "
+    "cvt.rn.bf16.f32 ob, $6; mov.b32 s2, {sb, sb}; mov.b32 o2, {ob, ob}; shr.b32 h, $4, 4; "
+    + "".join(_LANE % (j | j << 4 | (4 + j) << 8 | (4 + j) << 12, j) for j in range(4)) + "}")
 
 
 @triton.jit
@@ -65,8 +74,8 @@ def _pack2(lo, hi):
 
 @triton.jit
 def _lanes(word, scale, offset, ASM: tl.constexpr):
-    """A 4-bit word's eight bf16 ``q * scale + offset`` as four int32 lanes, lane j elements j and j + 4. The
-    interpreter (no inline PTX) spells the same values out."""
+    """A 4-bit word's eight bf16 ``q * scale + offset`` as four int32 lanes, lane j elements 2 j (low half) and
+    2 j + 1 (high half). The interpreter (no inline PTX) spells the same values out."""
     if ASM:
         return tl.inline_asm_elementwise(LANES_ASM, "=r,=r,=r,=r,r,r,r", [word, scale, offset],
                                          dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
@@ -74,12 +83,12 @@ def _lanes(word, scale, offset, ASM: tl.constexpr):
         s = scale.to(tl.bfloat16).to(tl.float32)
         o = offset.to(tl.bfloat16).to(tl.float32)
         lane0 = _pack2((((word >> 0) & 0xF).to(tl.float32) * s + o).to(tl.bfloat16),
-                       (((word >> 16) & 0xF).to(tl.float32) * s + o).to(tl.bfloat16))
-        lane1 = _pack2((((word >> 4) & 0xF).to(tl.float32) * s + o).to(tl.bfloat16),
+                       (((word >> 4) & 0xF).to(tl.float32) * s + o).to(tl.bfloat16))
+        lane1 = _pack2((((word >> 8) & 0xF).to(tl.float32) * s + o).to(tl.bfloat16),
+                       (((word >> 12) & 0xF).to(tl.float32) * s + o).to(tl.bfloat16))
+        lane2 = _pack2((((word >> 16) & 0xF).to(tl.float32) * s + o).to(tl.bfloat16),
                        (((word >> 20) & 0xF).to(tl.float32) * s + o).to(tl.bfloat16))
-        lane2 = _pack2((((word >> 8) & 0xF).to(tl.float32) * s + o).to(tl.bfloat16),
-                       (((word >> 24) & 0xF).to(tl.float32) * s + o).to(tl.bfloat16))
-        lane3 = _pack2((((word >> 12) & 0xF).to(tl.float32) * s + o).to(tl.bfloat16),
+        lane3 = _pack2((((word >> 24) & 0xF).to(tl.float32) * s + o).to(tl.bfloat16),
                        (((word >> 28) & 0xF).to(tl.float32) * s + o).to(tl.bfloat16))
         return lane0, lane1, lane2, lane3
 
@@ -101,9 +110,9 @@ def _gemm_swapped_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr,
                          B_MODE: tl.constexpr, B_CONST: tl.constexpr, HAS_M: tl.constexpr, FLOAT8: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, IEEE: tl.constexpr,
                          UPCAST: tl.constexpr, LANES: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr):
-    """out^T tile [BLOCK_N, BLOCK_M] += W tile [BLOCK_N, BLOCK_W words] @ x^T over K steps of BLOCK_W words, x
-    permuted (module docstring): LANES, one dot a step in lane order; else one per element position. Split over K
-    like the unpacked GEMM: with more than one split, ``out`` is float32 [splits, T, N] (stride_ot N)."""
+    """out^T tile [BLOCK_N, BLOCK_M] += W tile [BLOCK_N, BLOCK_W words] @ x^T over K steps of BLOCK_W words: LANES,
+    one dot a step in lane order (x as it is); else one per element position (x permuted, module docstring). Split
+    over K like the unpacked GEMM: with more than one split, ``out`` is float32 [splits, T, N] (stride_ot N)."""
     wait_for_previous_kernel(USE_PDL)
     PER_WORD: tl.constexpr = 32 // LOW_BITS
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -126,7 +135,8 @@ def _gemm_swapped_kernel(x_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr,
                                       SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
         if LANES:
             lane0, lane1, lane2, lane3 = _lanes(low, scale, offset, ASM)
-            lanes = tl.join(tl.join(lane0, lane1), tl.join(lane2, lane3))   # [N, W, a, b]: lane 2 b + a
+            lanes = tl.join(tl.join(lane0, lane2), tl.join(lane1, lane3))   # [N, W, c, d]: lane 2 c + d
+            # [N, W, c, d, m]: element 2 (2 c + d) + m of the word, in K order
             w = tl.reshape(_lanes_to_bf16(lanes), (BLOCK_N, BLOCK_W * 8))
             ks = w0 * 8 + tl.arange(0, BLOCK_W * 8)
             x = tl.load(x_cols + ks[:, None], mask=(ks < num_words * 8)[:, None] & t_ok[None, :], other=0.0)
@@ -147,11 +157,11 @@ def in_lanes(layout: QuantLayout, dtype: torch.dtype) -> bool:
 
 
 def permuted(x: torch.Tensor, weight: QuantWeight, lanes: bool) -> torch.Tensor:
-    """x [T, K] in the kernel's order: each word's 8 inputs in lane order (position a * 4 + b * 2 + m holds input
-    2 b + a + 4 m: lane j = 2 b + a holds elements j and j + 4), else position-major."""
+    """x [T, K] in the kernel's order: x itself in lane order (lane j holds a word's elements 2 j and 2 j + 1: the
+    lanes come out in K order), else position-major (a copy)."""
     t, k = x.shape
     if lanes:
-        return x.view(t, k // 8, 2, 2, 2).permute(0, 1, 4, 3, 2).reshape(t, k)
+        return x
     per_word = 32 // weight.layout.low_bits
     return x.view(t, k // per_word, per_word).transpose(1, 2).reshape(t, k)
 
