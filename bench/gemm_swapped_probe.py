@@ -7,6 +7,7 @@ lanes against ~9.9 for today's kernel; what a GPU makes of it is what this measu
 
     python bench/gemm_swapped_probe.py --json $OUT/gemm_swapped_probe.json      # on the H200 (~2 min)
     python bench/gemm_swapped_probe.py --layouts q4_k,q8_0 --rows 1,2,3,4,5,8 --configs 64,8,4,4   # + int8 GEMV
+    python bench/gemm_swapped_probe.py --rows 16,32,64 --configs 64,8,4,4 --splits auto,1,2,4    # K splits
     TRITON_INTERPRET=1 python bench/gemm_swapped_probe.py --check-only            # the numbers, on a CPU
 """
 
@@ -71,6 +72,8 @@ def main() -> None:
     ap.add_argument("--layouts", default="q4_k,gptq4_g128", help="(q8_0, q6_k: position by position)")
     ap.add_argument("--rows", default="2,16,64,128")
     ap.add_argument("--configs", help="swapped tiles to time, 'BLOCK_N,BLOCK_W,warps,stages ...' (4-bit BLOCK_W)")
+    ap.add_argument("--splits", default="auto",
+                    help="K splits to time each swapped tile at, 'auto,1,2,4' (auto: quant_tiles.k_splits' choice)")
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -94,8 +97,8 @@ def main() -> None:
             xs = {k: torch.randn(rows, k, device=DEV, dtype=torch.bfloat16) for _, k in SHAPES.values()}
             outs = {n: torch.empty(rows, n, device=DEV, dtype=torch.bfloat16) for n, _ in SHAPES.values()}
 
-            def stack(kernel, config=None, xs=xs, outs=outs, layers=layers):
-                return lambda: [quant_gemm(xs[k], layer[s], outs[n], config, kernel=kernel)
+            def stack(kernel, config=None, splits=None, xs=xs, outs=outs, layers=layers):
+                return lambda: [quant_gemm(xs[k], layer[s], outs[n], config, splits=splits, kernel=kernel)
                                 for layer in layers for s, (n, k) in SHAPES.items()]
 
             row = {"unpacked (today)": captured_us(stack("unpacked"), per=2)}
@@ -105,10 +108,13 @@ def main() -> None:
                         quant_gemv_int8.quant_gemv_int8(xs[k], layer[s], outs[n], rows_per_program=per_program)
                         for layer in ls for s, (n, k) in SHAPES.items()], per=2)
             for config in configs:
-                try:
-                    row[f"swapped {config}"] = captured_us(stack("swapped", scaled(config, layout.low_bits)), per=2)
-                except Exception as exc:   # out of shared memory or registers
-                    print(f"  {name} {rows} rows {config}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
+                for splits in args.splits.split(","):
+                    label = f"swapped {config}" + ("" if splits == "auto" else f" splits {splits}")
+                    try:
+                        row[label] = captured_us(stack("swapped", scaled(config, layout.low_bits),
+                                                       None if splits == "auto" else int(splits)), per=2)
+                    except Exception as exc:   # out of shared memory or registers
+                        print(f"  {name} {rows} rows {label}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
             result["us_per_layer"][f"{name} x {rows}"] = row
             best_us, best = min((us, key) for key, us in row.items() if key.startswith("swapped"))
             gemv = "".join(f", {key} {us:7.1f}" for key, us in row.items() if key.startswith("int8"))

@@ -21,7 +21,9 @@
 # "swappedwide" (issue 18): the swapped GEMM at 32-64 rows with wider weight tiles (less of x read from the L2);
 # "ggufhigh" (issue 18): a Q4_K_M file with the high planes' int8 GEMV on and off, beside bf16;
 # "specdevice" (issue 22): the demo's speculation with n-gram drafts looked up on the device, K 4 and 8;
-# "specdevice2": the same with staged step inputs, and its steps' timings.
+# "specdevice2": the same with staged step inputs, and its steps' timings;
+# "swappedsplits" (issue 18): the swapped GEMM in K order (no copy of x) by K splits at 16-64 rows, its GPU tests,
+# then 64 streams of bf16 and q4k (~8 min; SPLITS_TYPES="gptq" ONLY=throughput64-isq-gptq in a second call).
 # "specstaging" (issue 22): the demo's speculation with step inputs staged and not, and the staged steps' profile.
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
@@ -232,6 +234,19 @@ swapped)
             --skip-hf --num-requests 64 --min-len 1024 --max-len 1024 --max-num-seqs 64 --isq $t \
             --json "$out/$day-h200-throughput64-isq-$t-swapped-$commit.json"
     done ;;
+swappedsplits)
+    # issue 18: the swapped GEMM with its lanes in K order (f3f94c7: x read as it is, no permuted copy a call) and the
+    # K splits it runs at 16-64 rows (k_splits' choice: 6-9 for qkv, o and down at 64 rows, ~40 MB of float32
+    # partials a layer) against 1, 2 and 4; then 64 streams of bf16 and q4k (the target: 4-bit >= bf16)
+    run gpu-tests-swapped 150 python3 -m pytest -m gpu -p no:cacheprovider -q \
+        plugins/backend-cuda/tests/test_quant_matmul.py -k swapped --durations=3
+    run gemm-swapped-splits 200 python3 bench/gemm_swapped_probe.py --rows 16,32,64 --configs 64,8,4,4 \
+        --splits auto,1,2,4 --json "$out/$day-h200-gemm_swapped_probe-splits-$commit.json"
+    for q in ${SPLITS_TYPES:-none q4k}; do
+        run throughput64-isq-$q 170 python3 bench/throughput.py --shape llama3-8b --skip-hf --num-requests 64 \
+            --min-len 1024 --max-len 1024 --max-num-seqs 64 $([ $q = none ] || echo --isq $q) \
+            --json "$out/$day-h200-throughput64-isq-$q-$commit.json"
+    done ;;
 gemvrows)
     # issue 18: decode batches of 1-8 rows by kernel: the int8 GEMV a program a row against the rows together in a
     # program (quant_gemv_int8.ROWS_PER_PROGRAM), the unpacked and the swapped GEMM (~2 min)
@@ -261,6 +276,6 @@ kvfp8)
             --kv-cache-dtype $kv --json "$out/$day-h200-serving-kv_$kv-$commit.json"
     done ;;
 *)
-    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|ggufmix|ggufhigh|prefillhost|kvfp8|fp8attn|moe|spec|specsteps|specstaging|quant64|quantgemm|swapped|gemvrows|swappedwide" >&2
+    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|ggufmix|ggufhigh|prefillhost|kvfp8|fp8attn|moe|spec|specsteps|specstaging|quant64|quantgemm|swapped|swappedsplits|gemvrows|swappedwide" >&2
     exit 2 ;;
 esac
