@@ -18,7 +18,7 @@ class Sequence:
                  "status", "num_computed_tokens", "num_hashed_blocks", "block_table", "generator",
                  "min_tokens_stop_ids", "finish_reason", "stop_reason", "logprobs", "prompt_logprobs", "arrival",
                  "num_inflight", "num_cached_tokens", "grammar", "num_drafts", "spec_proposed", "spec_accepted",
-                 "spec_rejected", "spec_rejections", "spec_guess_rates", "ngram_bytes")
+                 "spec_rejected", "spec_rejections", "spec_stopped_at", "spec_guess_rates", "ngram_bytes")
 
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
                  index: int = 0, arrival: float = 0.0):
@@ -56,6 +56,8 @@ class Sequence:
         self.spec_accepted = 0
         self.spec_rejected = False               # its last verify step rejected a draft
         self.spec_rejections = 0                 # verify steps that rejected one of its drafts
+        # its length when min_acceptance_rate stopped its drafts (speculative.REPROBE_TOKENS later it tries again)
+        self.spec_stopped_at: int | None = None
         # how often the async guess of its in-flight step's outcome holds, recent steps weighing most, after a step
         # without drafts and after a verify step (speculator.py)
         self.spec_guess_rates = [1.0, 1.0]

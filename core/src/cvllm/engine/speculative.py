@@ -77,6 +77,10 @@ class SpeculativeConfig:
 
 
 MIN_PROPOSALS = 16
+# a sequence whose drafts fell below min_acceptance_rate (after MIN_PROPOSALS) stops drafting for this many tokens,
+# then tries again with a fresh record: text that copies after a stretch that does not (a chat that then quotes,
+# code after prose) is speculated again, for a few verify steps every REPROBE_TOKENS tokens where it never copies
+REPROBE_TOKENS = 64
 TOKEN_BYTES = 8   # token_bytes: int64
 # draft_length's prior on a draft's chance to be accepted, as pseudo-counts (accepted, rejected): 0.75 before any
 # verify step, so that a sequence starts with the drafts a copy deserves, and its own record outweighs it within a

@@ -32,6 +32,7 @@ from cvllm.engine.ngram_device import pad_drafts
 from cvllm.engine.sequence import Sequence, SequenceStatus
 from cvllm.engine.speculative import (
     MIN_PROPOSALS,
+    REPROBE_TOKENS,
     TOKEN_BYTES,
     SpeculativeConfig,
     accepted,
@@ -78,7 +79,7 @@ class Speculator:
         num_output = num_tokens - seq.num_prompt_tokens
         if (seq.grammar is not None or params.needs_penalties or params.logits_processors
                 or (params.min_tokens and num_output < params.min_tokens)
-                or (proposed >= MIN_PROPOSALS and accepted_ < spec.min_acceptance_rate * proposed)):
+                or (self._below_floor(proposed, accepted_) and not self._reprobes(seq, num_tokens))):
             return 0
         # with device drafts every drafting sequence verifies K: lagged steps need K each, and the host's time they
         # take off every step is worth more than the few drafts draft_length would leave out (a draft costs ~4% of a
@@ -89,6 +90,15 @@ class Speculator:
         if params.max_tokens is not None:
             k = min(k, params.max_tokens - num_output - 1)
         return max(k, 0)
+
+    def _below_floor(self, proposed: int, accepted_: int) -> bool:
+        return proposed >= MIN_PROPOSALS and accepted_ < self.config.min_acceptance_rate * proposed
+
+    @staticmethod
+    def _reprobes(seq: Sequence, num_tokens: int) -> bool:
+        """Whether a step from ``num_tokens`` tries ``seq``'s drafts again, REPROBE_TOKENS after the floor stopped
+        them (``settle`` then starts its record afresh)."""
+        return seq.spec_stopped_at is not None and num_tokens >= seq.spec_stopped_at + REPROBE_TOKENS
 
     def propose(self) -> None:
         """Drafts for the running sequences whose every token is on the host, appended to their tokens."""
@@ -315,10 +325,15 @@ class Speculator:
         if drafts:
             a = accepted(drafts, targets)
             tokens = targets[:a + 1]
+            if self._reprobes(seq, len(seq.token_ids)):   # (a step launched before the floor stopped it is not)
+                seq.spec_proposed = seq.spec_accepted = seq.spec_rejections = 0
+                seq.spec_stopped_at = None
             seq.spec_proposed += len(drafts)
             seq.spec_accepted += a
             seq.spec_rejected = a < len(drafts)
             seq.spec_rejections += seq.spec_rejected
+            if seq.spec_stopped_at is None and self._below_floor(seq.spec_proposed, seq.spec_accepted):
+                seq.spec_stopped_at = len(seq.token_ids)
             self.stats.spec_draft_tokens += len(drafts)
             self.stats.spec_accepted_tokens += a
             self.stats.spec_verifications += 1
