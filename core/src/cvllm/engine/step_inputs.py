@@ -27,7 +27,6 @@ from cvllm.forward_context import ForwardContext
 ALIGN = 16
 
 
-
 class PreviousTokens(NamedTuple):
     """The step still in flight, as the next step's inputs read it on the device: its sampled token ids and each
     sampling sequence's row in them; or, after a verify step whose next inputs the device computed (ngram_device.py),

@@ -31,8 +31,8 @@ class CudaBackend(Backend):
     sync_free_decode = True    # decode steps are captured in CUDA graphs
     # a verify step of 4 drafts cost 1.146 decode steps at batch 1 on the H200, Llama-3-8B shape (bench/verify_cost.py)
     draft_token_cost = 0.04
-    # n-gram drafts looked up on the device, verify steps launched a step behind (engine/ngram_device.py): the demo's
-    # rewrite task 2.14x plain batch-1 tok/s with them, ~1.6x with the host's drafts (docs/benchmarks.md, 2026-12-05)
+    # n-gram drafts looked up on the device, verify steps launched a step behind (engine/ngram_device.py): on the H200
+    # the demo's rewrite task 2.13x plain batch-1 tok/s with them, 1.72x with the host's (docs/benchmarks.md)
     device_drafts = True
 
     @classmethod
