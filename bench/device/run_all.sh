@@ -25,6 +25,8 @@
 # "swappedsplits" (issue 18): the swapped GEMM in K order (no copy of x) by K splits at 16-64 rows, its GPU tests,
 # then 64 streams of bf16 and q4k (~8 min; SPLITS_TYPES="gptq" ONLY=throughput64-isq-gptq in a second call).
 # "specstaging" (issue 22): the demo's speculation with step inputs staged and not, and the staged steps' profile.
+# "smallgemv" (issue 18): the batch-1 int8 GEMV in small programs (1-2 warps, no pipeline: many programs an SM, as
+# the bf16 GEMV's winning tiles are), q4_k and q8_0 by shape, then a batch-1 q4k decode profile without PDL (~5 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
 # NVLink multicast stays off on the shared multi-GPU hosts (h200_setup.sh sets these too; the benchmarks pass them on)
@@ -234,6 +236,18 @@ swapped)
             --skip-hf --num-requests 64 --min-len 1024 --max-len 1024 --max-num-seqs 64 --isq $t \
             --json "$out/$day-h200-throughput64-isq-$t-swapped-$commit.json"
     done ;;
+smallgemv)
+    # issue 18: tiles of 1-2 warps with no software pipeline (1.6 SASS a weight for q4_k at (32, 32, 2, 1), against
+    # 2.0 for the default (32, 64, 4, 3); `bench/sass_stats.py int8-gemv`), never timed: the sweeps kept 4-8 warps
+    run tune-small-q4_k 150 python3 bench/tune_quant_gemv.py --layouts q4_k --budget-s 110 --pps 1,4,8,16 \
+        --configs "32,32,2,1;64,16,2,1;32,16,1,1;32,32,2,2;128,32,4,1;64,64,4,1" \
+        --json "$out/$day-h200-tune_quant_gemv-small-q4_k-$commit.json"
+    run tune-small-q8_0 120 python3 bench/tune_quant_gemv.py --layouts q8_0 --budget-s 80 --pps 1,4,8,16 \
+        --configs "64,32,2,1;64,16,1,1;128,16,2,1;128,32,4,1;64,64,4,1" \
+        --json "$out/$day-h200-tune_quant_gemv-small-q8_0-$commit.json"
+    # each kernel's own time (PDL off: with it a kernel's span includes its wait for the one before)
+    CVLLM_PDL=0 run profile-b1-nopdl-q4k 120 python3 bench/profile_decode.py --batch 1 --context 1024 --steps 10 \
+        --isq q4k ;;
 swappedsplits)
     # issue 18: the swapped GEMM with its lanes in K order (f3f94c7: x read as it is, no permuted copy a call) and the
     # K splits it runs at 16-64 rows (k_splits' choice: 6-9 for qkv, o and down at 64 rows, ~40 MB of float32
@@ -276,6 +290,6 @@ kvfp8)
             --kv-cache-dtype $kv --json "$out/$day-h200-serving-kv_$kv-$commit.json"
     done ;;
 *)
-    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|ggufmix|ggufhigh|prefillhost|kvfp8|fp8attn|moe|spec|specsteps|specstaging|quant64|quantgemm|swapped|swappedsplits|gemvrows|swappedwide" >&2
+    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|ggufmix|ggufhigh|prefillhost|kvfp8|fp8attn|moe|spec|specsteps|specstaging|quant64|quantgemm|swapped|swappedsplits|gemvrows|swappedwide|smallgemv" >&2
     exit 2 ;;
 esac
