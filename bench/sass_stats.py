@@ -36,6 +36,7 @@ from cvllm_gguf.planes import LAYOUTS as GGUF_LAYOUTS  # noqa: E402
 # the tests' layouts, and the GGUF types they lack (q4_0, q5_1, q5_k: every high-plane width of the int8 GEMV)
 LAYOUTS = {**{qtype.name.lower(): layout for qtype, layout in GGUF_LAYOUTS.items()}, **TEST_LAYOUTS}
 
+PAIRS = False   # float-gemv: the paired form (--pairs), x in bf16
 SHARED_LIMIT = 232448   # bytes of shared memory a block may have on the H200 (sm_90)
 PLANES = {"low_ptr": "*i32", "high_ptr": "*i32", "d_ptr": "*fp16", "m_ptr": "*fp16", "a_ptr": "*u8", "b_ptr": "*u8"}
 DIVISIBLE = {"N", "K", "SPLIT_WORDS", "one_bits", "stride_xt", "stride_ot"}
@@ -67,9 +68,9 @@ def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m
                    "IEEE": False, "UPCAST": False, "LANES": quant_gemm_swapped.in_lanes(layout, torch.bfloat16),
                    "ASM": True, "USE_PDL": False}
         return quant_gemm_swapped._gemm_swapped_kernel, signature, swapped, warps
-    signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", **PLANES, "N": "i32", "K": "i32", "SPLIT_WORDS": "i32",
-                 "one_bits": "i32"}
-    return quant_gemv._gemv_kernel, signature, common, warps
+    signature = {"x_ptr": "*i32" if PAIRS else "*bf16", "xsum_ptr": "*fp32", "out_ptr": "*bf16", **PLANES, "N": "i32",
+                 "K": "i32", "SPLIT_WORDS": "i32", "one_bits": "i32"}
+    return quant_gemv._gemv_kernel, signature, {**common, "PAIRS": int(PAIRS)}, warps
 
 
 def compile_sm90(fn, signature: dict, constexprs: dict, warps: int, stages: int | None = None):
@@ -114,8 +115,11 @@ def main() -> None:
     ap.add_argument("--table", action="store_true", help="gemm: the default tiles, every layout and row tile")
     ap.add_argument("--layout", default="q4_k", choices=sorted(LAYOUTS))
     ap.add_argument("--config", default="32,64,4,3", help="BLOCK_N,BLOCK_W,WARPS[,STAGES]")
+    ap.add_argument("--pairs", action="store_true", help="float-gemv: the paired form (CVLLM_QUANT_GEMV_PAIRS)")
     ap.add_argument("--dump", type=Path, help="write the TTGIR, PTX and SASS here")
     args = ap.parse_args()
+    global PAIRS
+    PAIRS = args.pairs
     if args.table:
         gemm_table()
         return

@@ -25,6 +25,8 @@
 # "swappedsplits" (issue 18): the swapped GEMM in K order (no copy of x) by K splits at 16-64 rows, its GPU tests,
 # then 64 streams of bf16 and q4k (~8 min; SPLITS_TYPES="gptq" ONLY=throughput64-isq-gptq in a second call).
 # "specstaging" (issue 22): the demo's speculation with step inputs staged and not, and the staged steps' profile.
+# "gemvpairs" (issue 18): the paired W4A16 GEMV (CVLLM_QUANT_GEMV_PAIRS=1, GPTQ's batch 1): its GPU tests, the GPTQ
+# stack with it off and on, its tiles, then batch-1 decode of bf16 and --isq gptq off and on (~6 min).
 # "smallgemv" (issue 18): the batch-1 int8 GEMV in small programs (1-2 warps, no pipeline: many programs an SM, as
 # the bf16 GEMV's winning tiles are), q4_k and q8_0 by shape, then a batch-1 q4k decode profile without PDL (~5 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
@@ -236,6 +238,22 @@ swapped)
             --skip-hf --num-requests 64 --min-len 1024 --max-len 1024 --max-num-seqs 64 --isq $t \
             --json "$out/$day-h200-throughput64-isq-$t-swapped-$commit.json"
     done ;;
+gemvpairs)
+    run gpu-tests-pairs 150 python3 -m pytest -m gpu -p no:cacheprovider -q \
+        plugins/backend-cuda/tests/test_quant_matmul.py -k paired --durations=3
+    for on in 0 1; do
+        CVLLM_QUANT_GEMV_PAIRS=$on run stack-gptq-pairs$on 90 python3 bench/quant_gemv_stack.py --defaults \
+            --layouts gptq4_g128 --json "$out/$day-h200-quant_gemv_stack-gptq-pairs$on-$commit.json"
+    done
+    CVLLM_QUANT_GEMV_PAIRS=1 run tune-pairs 150 python3 bench/tune_quant_gemv.py --layouts gptq4_g128 --budget-s 120 \
+        --pps 1,4,8 --configs "64,32,4,3;32,32,4,1;32,32,4,3;64,32,4,1;32,64,4,3;64,64,8,3" \
+        --json "$out/$day-h200-tune_quant_gemv-pairs-gptq4_g128-$commit.json"
+    run latency-bf16-pairs 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
+        --json "$out/$day-h200-latency-bf16-pairs-$commit.json"
+    for on in 0 1; do
+        CVLLM_QUANT_GEMV_PAIRS=$on run latency-gptq-pairs$on 120 python3 bench/latency.py --skip-hf --contexts 1024 \
+            --decode-tokens 128 --isq gptq --json "$out/$day-h200-latency-isq-gptq-pairs$on-$commit.json"
+    done ;;
 smallgemv)
     # issue 18: tiles of 1-2 warps with no software pipeline (1.6 SASS a weight for q4_k at (32, 32, 2, 1), against
     # 2.0 for the default (32, 64, 4, 3); `bench/sass_stats.py int8-gemv`), never timed: the sweeps kept 4-8 warps
@@ -290,6 +308,6 @@ kvfp8)
             --kv-cache-dtype $kv --json "$out/$day-h200-serving-kv_$kv-$commit.json"
     done ;;
 *)
-    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|ggufmix|ggufhigh|prefillhost|kvfp8|fp8attn|moe|spec|specsteps|specstaging|quant64|quantgemm|swapped|swappedsplits|gemvrows|swappedwide|smallgemv" >&2
+    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|ggufmix|ggufhigh|prefillhost|kvfp8|fp8attn|moe|spec|specsteps|specstaging|quant64|quantgemm|swapped|swappedsplits|gemvrows|swappedwide|smallgemv|gemvpairs" >&2
     exit 2 ;;
 esac
