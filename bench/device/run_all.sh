@@ -239,8 +239,9 @@ swapped)
             --json "$out/$day-h200-throughput64-isq-$t-swapped-$commit.json"
     done ;;
 gemvpairs)
-    run gpu-tests-pairs 150 python3 -m pytest -m gpu -p no:cacheprovider -q \
-        plugins/backend-cuda/tests/test_quant_matmul.py -k paired --durations=3
+    # the whole file: the float GEMV's form without pairs (ff90755 gave its kernel an argument) and the paired one
+    run gpu-tests-pairs 200 python3 -m pytest -m gpu -p no:cacheprovider -q \
+        plugins/backend-cuda/tests/test_quant_matmul.py --durations=3
     for on in 0 1; do
         CVLLM_QUANT_GEMV_PAIRS=$on run stack-gptq-pairs$on 90 python3 bench/quant_gemv_stack.py --defaults \
             --layouts gptq4_g128 --json "$out/$day-h200-quant_gemv_stack-gptq-pairs$on-$commit.json"
