@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 
-from quant_gemv_stack import LAYOUTS, SHAPES
-
-from cvllm_cuda.quant_planes import QuantLayout
+from quant_gemv_stack import LAYOUTS, SHAPES, random_planes
 
 LAYERS = 32
 VOCAB, HIDDEN = 128256, 4096
@@ -28,20 +26,12 @@ VOCAB, HIDDEN = 128256, 4096
 TARGETS = {"q4_k": 2.0, "gptq4_g128": 2.2, "q8_0": 1.6, "fp8": 1.6}
 
 
-def bits_per_weight(layout: QuantLayout) -> float:
-    """Bits a weight costs in the GPU's planes: its low and high bits, and its share of the factors (half-precision
-    d and m per super group, a byte a and b per scale group where the layout has them)."""
-    bits = layout.low_bits + layout.high_bits + 16 / layout.super_group
-    bits += 16 / layout.super_group if layout.has_m else 0
-    bits += 8 / layout.scale_group if layout.a_mode else 0
-    bits += 8 / layout.scale_group if layout.b_mode == 2 else 0
-    return bits
-
-
 def layer_bytes(name: str) -> float:
+    """A layer's four projections in ``name``'s planes and factors, as the GPU holds them (their tensors' sizes on
+    the meta device); FP8 weights a byte each and a float32 scale a row."""
     if name == "fp8":
         return sum(n * k + 4 * n for n, k in SHAPES.values())
-    return sum(n * k for n, k in SHAPES.values()) * bits_per_weight(LAYOUTS[name]) / 8
+    return sum(random_planes(LAYOUTS[name], n, k, "meta").nbytes() for n, k in SHAPES.values())
 
 
 def layer_bytes_bf16() -> float:

@@ -41,16 +41,17 @@ LAYOUTS = {   # as the GGUF plugin and GPTQ repack them (int8 activations: GGUF'
 }
 
 
-def random_planes(layout: QuantLayout, n: int, k: int) -> QuantWeight:
-    """Random words and small factors drawn on the GPU (the values do not matter for timing, only finite sums)."""
+def random_planes(layout: QuantLayout, n: int, k: int, device: str = "cuda") -> QuantWeight:
+    """Random words and small factors drawn on the GPU (the values do not matter for timing, only finite sums; on
+    the "meta" device: their sizes only)."""
     def words(bits):
-        return torch.randint(-(1 << 31), 1 << 31, (k * bits // 32, n), dtype=torch.int32, device="cuda")
+        return torch.randint(-(1 << 31), 1 << 31, (k * bits // 32, n), dtype=torch.int32, device=device)
 
     def half(rows):
-        return (torch.rand(rows, n, device="cuda") * 1e-3).half()
+        return (torch.rand(rows, n, device=device) * 1e-3).half()
 
     def byte(dtype):
-        return torch.randint(0, 64, (k // layout.scale_group, n), device="cuda").to(dtype)
+        return torch.randint(0, 64, (k // layout.scale_group, n), device=device).to(dtype)
 
     return QuantWeight(layout, n, k, words(layout.low_bits), words(layout.high_bits) if layout.high_bits else None,
                        half(k // layout.super_group), half(k // layout.super_group) if layout.has_m else None,

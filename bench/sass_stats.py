@@ -36,15 +36,15 @@ from cvllm_gguf.planes import LAYOUTS as GGUF_LAYOUTS  # noqa: E402
 # the tests' layouts, and the GGUF types they lack (q4_0, q5_1, q5_k: every high-plane width of the int8 GEMV)
 LAYOUTS = {**{qtype.name.lower(): layout for qtype, layout in GGUF_LAYOUTS.items()}, **TEST_LAYOUTS}
 
-PAIRS = False   # float-gemv: the paired form (--pairs), x in bf16
 SHARED_LIMIT = 232448   # bytes of shared memory a block may have on the H200 (sm_90)
 PLANES = {"low_ptr": "*i32", "high_ptr": "*i32", "d_ptr": "*fp16", "m_ptr": "*fp16", "a_ptr": "*u8", "b_ptr": "*u8"}
 DIVISIBLE = {"N", "K", "SPLIT_WORDS", "one_bits", "stride_xt", "stride_ot"}
 
 
-def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m: int = 16):
+def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m: int = 16, pairs: bool = False):
     """(jit function, signature, constexprs, num_warps) of one GEMV (or GEMM: ``block_m``, the rows' tile; the int8
-    GEMV: the rows of x a program takes) configuration."""
+    GEMV: the rows of x a program takes; ``pairs``: the float GEMV's paired form, x as its int32 pairs)
+    configuration."""
     block_n, block_w, warps, *stages = config
     gw = group_words(layout, block_w)
     common = {**layout.kernel_args(), "BLOCK_N": block_n, "BLOCK_W": block_w, "GROUP_WORDS": gw,
@@ -68,9 +68,9 @@ def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m
                    "IEEE": False, "UPCAST": False, "LANES": quant_gemm_swapped.in_lanes(layout, torch.bfloat16),
                    "ASM": True, "USE_PDL": False}
         return quant_gemm_swapped._gemm_swapped_kernel, signature, swapped, warps
-    signature = {"x_ptr": "*i32" if PAIRS else "*bf16", "xsum_ptr": "*fp32", "out_ptr": "*bf16", **PLANES, "N": "i32",
+    signature = {"x_ptr": "*i32" if pairs else "*bf16", "xsum_ptr": "*fp32", "out_ptr": "*bf16", **PLANES, "N": "i32",
                  "K": "i32", "SPLIT_WORDS": "i32", "one_bits": "i32"}
-    return quant_gemv._gemv_kernel, signature, {**common, "PAIRS": int(PAIRS)}, warps
+    return quant_gemv._gemv_kernel, signature, {**common, "PAIRS": int(pairs)}, warps
 
 
 def compile_sm90(fn, signature: dict, constexprs: dict, warps: int, stages: int | None = None):
@@ -118,15 +118,13 @@ def main() -> None:
     ap.add_argument("--pairs", action="store_true", help="float-gemv: the paired form (CVLLM_QUANT_GEMV_PAIRS)")
     ap.add_argument("--dump", type=Path, help="write the TTGIR, PTX and SASS here")
     args = ap.parse_args()
-    global PAIRS
-    PAIRS = args.pairs
     if args.table:
         gemm_table()
         return
     config = tuple(int(v) for v in args.config.split(","))
     stages = config[3] if args.kind.startswith("gemm") and len(config) > 3 else None
     block_m = args.block_m or (1 if args.kind == "int8-gemv" else 16)
-    kernel = compile_sm90(*kernel_spec(args.kind, LAYOUTS[args.layout], config, block_m), stages)
+    kernel = compile_sm90(*kernel_spec(args.kind, LAYOUTS[args.layout], config, block_m, args.pairs), stages)
     dump = args.dump or Path(f"/tmp/sass-{args.kind}")
     dump.mkdir(parents=True, exist_ok=True)
     (dump / "kernel.cubin").write_bytes(kernel.asm["cubin"])

@@ -62,7 +62,8 @@ tests)
     run gpu-tests-fused 120 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_fused_kernels_gpu.py \
         $t/test_family_kernels_gpu.py --durations=3
     run gpu-tests-kernels 240 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_kernels_gpu.py --durations=3
-    run gpu-tests-quant 420 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_quant_matmul.py $t/test_quant_gemv_int8.py $t/test_quant_rows.py \
+    run gpu-tests-quant 420 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_quant_matmul.py $t/test_quant_gemv_int8.py \
+        $t/test_quant_gemv_pairs.py $t/test_quant_rows.py \
         plugins/quant-gguf/tests/test_gguf_cuda.py plugins/quant-marlin/tests plugins/quant-fp8/tests --durations=3
     # in-situ K-quants on the GPU: llama.cpp's bytes through the Triton scale search (no gpu marker on most: they
     # run on CPU too, on the device's CUDA tensors there)
@@ -239,9 +240,9 @@ swapped)
             --json "$out/$day-h200-throughput64-isq-$t-swapped-$commit.json"
     done ;;
 gemvpairs)
-    # the whole file: the float GEMV's form without pairs (ff90755 gave its kernel an argument) and the paired one
+    # the float GEMV's form without pairs too (ff90755 gave its kernel an argument)
     run gpu-tests-pairs 200 python3 -m pytest -m gpu -p no:cacheprovider -q \
-        plugins/backend-cuda/tests/test_quant_matmul.py --durations=3
+        plugins/backend-cuda/tests/test_quant_matmul.py plugins/backend-cuda/tests/test_quant_gemv_pairs.py --durations=3
     for on in 0 1; do
         CVLLM_QUANT_GEMV_PAIRS=$on run stack-gptq-pairs$on 90 python3 bench/quant_gemv_stack.py --defaults \
             --layouts gptq4_g128 --json "$out/$day-h200-quant_gemv_stack-gptq-pairs$on-$commit.json"

@@ -276,7 +276,8 @@ def _gemv_kernel(x_ptr, xsum_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_pt
 
 def pairs_form(weight: QuantWeight, dtype: torch.dtype, pairs: bool | None = None) -> int:
     """The PAIRS code a GEMV of ``weight`` with x of ``dtype`` runs (0: the float form); ``pairs`` None: as
-    CVLLM_QUANT_GEMV_PAIRS says (read per call: the GEMV's callers capture graphs, not launches)."""
+    CVLLM_QUANT_GEMV_PAIRS says, read per call as quant_gemv_int8.applies reads its switches (a decode step's GEMVs
+    run from CUDA graphs: the read is at capture, not every step)."""
     lay = weight.layout
     if pairs is None:
         pairs = os.environ.get(PAIRS_ENV, "0") == "1"
@@ -300,7 +301,7 @@ def quant_gemv(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: 
     target = out if splits == 1 else torch.empty((splits, n), dtype=torch.float32, device=x.device)
     lay = weight.layout
     gw = group_words(lay, block_w)
-    x_args = pair_activations(x) if paired else (x, x)
+    x_args = pair_activations(x) if paired else (x, x)   # (the float form reads no sums: x again in their place)
     _gemv_kernel[(cdiv(n, block_n), splits)](
         *x_args, target, *kernel_tensors(weight), n, k, split_words, ONE_BITS, **lay.kernel_args(), BLOCK_N=block_n,
         BLOCK_W=block_w, GROUP_WORDS=gw, GROUP_SUM=groups_in_thread(block_n, block_w, gw, warps),
