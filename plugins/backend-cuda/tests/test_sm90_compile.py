@@ -133,7 +133,8 @@ def test_int8_gemv_of_several_rows_compiles_without_spills(monkeypatch, name):
     quant_gemv_int8 = importlib.import_module("cvllm_cuda.kernels.quant_gemv_int8")
     layout = dataclasses.replace(LAYOUTS[name], int8_activations=True)
     weight = random_weight(layout, 256, 1024, "cpu")
-    monkeypatch.setattr(quant_gemv_int8, "_quantize_kernel", sm90.LaunchRecorder(quant_gemv_int8._quantize_kernel))
+    int8_activations = importlib.import_module("cvllm_cuda.kernels.int8_activations")
+    monkeypatch.setattr(int8_activations, "_quantize_kernel", sm90.LaunchRecorder(int8_activations._quantize_kernel))
     rows = quant_gemv_int8.MAX_ROWS
     x, out = torch.zeros(rows, 1024, dtype=torch.bfloat16), torch.empty(rows, 256, dtype=torch.bfloat16)
     kernels = compiled_launches(monkeypatch, quant_gemv_int8, "_gemv_int8_kernel",
@@ -182,3 +183,28 @@ def test_lagged_fixup_compiles(monkeypatch):
         torch.zeros(seqs, dtype=torch.int32), torch.zeros(rows, dtype=torch.int64), tables, fill,
         torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64), 16)
     assert len(compiled_launches(monkeypatch, lagged, "_lagged_fixup_kernel", fixup)) == 1
+
+
+@compiles
+@pytest.mark.parametrize("low_bits", [2, 4, 8])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_producers_of_int8_activations_compile(monkeypatch, low_bits, rows):
+    """RMSNorm (Llama-3-8B's 4096) and silu * up (14336) making a low-bit GEMV's int8 activations beside their bf16
+    outputs (int8_activations.py), a decode step's rows and a verify step's, and the quantizer kernel alone."""
+    from types import SimpleNamespace
+
+    from test_quant_matmul import LAYOUTS
+    activation, int8_activations, rms_norm = (importlib.import_module(f"cvllm_cuda.kernels.{name}")
+                                              for name in ("activation", "int8_activations", "rms_norm"))
+    layout = dataclasses.replace(next(lay for lay in LAYOUTS.values() if lay.low_bits == low_bits and
+                                      not lay.high_bits), int8_activations=True)
+    layer = lambda k: SimpleNamespace(quant_weight=SimpleNamespace(layout=layout, in_features=k))  # noqa: E731
+    x = torch.zeros(rows, 4096, dtype=torch.bfloat16)
+    norm = lambda: rms_norm.fused_add_rms_norm(x, x, torch.ones(4096, dtype=torch.bfloat16), 1e-5,  # noqa: E731
+                                               feeds=layer(4096))
+    assert len(compiled_launches(monkeypatch, rms_norm, "_add_rms_norm_kernel", norm)) == 1
+    gate_up = torch.zeros(rows, 2 * 14336, dtype=torch.bfloat16)
+    silu = lambda: activation.silu_and_mul(gate_up, feeds=layer(14336))  # noqa: E731
+    assert len(compiled_launches(monkeypatch, activation, "_silu_and_mul_kernel", silu)) == 1
+    alone = lambda: int8_activations.quantize_activations(x, low_bits)  # noqa: E731
+    assert len(compiled_launches(monkeypatch, int8_activations, "_quantize_kernel", alone)) == 1

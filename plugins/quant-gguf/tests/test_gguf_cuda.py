@@ -169,6 +169,35 @@ def test_tiny_model_on_cuda_computes_from_planes_and_gives_the_cpu_exact_tokens(
     assert _greedy(cuda, prompts) == _greedy(cpu, prompts)
 
 
+@pytest.mark.gpu
+@needs_gpu
+def test_tiny_model_logprobs_equal_with_the_producers_int8_activations(tmp_path, make_rows, monkeypatch):
+    """The tiny GGUF Llama in bf16 on CUDA (graphs on; its layers Q4_1, Q5_1, Q8_0, Q4_K: all on int8 activations):
+    greedy tokens and their logprobs to the bit whether the norms and silu * up make the GEMVs' int8 activations or
+    the quantizer kernel does (CVLLM_QUANT_PRODUCER_ACTIVATIONS=0; cvllm_cuda/kernels/int8_activations.py)."""
+    from cvllm import LLM
+    from cvllm.sampling_params import SamplingParams
+    from cvllm_cuda.kernels import int8_activations
+    from cvllm_gguf.testing import write_tiny_llama
+
+    path, _, _ = write_tiny_llama(tmp_path, make_rows)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    prompts = [{"prompt_token_ids": [5, 17, 33, 2]}, {"prompt_token_ids": [90, 1, 44, 44, 3, 8]}]
+    quantizer_calls, quantize = [], quant_gemv_int8.quantize_activations
+    monkeypatch.setattr(quant_gemv_int8, "quantize_activations", lambda *a: quantizer_calls.append(1) or quantize(*a))
+    results, calls = {}, {}
+    for on in ("1", "0"):
+        monkeypatch.setenv(int8_activations.PRODUCERS_ENV, on)
+        quantizer_calls.clear()
+        llm = LLM(model=str(path), backend="cuda", dtype="bfloat16", num_kv_blocks=32, max_num_seqs=4)
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        results[on] = [(list(o.token_ids), [[lp[t].logprob for t in lp] for lp in o.logprobs]) for o in outs]
+        calls[on] = len(quantizer_calls)
+        del llm
+    assert results["1"] == results["0"]
+    assert calls["1"] < calls["0"] / 2   # three of a layer's four GEMVs took the producers' activations
+
+
 def test_mixed_parts_each_computed_from_their_planes(make_rows, one_torch_thread, monkeypatch):
     """A fused q/k/v of Q4_K, Q4_K and Q6_K parts (a Q4_K_M file's attention): one matmul per part into its
     columns, against the exact dequantized stack, for every kernel path (1 row, a few, many; float activations)."""

@@ -81,6 +81,10 @@ class Backend:
     #       and one with per-head norms (Qwen3) ``qk_norm=(q_weight, k_weight, eps)``: RMSNorm over each head of q
     #       and k before the rotation (q_norm and k_norm share eps); an interleaved rotary adds ``interleaved=True``
     #   silu_and_mul(x [..., 2I]) -> [..., I]: SiluAndMul (layers/activation.py)
+    #   (with ``takes_feeds``, fused_add_rms_norm, fused_add_rms_norm_plus_one and silu_and_mul also take
+    #   ``feeds=layer``: the linear layer the model hands the output to next, where it says so (RMSNorm.feeds,
+    #   SiluAndMul.feeds, layers/decoder.py); the backend may make that layer's input form beside the output in the
+    #   same launch: CUDA's int8 activations of a low-bit GEMV)
     #   gelu_and_mul(x [..., 2I], approximate) -> [..., I]: GeluAndMul, ``approximate`` "none" or "tanh"
     #   fused_add_rms_norm_plus_one(x, residual, weight, eps): GemmaRMSNorm.forward (scales by 1 + weight, in fp32,
     #       rounded once), residual as fused_add_rms_norm's
@@ -97,6 +101,7 @@ class Backend:
     #   argmax(x [B, V]) -> int64 [B]: ``x.argmax(dim=-1)`` (first index of the max; NaN ranks highest), for
     #       the sampler (the engine hands it over; no forward pass is in progress when it samples)
     argmax: Callable[[Tensor], Tensor] | None = None
+    takes_feeds: bool = False
     #   argmax_reported(x [B, V]) -> (int64 [B], int64 [B]): ``argmax`` and the ids the host is told, -1 where a row
     #       holds NaN or +inf (the sampler's greedy path then needs no check of its own)
     argmax_reported: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None

@@ -10,9 +10,13 @@ from cvllm.backends.base import forward_backend
 
 
 class SiluAndMul(nn.Module):
+    feeds: nn.Module | None = None   # the layer its output goes to next, as RMSNorm.feeds
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         backend = forward_backend()
         if backend is not None and backend.silu_and_mul is not None:
+            if self.feeds is not None and backend.takes_feeds:
+                return backend.silu_and_mul(x, feeds=self.feeds)
             return backend.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -26,6 +26,15 @@ from cvllm.layers.layernorm import RMSNorm
 from cvllm.weight_loading import WeightTransform, load_weights_by_name, transform_weights
 
 
+def feed(producer: nn.Module | None, consumer: nn.Module | None) -> None:
+    """Record that ``producer`` (an RMSNorm, a SiluAndMul) hands its output straight to the linear layer ``consumer``,
+    as it is, not written in place in between (``producer.feeds``): a backend may then make the consumer's input
+    form in the producer's launch (Backend.takes_feeds). A plain attribute, not a submodule: the consumer stays where
+    the model tree has it (one name, one state-dict entry). Nothing where either is missing."""
+    if producer is not None and consumer is not None and hasattr(producer, "feeds"):
+        object.__setattr__(producer, "feeds", consumer)
+
+
 class PreNormDecoderLayer(nn.Module):
     norm_class = RMSNorm   # a subclass's own norm, built as norm_class(hidden_size, rms_norm_eps) (Gemma's 1 + w)
 
@@ -35,6 +44,11 @@ class PreNormDecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
+        # the norms' outputs go straight to the attention's and the MLP's first projections, silu * up to the down
+        # projection, in the families built on this layer (where a module has other names, nothing is linked)
+        feed(self.input_layernorm, getattr(self_attn, "qkv_proj", None))
+        feed(self.post_attention_layernorm, getattr(mlp, "gate_up_proj", None))
+        feed(getattr(mlp, "act_fn", None), getattr(mlp, "down_proj", None))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
         if residual is None:

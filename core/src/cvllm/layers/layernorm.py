@@ -25,6 +25,10 @@ class RMSNorm(nn.Module):
         kernel_owner = next(k for k in cls.__mro__ if "_fused_kernel" in vars(k))
         cls._fusable = cls.forward is RMSNorm.forward and norm_owner is kernel_owner
 
+    # the linear layer the model hands this norm's output to (layers/decoder.feed), for a backend that makes that
+    # layer's input form in the norm's launch (Backend.takes_feeds); None: not known
+    feeds: nn.Module | None = None
+
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
@@ -37,9 +41,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``."""
-        fused = getattr(forward_backend(), self._fused_kernel, None) if self._fusable else None
-        if fused is not None and (out := fused(x, residual, self.weight, self.eps)) is not None:
-            return out   # (None: the kernel does not take these inputs, backends/base.py)
+        backend = forward_backend()
+        fused = getattr(backend, self._fused_kernel, None) if self._fusable else None
+        if fused is not None:
+            feeds = {"feeds": self.feeds} if self.feeds is not None and backend.takes_feeds else {}
+            if (out := fused(x, residual, self.weight, self.eps, **feeds)) is not None:
+                return out   # (None: the kernel does not take these inputs, backends/base.py)
         if residual is None:
             return self._norm(x)
         x = x + residual

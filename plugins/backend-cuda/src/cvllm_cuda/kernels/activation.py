@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from cvllm_cuda.kernels import pdl
+from cvllm_cuda.kernels import int8_activations, pdl, quant_gemv_int8
+from cvllm_cuda.kernels.int8_activations import quantize_blocks
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
 
@@ -29,8 +30,8 @@ _LIBDEVICE_EXP = not triton.knobs.runtime.interpret
 
 @triton.jit
 def _silu_and_mul_kernel(
-    x_ptr, out_ptr, intermediate, stride_xt,
-    LIBDEVICE_EXP: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr, out_ptr, packs_ptr, xd_ptr, sums_ptr, block_sums_ptr, intermediate, stride_xt,
+    LIBDEVICE_EXP: tl.constexpr, BLOCK: tl.constexpr, INT8_BITS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -44,11 +45,19 @@ def _silu_and_mul_kernel(
         exp_neg = tl.exp(-gate)
     dtype = out_ptr.dtype.element_ty
     silu = tl.math.div_rn(gate, 1.0 + exp_neg).to(dtype).to(tl.float32)  # F.silu rounds to the dtype
-    tl.store(out_ptr + token * intermediate + cols, (silu * up).to(dtype), mask=mask)
+    out = (silu * up).to(dtype)
+    tl.store(out_ptr + token * intermediate + cols, out, mask=mask)
+    if INT8_BITS > 0:   # the output's int8 form for the low-bit GEMV it goes to (int8_activations.py)
+        BLOCKS: tl.constexpr = BLOCK // 32
+        blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+        quantize_blocks(tl.reshape(out.to(tl.float32), (BLOCKS, 32)), token * (intermediate // 32) + blocks,
+                        blocks < intermediate // 32, packs_ptr, xd_ptr, sums_ptr, block_sums_ptr, INT8_BITS)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` with ``gate, up = x.chunk(2, dim=-1)``: ``[..., 2I]`` -> a new ``[..., I]`` tensor."""
+def silu_and_mul(x: torch.Tensor, feeds=None) -> torch.Tensor:
+    """``silu(gate) * up`` with ``gate, up = x.chunk(2, dim=-1)``: ``[..., 2I]`` -> a new ``[..., I]`` tensor.
+    ``feeds``: the linear layer the output goes to next (SiluAndMul.feeds); where that is a low-bit GEMV on int8
+    activations, the output's int8 form comes with it (int8_activations.py)."""
     assert x.shape[-1] % 2 == 0, x.shape
     intermediate = x.shape[-1] // 2
     out = torch.empty((*x.shape[:-1], intermediate), dtype=x.dtype, device=x.device)
@@ -57,12 +66,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])  # a view for the usual [T, 2I] or [B, S, 2I] projection output
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
+    int8_bits = quant_gemv_int8.input_bits(feeds, rows.shape[0]) if feeds is not None else None
+    made = int8_activations.buffers(out.numel(), int8_bits, x.device) if int8_bits else (out,) * 4
     grid = (rows.shape[0], cdiv(intermediate, _BLOCK))
     _silu_and_mul_kernel[grid](
-        rows, out, intermediate, rows.stride(0),
-        LIBDEVICE_EXP=_LIBDEVICE_EXP, BLOCK=min(_BLOCK, next_power_of_2(intermediate)),
+        rows, out, *made, intermediate, rows.stride(0),
+        LIBDEVICE_EXP=_LIBDEVICE_EXP, BLOCK=min(_BLOCK, next_power_of_2(intermediate)), INT8_BITS=int8_bits or 0,
         num_warps=4, enable_fp_fusion=False, **pdl.options(x.device),
     )
+    if int8_bits:
+        int8_activations.attach(out, int8_bits, made)
     return out
 
 

@@ -7,9 +7,10 @@ or in the exponent, multiply-add, and its share of x), which on the H200 is more
 one ``dp4a`` multiplies four weight bytes by four activation bytes and adds them to an int32: a word of eight
 4-bit weights is two masks, a shift and two ``dp4a``, under one instruction per element.
 
-- ``quantize_activations``: x [T, K] -> per 32 inputs d = max|x| / 127 and q = round(x / d) (half away from
-  zero), packed four per int32 in the order the weight words' bytes come out (below); per weight word, the sum
-  of its inputs ``d * sum(q)`` (the formats' offsets multiply it).
+- ``quantize_activations`` (int8_activations.py): x [T, K] -> per 32 inputs d = max|x| / 127 and q = round(x / d),
+  packed four per int32 in the order the weight words' bytes come out (below), and the sums the offsets multiply;
+  made by the RMSNorm or silu * up that produced x where the model links them (``input_bits``), else by its own
+  kernel before the GEMV.
 - ``_gemv_int8_kernel``: a low-plane word of ``32 / bits`` elements masked with 0x0F0F0F0F (4-bit; 0x03030303
   2-bit; the word itself 8-bit) at shift ``s * bits`` holds elements ``s, s + P, s + 2P, s + 3P`` (P = 8 / bits)
   in its four bytes; the activation pack (word, s) holds the same elements' int8s. Per word
@@ -40,6 +41,8 @@ import triton
 import triton.language as tl
 
 from cvllm_cuda.kernels import gpu
+from cvllm_cuda.kernels.int8_activations import BLOCK, attached, producers_on, quantize_activations
+from cvllm_cuda.kernels.int8_activations import dequantized_activations  # noqa: F401 (the tests' reference, here)
 from cvllm_cuda.kernels.int8_bytes import weight_bytes
 from cvllm_cuda.kernels.pdl import options as pdl_options
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
@@ -58,7 +61,6 @@ from cvllm_cuda.kernels.sizes import cdiv
 from cvllm_cuda.kernels.tuned_matmul import TUNED_QUANT_GEMV, quant_gemv_key
 from cvllm_cuda.quant_planes import QuantLayout, QuantWeight
 
-BLOCK = 32   # inputs per activation scale
 # rows of x up to which quant_matmul takes this GEMV (decode batches, a batch-1 speculative verify step of the
 # default 4 drafts): a row's numerics then do not depend on how many rows share the step. 5, not 8 (llama.cpp's
 # q8_1 matrix-vector limit): with the rows together in a program (ROWS_PER_PROGRAM) the GEMV ties the swapped GEMM
@@ -96,46 +98,23 @@ def applies(layout: QuantLayout, in_features: int) -> bool:
             and os.environ.get(ENV, "1") != "0")
 
 
+def input_bits(layer, rows: int) -> int | None:
+    """The low-plane width whose int8 form of x [rows, K] the low-bit linear ``layer`` takes (every part of a fused
+    layer the same one), or None: a layer of another kind, more rows than MAX_ROWS, parts of different widths, or
+    CVLLM_QUANT_PRODUCER_ACTIVATIONS=0. What a producer linked to ``layer`` makes beside its output."""
+    weight = getattr(layer, "quant_weight", None)
+    weights = [weight] if weight is not None else [part for _, part in getattr(layer, "quant_parts", ())]
+    if not weights or rows > MAX_ROWS or not producers_on():
+        return None
+    widths = {w.layout.low_bits if applies(w.layout, w.in_features) else None for w in weights}
+    return widths.pop() if len(widths) == 1 else None
+
+
 def default_tiles(layout: QuantLayout) -> tuple[tuple, int]:
     """(BLOCK_N, BLOCK_W, num_warps[, stages]) and the programs per SM the K split aims at, untuned."""
     if layout.high_bits:
         return INT8_HIGH_PLANE_CONFIGS[layout.low_bits, layout.high_bits]
     return INT8_GEMV_CONFIGS[layout.low_bits], INT8_PROGRAMS_PER_SM[layout.low_bits]
-
-
-@triton.jit
-def _quantize_kernel(x_ptr, packs_ptr, d_ptr, sums_ptr, block_sums_ptr, K, LOW_BITS: tl.constexpr,
-                     BLOCKS: tl.constexpr, USE_PDL: tl.constexpr):
-    """BLOCKS blocks of 32 inputs per program: their scales, packs [K / 4], word sums [K * LOW_BITS / 32] and block
-    sums [K / 32]."""
-    wait_for_previous_kernel(USE_PDL)
-    PER_WORD: tl.constexpr = 32 // LOW_BITS
-    PHASES: tl.constexpr = 8 // LOW_BITS
-    blocks = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
-    ok = blocks < K // 32
-    x = tl.load(x_ptr + blocks[:, None] * 32 + tl.arange(0, 32)[None, :], mask=ok[:, None], other=0.0).to(
-        tl.float32)
-    d = tl.max(tl.abs(x), axis=1) / 127.0
-    inv = tl.where(d > 0, 1.0 / d, 0.0)
-    scaled = x * inv[:, None]
-    q = tl.where(scaled < 0, scaled - 0.5, scaled + 0.5).to(tl.int32)        # to int truncates: half away from 0
-    tl.store(d_ptr + blocks, d, mask=ok)
-    tl.store(block_sums_ptr + blocks, tl.sum(q, axis=1).to(tl.float32) * d, mask=ok)
-    # element e of a word sits in byte e // PHASES of pack e % PHASES: [words, 4 bytes, PHASES]
-    q3 = tl.reshape(q, (BLOCKS * 32 // PER_WORD, 4, PHASES))
-    shifts = (tl.arange(0, 4) * 8)[None, :, None]
-    packs = tl.reduce((q3 & 0xFF) << shifts, 1, _bit_or)                       # [words, PHASES]
-    words = tl.program_id(0) * (BLOCKS * 32 // PER_WORD) + tl.arange(0, BLOCKS * 32 // PER_WORD)
-    word_ok = words < K // PER_WORD
-    tl.store(packs_ptr + words[:, None] * PHASES + tl.arange(0, PHASES)[None, :], packs, mask=word_ok[:, None])
-    word_d = tl.reshape(tl.broadcast_to(d[:, None], (BLOCKS, 32 // PER_WORD)), (BLOCKS * 32 // PER_WORD,))
-    word_sums = tl.sum(tl.reshape(q, (BLOCKS * 32 // PER_WORD, PER_WORD)), axis=1).to(tl.float32) * word_d
-    tl.store(sums_ptr + words, word_sums, mask=word_ok)
-
-
-@triton.jit
-def _bit_or(a, b):
-    return a | b
 
 
 @triton.jit
@@ -276,7 +255,6 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_
         tl.store(row_out + cols, total.to(out_ptr.dtype.element_ty), mask=(cols < N) & (row < T))
 
 
-QUANTIZE_BLOCKS = 8   # 32-input blocks per program of the activation quantizer
 # rows of x a GEMV program takes: each weight tile then comes from memory and is unpacked once for all of them, and
 # each row is summed as when alone (the same bits). All of them up to MAX_ROWS by default: a Llama-3-8B layer in a
 # CUDA graph on the H200 (bench/results/2026-12-04-h200-gemm_swapped_probe-gemvrows-6ca7c93.json), us at 1 / 2 / 3 /
@@ -298,29 +276,6 @@ def program_rows(rows: int, n: int, k: int) -> int:
     return rows if n * k >= ROWS_TOGETHER_MIN_WEIGHTS else 1
 
 
-def quantize_activations(x: torch.Tensor, low_bits: int) -> tuple[torch.Tensor, ...]:
-    """x [T, K] (contiguous) -> (packs int32 [T * K / 4], scales float32 [T * K / 32], word sums float32
-    [T * K * low_bits / 32], block sums float32 [T * K / 32]), row after row: a block of 32 never spans two rows."""
-    k = x.numel()
-    packs = torch.empty(k // 4, dtype=torch.int32, device=x.device)
-    scales = torch.empty(k // BLOCK, dtype=torch.float32, device=x.device)
-    sums = torch.empty(k * low_bits // 32, dtype=torch.float32, device=x.device)
-    block_sums = torch.empty(k // BLOCK, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(k // BLOCK, QUANTIZE_BLOCKS),)
-    _quantize_kernel[grid](x, packs, scales, sums, block_sums, k, LOW_BITS=low_bits, BLOCKS=QUANTIZE_BLOCKS,
-                           num_warps=4, **pdl_options(x.device))
-    return packs, scales, sums, block_sums
-
-
-def dequantized_activations(x: torch.Tensor) -> torch.Tensor:
-    """The reference: the float32 values the kernel multiplies by (x rounded to int8 per 32 inputs)."""
-    blocks = x.float().reshape(*x.shape[:-1], -1, BLOCK)
-    d = blocks.abs().amax(-1, keepdim=True) / 127
-    q = torch.where(d > 0, blocks / torch.where(d > 0, d, 1), 0)
-    q = torch.where(q < 0, q - 0.5, q + 0.5).trunc()
-    return (q * d).reshape(x.shape)
-
-
 def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple | None = None,
                     splits: int | None = None, activations: tuple[torch.Tensor, ...] | None = None,
                     rows_per_program: int | None = None) -> None:
@@ -338,7 +293,7 @@ def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, con
     default, programs_per_sm = default_tiles(lay)
     block_n, block_w, warps, *stages = tuned[:4] if tuned else config or default
     if activations is None:
-        activations = quantize_activations(x, lay.low_bits)
+        activations = attached(x, lay.low_bits) or quantize_activations(x, lay.low_bits)
     splits, split_words = split_k(cdiv(n, block_n), k, lay.low_bits, block_w, x.device, splits,
                                   tuned[4] if tuned else programs_per_sm)
     target = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)

@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from cvllm_cuda.kernels import pdl
+from cvllm_cuda.kernels import int8_activations, pdl, quant_gemv_int8
+from cvllm_cuda.kernels.int8_activations import quantize_blocks
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
 
@@ -30,11 +31,11 @@ _MAX_HIDDEN = 65536  # one program holds a whole row in registers
 # variants while serving, each costing the step it first appears in ~0.5 s
 @triton.jit(do_not_specialize=["num_rows"])
 def _add_rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
+    x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr, packs_ptr, xd_ptr, sums_ptr, block_sums_ptr,
     num_rows, inner_rows, hidden, eps,
     stride_xa, stride_xb, stride_ra, stride_rb,
     HAS_RESIDUAL: tl.constexpr, PLUS_ONE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    INT8_BITS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     # rows are the leading dims flattened: row = a * inner_rows + b, so a strided [A, B, N] view
@@ -67,7 +68,15 @@ def _add_rms_norm_kernel(
     else:
         normed = (xf * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)  # torch rounds the norm to the dtype
         out = weight[None, :] * normed
-    tl.store(out_ptr + dense_offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+    out = out.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + dense_offsets, out, mask=mask)
+    if INT8_BITS > 0:   # the output's int8 form for the low-bit GEMV it goes to (int8_activations.py)
+        BLOCKS: tl.constexpr = BLOCK_N // 32
+        blocks = tl.arange(0, BLOCKS)
+        flat_blocks = tl.reshape(rows64[:, None] * (hidden // 32) + blocks[None, :], (BLOCK_R * BLOCKS,))
+        ok = tl.reshape(row_ok[:, None] & (blocks < hidden // 32)[None, :], (BLOCK_R * BLOCKS,))
+        quantize_blocks(tl.reshape(out.to(tl.float32), (BLOCK_R * BLOCKS, 32)), flat_blocks, ok,
+                        packs_ptr, xd_ptr, sums_ptr, block_sums_ptr, INT8_BITS)
 
 
 def _as_3d(t: torch.Tensor) -> torch.Tensor:
@@ -81,27 +90,28 @@ def _as_3d(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-2], t.shape[-1])
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                       eps: float) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                       feeds=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``RMSNorm.forward`` in one launch: ``weight * rms_norm(x)``, or with ``residual``
     ``(weight * rms_norm(x + residual), x + residual)``, normalising over the last dim.
 
     ``x`` and ``residual`` may be strided views with any number of leading dims; the results are new
     contiguous tensors (no writes into the inputs: safe inside CUDA graphs and autograd-free code
-    alike). Nothing is read back to the host.
+    alike). Nothing is read back to the host. ``feeds``: the linear layer the output goes to next (RMSNorm.feeds);
+    where that is a low-bit GEMV on int8 activations, the output's int8 form comes with it (int8_activations.py).
     """
-    return _launch(x, residual, weight, eps, plus_one=False)
+    return _launch(x, residual, weight, eps, plus_one=False, feeds=feeds)
 
 
-def fused_add_rms_norm_plus_one(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                                eps: float) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm_plus_one(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                                feeds=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``GemmaRMSNorm.forward`` in one launch: ``rms_norm(x) * (1 + weight)`` in fp32, rounded once to ``x``'s
     dtype, or with ``residual`` ``(that of x + residual, x + residual)``; inputs as ``fused_add_rms_norm``'s."""
-    return _launch(x, residual, weight, eps, plus_one=True)
+    return _launch(x, residual, weight, eps, plus_one=True, feeds=feeds)
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-            plus_one: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+            plus_one: bool, feeds=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     hidden = x.shape[-1]
     assert weight.shape == (hidden,), (weight.shape, x.shape)
     assert hidden <= _MAX_HIDDEN, f"hidden size {hidden} > {_MAX_HIDDEN}"
@@ -112,6 +122,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, residual.dtype, x.dtype)
         new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     num_rows = x.numel() // hidden if hidden else 0
+    int8_bits = quant_gemv_int8.input_bits(feeds, num_rows) if feeds is not None and num_rows else None
+    made = int8_activations.buffers(out.numel(), int8_bits, x.device) if int8_bits else (out,) * 4
     if num_rows:
         x3 = _as_3d(x)
         r3 = _as_3d(residual) if residual is not None else x3
@@ -119,12 +131,14 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         block_r = min(max(1, _TILE_ELEMENTS // block_n), next_power_of_2(num_rows))
         grid = (cdiv(num_rows, block_r),)
         _add_rms_norm_kernel[grid](
-            x3, r3, weight.contiguous(), out, new_residual if new_residual is not None else out,
+            x3, r3, weight.contiguous(), out, new_residual if new_residual is not None else out, *made,
             num_rows, x3.shape[1], hidden, eps,
             x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
             HAS_RESIDUAL=residual is not None, PLUS_ONE=plus_one, BLOCK_R=block_r, BLOCK_N=block_n,
-            num_warps=min(16, max(1, block_r * block_n // 512)),
+            INT8_BITS=int8_bits or 0, num_warps=min(16, max(1, block_r * block_n // 512)),
             enable_fp_fusion=False,  # no FMA contraction: the products round as torch's do
             **pdl.options(x.device),
         )
+        if int8_bits:
+            int8_activations.attach(out, int8_bits, made)
     return out if residual is None else (out, new_residual)

@@ -1,0 +1,137 @@
+"""The int8 activations an RMSNorm or silu * up makes beside its output for the low-bit GEMV it feeds
+(kernels/int8_activations.py): the quantizer kernel's bits, found by the GEMV only on the tensor they were made from,
+and the model's layers linked where their outputs go straight on. In Triton's interpreter without a GPU, compiled
+with one (a tiny GGUF model's logits with and without them: plugins/quant-gguf/tests/test_gguf_cuda.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cvllm.testing.requirements import import_or_skip
+
+import_or_skip("triton")  # a skip locally, an error under CI=true
+
+from test_quant_matmul import DEVICE, LAYOUTS, random_weight  # noqa: E402
+
+from cvllm_cuda.kernels import int8_activations, quant_gemv_int8  # noqa: E402
+from cvllm_cuda.kernels.activation import silu_and_mul  # noqa: E402
+from cvllm_cuda.kernels.int8_activations import attached, quantize_activations  # noqa: E402
+from cvllm_cuda.kernels.quant_matmul import quant_matmul  # noqa: E402
+from cvllm_cuda.kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_plus_one  # noqa: E402
+
+# the interpreter computes both sides of tl.where: 1 / d of an all-zero block (masked lanes too) warns
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
+INT8_LAYOUTS = {bits: name for name, bits in (("q2_k", 2), ("q4_k", 4), ("q8_0", 8))}
+
+
+def int8_layer(low_bits: int, n: int, k: int, real: bool = False) -> SimpleNamespace:
+    """A stand-in for a linear layer whose compute form is a low-bit plane weight on int8 activations (``real``: a
+    random weight of that layout, K a multiple of 256; else only what the producers read: layout and K)."""
+    layout = dataclasses.replace(LAYOUTS[INT8_LAYOUTS[low_bits]], int8_activations=True)
+    assert layout.low_bits == low_bits and quant_gemv_int8.applies(layout, k)
+    weight = random_weight(layout, n, k, DEVICE, seed=low_bits) if real else SimpleNamespace(layout=layout,
+                                                                                            in_features=k)
+    return SimpleNamespace(quant_weight=weight)
+
+
+def assert_same_form(got: tuple[torch.Tensor, ...] | None, want: tuple[torch.Tensor, ...]) -> None:
+    assert got is not None
+    for g, w in zip(got, want, strict=True):   # packs, scales, word sums, block sums: the same bits
+        assert g.dtype == w.dtype and torch.equal(g, w)
+
+
+def randn(seed: int, *shape: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale
+    return x.to(device=DEVICE, dtype=dtype)
+
+
+@pytest.mark.parametrize("low_bits", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("hidden", [576, 1024])   # 576: a row of 1024 lanes, its last 14 blocks masked
+@pytest.mark.parametrize("rows", [1, 3])
+def test_norm_makes_the_quantizers_bits(low_bits, dtype, hidden, rows):
+    layer = int8_layer(low_bits, 8, hidden)
+    x, residual = randn(1, rows, hidden, dtype=dtype), randn(2, rows, hidden, dtype=dtype, scale=4.0)
+    x[0, :32] = 0   # an all-zero block: scale 0
+    weight = randn(3, hidden, dtype=dtype)
+    out, summed = fused_add_rms_norm(x, residual, weight, 1e-5, feeds=layer)
+    plain, plain_summed = fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(out, plain) and torch.equal(summed, plain_summed)   # the outputs themselves unchanged
+    assert_same_form(attached(out, low_bits), quantize_activations(out, low_bits))
+    gemma = fused_add_rms_norm_plus_one(x, None, weight, 1e-5, feeds=layer)
+    assert_same_form(attached(gemma, low_bits), quantize_activations(gemma, low_bits))
+
+
+@pytest.mark.parametrize("low_bits", [4, 8])
+@pytest.mark.parametrize("shape", [(1, 2 * 1056), (3, 2 * 256)])   # 1056: a second program of 32 inputs
+def test_silu_and_mul_makes_the_quantizers_bits(low_bits, shape):
+    layer = int8_layer(low_bits, 8, shape[-1] // 2)
+    x = randn(4, *shape, dtype=torch.float16, scale=3.0)
+    out = silu_and_mul(x, feeds=layer)
+    assert torch.equal(out, silu_and_mul(x))
+    assert_same_form(attached(out, low_bits), quantize_activations(out, low_bits))
+
+
+def test_no_form_where_the_layer_does_not_take_one(monkeypatch):
+    x, weight = randn(5, 2, 256, dtype=torch.float32), randn(6, 256, dtype=torch.float32)
+    float_layer = SimpleNamespace(quant_weight=SimpleNamespace(layout=LAYOUTS["gptq4_g128"], in_features=256))
+    mixed = SimpleNamespace(quant_parts=[(0, int8_layer(4, 8, 256).quant_weight),
+                                         (8, int8_layer(8, 8, 256).quant_weight)])   # parts of two widths
+    for layer in (float_layer, mixed, torch.nn.Linear(256, 8), int8_layer(4, 8, 256)):
+        rows = 2 if layer is not float_layer else 1
+        made = fused_add_rms_norm(x[:rows], None, weight, 1e-5, feeds=layer)
+        assert (attached(made, 4) is not None) == (layer.__class__ is SimpleNamespace and layer is not float_layer
+                                                   and layer is not mixed)
+    many = randn(7, quant_gemv_int8.MAX_ROWS + 1, 256, dtype=torch.float32)   # a batch past the GEMV's rows
+    assert attached(fused_add_rms_norm(many, None, weight, 1e-5, feeds=int8_layer(4, 8, 256)), 4) is None
+    monkeypatch.setenv(int8_activations.PRODUCERS_ENV, "0")
+    assert attached(fused_add_rms_norm(x, None, weight, 1e-5, feeds=int8_layer(4, 8, 256)), 4) is None
+
+
+def test_the_form_is_found_only_on_its_own_tensor():
+    layer = int8_layer(4, 8, 256)
+    out = fused_add_rms_norm(randn(8, 2, 256, dtype=torch.float32), None,
+                             randn(9, 256, dtype=torch.float32), 1e-5, feeds=layer)
+    assert attached(out, 4) is not None
+    assert attached(out.reshape(-1, 256), 4) is not None and attached(out.view(2, 1, 256), 4) is not None   # all of it
+    assert attached(out, 8) is None                        # another width's packing
+    assert attached(out[:1], 4) is None and attached(out[1:], 4) is None   # part of it
+    assert attached(out.t(), 4) is None                    # not in its order
+    assert attached(out.clone(), 4) is None                # another tensor with the same values
+
+
+@pytest.mark.parametrize("low_bits", [4, 8])
+def test_the_gemv_takes_the_producers_form_and_gives_the_same_bits(low_bits, monkeypatch):
+    layer = int8_layer(low_bits, 40, 512, real=True)
+    out = fused_add_rms_norm(randn(10, 3, 512, dtype=torch.float16), None,
+                             randn(11, 512, dtype=torch.float16), 1e-5, feeds=layer)
+    want = quant_matmul(out.clone(), layer.quant_weight)   # quantized by its own kernel
+    monkeypatch.setattr(quant_gemv_int8, "quantize_activations", lambda *args: pytest.fail("quantized again"))
+    assert torch.equal(quant_matmul(out, layer.quant_weight), want)
+
+
+def test_decoder_layers_link_their_producers_to_the_linear_layers_they_feed():
+    from cvllm.config import model_config_from_dict
+    from cvllm.layers.activation import SiluAndMul
+    from cvllm.layers.layernorm import RMSNorm
+    from cvllm_llama.llama import LlamaForCausalLM
+
+    config = model_config_from_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+                                     "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                     "num_hidden_layers": 2, "vocab_size": 100, "rms_norm_eps": 1e-5,
+                                     "max_position_embeddings": 128})
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    for layer in model.model.layers:
+        assert layer.input_layernorm.feeds is layer.self_attn.qkv_proj
+        assert layer.post_attention_layernorm.feeds is layer.mlp.gate_up_proj
+        assert layer.mlp.act_fn.feeds is layer.mlp.down_proj
+    assert model.model.norm.feeds is None and RMSNorm.feeds is None and SiluAndMul.feeds is None
+    # a link, not a submodule: the parameters and their names are the model's own
+    names = [name for name, _ in model.named_parameters()]
+    assert len(names) == len(set(names)) and not any(".feeds." in name for name in names)
+    assert not any(name.endswith("feeds") for name, _ in model.named_modules())
