@@ -41,8 +41,13 @@ import triton
 import triton.language as tl
 
 from cvllm_cuda.kernels import gpu
-from cvllm_cuda.kernels.int8_activations import BLOCK, attached, producers_on, quantize_activations
-from cvllm_cuda.kernels.int8_activations import dequantized_activations  # noqa: F401 (the tests' reference, here)
+from cvllm_cuda.kernels.int8_activations import (
+    BLOCK,
+    attached,
+    dequantized_activations,  # noqa: F401 (the tests' reference, here)
+    producers_on,
+    quantize_activations,
+)
 from cvllm_cuda.kernels.int8_bytes import weight_bytes
 from cvllm_cuda.kernels.pdl import options as pdl_options
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
