@@ -256,6 +256,24 @@ gemvpairs)
         CVLLM_QUANT_GEMV_PAIRS=$on run latency-gptq-pairs$on 120 python3 bench/latency.py --skip-hf --contexts 1024 \
             --decode-tokens 128 --isq gptq --json "$out/$day-h200-latency-isq-gptq-pairs$on-$commit.json"
     done ;;
+producers)
+    # issue 18: the int8 activations made by the RMSNorm and silu * up that feed the GEMVs (f154aeb,
+    # CVLLM_QUANT_PRODUCER_ACTIVATIONS): the GPU tests, then batch-1 decode of bf16 and --isq q4k / q8_0 with and
+    # without them (~5 min)
+    t=plugins/backend-cuda/tests
+    # (test_int8_activations.py's tests are the interpreter's, compiled here: not marked gpu)
+    run gpu-tests-producers-compiled 120 python3 -m pytest -p no:cacheprovider -q $t/test_int8_activations.py
+    run gpu-tests-producers 240 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_quant_gemv_int8.py \
+        plugins/quant-gguf/tests/test_gguf_cuda.py $t/test_fused_kernels_gpu.py -k "not rotary" --durations=3
+    run latency-bf16-producers 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
+        --json "$out/$day-h200-latency-bf16-producers-$commit.json"
+    for q in q4k q8_0; do
+        for on in 1 0; do
+            CVLLM_QUANT_PRODUCER_ACTIVATIONS=$on run latency-$q-producers$on 120 python3 bench/latency.py --skip-hf \
+                --contexts 1024 --decode-tokens 128 --isq $q \
+                --json "$out/$day-h200-latency-isq-$q-producers$on-$commit.json"
+        done
+    done ;;
 smallgemv)
     # issue 18: tiles of 1-2 warps with no software pipeline (1.6 SASS a weight for q4_k at (32, 32, 2, 1), against
     # 2.0 for the default (32, 64, 4, 3); `bench/sass_stats.py int8-gemv`), never timed: the sweeps kept 4-8 warps
@@ -310,6 +328,6 @@ kvfp8)
             --kv-cache-dtype $kv --json "$out/$day-h200-serving-kv_$kv-$commit.json"
     done ;;
 *)
-    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|ggufmix|ggufhigh|prefillhost|kvfp8|fp8attn|moe|spec|specsteps|specstaging|quant64|quantgemm|swapped|swappedsplits|gemvrows|swappedwide|smallgemv|gemvpairs" >&2
+    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|ggufmix|ggufhigh|prefillhost|kvfp8|fp8attn|moe|spec|specsteps|specstaging|quant64|quantgemm|swapped|swappedsplits|gemvrows|swappedwide|smallgemv|gemvpairs|producers" >&2
     exit 2 ;;
 esac
