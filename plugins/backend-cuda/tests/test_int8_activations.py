@@ -25,6 +25,13 @@ from cvllm_cuda.kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_p
 
 # the interpreter computes both sides of tl.where: 1 / d of an all-zero block (masked lanes too) warns
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
+
+
+@pytest.fixture(autouse=True)
+def producers_on(monkeypatch):
+    monkeypatch.setenv(int8_activations.PRODUCERS_ENV, "1")   # (off by default until timed)
+
+
 INT8_LAYOUTS = {bits: name for name, bits in (("q2_k", 2), ("q4_k", 4), ("q8_0", 8))}
 
 
@@ -56,7 +63,7 @@ def randn(seed: int, *shape: int, dtype: torch.dtype, scale: float = 1.0) -> tor
 def test_norm_makes_the_quantizers_bits(low_bits, dtype, hidden, rows):
     layer = int8_layer(low_bits, 8, hidden)
     x, residual = randn(1, rows, hidden, dtype=dtype), randn(2, rows, hidden, dtype=dtype, scale=4.0)
-    x[0, :32] = 0   # an all-zero block: scale 0
+    x[0, :32], residual[0, :32] = 0, 0   # an all-zero block: scale 0
     weight = randn(3, hidden, dtype=dtype)
     out, summed = fused_add_rms_norm(x, residual, weight, 1e-5, feeds=layer)
     plain, plain_summed = fused_add_rms_norm(x, residual, weight, 1e-5)
@@ -88,8 +95,12 @@ def test_no_form_where_the_layer_does_not_take_one(monkeypatch):
                                                    and layer is not mixed)
     many = randn(7, quant_gemv_int8.MAX_ROWS + 1, 256, dtype=torch.float32)   # a batch past the GEMV's rows
     assert attached(fused_add_rms_norm(many, None, weight, 1e-5, feeds=int8_layer(4, 8, 256)), 4) is None
-    monkeypatch.setenv(int8_activations.PRODUCERS_ENV, "0")
-    assert attached(fused_add_rms_norm(x, None, weight, 1e-5, feeds=int8_layer(4, 8, 256)), 4) is None
+    for off in ("0", None):   # switched off; off by default until timed
+        if off is None:
+            monkeypatch.delenv(int8_activations.PRODUCERS_ENV)
+        else:
+            monkeypatch.setenv(int8_activations.PRODUCERS_ENV, off)
+        assert attached(fused_add_rms_norm(x, None, weight, 1e-5, feeds=int8_layer(4, 8, 256)), 4) is None
 
 
 def test_the_form_is_found_only_on_its_own_tensor():

@@ -174,7 +174,7 @@ def test_tiny_model_on_cuda_computes_from_planes_and_gives_the_cpu_exact_tokens(
 def test_tiny_model_logprobs_equal_with_the_producers_int8_activations(tmp_path, make_rows, monkeypatch):
     """The tiny GGUF Llama in bf16 on CUDA (graphs on; its layers Q4_1, Q5_1, Q8_0, Q4_K: all on int8 activations):
     greedy tokens and their logprobs to the bit whether the norms and silu * up make the GEMVs' int8 activations or
-    the quantizer kernel does (CVLLM_QUANT_PRODUCER_ACTIVATIONS=0; cvllm_cuda/kernels/int8_activations.py)."""
+    the quantizer kernel does (CVLLM_QUANT_PRODUCER_ACTIVATIONS 1 and 0; cvllm_cuda/kernels/int8_activations.py)."""
     from cvllm import LLM
     from cvllm.sampling_params import SamplingParams
     from cvllm_cuda.kernels import int8_activations

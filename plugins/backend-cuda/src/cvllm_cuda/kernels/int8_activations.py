@@ -14,7 +14,8 @@ The form belongs to the exact tensor it was made from: ``attached`` finds it onl
 it, and only for the low-bit width it was made for. It cannot see an in-place write to x between the producer and the
 GEMV (inference tensors keep no version counter): a producer is linked only where the model hands its output
 straight on (layers/decoder.py), and no model in the tree writes into a norm's or an activation's output.
-``CVLLM_QUANT_PRODUCER_ACTIVATIONS=0`` turns the producers' part off (the quantizer kernel runs again; the same bits).
+``CVLLM_QUANT_PRODUCER_ACTIVATIONS=1`` turns the producers' part on (the same bits either way); off until timed on the
+H200 (written 2026-12-05 without a device: `bash bench/device/run_all.sh producers` measures it on and off).
 Every kernel here is compiled without FMA contraction (the norm and activation kernels are, for torch's roundings),
 so the producers' rounding is the quantizer's to the bit.
 """
@@ -107,7 +108,7 @@ def dequantized_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 def producers_on() -> bool:
-    return os.environ.get(PRODUCERS_ENV, "1") != "0"
+    return os.environ.get(PRODUCERS_ENV, "0") == "1"
 
 
 def attach(out: torch.Tensor, low_bits: int, made: tuple[torch.Tensor, ...]) -> None:

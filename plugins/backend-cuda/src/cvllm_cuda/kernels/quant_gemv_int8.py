@@ -9,8 +9,8 @@ one ``dp4a`` multiplies four weight bytes by four activation bytes and adds them
 
 - ``quantize_activations`` (int8_activations.py): x [T, K] -> per 32 inputs d = max|x| / 127 and q = round(x / d),
   packed four per int32 in the order the weight words' bytes come out (below), and the sums the offsets multiply;
-  made by the RMSNorm or silu * up that produced x where the model links them (``input_bits``), else by its own
-  kernel before the GEMV.
+  made by the RMSNorm or silu * up that produced x where the model links them (``input_bits``;
+  CVLLM_QUANT_PRODUCER_ACTIVATIONS=1), else by its own kernel before the GEMV.
 - ``_gemv_int8_kernel``: a low-plane word of ``32 / bits`` elements masked with 0x0F0F0F0F (4-bit; 0x03030303
   2-bit; the word itself 8-bit) at shift ``s * bits`` holds elements ``s, s + P, s + 2P, s + 3P`` (P = 8 / bits)
   in its four bytes; the activation pack (word, s) holds the same elements' int8s. Per word
@@ -106,7 +106,7 @@ def applies(layout: QuantLayout, in_features: int) -> bool:
 def input_bits(layer, rows: int) -> int | None:
     """The low-plane width whose int8 form of x [rows, K] the low-bit linear ``layer`` takes (every part of a fused
     layer the same one), or None: a layer of another kind, more rows than MAX_ROWS, parts of different widths, or
-    CVLLM_QUANT_PRODUCER_ACTIVATIONS=0. What a producer linked to ``layer`` makes beside its output."""
+    CVLLM_QUANT_PRODUCER_ACTIVATIONS not 1. What a producer linked to ``layer`` makes beside its output."""
     weight = getattr(layer, "quant_weight", None)
     weights = [weight] if weight is not None else [part for _, part in getattr(layer, "quant_parts", ())]
     if not weights or rows > MAX_ROWS or not producers_on():
