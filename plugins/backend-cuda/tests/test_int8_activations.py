@@ -1,7 +1,8 @@
-"""The int8 activations an RMSNorm or silu * up makes beside its output for the low-bit GEMV it feeds
-(kernels/int8_activations.py): the quantizer kernel's bits, found by the GEMV only on the tensor they were made from,
-and the model's layers linked where their outputs go straight on. In Triton's interpreter without a GPU, compiled
-with one (a tiny GGUF model's logits with and without them: plugins/quant-gguf/tests/test_gguf_cuda.py)."""
+"""The int8 activations that an RMSNorm, silu * up or the attention's split-KV combination makes beside its output
+for the low-bit GEMV it feeds (kernels/int8_activations.py): the quantizer kernel's bits, found by the GEMV only on
+the tensor they were made from, and the model's layers linked where their outputs go straight on. In Triton's
+interpreter without a GPU, compiled with one (a tiny GGUF model's logits with and without them:
+plugins/quant-gguf/tests/test_gguf_cuda.py)."""
 
 from __future__ import annotations
 
@@ -83,6 +84,21 @@ def test_silu_and_mul_makes_the_quantizers_bits(low_bits, shape):
     assert_same_form(attached(out, low_bits), quantize_activations(out, low_bits))
 
 
+@pytest.mark.parametrize("head_dim", [64, 96])   # 96: 128 lanes, the last block masked
+@pytest.mark.parametrize("low_bits", [4, 8])
+def test_attention_combining_its_splits_makes_the_quantizers_bits(make_attention_case, head_dim, low_bits):
+    from cvllm_cuda.kernels.paged_attention import paged_attention
+    case = make_attention_case(query_lens=[1, 1, 1], context_lens=[70, 0, 33], num_heads=8, num_kv_heads=2,
+                               head_dim=head_dim, block_size=16, dtype=torch.float16, device=DEVICE)
+    plain = paged_attention(*case.args(), None, None, num_splits=4)
+    out = paged_attention(*case.args(), None, None, num_splits=4, int8_bits=low_bits)
+    assert torch.equal(out, plain)
+    flat = out.reshape(3, 8 * head_dim)   # as the output projection takes it
+    assert_same_form(attached(flat, low_bits), quantize_activations(flat, low_bits))
+    one_split = paged_attention(*case.args(), None, None, num_splits=1, int8_bits=low_bits)
+    assert attached(one_split.reshape(3, -1), low_bits) is None   # no combining kernel: the GEMV rounds it itself
+
+
 def test_no_form_where_the_layer_does_not_take_one(monkeypatch):
     x, weight = randn(5, 2, 256, dtype=torch.float32), randn(6, 256, dtype=torch.float32)
     float_layer = SimpleNamespace(quant_weight=SimpleNamespace(layout=LAYOUTS["gptq4_g128"], in_features=256))
@@ -141,6 +157,7 @@ def test_decoder_layers_link_their_producers_to_the_linear_layers_they_feed():
         assert layer.input_layernorm.feeds is layer.self_attn.qkv_proj
         assert layer.post_attention_layernorm.feeds is layer.mlp.gate_up_proj
         assert layer.mlp.act_fn.feeds is layer.mlp.down_proj
+        assert layer.self_attn.attn.feeds is layer.self_attn.o_proj
     assert model.model.norm.feeds is None and RMSNorm.feeds is None and SiluAndMul.feeds is None
     # a link, not a submodule: the parameters and their names are the model's own
     names = [name for name, _ in model.named_parameters()]

@@ -189,8 +189,9 @@ def test_lagged_fixup_compiles(monkeypatch):
 @pytest.mark.parametrize("low_bits", [2, 4, 8])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_producers_of_int8_activations_compile(monkeypatch, low_bits, rows):
-    """RMSNorm (Llama-3-8B's 4096) and silu * up (14336) making a low-bit GEMV's int8 activations beside their bf16
-    outputs (int8_activations.py), a decode step's rows and a verify step's, and the quantizer kernel alone."""
+    """RMSNorm (Llama-3-8B's 4096), silu * up (14336) and the attention's split combination (128-wide heads) making a
+    low-bit GEMV's int8 activations beside their bf16 outputs (int8_activations.py), a decode step's rows and a
+    verify step's, and the quantizer kernel alone."""
     from types import SimpleNamespace
 
     from test_quant_matmul import LAYOUTS
@@ -208,3 +209,11 @@ def test_producers_of_int8_activations_compile(monkeypatch, low_bits, rows):
     assert len(compiled_launches(monkeypatch, activation, "_silu_and_mul_kernel", silu)) == 1
     alone = lambda: int8_activations.quantize_activations(x, low_bits)  # noqa: E731
     assert len(compiled_launches(monkeypatch, int8_activations, "_quantize_kernel", alone)) == 1
+    paged_attention = importlib.import_module("cvllm_cuda.kernels.paged_attention")
+    q, cache = torch.zeros(rows, Q_HEADS, DIM, dtype=torch.bfloat16), caches(torch.bfloat16)
+    lens = torch.full((rows,), 40, dtype=torch.int32)
+    attention = lambda: paged_attention.paged_attention(  # noqa: E731
+        q, *cache, torch.arange(rows + 1, dtype=torch.int32), lens, torch.zeros(rows, 4, dtype=torch.int32), 1,
+        DIM ** -0.5, None, None, num_splits=4, int8_bits=low_bits)
+    monkeypatch.setattr(paged_attention, "_attention_kernel", sm90.LaunchRecorder(paged_attention._attention_kernel))
+    assert len(compiled_launches(monkeypatch, paged_attention, "_combine_splits_kernel", attention)) == 1

@@ -16,6 +16,9 @@ from cvllm.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
+    # the linear layer the model hands this attention's output to (layers/decoder.feed; RMSNorm.feeds says why)
+    feeds: nn.Module | None = None
+
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None, shared_kv: bool = False,
                  value_dim: int | None = None):

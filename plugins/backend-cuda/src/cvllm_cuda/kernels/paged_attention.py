@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from cvllm_cuda.kernels import gpu, pdl
+from cvllm_cuda.kernels import gpu, int8_activations, pdl
+from cvllm_cuda.kernels.int8_activations import quantize_blocks
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
 from cvllm_cuda.kernels.tuned_configs import TUNED, TUNED_SPARSE_DECODE
@@ -257,8 +258,10 @@ def _attention_kernel(
 
 @triton.jit
 def _combine_splits_kernel(
-    out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
+    out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, packs_ptr, xd_ptr, sums_ptr, block_sums_ptr,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, INT8_BITS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -271,16 +274,22 @@ def _combine_splits_kernel(
     m_all = tl.max(m, 0)
     weight = tl.exp(m - tl.where(m_all == float("-inf"), 0.0, m_all))  # 0 for slices that saw no key
     total = tl.sum(weight * l, 0)
-    o = tl.sum(acc * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, o.to(out_ptr.dtype.element_ty),
-             mask=dims < HEAD_DIM)
+    o = (tl.sum(acc * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, o, mask=dims < HEAD_DIM)
+    if INT8_BITS > 0:   # the head's int8 form for the low-bit GEMV of the output projection (int8_activations.py)
+        BLOCKS: tl.constexpr = BLOCK_D // 32   # (HEAD_DIM a multiple of 32, the output [T, H, D] contiguous)
+        blocks = tl.arange(0, BLOCKS)
+        quantize_blocks(tl.reshape(o.to(tl.float32), (BLOCKS, 32)),
+                        (token * tl.num_programs(1) + head) * (HEAD_DIM // 32) + blocks, blocks < HEAD_DIM // 32,
+                        packs_ptr, xd_ptr, sums_ptr, block_sums_ptr, INT8_BITS)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int, scale: float,
                     sliding_window: int | None, soft_cap: float | None, out: torch.Tensor | None = None, *,
                     num_splits: int | None = None, config: AttentionConfig | None = None,
-                    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    int8_bits: int | None = None) -> torch.Tensor:
     """Attention of varlen queries ``q [T, H, D]`` over the paged caches ``[num_blocks, block_size, Hkv, D]``.
 
     Sequence i's queries are rows ``query_start_loc[i]:query_start_loc[i + 1]`` at positions
@@ -289,7 +298,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     the decode path). ``num_splits`` forces the split-KV path (rounded up to a power of two); by default
     ``default_num_splits``. ``config`` overrides the tile sizes of ``attention_config`` (tuning). FP8 caches
     (float8_e4m3fn) take ``kv_scales``: the K and V scales per KV head (float32 [Hkv]) the stored values are
-    multiplied by.
+    multiplied by. ``int8_bits``: the output's int8 form for a low-bit GEMV of that low-plane width comes with it
+    (attached, int8_activations.py) where the split-KV path's combining kernel writes it (a decode step's few rows);
+    elsewhere none does, and the GEMV rounds the output itself.
     Launches without reading anything back to the host.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -344,8 +355,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )
     if splits > 1:
+        int8_bits = int8_bits if int8_bits and head_dim % 32 == 0 and out.is_contiguous() else None
+        made = int8_activations.buffers(out.numel(), int8_bits, q.device) if int8_bits else (out,) * 4
         _combine_splits_kernel[(num_tokens, num_heads)](
-            out, part_max, part_sum, part_acc, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, num_warps=4, **launch,
+            out, part_max, part_sum, part_acc, *made, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, INT8_BITS=int8_bits or 0, num_warps=4, **launch,
         )
+        if int8_bits:
+            int8_activations.attach(out, int8_bits, made)
     return out
