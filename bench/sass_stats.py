@@ -41,10 +41,9 @@ PLANES = {"low_ptr": "*i32", "high_ptr": "*i32", "d_ptr": "*fp16", "m_ptr": "*fp
 DIVISIBLE = {"N", "K", "SPLIT_WORDS", "one_bits", "stride_xt", "stride_ot"}
 
 
-def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m: int = 16, pairs: bool = False):
+def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m: int = 16):
     """(jit function, signature, constexprs, num_warps) of one GEMV (or GEMM: ``block_m``, the rows' tile; the int8
-    GEMV: the rows of x a program takes; ``pairs``: the float GEMV's paired form, x as its int32 pairs)
-    configuration."""
+    GEMV: the rows of x a program takes) configuration."""
     block_n, block_w, warps, *stages = config
     gw = group_words(layout, block_w)
     common = {**layout.kernel_args(), "BLOCK_N": block_n, "BLOCK_W": block_w, "GROUP_WORDS": gw,
@@ -68,9 +67,9 @@ def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m
                    "IEEE": False, "UPCAST": False, "LANES": quant_gemm_swapped.in_lanes(layout, torch.bfloat16),
                    "ASM": True, "USE_PDL": False}
         return quant_gemm_swapped._gemm_swapped_kernel, signature, swapped, warps
-    signature = {"x_ptr": "*i32" if pairs else "*bf16", "xsum_ptr": "*fp32", "out_ptr": "*bf16", **PLANES, "N": "i32",
-                 "K": "i32", "SPLIT_WORDS": "i32", "one_bits": "i32"}
-    return quant_gemv._gemv_kernel, signature, {**common, "PAIRS": int(pairs)}, warps
+    signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", **PLANES, "N": "i32", "K": "i32", "SPLIT_WORDS": "i32",
+                 "one_bits": "i32"}
+    return quant_gemv._gemv_kernel, signature, common, warps
 
 
 def compile_sm90(fn, signature: dict, constexprs: dict, warps: int, stages: int | None = None):
@@ -115,7 +114,6 @@ def main() -> None:
     ap.add_argument("--table", action="store_true", help="gemm: the default tiles, every layout and row tile")
     ap.add_argument("--layout", default="q4_k", choices=sorted(LAYOUTS))
     ap.add_argument("--config", default="32,64,4,3", help="BLOCK_N,BLOCK_W,WARPS[,STAGES]")
-    ap.add_argument("--pairs", action="store_true", help="float-gemv: the paired form (CVLLM_QUANT_GEMV_PAIRS)")
     ap.add_argument("--dump", type=Path, help="write the TTGIR, PTX and SASS here")
     args = ap.parse_args()
     if args.table:
@@ -124,7 +122,7 @@ def main() -> None:
     config = tuple(int(v) for v in args.config.split(","))
     stages = config[3] if args.kind.startswith("gemm") and len(config) > 3 else None
     block_m = args.block_m or (1 if args.kind == "int8-gemv" else 16)
-    kernel = compile_sm90(*kernel_spec(args.kind, LAYOUTS[args.layout], config, block_m, args.pairs), stages)
+    kernel = compile_sm90(*kernel_spec(args.kind, LAYOUTS[args.layout], config, block_m), stages)
     dump = args.dump or Path(f"/tmp/sass-{args.kind}")
     dump.mkdir(parents=True, exist_ok=True)
     (dump / "kernel.cubin").write_bytes(kernel.asm["cubin"])

@@ -25,8 +25,6 @@
 # "swappedsplits" (issue 18): the swapped GEMM in K order (no copy of x) by K splits at 16-64 rows, its GPU tests,
 # then 64 streams of bf16 and q4k (~8 min; SPLITS_TYPES="gptq" ONLY=throughput64-isq-gptq in a second call).
 # "specstaging" (issue 22): the demo's speculation with step inputs staged and not, and the staged steps' profile.
-# "gemvpairs" (issue 18): the paired W4A16 GEMV (CVLLM_QUANT_GEMV_PAIRS=1, GPTQ's batch 1): its GPU tests, the GPTQ
-# stack with it off and on, its tiles, then batch-1 decode of bf16 and --isq gptq off and on (~6 min).
 # "smallgemv" (issue 18): the batch-1 int8 GEMV in small programs (1-2 warps, no pipeline: many programs an SM, as
 # the bf16 GEMV's winning tiles are), q4_k and q8_0 by shape, then a batch-1 q4k decode profile without PDL (~5 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
@@ -63,14 +61,15 @@ tests)
         $t/test_family_kernels_gpu.py --durations=3
     run gpu-tests-kernels 240 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_kernels_gpu.py --durations=3
     run gpu-tests-quant 420 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_quant_matmul.py $t/test_quant_gemv_int8.py \
-        $t/test_quant_gemv_pairs.py $t/test_quant_rows.py \
+        $t/test_quant_rows.py \
         plugins/quant-gguf/tests/test_gguf_cuda.py plugins/quant-marlin/tests plugins/quant-fp8/tests --durations=3
     # in-situ K-quants on the GPU: llama.cpp's bytes through the Triton scale search (no gpu marker on most: they
     # run on CPU too, on the device's CUDA tensors there)
     run gpu-tests-kquants 480 python3 -m pytest -p no:cacheprovider -q plugins/quant-gguf/tests/test_kquants.py \
         plugins/quant-gguf/tests/test_kquants_cuda.py --durations=3
     # the FP8 KV cache kernels: the same tests as in the interpreter, compiled (no gpu marker: they run on CPU too)
-    run gpu-tests-kv-fp8 90 python3 -m pytest -p no:cacheprovider -q $t/test_kv_fp8.py --durations=3
+    run gpu-tests-kv-fp8 90 python3 -m pytest -p no:cacheprovider -q $t/test_kv_fp8.py $t/test_int8_activations.py \
+        --durations=3
     # issue 19: the MLA and fused-MoE kernels compiled, DeepSeek end to end on CUDA
     run gpu-tests-moe 260 python3 -m pytest -p no:cacheprovider -q $t/test_mla_attention.py $t/test_fused_moe.py $t/test_moe_routing.py $t/test_expert_offload_gpu.py \
         $t/test_moe_planes_gemv.py $t/test_fused_moe_planes.py \
@@ -239,23 +238,6 @@ swapped)
             --skip-hf --num-requests 64 --min-len 1024 --max-len 1024 --max-num-seqs 64 --isq $t \
             --json "$out/$day-h200-throughput64-isq-$t-swapped-$commit.json"
     done ;;
-gemvpairs)
-    # the float GEMV's form without pairs too (ff90755 gave its kernel an argument)
-    run gpu-tests-pairs 200 python3 -m pytest -m gpu -p no:cacheprovider -q \
-        plugins/backend-cuda/tests/test_quant_matmul.py plugins/backend-cuda/tests/test_quant_gemv_pairs.py --durations=3
-    for on in 0 1; do
-        CVLLM_QUANT_GEMV_PAIRS=$on run stack-gptq-pairs$on 90 python3 bench/quant_gemv_stack.py --defaults \
-            --layouts gptq4_g128 --json "$out/$day-h200-quant_gemv_stack-gptq-pairs$on-$commit.json"
-    done
-    CVLLM_QUANT_GEMV_PAIRS=1 run tune-pairs 150 python3 bench/tune_quant_gemv.py --layouts gptq4_g128 --budget-s 120 \
-        --pps 1,4,8 --configs "64,32,4,3;32,32,4,1;32,32,4,3;64,32,4,1;32,64,4,3;64,64,8,3" \
-        --json "$out/$day-h200-tune_quant_gemv-pairs-gptq4_g128-$commit.json"
-    run latency-bf16-pairs 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
-        --json "$out/$day-h200-latency-bf16-pairs-$commit.json"
-    for on in 0 1; do
-        CVLLM_QUANT_GEMV_PAIRS=$on run latency-gptq-pairs$on 120 python3 bench/latency.py --skip-hf --contexts 1024 \
-            --decode-tokens 128 --isq gptq --json "$out/$day-h200-latency-isq-gptq-pairs$on-$commit.json"
-    done ;;
 producers)
     # issue 18: the int8 activations made by the RMSNorm and silu * up that feed the GEMVs (f154aeb,
     # CVLLM_QUANT_PRODUCER_ACTIVATIONS): the GPU tests, then batch-1 decode of bf16 and --isq q4k / q8_0 with and
@@ -328,6 +310,6 @@ kvfp8)
             --kv-cache-dtype $kv --json "$out/$day-h200-serving-kv_$kv-$commit.json"
     done ;;
 *)
-    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|ggufmix|ggufhigh|prefillhost|kvfp8|fp8attn|moe|spec|specsteps|specstaging|quant64|quantgemm|swapped|swappedsplits|gemvrows|swappedwide|smallgemv|gemvpairs|producers" >&2
+    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|ggufmix|ggufhigh|prefillhost|kvfp8|fp8attn|moe|spec|specsteps|specstaging|quant64|quantgemm|swapped|swappedsplits|gemvrows|swappedwide|smallgemv|producers" >&2
     exit 2 ;;
 esac

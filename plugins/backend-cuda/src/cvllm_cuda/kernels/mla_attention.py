@@ -152,6 +152,6 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, latent: int, query_start
         **launch)
     if splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
-            out, part_max, part_sum, part_acc, out.stride(0), out.stride(1), HEAD_DIM=latent, BLOCK_D=latent,
-            NUM_SPLITS=splits, num_warps=4, **launch)
+            out, part_max, part_sum, part_acc, *(out,) * 4, out.stride(0), out.stride(1), HEAD_DIM=latent,
+            BLOCK_D=latent, NUM_SPLITS=splits, INT8_BITS=0, num_warps=4, **launch)
     return out
