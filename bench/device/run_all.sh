@@ -62,7 +62,8 @@ tests)
     run gpu-tests-kernels 240 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_kernels_gpu.py --durations=3
     run gpu-tests-quant 420 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_quant_matmul.py $t/test_quant_gemv_int8.py \
         $t/test_quant_rows.py \
-        plugins/quant-gguf/tests/test_gguf_cuda.py plugins/quant-marlin/tests plugins/quant-fp8/tests --durations=3
+        plugins/quant-gguf/tests/test_gguf_cuda.py plugins/quant-gguf/tests/test_isq.py plugins/quant-marlin/tests \
+        plugins/quant-fp8/tests --durations=3
     # in-situ K-quants on the GPU: llama.cpp's bytes through the Triton scale search (no gpu marker on most: they
     # run on CPU too, on the device's CUDA tensors there)
     run gpu-tests-kquants 480 python3 -m pytest -p no:cacheprovider -q plugins/quant-gguf/tests/test_kquants.py \
@@ -239,21 +240,24 @@ swapped)
             --json "$out/$day-h200-throughput64-isq-$t-swapped-$commit.json"
     done ;;
 producers)
-    # issue 18: the int8 activations made by the RMSNorm and silu * up that feed the GEMVs (f154aeb,
-    # CVLLM_QUANT_PRODUCER_ACTIVATIONS): the GPU tests, then batch-1 decode of bf16 and --isq q4k / q8_0 with and
-    # without them (~5 min)
+    # issue 18: the int8 activations made by the kernels that feed the GEMVs (f154aeb, 7d297fe;
+    # CVLLM_QUANT_PRODUCER_ACTIVATIONS) and an --isq LM head in low bits (CVLLM_ISQ_LM_HEAD): the GPU tests, then
+    # batch-1 decode of bf16, --isq q4k and q8_0 with the producers off and on, and on with the head quantized (~8 min)
     t=plugins/backend-cuda/tests
     # (test_int8_activations.py's tests are the interpreter's, compiled here: not marked gpu)
     run gpu-tests-producers-compiled 120 python3 -m pytest -p no:cacheprovider -q $t/test_int8_activations.py
     run gpu-tests-producers 240 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_quant_gemv_int8.py \
-        plugins/quant-gguf/tests/test_gguf_cuda.py $t/test_fused_kernels_gpu.py -k "not rotary" --durations=3
+        plugins/quant-gguf/tests/test_gguf_cuda.py plugins/quant-gguf/tests/test_isq.py \
+        $t/test_fused_kernels_gpu.py -k "not rotary" --durations=3
     run latency-bf16-producers 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
         --json "$out/$day-h200-latency-bf16-producers-$commit.json"
     for q in q4k q8_0; do
-        for on in 1 0; do
-            CVLLM_QUANT_PRODUCER_ACTIVATIONS=$on run latency-$q-producers$on 120 python3 bench/latency.py --skip-hf \
-                --contexts 1024 --decode-tokens 128 --isq $q \
-                --json "$out/$day-h200-latency-isq-$q-producers$on-$commit.json"
+        head=$([ $q = q4k ] && echo q6k || echo q8_0)
+        for case in producers0 producers1 producers1-head; do
+            on=$([ $case = producers0 ] && echo 0 || echo 1)
+            CVLLM_QUANT_PRODUCER_ACTIVATIONS=$on CVLLM_ISQ_LM_HEAD=$([ $case = producers1-head ] && echo $head) \
+                run latency-$q-$case 120 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
+                --isq $q --json "$out/$day-h200-latency-isq-$q-$case-$commit.json"
         done
     done ;;
 smallgemv)

@@ -135,6 +135,49 @@ def test_k_types_once_their_quantizer_exists(checkpoint, name):
     assert greedy(llm) == hf_greedy(reference, PROMPTS, NEW_TOKENS)
 
 
+@pytest.mark.parametrize("head", ["q6k", "q8_0"])
+def test_the_lm_head_quantized_where_asked(tmp_path, monkeypatch, head):
+    """CVLLM_ISQ_LM_HEAD=TYPE: an untied head quantized to that type as it loads (llama.cpp's Q4_K_M keeps its
+    output tensor Q6_K), its blocks the quantizer's; logits the dequantized model's; a tied head stays float."""
+    model = make_model(tmp_path, tie_word_embeddings=False)
+    monkeypatch.setenv(isq.LM_HEAD_ENV, head)
+    llm = LLM(model=str(tmp_path), dtype="float32", isq="q4k", num_kv_blocks=64)
+    ours = llm.llm_engine.runner.model
+    head_type = parse_isq_type(head)
+    assert isinstance(ours.lm_head.quant_method, isq.ISQTableMethod) and ours.lm_head.qtype == head_type
+    w = model.lm_head.weight
+    dequantized = dequantize(quantize(w, head_type), head_type, tuple(w.shape))
+    # (float32 on the CPU: the exact path computes from the blocks dequantized once; CUDA keeps them as planes)
+    assert ours.lm_head.gguf_compute == "dense" and torch.equal(ours.lm_head.weight, dequantized)
+    assert ours.model.embed_tokens.quant_method is None   # the embedding stays float
+    reference = own_reference(model, GGMLType.Q4_K)
+    with torch.no_grad():
+        reference.lm_head.weight.copy_(dequantized)
+    for prompt, logits in zip(PROMPTS, llm.llm_engine.prompt_logits(PROMPTS)):
+        assert (logits.float() - hf_logits(reference, prompt)).abs().max() < 1e-3
+    assert greedy(llm) == hf_greedy(reference, PROMPTS, NEW_TOKENS)
+    # a head tied to the embedding is that table: it stays float
+    tied_dir = tmp_path / "tied"
+    make_model(tied_dir, tie_word_embeddings=True)
+    tied = LLM(model=str(tied_dir), dtype="float32", isq="q4k", num_kv_blocks=64).llm_engine.runner.model
+    assert tied.lm_head.quant_method is None and tied.model.embed_tokens.quant_method is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_lm_head_quantized_where_asked_computes_from_planes(tmp_path, monkeypatch):
+    """On CUDA the quantized head keeps only its low-bit planes and gives the CPU's exact greedy tokens (float
+    activations: CVLLM_QUANT_INT8_ACTIVATIONS=0, the CPU path's numbers)."""
+    make_model(tmp_path, tie_word_embeddings=False)
+    monkeypatch.setenv(isq.LM_HEAD_ENV, "q6k")
+    monkeypatch.setenv("CVLLM_QUANT_INT8_ACTIVATIONS", "0")
+    cuda = LLM(model=str(tmp_path), dtype="float32", isq="q4k", num_kv_blocks=64, backend="cuda", max_num_seqs=4)
+    head = cuda.llm_engine.runner.model.lm_head
+    assert head.gguf_compute == "planes" and head.weight.numel() == 0 and head.qweight.numel() == 0
+    cpu = LLM(model=str(tmp_path), dtype="float32", isq="q4k", num_kv_blocks=64, backend="cpu")
+    assert greedy(cuda) == greedy(cpu)
+
+
 def test_a_type_without_a_quantizer_fails_before_loading(checkpoint, monkeypatch):
     def legacy_only(x, qtype):
         if qtype == GGMLType.Q6_K:

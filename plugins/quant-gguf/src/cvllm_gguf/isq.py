@@ -11,8 +11,11 @@ After loading, the blocks move to ``qweight`` and ``GGUFLinearMethod`` prepares 
 (on CUDA repacked into low-bit planes that Triton kernels compute with; on CPU int4pack for
 Q4_0/Q4_1, bf16 or exact fp32 otherwise), exactly as for a GGUF file.
 
-Embeddings, the LM head and norms are not linear layers and stay as they are. K-quants need rows
-of whole 256-element super-blocks; a layer whose input is not a multiple of 256 falls back to the
+Embeddings, the LM head and norms are not linear layers and stay as they are (candle-vllm's choice), unless
+``CVLLM_ISQ_LM_HEAD=TYPE`` (e.g. ``q6k``, llama.cpp's type for the output tensor of its Q4_K_M mixes): an untied LM
+head is then quantized to that type as it loads and computes from its blocks (table_method.py: on CUDA the low-bit
+planes; a Llama-3-8B head in Q6_K is 431 MB read a step instead of 1,051 MB of bf16). Experimental, off by default.
+K-quants need rows of whole 256-element super-blocks; a layer whose input is not a multiple of 256 falls back to the
 type llama.cpp uses, and a layer that fits no block stays unquantized.
 """
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -30,16 +34,20 @@ from torch import nn
 
 from cvllm.checkpoint.base import Checkpoint
 from cvllm.checkpoint.lazy import Box, LazyTensor, lazy_aware, materialize
+from cvllm.layers.embedding import ParallelLMHead
 from cvllm.layers.quantization import LinearMethod, LinearMethodFactory, is_moe_router
 from cvllm.progress import Progress
 from cvllm_gguf.linear_method import GGUFLinearMethod, Mode
 from cvllm_gguf.quant_types import FORMATS, GGMLType, UnsupportedQuantType, resolve_qtype, row_bytes
 from cvllm_gguf.quantize import quantize
+from cvllm_gguf.table_method import GGUFTableMethod
 
 logger = logging.getLogger(__name__)
 
 ISQ_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
              GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
+
+LM_HEAD_ENV = "CVLLM_ISQ_LM_HEAD"   # the type an untied LM head is quantized to (unset: it stays float)
 
 # llama.cpp's choice for a tensor whose rows do not split into 256-element super-blocks
 FALLBACKS = {GGMLType.Q2_K: GGMLType.Q4_0, GGMLType.Q3_K: GGMLType.Q4_0, GGMLType.Q4_K: GGMLType.Q5_0,
@@ -156,6 +164,14 @@ class ISQLinearMethod(GGUFLinearMethod):
         return super().apply(layer, x, bias)
 
 
+class ISQTableMethod(ISQLinearMethod, GGUFTableMethod):
+    """An untied LM head quantized as it loads (CVLLM_ISQ_LM_HEAD), then computed as a GGUF file's head is."""
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
+        super().create_weights(layer, input_size, output_size, dtype)
+        layer.table_dtype = dtype
+
+
 def quantized_lazily(floats: LazyTensor, qtype: GGMLType, device: torch.device) -> LazyTensor:
     """The blocks ``quantize`` would make of a 2-D float LazyTensor, uint8 [rows, bytes_per_row], computed only for
     the part they are narrowed to: rows, and whole blocks of columns (a split inside a block is refused). Rows and
@@ -201,5 +217,13 @@ def isq_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMeth
 
         return ISQFusedMoEMethod(requested, layer_type)
 
+    def embedding_method(name: str, table: nn.Module) -> ISQTableMethod | None:
+        """An untied LM head in the type CVLLM_ISQ_LM_HEAD names; the token embedding stays float."""
+        head = os.environ.get(LM_HEAD_ENV)
+        if not head or not isinstance(table, ParallelLMHead):
+            return None
+        return ISQTableMethod(parse_isq_type(head), mode, name, 1, progress)
+
     method_for.moe_method = moe_method
+    method_for.embedding_method = embedding_method
     return method_for
