@@ -146,12 +146,23 @@ def test_top_k_is_exact_per_row():
     torch.testing.assert_close(out[1, kept], logits[1, kept])
 
 
+def test_the_race_in_log_space_picks_what_the_probabilities_race_picks():
+    """argmax(logit - log E) against argmax(softmax(logit) / E) with the same draws E (the sampler's former form):
+    the same ids, masked tokens never chosen."""
+    from cvllm.engine.sampler import _exponential_race
+    logits = torch.randn(64, 500, generator=torch.Generator().manual_seed(4)) * 3
+    logits[:, ::7] = float("-inf")
+    ids = _exponential_race(logits, [make_generator(i, "cpu") for i in range(64)])
+    noise = torch.stack([torch.empty(500).exponential_(generator=make_generator(i, "cpu")) for i in range(64)])
+    assert torch.equal(ids, (logits.softmax(-1) / noise.clamp_min(1e-10)).argmax(-1))
+    assert (ids % 7 != 0).all()
+
+
 def test_disabled_filters_do_no_work():
     logits = torch.randn(3, 10)
     params = [SamplingParams(top_k=0), SamplingParams(top_k=-1), SamplingParams(top_k=10)]
     assert apply_top_k_top_p(logits, params) is logits
-    probs = logits.softmax(-1)
-    assert apply_min_p(probs, params) is probs
+    assert apply_min_p(logits, params) is logits
 
 
 def test_penalty_history_on_the_device_matches_the_token_lists():

@@ -8,6 +8,7 @@ top-k, top-p and min-p before an exponential-race draw. Returned logprobs are th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -87,8 +88,12 @@ class Sampler:
             token_ids, reported_ids = self.argmax_reported(logits)
             return SamplerOutput(token_ids, None, None, None, reported_ids)
         # False for a row with NaN or +inf (-inf is a masked token): its max is NaN or +inf. One reduction, no
-        # [B, V] boolean temporary, on the hot path of every step
-        sane = logits.amax(dim=-1) < float("inf")
+        # [B, V] boolean temporary, on the hot path of every step; the backend's one-pass argmax reports it where
+        # it has one (torch's amax of a 128k-wide row took 18 us on an H100, the chunked argmax kernels ~4)
+        if self.argmax_reported is not None:
+            sane = self.argmax_reported(logits)[1] >= 0
+        else:
+            sane = logits.amax(dim=-1) < float("inf")
         if plain_greedy:
             # the usual batch-1 step: only the argmax (what the general path below computes for such rows, in one
             # pass over the rows instead of one per feature: host time a step, where the device waits for it)
@@ -149,9 +154,8 @@ def _sample_or_argmax(logits: torch.Tensor, rows: Sequence[SamplerRow],
     temperatures = _row_tensor([1.0 if p.greedy else p.temperature for p in params], logits)
     logits = logits / temperatures.unsqueeze(1)
     logits = apply_top_k_top_p(logits, params)
-    probs = logits.softmax(dim=-1)
-    probs = apply_min_p(probs, params)
-    sampled_ids = _exponential_race(probs, [row.generator for row in rows], argmax)
+    logits = apply_min_p(logits, params)
+    sampled_ids = _exponential_race(logits, [row.generator for row in rows], argmax)
 
     if not any(p.greedy for p in params):
         return sampled_ids
@@ -228,33 +232,33 @@ def apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
     return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
 
 
-def apply_min_p(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Zero the probabilities below min_p times the row's largest probability.
-
-    The result is not renormalised: the exponential race only compares within a row.
-    """
+def apply_min_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Set to -inf the logits whose probability is below min_p times the row's largest probability: in log space,
+    below the row's largest logit plus log(min_p) (no softmax needed)."""
     if not any(p.min_p > 0.0 for p in params):
-        return probs
-    min_p = _row_tensor([p.min_p for p in params], probs).unsqueeze(1)
-    threshold = min_p * probs.amax(dim=-1, keepdim=True)
-    return probs.masked_fill(probs < threshold, 0.0)
+        return logits
+    log_min_p = _row_tensor([math.log(p.min_p) if p.min_p > 0.0 else float("-inf") for p in params], logits)
+    threshold = logits.amax(dim=-1, keepdim=True) + log_min_p.unsqueeze(1)
+    return logits.masked_fill(logits < threshold, float("-inf"))
 
 
-def _exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator | None],
+def _exponential_race(logits: torch.Tensor, generators: Sequence[torch.Generator | None],
                       argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax) -> torch.Tensor:
-    """argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i / sum(p), with no host sync.
+    """argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i / sum(p), with no host sync; taken in log
+    space, argmax(logit_i - log E_i) (log p_i is logit_i less the row's log-sum-exp, the same for every i), so no
+    softmax is computed: on an H100 torch's softmax of one 128k-wide row took 34 us of a ~2.7 ms decode step.
 
     Unseeded rows share one draw from the default generator; a seeded row draws from its own
     generator, so its result depends on nothing else in the batch.
     """
-    noise = torch.empty_like(probs)
+    noise = torch.empty_like(logits)
     if any(generator is None for generator in generators):
         noise.exponential_()
     for i, generator in enumerate(generators):
         if generator is not None:
             noise[i].exponential_(generator=generator)
-    # An exact zero draw would turn 0/0 into NaN for masked tokens.
-    return argmax(probs / noise.clamp_min_(1e-10))
+    # An exact zero draw would give -inf - (-inf) = NaN for a masked token.
+    return argmax(logits - noise.clamp_min_(1e-10).log_())
 
 
 def _row_tensor(values: list[float] | list[int], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
