@@ -158,7 +158,7 @@ def test_decoder_layers_link_their_producers_to_the_linear_layers_they_feed():
         assert layer.post_attention_layernorm.feeds is layer.mlp.gate_up_proj
         assert layer.mlp.act_fn.feeds is layer.mlp.down_proj
         assert layer.self_attn.attn.feeds is layer.self_attn.o_proj
-    assert model.model.norm.feeds is None and RMSNorm.feeds is None and SiluAndMul.feeds is None
+    assert model.model.norm.feeds is model.lm_head and RMSNorm.feeds is None and SiluAndMul.feeds is None
     # a link, not a submodule: the parameters and their names are the model's own
     names = [name for name, _ in model.named_parameters()]
     assert len(names) == len(set(names)) and not any(".feeds." in name for name in names)

@@ -105,6 +105,7 @@ class DecoderOnlyForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.get("tie_word_embeddings", False):
             self.lm_head.tie_to(self.model.embed_tokens)
+        feed(getattr(self.model, "norm", None), self.lm_head)   # the final norm's output goes to the head
 
     def make_model(self, config: ModelConfig) -> nn.Module:
         return DecoderStack(config, self.make_layer)

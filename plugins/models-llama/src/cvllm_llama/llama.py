@@ -22,7 +22,7 @@ from cvllm.layers import (
     SiluAndMul,
     get_rope,
 )
-from cvllm.layers.decoder import DecoderStack, PreNormDecoderLayer
+from cvllm.layers.decoder import DecoderStack, PreNormDecoderLayer, feed
 from cvllm.weight_loading import load_weights_by_name
 
 
@@ -89,6 +89,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.get("tie_word_embeddings", False):
             self.lm_head.tie_to(self.model.embed_tokens)
+        feed(getattr(self.model, "norm", None), self.lm_head)   # the final norm's output goes to the head
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -25,7 +25,7 @@ from cvllm.layers import (
     SiluAndMul,
     get_rope,
 )
-from cvllm.layers.decoder import DecoderStack, PreNormDecoderLayer
+from cvllm.layers.decoder import DecoderStack, PreNormDecoderLayer, feed
 from cvllm.weight_loading import load_weights_by_name
 
 # transformers' Qwen2Config default, for configs that do not say
@@ -101,6 +101,7 @@ class Qwen2ForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.get("tie_word_embeddings", False):
             self.lm_head.tie_to(self.model.embed_tokens)
+        feed(getattr(self.model, "norm", None), self.lm_head)   # the final norm's output goes to the head
 
     def layer_windows(self, config: ModelConfig) -> list[int | None]:
         return sliding_window_layers(config)
