@@ -34,7 +34,7 @@ class CudaBackend(Backend):
     # n-gram drafts looked up on the device, verify steps launched a step behind (engine/ngram_device.py): on the H200
     # the demo's rewrite task 2.13x plain batch-1 tok/s with them, 1.72x with the host's (docs/benchmarks.md)
     device_drafts = True
-    # RMSNorm and silu * up make the int8 activations of the low-bit GEMV they feed (kernels/int8_activations.py)
+    # RMSNorm, silu * up and attention make the int8 activations of the low-bit GEMV they feed (int8_activations.py)
     takes_feeds = True
 
     @classmethod
