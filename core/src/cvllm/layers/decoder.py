@@ -27,10 +27,10 @@ from cvllm.weight_loading import WeightTransform, load_weights_by_name, transfor
 
 
 def feed(producer: nn.Module | None, consumer: nn.Module | None) -> None:
-    """Record that ``producer`` (an RMSNorm, a SiluAndMul, an Attention) hands its output straight to the linear layer ``consumer``,
-    as it is, not written in place in between (``producer.feeds``): a backend may then make the consumer's input
-    form in the producer's launch (Backend.takes_feeds). A plain attribute, not a submodule: the consumer stays where
-    the model tree has it (one name, one state-dict entry). Nothing where either is missing."""
+    """Record that ``producer`` (an RMSNorm, a SiluAndMul, an Attention) hands its output straight to the linear
+    layer ``consumer``, as it is, not written in place in between (``producer.feeds``): a backend may then make the
+    consumer's input form in the producer's launch (Backend.takes_feeds). A plain attribute, not a submodule: the
+    consumer stays where the model tree has it (one name, one state-dict entry). Nothing where either is missing."""
     if producer is not None and consumer is not None and hasattr(producer, "feeds"):
         object.__setattr__(producer, "feeds", consumer)
 
