@@ -285,6 +285,13 @@ swappedsplits)
             --min-len 1024 --max-len 1024 --max-num-seqs 64 $([ $q = none ] || echo --isq $q) \
             --json "$out/$day-h200-throughput64-isq-$q-$commit.json"
     done ;;
+swappedstages)
+    # issue 18 (64 streams, 4-bit >= bf16): the swapped GEMM's tile with fewer pipeline stages; compiled for sm_90,
+    # (64, 8, 4, 1) is 190 loop instructions a thread and 4 barriers against 261 and 14 for today's (64, 8, 4, 4)
+    # (bench/sass_stats.py gemm-swapped --block-m 64), never timed (~3 min)
+    run gemm-swapped-stages 200 python3 bench/gemm_swapped_probe.py --rows 16,32,64 \
+        --configs "64,8,4,4 64,8,4,1 64,8,4,2 64,16,4,1" \
+        --json "$out/$day-h200-gemm_swapped_probe-stages-$commit.json" ;;
 gemvrows)
     # issue 18: decode batches of 1-8 rows by kernel: the int8 GEMV a program a row against the rows together in a
     # program (quant_gemv_int8.ROWS_PER_PROGRAM), the unpacked and the swapped GEMM (~2 min)
@@ -317,6 +324,6 @@ kvfp8)
             --kv-cache-dtype $kv --json "$out/$day-h200-serving-kv_$kv-$commit.json"
     done ;;
 *)
-    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|ggufmix|ggufhigh|prefillhost|kvfp8|fp8attn|moe|spec|specsteps|specstaging|quant64|quantgemm|swapped|swappedsplits|gemvrows|swappedwide|smallgemv|producers" >&2
+    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|ggufmix|ggufhigh|prefillhost|kvfp8|fp8attn|moe|spec|specsteps|specstaging|quant64|quantgemm|swapped|swappedsplits|gemvrows|swappedwide|smallgemv|producers|swappedstages" >&2
     exit 2 ;;
 esac
