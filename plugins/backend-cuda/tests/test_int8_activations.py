@@ -7,6 +7,7 @@ plugins/quant-gguf/tests/test_gguf_cuda.py)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -19,7 +20,7 @@ import_or_skip("triton")  # a skip locally, an error under CI=true
 from test_quant_matmul import DEVICE, LAYOUTS, random_weight  # noqa: E402
 
 from cvllm_cuda.kernels import int8_activations, quant_gemv_int8  # noqa: E402
-from cvllm_cuda.kernels.activation import silu_and_mul  # noqa: E402
+from cvllm_cuda.kernels.activation import gelu_and_mul, silu_and_mul  # noqa: E402
 from cvllm_cuda.kernels.int8_activations import attached, quantize_activations  # noqa: E402
 from cvllm_cuda.kernels.quant_matmul import quant_matmul  # noqa: E402
 from cvllm_cuda.kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_plus_one  # noqa: E402
@@ -76,11 +77,13 @@ def test_norm_makes_the_quantizers_bits(low_bits, dtype, hidden, rows):
 
 @pytest.mark.parametrize("low_bits", [4, 8])
 @pytest.mark.parametrize("shape", [(1, 2 * 1056), (3, 2 * 256)])   # 1056: a second program of 32 inputs
-def test_silu_and_mul_makes_the_quantizers_bits(low_bits, shape):
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gated_activations_make_the_quantizers_bits(low_bits, shape, activation):
     layer = int8_layer(low_bits, 8, shape[-1] // 2)
     x = randn(4, *shape, dtype=torch.float16, scale=3.0)
-    out = silu_and_mul(x, feeds=layer)
-    assert torch.equal(out, silu_and_mul(x))
+    act = silu_and_mul if activation == "silu" else functools.partial(gelu_and_mul, approximate="tanh")
+    out = act(x, feeds=layer)
+    assert torch.equal(out, act(x))
     assert_same_form(attached(out, low_bits), quantize_activations(out, low_bits))
 
 

@@ -189,9 +189,9 @@ def test_lagged_fixup_compiles(monkeypatch):
 @pytest.mark.parametrize("low_bits", [2, 4, 8])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_producers_of_int8_activations_compile(monkeypatch, low_bits, rows):
-    """RMSNorm (Llama-3-8B's 4096), silu * up (14336) and the attention's split combination (128-wide heads) making a
-    low-bit GEMV's int8 activations beside their bf16 outputs (int8_activations.py), a decode step's rows and a
-    verify step's, and the quantizer kernel alone."""
+    """RMSNorm (Llama-3-8B's 4096), silu * up and gelu * up (14336) and the attention's split combination
+    (128-wide heads) making a low-bit GEMV's int8 activations beside their bf16 outputs (int8_activations.py), a
+    decode step's rows and a verify step's, and the quantizer kernel alone."""
     from types import SimpleNamespace
 
     from test_quant_matmul import LAYOUTS
@@ -207,6 +207,8 @@ def test_producers_of_int8_activations_compile(monkeypatch, low_bits, rows):
     gate_up = torch.zeros(rows, 2 * 14336, dtype=torch.bfloat16)
     silu = lambda: activation.silu_and_mul(gate_up, feeds=layer(14336))  # noqa: E731
     assert len(compiled_launches(monkeypatch, activation, "_silu_and_mul_kernel", silu)) == 1
+    gelu = lambda: activation.gelu_and_mul(gate_up, "tanh", feeds=layer(14336))  # noqa: E731
+    assert len(compiled_launches(monkeypatch, activation, "_gelu_and_mul_kernel", gelu)) == 1
     alone = lambda: int8_activations.quantize_activations(x, low_bits)  # noqa: E731
     assert len(compiled_launches(monkeypatch, int8_activations, "_quantize_kernel", alone)) == 1
     paged_attention = importlib.import_module("cvllm_cuda.kernels.paged_attention")

@@ -30,9 +30,14 @@ class GeluAndMul(nn.Module):
         super().__init__()
         self.approximate = approximate
 
+    feeds: nn.Module | None = None   # the layer its output goes to next, as RMSNorm.feeds
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = getattr(forward_backend(), "gelu_and_mul", None)
+        backend = forward_backend()
+        fused = getattr(backend, "gelu_and_mul", None)
         if fused is not None:
+            if self.feeds is not None and backend.takes_feeds:
+                return fused(x, self.approximate, feeds=self.feeds)
             return fused(x, self.approximate)
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate=self.approximate) * up

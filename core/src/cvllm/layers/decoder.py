@@ -45,8 +45,8 @@ class PreNormDecoderLayer(nn.Module):
         self.input_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         # the norms' outputs go straight to the attention's and the MLP's first projections, the attention's to the
-        # output projection, silu * up to the down projection, in the families built on this layer (where a module
-        # has other names, nothing is linked)
+        # output projection, the gated activation's to the down projection, in the families built on this layer
+        # (where a module has other names, nothing is linked)
         feed(self.input_layernorm, getattr(self_attn, "qkv_proj", None))
         feed(self.post_attention_layernorm, getattr(mlp, "gate_up_proj", None))
         feed(getattr(mlp, "act_fn", None), getattr(mlp, "down_proj", None))

@@ -45,13 +45,28 @@ def _silu_and_mul_kernel(
         exp_neg = tl.exp(-gate)
     dtype = out_ptr.dtype.element_ty
     silu = tl.math.div_rn(gate, 1.0 + exp_neg).to(dtype).to(tl.float32)  # F.silu rounds to the dtype
-    out = (silu * up).to(dtype)
+    _store(out_ptr, (silu * up).to(dtype), token, cols, mask, intermediate, packs_ptr, xd_ptr, sums_ptr,
+           block_sums_ptr, BLOCK, INT8_BITS)
+
+
+@triton.jit
+def _store(out_ptr, out, token, cols, mask, intermediate, packs_ptr, xd_ptr, sums_ptr, block_sums_ptr,
+           BLOCK: tl.constexpr, INT8_BITS: tl.constexpr):
+    """A program's output columns, and where INT8_BITS is set their int8 form for the low-bit GEMV they go to
+    (int8_activations.py; BLOCK a multiple of 32, so the program's columns are whole blocks of 32)."""
     tl.store(out_ptr + token * intermediate + cols, out, mask=mask)
-    if INT8_BITS > 0:   # the output's int8 form for the low-bit GEMV it goes to (int8_activations.py)
+    if INT8_BITS > 0:
         BLOCKS: tl.constexpr = BLOCK // 32
         blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
         quantize_blocks(tl.reshape(out.to(tl.float32), (BLOCKS, 32)), token * (intermediate // 32) + blocks,
                         blocks < intermediate // 32, packs_ptr, xd_ptr, sums_ptr, block_sums_ptr, INT8_BITS)
+
+
+def _int8_form(out: torch.Tensor, rows: int, feeds) -> tuple[int, tuple[torch.Tensor, ...]]:
+    """(low-plane width, buffers) of the int8 activations the layer ``feeds`` takes at ``rows`` rows, or (0, ``out``
+    four times: placeholders the kernel never touches)."""
+    bits = quant_gemv_int8.input_bits(feeds, rows) if feeds is not None else None
+    return (bits, int8_activations.buffers(out.numel(), bits, out.device)) if bits else (0, (out,) * 4)
 
 
 def silu_and_mul(x: torch.Tensor, feeds=None) -> torch.Tensor:
@@ -66,12 +81,11 @@ def silu_and_mul(x: torch.Tensor, feeds=None) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])  # a view for the usual [T, 2I] or [B, S, 2I] projection output
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    int8_bits = quant_gemv_int8.input_bits(feeds, rows.shape[0]) if feeds is not None else None
-    made = int8_activations.buffers(out.numel(), int8_bits, x.device) if int8_bits else (out,) * 4
+    int8_bits, made = _int8_form(out, rows.shape[0], feeds)
     grid = (rows.shape[0], cdiv(intermediate, _BLOCK))
     _silu_and_mul_kernel[grid](
         rows, out, *made, intermediate, rows.stride(0),
-        LIBDEVICE_EXP=_LIBDEVICE_EXP, BLOCK=min(_BLOCK, next_power_of_2(intermediate)), INT8_BITS=int8_bits or 0,
+        LIBDEVICE_EXP=_LIBDEVICE_EXP, BLOCK=min(_BLOCK, next_power_of_2(intermediate)), INT8_BITS=int8_bits,
         num_warps=4, enable_fp_fusion=False, **pdl.options(x.device),
     )
     if int8_bits:
@@ -89,8 +103,8 @@ GELU_APPROXIMATIONS = ("none", "tanh")
 
 @triton.jit
 def _gelu_and_mul_kernel(
-    x_ptr, out_ptr, intermediate, stride_xt,
-    TANH: tl.constexpr, LIBDEVICE: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr, out_ptr, packs_ptr, xd_ptr, sums_ptr, block_sums_ptr, intermediate, stride_xt,
+    TANH: tl.constexpr, LIBDEVICE: tl.constexpr, BLOCK: tl.constexpr, INT8_BITS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -117,12 +131,13 @@ def _gelu_and_mul_kernel(
         gelu = gate * 0.5 * (1.0 + erf)
     dtype = out_ptr.dtype.element_ty
     gelu = gelu.to(dtype).to(tl.float32)  # F.gelu rounds to the dtype before the product
-    tl.store(out_ptr + token * intermediate + cols, (gelu * up).to(dtype), mask=mask)
+    _store(out_ptr, (gelu * up).to(dtype), token, cols, mask, intermediate, packs_ptr, xd_ptr, sums_ptr,
+           block_sums_ptr, BLOCK, INT8_BITS)
 
 
-def gelu_and_mul(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+def gelu_and_mul(x: torch.Tensor, approximate: str = "none", feeds=None) -> torch.Tensor:
     """``gelu(gate, approximate) * up`` with ``gate, up = x.chunk(2, dim=-1)``: ``[..., 2I]`` -> a new ``[..., I]``
-    tensor; ``approximate`` as F.gelu's ("none" or "tanh")."""
+    tensor; ``approximate`` as F.gelu's ("none" or "tanh"); ``feeds`` as silu_and_mul's."""
     assert approximate in GELU_APPROXIMATIONS, approximate
     assert x.shape[-1] % 2 == 0, x.shape
     intermediate = x.shape[-1] // 2
@@ -132,10 +147,13 @@ def gelu_and_mul(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
+    int8_bits, made = _int8_form(out, rows.shape[0], feeds)
     grid = (rows.shape[0], cdiv(intermediate, _BLOCK))
     _gelu_and_mul_kernel[grid](
-        rows, out, intermediate, rows.stride(0),
+        rows, out, *made, intermediate, rows.stride(0),
         TANH=approximate == "tanh", LIBDEVICE=_LIBDEVICE_EXP, BLOCK=min(_BLOCK, next_power_of_2(intermediate)),
-        num_warps=4, enable_fp_fusion=False, **pdl.options(x.device),
+        INT8_BITS=int8_bits, num_warps=4, enable_fp_fusion=False, **pdl.options(x.device),
     )
+    if int8_bits:
+        int8_activations.attach(out, int8_bits, made)
     return out

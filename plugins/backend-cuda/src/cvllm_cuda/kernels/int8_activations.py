@@ -6,10 +6,10 @@
   the sum of its inputs ``d * sum(q)`` (the formats' offsets multiply it), per block the same sum.
 - Made by the producer: at batch 1 a layer's four quantizer launches cost about as much as a small GEMV's arithmetic
   (H100, `bench/profile_decode.py --isq q4k` without PDL: 1.4 us each, plus the gaps on either side). An RMSNorm,
-  a silu * up or the attention's split-KV combination whose output a model hands straight to a low-bit linear layer
-  (``RMSNorm.feeds``, ``SiluAndMul.feeds``, ``Attention.feeds``) rounds its own output tile the same way
-  (``quantize_blocks``, the same code as the quantizer's) and ``attach``es the result to the tensor it returns; the
-  GEMV takes it from there (``attached``) instead of quantizing again.
+  a silu (or gelu) * up or the attention's split-KV combination whose output a model hands straight to a low-bit
+  linear layer (``RMSNorm.feeds``, ``SiluAndMul.feeds``, ``GeluAndMul.feeds``, ``Attention.feeds``) rounds its own
+  output tile the same way (``quantize_blocks``, the same code as the quantizer's) and ``attach``es the result to
+  the tensor it returns; the GEMV takes it from there (``attached``) instead of quantizing again.
 
 The form belongs to the exact tensor it was made from: ``attached`` finds it only on that tensor or a view of all of
 it, and only for the low-bit width it was made for. It cannot see an in-place write to x between the producer and the
