@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from cvllm_cuda.kernels.quant_gemv_int8 import _dot4, quantize_activations
+from cvllm_cuda.kernels.int8_activations import quantize_activations
+from cvllm_cuda.kernels.quant_gemv_int8 import _dot4
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
@@ -86,7 +87,7 @@ def row_gemv(x: torch.Tensor, weight: dict, out: torch.Tensor, config: tuple[int
 def reference(x: torch.Tensor, weight: dict) -> torch.Tensor:
     """The weights dequantized (Q4_K's formula, float32 as the kernel forms them) times x rounded as the kernel rounds
     it, summed in float64 (a float32 matmul on a GPU may take TF32)."""
-    from cvllm_cuda.kernels.quant_gemv_int8 import dequantized_activations
+    from cvllm_cuda.kernels.int8_activations import dequantized_activations
     n, kw = weight["w"].shape
     shifts = torch.arange(8, device=x.device) * 4
     q = ((weight["w"].to(torch.int64).unsqueeze(-1) >> shifts) & 0xF).reshape(n, kw * 8).float()

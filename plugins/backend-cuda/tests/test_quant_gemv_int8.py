@@ -19,6 +19,7 @@ import_or_skip("triton")
 from test_quant_matmul import DEVICE, LAYOUTS, needs_gpu, random_weight  # noqa: E402
 
 from cvllm_cuda.kernels import quant_gemv_int8  # noqa: E402
+from cvllm_cuda.kernels.int8_activations import dequantized_activations  # noqa: E402
 from cvllm_cuda.kernels.quant_matmul import quant_matmul  # noqa: E402
 from cvllm_cuda.quant_planes import QuantLayout, QuantWeight, dequantize_planes  # noqa: E402
 
@@ -54,7 +55,7 @@ def gguf_weight(name: str, n: int, k: int, seed: int) -> tuple[QuantWeight, torc
 
 def assert_rounded_reference(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     """``out`` is x rounded to int8 per 32 inputs times ``w`` (float64 reference; float32 sums in another order)."""
-    ref = (quant_gemv_int8.dequantized_activations(x).double() @ w.double().T).float()
+    ref = (dequantized_activations(x).double() @ w.double().T).float()
     torch.testing.assert_close(out.float().cpu(), ref.cpu(), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
@@ -108,7 +109,7 @@ def test_int8_activation_gemv_equals_the_rounded_reference(name, config, n):
     out = torch.full((1, n), float("nan"), device=DEVICE)
     quant_gemv_int8.quant_gemv_int8(x, weight, out, config)
     w = dequantize_planes(weight).to(DEVICE)
-    ref = quant_gemv_int8.dequantized_activations(x) @ w.T
+    ref = dequantized_activations(x) @ w.T
     torch.testing.assert_close(out.cpu(), ref.cpu(), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     exact = x @ w.T
     assert ((out - exact).abs().max() / exact.abs().max()).item() < 2e-2
@@ -137,7 +138,7 @@ def test_a_few_rows_take_the_int8_gemv_each_row_as_if_alone(name, splits):
         torch.testing.assert_close(wide[:, 8:32].cpu(), alone.cpu(), rtol=1e-5, atol=1e-5 * alone.abs().max().item())
     assert wide[:, :8].isnan().all() and wide[:, 32:].isnan().all()
     w = dequantize_planes(weight).to(DEVICE)
-    rounded = quant_gemv_int8.dequantized_activations(x[:rows]) @ w.T
+    rounded = dequantized_activations(x[:rows]) @ w.T
     torch.testing.assert_close(alone.cpu(), rounded.cpu(), rtol=1e-5, atol=1e-5 * rounded.abs().max().item())
     # one row more: the float GEMM (x not rounded)
     torch.testing.assert_close(quant_matmul(x, weight).cpu(), (x @ w.T).cpu(), rtol=1e-5,

@@ -81,10 +81,11 @@ class Backend:
     #       and one with per-head norms (Qwen3) ``qk_norm=(q_weight, k_weight, eps)``: RMSNorm over each head of q
     #       and k before the rotation (q_norm and k_norm share eps); an interleaved rotary adds ``interleaved=True``
     #   silu_and_mul(x [..., 2I]) -> [..., I]: SiluAndMul (layers/activation.py)
-    #   (with ``takes_feeds``, fused_add_rms_norm, fused_add_rms_norm_plus_one and silu_and_mul also take
-    #   ``feeds=layer``: the linear layer the model hands the output to next, where it says so (RMSNorm.feeds,
-    #   SiluAndMul.feeds, layers/decoder.py); the backend may make that layer's input form beside the output in the
-    #   same launch: CUDA's int8 activations of a low-bit GEMV)
+    #   (with ``takes_feeds``, fused_add_rms_norm, fused_add_rms_norm_plus_one, silu_and_mul and gelu_and_mul
+    #   also take ``feeds=layer``: the linear layer the model hands the output to next, where it says so
+    #   (RMSNorm.feeds, SiluAndMul.feeds, GeluAndMul.feeds, layers/decoder.feed), and ``attention``'s layer may
+    #   carry one (Attention.feeds); the backend may make that layer's input form beside the output in the same
+    #   launch: CUDA's int8 activations of a low-bit GEMV)
     #   gelu_and_mul(x [..., 2I], approximate) -> [..., I]: GeluAndMul, ``approximate`` "none" or "tanh"
     #   fused_add_rms_norm_plus_one(x, residual, weight, eps): GemmaRMSNorm.forward (scales by 1 + weight, in fp32,
     #       rounded once), residual as fused_add_rms_norm's

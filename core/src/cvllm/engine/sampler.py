@@ -146,21 +146,18 @@ def _plain_greedy(p: SamplingParams) -> bool:
 def _sample_or_argmax(logits: torch.Tensor, rows: Sequence[SamplerRow],
                       argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax) -> torch.Tensor:
     params = [row.sampling_params for row in rows]
-    greedy_ids = argmax(logits)
     if all(p.greedy for p in params):
-        return greedy_ids
+        return argmax(logits)
 
     # Greedy rows go through the random path with temperature 1 and are replaced at the end.
     temperatures = _row_tensor([1.0 if p.greedy else p.temperature for p in params], logits)
-    logits = logits / temperatures.unsqueeze(1)
-    logits = apply_top_k_top_p(logits, params)
-    logits = apply_min_p(logits, params)
-    sampled_ids = _exponential_race(logits, [row.generator for row in rows], argmax)
+    scaled = apply_top_k_top_p(logits / temperatures.unsqueeze(1), params)
+    sampled_ids = _exponential_race(apply_min_p(scaled, params), [row.generator for row in rows], argmax)
 
     if not any(p.greedy for p in params):
-        return sampled_ids
+        return sampled_ids   # (no argmax of the logits: a sampling batch needs none)
     greedy = _row_tensor([p.greedy for p in params], logits, torch.bool)
-    return torch.where(greedy, greedy_ids, sampled_ids)
+    return torch.where(greedy, argmax(logits), sampled_ids)
 
 
 def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

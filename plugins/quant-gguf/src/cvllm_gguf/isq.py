@@ -222,7 +222,10 @@ def isq_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMeth
         head = os.environ.get(LM_HEAD_ENV)
         if not head or not isinstance(table, ParallelLMHead):
             return None
-        return ISQTableMethod(parse_isq_type(head), mode, name, 1, progress)
+        qtype = parse_isq_type(head)
+        # (counted with the linear layers in the quantizing phase's bar and summary)
+        logger.info("isq: LM head '%s' quantized to %s too (%s)", name, qtype.name, LM_HEAD_ENV)
+        return ISQTableMethod(qtype, mode, name, 1, progress)
 
     method_for.moe_method = moe_method
     method_for.embedding_method = embedding_method

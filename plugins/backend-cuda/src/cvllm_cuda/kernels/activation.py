@@ -62,13 +62,6 @@ def _store(out_ptr, out, token, cols, mask, intermediate, packs_ptr, xd_ptr, sum
                         blocks < intermediate // 32, packs_ptr, xd_ptr, sums_ptr, block_sums_ptr, INT8_BITS)
 
 
-def _int8_form(out: torch.Tensor, rows: int, feeds) -> tuple[int, tuple[torch.Tensor, ...]]:
-    """(low-plane width, buffers) of the int8 activations the layer ``feeds`` takes at ``rows`` rows, or (0, ``out``
-    four times: placeholders the kernel never touches)."""
-    bits = quant_gemv_int8.input_bits(feeds, rows) if feeds is not None else None
-    return (bits, int8_activations.buffers(out.numel(), bits, out.device)) if bits else (0, (out,) * 4)
-
-
 def silu_and_mul(x: torch.Tensor, feeds=None) -> torch.Tensor:
     """``silu(gate) * up`` with ``gate, up = x.chunk(2, dim=-1)``: ``[..., 2I]`` -> a new ``[..., I]`` tensor.
     ``feeds``: the linear layer the output goes to next (SiluAndMul.feeds); where that is a low-bit GEMV on int8
@@ -81,7 +74,7 @@ def silu_and_mul(x: torch.Tensor, feeds=None) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])  # a view for the usual [T, 2I] or [B, S, 2I] projection output
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    int8_bits, made = _int8_form(out, rows.shape[0], feeds)
+    int8_bits, made = quant_gemv_int8.output_form(out, feeds, rows.shape[0])
     grid = (rows.shape[0], cdiv(intermediate, _BLOCK))
     _silu_and_mul_kernel[grid](
         rows, out, *made, intermediate, rows.stride(0),
@@ -147,7 +140,7 @@ def gelu_and_mul(x: torch.Tensor, approximate: str = "none", feeds=None) -> torc
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    int8_bits, made = _int8_form(out, rows.shape[0], feeds)
+    int8_bits, made = quant_gemv_int8.output_form(out, feeds, rows.shape[0])
     grid = (rows.shape[0], cdiv(intermediate, _BLOCK))
     _gelu_and_mul_kernel[grid](
         rows, out, *made, intermediate, rows.stride(0),

@@ -44,7 +44,7 @@ from cvllm_cuda.kernels import gpu
 from cvllm_cuda.kernels.int8_activations import (
     BLOCK,
     attached,
-    dequantized_activations,  # noqa: F401 (the tests' reference, here)
+    buffers,
     producers_on,
     quantize_activations,
 )
@@ -113,6 +113,14 @@ def input_bits(layer, rows: int) -> int | None:
         return None
     widths = {w.layout.low_bits if applies(w.layout, w.in_features) else None for w in weights}
     return widths.pop() if len(widths) == 1 else None
+
+
+def output_form(out: torch.Tensor, feeds, rows: int) -> tuple[int, tuple[torch.Tensor, ...]]:
+    """For a producer of ``out`` ([rows, K]) that feeds the layer ``feeds`` (None: unknown): the low-plane width of
+    the int8 form to make beside it and room for it (int8_activations.buffers), or (0, ``out`` four times:
+    placeholders the kernel never touches)."""
+    bits = input_bits(feeds, rows) if feeds is not None and rows else None
+    return (bits, buffers(out.numel(), bits, out.device)) if bits else (0, (out,) * 4)
 
 
 def default_tiles(layout: QuantLayout) -> tuple[tuple, int]:

@@ -122,8 +122,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, residual.dtype, x.dtype)
         new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     num_rows = x.numel() // hidden if hidden else 0
-    int8_bits = quant_gemv_int8.input_bits(feeds, num_rows) if feeds is not None and num_rows else None
-    made = int8_activations.buffers(out.numel(), int8_bits, x.device) if int8_bits else (out,) * 4
+    int8_bits, made = quant_gemv_int8.output_form(out, feeds, num_rows)
     if num_rows:
         x3 = _as_3d(x)
         r3 = _as_3d(residual) if residual is not None else x3
@@ -135,7 +134,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
             num_rows, x3.shape[1], hidden, eps,
             x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
             HAS_RESIDUAL=residual is not None, PLUS_ONE=plus_one, BLOCK_R=block_r, BLOCK_N=block_n,
-            INT8_BITS=int8_bits or 0, num_warps=min(16, max(1, block_r * block_n // 512)),
+            INT8_BITS=int8_bits, num_warps=min(16, max(1, block_r * block_n // 512)),
             enable_fp_fusion=False,  # no FMA contraction: the products round as torch's do
             **pdl.options(x.device),
         )
