@@ -51,7 +51,8 @@ def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m
               "EVEN": True, "INTERPRET": False, "USE_PDL": False}
     if kind == "int8-gemv":
         signature = {"packs_ptr": "*i32", "xd_ptr": "*fp32", "xsum_ptr": "*fp32", "xblock_sum_ptr": "*fp32",
-                     "out_ptr": "*bf16", **PLANES, "N": "i32", "K": "i32", "SPLIT_WORDS": "i32", "T": "i32",
+                     "out_ptr": "*bf16", "partial_ptr": "*fp32", "counters_ptr": "*i32", **PLANES, "N": "i32",
+                     "K": "i32", "SPLIT_WORDS": "i32", "T": "i32",
                      "stride_ot": "i32"}
         return quant_gemv_int8._gemv_int8_kernel, signature, {**common, "ROWS": block_m}, warps
     if kind in ("gemm", "gemm-per-position"):   # quant_matmul._gemm_kernel: (BLOCK_N, BLOCK_W, warps, stages)
@@ -67,8 +68,8 @@ def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m
                    "IEEE": False, "UPCAST": False, "LANES": quant_gemm_swapped.in_lanes(layout, torch.bfloat16),
                    "ASM": True, "USE_PDL": False}
         return quant_gemm_swapped._gemm_swapped_kernel, signature, swapped, warps
-    signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", **PLANES, "N": "i32", "K": "i32", "SPLIT_WORDS": "i32",
-                 "one_bits": "i32"}
+    signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", "partial_ptr": "*fp32", "counters_ptr": "*i32", **PLANES,
+                 "N": "i32", "K": "i32", "SPLIT_WORDS": "i32", "one_bits": "i32"}
     return quant_gemv._gemv_kernel, signature, common, warps
 
 

@@ -219,3 +219,64 @@ def test_producers_of_int8_activations_compile(monkeypatch, low_bits, rows):
         DIM ** -0.5, None, None, num_splits=4, int8_bits=low_bits)
     monkeypatch.setattr(paged_attention, "_attention_kernel", sm90.LaunchRecorder(paged_attention._attention_kernel))
     assert len(compiled_launches(monkeypatch, paged_attention, "_combine_splits_kernel", attention)) == 1
+
+
+@compiles
+@pytest.mark.parametrize("name,rows", [("q4_k", 1), ("q4_k", 5), ("q6_k", 5), ("gptq4_g128", 1)])
+def test_gemvs_with_fused_split_sums_compile(monkeypatch, name, rows):
+    """The int8 GEMV (a decode step's row, a verify step's rows) and the float GEMV adding their K splits in the last
+    split's program (quant_tiles.FUSED_SPLITS_ENV): one acquire-release ticket at GPU scope a program, the partial
+    sums read back through L2, no spills."""
+    from test_quant_matmul import LAYOUTS, random_weight
+    monkeypatch.setenv("CVLLM_GEMV_FUSED_SPLITS", "1")
+    int8, float_gemv, tiles = (importlib.import_module(f"cvllm_cuda.kernels.{name}")
+                               for name in ("quant_gemv_int8", "quant_gemv", "quant_tiles"))
+    monkeypatch.setattr(tiles, "_counters", {})
+    layout = dataclasses.replace(LAYOUTS[name], int8_activations=name != "gptq4_g128")
+    weight = random_weight(layout, 256, 4096, "cpu")
+    x, out = torch.zeros(rows, 4096, dtype=torch.bfloat16), torch.empty(rows, 256, dtype=torch.bfloat16)
+    if layout.int8_activations:
+        int8_activations = importlib.import_module("cvllm_cuda.kernels.int8_activations")
+        monkeypatch.setattr(int8_activations, "_quantize_kernel",
+                            sm90.LaunchRecorder(int8_activations._quantize_kernel))
+        launch = lambda: int8.quant_gemv_int8(x, weight, out, splits=4)  # noqa: E731
+        kernels = compiled_launches(monkeypatch, int8, "_gemv_int8_kernel", launch)
+    else:   # one row
+        launch = lambda: float_gemv.quant_gemv(x, weight, out, splits=4)  # noqa: E731
+        kernels = compiled_launches(monkeypatch, float_gemv, "_gemv_kernel", launch)
+    assert len(kernels) == 1
+    ptx = kernels[0].asm["ptx"]
+    assert len(re.findall(r"atom\.global\.gpu\.acq_rel\.add|atom\.acq_rel\.gpu\.global\.add", ptx)) == 1, \
+        re.findall(r"atom\.[^ ]*", ptx)
+    assert "ld.global.cg" in ptx
+    assert sm90.resource_usage(kernels[0])["STACK"] == 0, "spilled to local memory"
+
+
+@compiles
+@pytest.mark.parametrize("name", ["q4_k", "q8_0", "gptq4_g128"])
+def test_gemvs_prefetch_their_first_tiles_before_waiting(monkeypatch, name):
+    """With PDL and a prefetch budget (quant_tiles.PREFETCH_ENV) the GEMVs issue ``prefetch.global.L2`` for the
+    first words of their K range before ``griddepcontrol.wait``: one a word row of a 128-byte line (Q8_0's 64-wide
+    tile: two)."""
+    from test_quant_matmul import LAYOUTS, random_weight
+    int8, float_gemv = (importlib.import_module(f"cvllm_cuda.kernels.{name}")
+                        for name in ("quant_gemv_int8", "quant_gemv"))
+    layout = dataclasses.replace(LAYOUTS[name], int8_activations=name != "gptq4_g128")
+    module, kernel = (int8, "_gemv_int8_kernel") if layout.int8_activations else (float_gemv, "_gemv_kernel")
+    monkeypatch.setattr(module, "prefetch_words", lambda *args: 64)
+    monkeypatch.setattr(module, "pdl_options", lambda device: {"USE_PDL": True, "launch_pdl": True})
+    weight = random_weight(layout, 256, 4096, "cpu")
+    x, out = torch.zeros(1, 4096, dtype=torch.bfloat16), torch.empty(1, 256, dtype=torch.bfloat16)
+    if layout.int8_activations:
+        int8_activations = importlib.import_module("cvllm_cuda.kernels.int8_activations")
+        monkeypatch.setattr(int8_activations, "_quantize_kernel",
+                            sm90.LaunchRecorder(int8_activations._quantize_kernel))
+        launch = lambda: int8.quant_gemv_int8(x, weight, out, splits=1)  # noqa: E731
+    else:
+        launch = lambda: float_gemv.quant_gemv(x, weight, out, splits=1)  # noqa: E731
+    kernels = compiled_launches(monkeypatch, module, kernel, launch)
+    assert len(kernels) == 1
+    ptx = kernels[0].asm["ptx"]
+    prefetches = [m.start() for m in re.finditer(r"prefetch\.global\.L2::evict_last", ptx)]
+    assert prefetches and max(prefetches) < ptx.index("griddepcontrol.wait"), len(prefetches)
+    assert sm90.resource_usage(kernels[0])["STACK"] == 0, "spilled to local memory"

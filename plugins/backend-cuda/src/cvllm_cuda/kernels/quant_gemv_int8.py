@@ -58,8 +58,13 @@ from cvllm_cuda.kernels.quant_tiles import (
     group_words,
     groups_in_thread,
     kernel_tensors,
+    last_split,
     load_masked,
+    prefetch_to_l2,
+    prefetch_words,
+    split_counters,
     split_k,
+    summed_splits,
     word_factors,
 )
 from cvllm_cuda.kernels.sizes import cdiv
@@ -169,14 +174,14 @@ def _row_step(acc, wbytes, scale, offset, pack_ptrs, xd_ptr, xsum_ptr, xblock_su
 
 
 @triton.jit(do_not_specialize=["T", "stride_ot"])
-def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr,
-                      b_ptr, N, K, SPLIT_WORDS, T, stride_ot,
+def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr,
+                      high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K, SPLIT_WORDS, T, stride_ot,
                       LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
                       SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
                       HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                       GROUP_WORDS: tl.constexpr, GROUP_SUM: tl.constexpr, STAGES: tl.constexpr,
                       EVEN: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr,
-                      ROWS: tl.constexpr = 1):
+                      ROWS: tl.constexpr = 1, FUSED_SUM: tl.constexpr = False, PREFETCH_WORDS: tl.constexpr = 0):
     """The float GEMV's tiling and splits (quant_matmul._gemv_kernel), integer dot products per word. Where a factor
     group is one activation block (32 inputs: Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0), the group's word products
     are added as integers and turned into a float once per group and column, not once per word. A high plane's
@@ -186,11 +191,19 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_
     tile is loaded and its factors computed once for all of them, and each row is summed as it is alone
     (_row_step), so a row's output does not depend on the others or on ROWS; the tiles and K splits depend on the
     weight only. A last program with fewer rows computes its last row again in their place and stores nothing for
-    them. Out row t of split j at ``(j * T + t) * N`` with splits, else at ``t * stride_ot``."""
-    wait_for_previous_kernel(USE_PDL)
+    them. Out row t at ``t * stride_ot``; with K splits, split j's partial sums of row t at ``partial_ptr + (j * T +
+    t) * N`` (float32), added by sum_splits_kernel or, FUSED_SUM, by the split that finishes last
+    (quant_tiles.last_split). PREFETCH_WORDS: the first words of the program's K range fetched into L2 before it
+    waits for the previous kernel (quant_tiles.prefetch_words), by the first program of a column tile's rows."""
     PER_WORD: tl.constexpr = 32 // LOW_BITS
     PHASES: tl.constexpr = 8 // LOW_BITS
     GROUPS: tl.constexpr = BLOCK_W // GROUP_WORDS
+    start = tl.program_id(2) * SPLIT_WORDS
+    num_words = tl.minimum(K // PER_WORD, start + SPLIT_WORDS)
+    if PREFETCH_WORDS > 0:
+        if tl.program_id(0) == 0:
+            prefetch_to_l2(low_ptr, start, num_words, tl.program_id(1) * BLOCK_N, N, PREFETCH_WORDS, BLOCK_N)
+    wait_for_previous_kernel(USE_PDL)
     first_row = tl.program_id(0) * ROWS
     packs_ptr += first_row * (K // 4)
     xd_ptr += first_row * (K // 32)
@@ -202,8 +215,6 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_
         row_offsets = row_offsets + (tl.minimum(first_row + r, T - 1) - first_row,)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols3 = cols[None, None, :]
-    start = tl.program_id(2) * SPLIT_WORDS
-    num_words = tl.minimum(K // PER_WORD, start + SPLIT_WORDS)
     group_first = tl.arange(0, GROUPS) * GROUP_WORDS
     tile_words = group_first[:, None, None] + tl.arange(0, GROUP_WORDS)[None, :, None]   # [GROUPS, GROUP_WORDS, 1]
     ONE_BLOCK: tl.constexpr = GROUP_WORDS * PER_WORD == 32 and GROUP_SUM   # (quant_tiles.groups_in_thread)
@@ -258,14 +269,25 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, low_
         accs = stepped
         low_ptrs += BLOCK_W * N
         pack_ptrs += BLOCK_W * PHASES
+    splits = tl.num_programs(2)
     for r in tl.static_range(ROWS):
         row = first_row + r
         total = tl.sum(tl.sum(accs[r], axis=1), axis=0)
-        if tl.num_programs(2) > 1:
-            row_out = out_ptr + (tl.program_id(2) * T + row).to(tl.int64) * N
+        if splits > 1:
+            tl.store(partial_ptr + (tl.program_id(2) * T + row).to(tl.int64) * N + cols, total,
+                     mask=(cols < N) & (row < T))
         else:
-            row_out = out_ptr + row.to(tl.int64) * stride_ot
-        tl.store(row_out + cols, total.to(out_ptr.dtype.element_ty), mask=(cols < N) & (row < T))
+            tl.store(out_ptr + row.to(tl.int64) * stride_ot + cols, total.to(out_ptr.dtype.element_ty),
+                     mask=(cols < N) & (row < T))
+    if FUSED_SUM:
+        if splits > 1:
+            if last_split(counters_ptr, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), splits):
+                for r in tl.static_range(ROWS):
+                    row = first_row + r
+                    ok = (cols < N) & (row < T)
+                    total = summed_splits(partial_ptr + row.to(tl.int64) * N, cols, ok, splits, T * N)
+                    tl.store(out_ptr + row.to(tl.int64) * stride_ot + cols, total.to(out_ptr.dtype.element_ty),
+                             mask=ok)
 
 
 # rows of x a GEMV program takes: each weight tile then comes from memory and is unpacked once for all of them, and
@@ -309,16 +331,19 @@ def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, con
         activations = attached(x, lay.low_bits) or quantize_activations(x, lay.low_bits)
     splits, split_words = split_k(cdiv(n, block_n), k, lay.low_bits, block_w, x.device, splits,
                                   tuned[4] if tuned else programs_per_sm)
-    target = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
+    partials = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
     gw = group_words(lay, block_w)
     launch = pdl_options(x.device)
     rows = max(1, min(t, rows_per_program)) if rows_per_program else program_rows(t, n, k)
-    _gemv_int8_kernel[(cdiv(t, rows), cdiv(n, block_n), splits)](
-        *activations, target, *kernel_tensors(weight), n, k, split_words, t, out.stride(0), **lay.kernel_args(),
-        BLOCK_N=block_n,
+    grid = (cdiv(t, rows), cdiv(n, block_n), splits)
+    counters = split_counters(x.device, grid[0] * grid[1]) if splits > 1 else None
+    _gemv_int8_kernel[grid](
+        *activations, out, partials, partials if counters is None else counters, *kernel_tensors(weight), n, k,
+        split_words, t, out.stride(0), **lay.kernel_args(), BLOCK_N=block_n,
         BLOCK_W=block_w, GROUP_WORDS=gw, STAGES=stages[0] if stages else 1,
         GROUP_SUM=groups_in_thread(block_n, block_w, gw, warps),
         EVEN=even_tiles(n, k, lay.low_bits, block_n, split_words),
-        INTERPRET=bool(triton.knobs.runtime.interpret), ROWS=rows, num_warps=warps, **launch)
-    if splits > 1:
-        add_splits(target, out, splits, n)
+        INTERPRET=bool(triton.knobs.runtime.interpret), ROWS=rows, FUSED_SUM=counters is not None,
+        PREFETCH_WORDS=prefetch_words(grid[1] * grid[2], block_n, split_words, x.device), num_warps=warps, **launch)
+    if splits > 1 and counters is None:
+        add_splits(partials, out, splits, n)

@@ -1,0 +1,92 @@
+"""The GEMVs' K splits added by the split that finishes last (quant_tiles.FUSED_SPLITS_ENV): the same bits as the
+separate sum kernel, for the int8 GEMV (1 to MAX_ROWS rows, strided output rows) and the float GEMV (GPTQ, FP8), and
+the ticket counters zero again after every launch. In Triton's interpreter (programs run one after another: the
+last split is the last program) and compiled for sm_90 (test_sm90_compile.py); on a GPU where one is."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from cvllm.testing.requirements import import_or_skip
+
+import_or_skip("triton")
+
+from test_quant_matmul import DEVICE, LAYOUTS, needs_gpu, random_weight  # noqa: E402
+
+from cvllm_cuda.kernels import quant_tiles  # noqa: E402
+from cvllm_cuda.kernels.quant_gemv import quant_gemv  # noqa: E402
+from cvllm_cuda.kernels.quant_gemv_int8 import MAX_ROWS, quant_gemv_int8  # noqa: E402
+
+
+def fused(monkeypatch, on: bool) -> None:
+    monkeypatch.setenv(quant_tiles.FUSED_SPLITS_ENV, "1" if on else "0")
+
+
+def counters_are_zero() -> bool:
+    return all(int(c.abs().sum()) == 0 for c in quant_tiles._counters.values())
+
+
+@pytest.mark.parametrize("name,rows,splits", [("q4_k", 1, 2), ("q4_k", MAX_ROWS, 3), ("q8_0", 3, 3), ("q6_k", 2, 3)])
+def test_int8_gemv_fused_split_sum_gives_the_separate_sums_bits(monkeypatch, name, rows, splits):
+    """Output rows written at a stride (a slice of a wider tensor) and 40 output features (a masked last tile)."""
+    layout = dataclasses.replace(LAYOUTS[name], int8_activations=True)
+    weight = random_weight(layout, 40, 768, DEVICE, seed=rows + splits)
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)).to(DEVICE).to(torch.bfloat16)
+    outs = {}
+    for on in (False, True):
+        fused(monkeypatch, on)
+        wide = torch.full((rows, 56), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+        quant_gemv_int8(x, weight, wide[:, 8:48], config=(16, 8, 4), splits=splits)
+        outs[on] = wide
+    assert not outs[True][:, 8:48].isnan().any()
+    assert torch.equal(outs[True][:, 8:48], outs[False][:, 8:48])
+    assert outs[True][:, :8].isnan().all() and outs[True][:, 48:].isnan().all()   # nothing written past its rows
+    assert quant_tiles._counters and counters_are_zero()
+
+
+@pytest.mark.parametrize("name", ["gptq4_g128", "fp8_block128", "q6_k"])
+def test_float_gemv_fused_split_sum_gives_the_separate_sums_bits(monkeypatch, name):
+    weight = random_weight(LAYOUTS[name], 40, 768, DEVICE, seed=5)
+    x = torch.randn(1, 768, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    outs = {}
+    for on in (False, True):
+        fused(monkeypatch, on)
+        outs[on] = torch.full((1, 40), float("nan"), device=DEVICE)
+        quant_gemv(x, weight, outs[on], config=(16, 8, 4), splits=3)
+    assert not outs[True].isnan().any() and torch.equal(outs[True], outs[False])
+    assert counters_are_zero()
+
+
+def test_no_counters_without_the_switch_or_past_their_number(monkeypatch):
+    fused(monkeypatch, False)
+    assert quant_tiles.split_counters(torch.device(DEVICE), 4) is None
+    fused(monkeypatch, True)
+    assert quant_tiles.split_counters(torch.device(DEVICE), quant_tiles.COUNTER_SLOTS + 1) is None
+    counters = quant_tiles.split_counters(torch.device(DEVICE), 4)
+    assert counters is quant_tiles.split_counters(torch.device(DEVICE), 4)   # one buffer a device, kept
+    assert counters.dtype == torch.int32 and counters.numel() == quant_tiles.COUNTER_SLOTS
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["q4_k", "q8_0", "gptq4_g128"])
+def test_gpu_fused_split_sums_equal_the_separate_sums_over_many_launches(monkeypatch, name):
+    """Compiled, a Llama-3-8B down projection's shape at the default tiles and splits, launched 50 times: every
+    launch the separate sums' bits (a race between the splits, or a counter left behind, would show as a launch
+    that differs), the counters zero at the end."""
+    layout = dataclasses.replace(LAYOUTS[name], int8_activations=name != "gptq4_g128")
+    weight = random_weight(layout, 4096, 14336, DEVICE, seed=3)
+    x = torch.randn(1, 14336, device=DEVICE, dtype=torch.bfloat16)
+    run = quant_gemv_int8 if layout.int8_activations else quant_gemv
+    fused(monkeypatch, False)
+    ref = torch.empty(1, 4096, device=DEVICE, dtype=torch.bfloat16)
+    run(x, weight, ref, splits=4)
+    fused(monkeypatch, True)
+    outs = torch.empty(50, 1, 4096, device=DEVICE, dtype=torch.bfloat16)
+    for i in range(50):
+        run(x, weight, outs[i], splits=4)
+    torch.cuda.synchronize()
+    assert torch.equal(outs, ref.expand_as(outs)) and counters_are_zero()
