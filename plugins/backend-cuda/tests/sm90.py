@@ -17,18 +17,24 @@ from triton.compiler import ASTSource
 
 
 def compile_sm90(fn, signature: dict, constexprs: dict, warps: int, stages: int | None = None,
-                 divisible: frozenset[str] = frozenset(), max_registers: int | None = None):
+                 divisible: frozenset[str] = frozenset(), max_registers: int | None = None,
+                 fp_fusion: bool | None = None):
     """``fn`` compiled for sm_90. ``signature``: the runtime arguments' Triton types (``"*bf16"``, ``"i32"``...);
     pointers and the ``divisible`` integers get the 16-divisibility a launch specialises them on;
-    ``max_registers``: a launch's ``maxnreg``."""
-    names = list(signature) + list(constexprs)
-    signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
+    ``max_registers``: a launch's ``maxnreg``; ``fp_fusion``: its ``enable_fp_fusion`` (None: Triton's default)."""
+    # in the kernel's parameter order, whatever order the caller listed them in (indices name the parameters)
+    given = {**signature, **dict.fromkeys(constexprs, "constexpr")}
+    missing = set(fn.arg_names) - set(given)
+    assert not missing, f"no type or value for {sorted(missing)}"
+    names = list(fn.arg_names)
+    signature = {name: given[name] for name in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items()
              if t.startswith("*") or n in divisible}
     source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
                        attrs=attrs)
     options = {"num_warps": warps, **({"num_stages": stages} if stages else {}),
-               **({"maxnreg": max_registers} if max_registers else {})}
+               **({"maxnreg": max_registers} if max_registers else {}),
+               **({"enable_fp_fusion": fp_fusion} if fp_fusion is not None else {})}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -68,7 +74,7 @@ def compile_launch(fn, args: tuple, kwargs: dict):
             if value % 16 == 0:
                 divisible.add(name)
     return compile_sm90(fn, signature, constexprs, kwargs.get("num_warps", 4), kwargs.get("num_stages"),
-                        frozenset(divisible), kwargs.get("maxnreg"))
+                        frozenset(divisible), kwargs.get("maxnreg"), kwargs.get("enable_fp_fusion"))
 
 
 def tool(name: str) -> str:

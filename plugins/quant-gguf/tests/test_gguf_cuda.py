@@ -199,6 +199,72 @@ def test_tiny_model_logprobs_equal_with_the_producers_int8_activations(tmp_path,
     assert calls["1"] < calls["0"] / 2   # three of a layer's four GEMVs took the producers' activations
 
 
+@pytest.mark.gpu
+@needs_gpu
+def test_tiny_model_with_the_gated_gemv_keeps_its_tokens(tmp_path, make_rows, monkeypatch):
+    """The tiny GGUF Llama on CUDA (graphs on) with its gate + up projection and silu in one launch
+    (CVLLM_GEMV_GATED=1, quant_matmul.gated_linear; with the producers' int8 activations and fused split sums): the
+    gated GEMV ran, and the greedy tokens and their logprobs are the two launches' within bf16 roundings (the gated
+    kernel is compiled without FMA contraction, the plain GEMV with it)."""
+    from cvllm import LLM
+    from cvllm.sampling_params import SamplingParams
+    from cvllm_cuda.kernels import int8_activations, quant_matmul, quant_tiles
+    from cvllm_gguf.testing import write_tiny_llama
+
+    path, _, _ = write_tiny_llama(tmp_path, make_rows)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    prompts = [{"prompt_token_ids": [5, 17, 33, 2]}, {"prompt_token_ids": [90, 1, 44, 44, 3, 8]}]
+    monkeypatch.setenv(int8_activations.PRODUCERS_ENV, "1")
+    monkeypatch.setenv(quant_tiles.FUSED_SPLITS_ENV, "1")
+    gated_calls, gated = [], quant_gemv_int8.gated_gemv_int8
+    monkeypatch.setattr(quant_gemv_int8, "gated_gemv_int8", lambda *a: gated_calls.append(1) or gated(*a))
+    results = {}
+    for on in ("1", "0"):
+        monkeypatch.setenv(quant_matmul.GATED_ENV, on)
+        llm = LLM(model=str(path), backend="cuda", dtype="bfloat16", num_kv_blocks=32, max_num_seqs=1)
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        results[on] = [(list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]) for o in outs]
+        del llm
+        if on == "1":
+            assert gated_calls, "the gated GEMV never ran"
+    for (tokens, logprobs), (tokens_apart, logprobs_apart) in zip(results["1"], results["0"], strict=True):
+        assert tokens == tokens_apart
+        assert max(abs(a - b) for a, b in zip(logprobs, logprobs_apart)) < 0.05
+
+
+def test_gated_linear_takes_a_planes_gate_up_projection(make_rows, monkeypatch):
+    """quant_matmul.gated_linear (the CUDA backend's) on a Q4_K gate + up projection computed from its planes:
+    ``silu(gate) * up`` of the layer's own output, to the bit, with CVLLM_GEMV_GATED=1; None with it off, with a
+    bias, or for a layer of three parts."""
+    if not INTERPRET:
+        pytest.skip("CPU tensors through Triton's interpreter; with a GPU the end-to-end gpu test covers this path")
+    from cvllm.layers.linear import MergedColumnParallelLinear
+    from cvllm_cuda.kernels import quant_matmul
+    from cvllm_cuda.kernels.activation import silu_and_mul
+    from cvllm_cuda.quant_planes import attach
+    from cvllm_gguf.planes import to_planes
+
+    def planes_layer(parts, bias=False):
+        layer = MergedColumnParallelLinear(512, [64] * parts, bias=bias,
+                                           quant_method=GGUFLinearMethod(GGMLType.Q4_K, mode="exact"))
+        for shard in range(parts):
+            layer.qweight.weight_loader(layer.qweight, make_rows(GGMLType.Q4_K, 64, 512, seed=shard), shard)
+        attach(layer, to_planes(layer.qweight.data, GGMLType.Q4_K, 512))   # as on a CUDA device
+        layer.gguf_compute = "planes"
+        return layer
+
+    layer = planes_layer(2)
+    x = (torch.randn(2, 1, 512, generator=torch.Generator().manual_seed(1)) * 0.05).to(torch.bfloat16)
+    monkeypatch.setenv(quant_matmul.GATED_ENV, "0")
+    assert quant_matmul.gated_linear(layer, x, "silu") is None
+    monkeypatch.setenv(quant_matmul.GATED_ENV, "1")
+    out = quant_matmul.gated_linear(layer, x, "silu")
+    assert out is not None and out.shape == (2, 1, 64)
+    assert torch.equal(out, silu_and_mul(layer(x)))
+    assert quant_matmul.gated_linear(planes_layer(2, bias=True), x, "silu") is None
+    assert quant_matmul.gated_linear(planes_layer(3), x, "silu") is None
+
+
 def test_mixed_parts_each_computed_from_their_planes(make_rows, one_torch_thread, monkeypatch):
     """A fused q/k/v of Q4_K, Q4_K and Q6_K parts (a Q4_K_M file's attention): one matmul per part into its
     columns, against the exact dequantized stack, for every kernel path (1 row, a few, many; float activations)."""

@@ -11,7 +11,7 @@ one ``dp4a`` multiplies four weight bytes by four activation bytes and adds them
   packed four per int32 in the order the weight words' bytes come out (below), and the sums the offsets multiply;
   made by the RMSNorm or silu * up that produced x where the model links them (``input_bits``;
   CVLLM_QUANT_PRODUCER_ACTIVATIONS=1), else by its own kernel before the GEMV.
-- ``_gemv_int8_kernel``: a low-plane word of ``32 / bits`` elements masked with 0x0F0F0F0F (4-bit; 0x03030303
+- ``_gemv_int8_kernel`` (int8_gemv_kernel.py): a low-plane word of ``32 / bits`` elements masked with 0x0F0F0F0F (4-bit; 0x03030303
   2-bit; the word itself 8-bit) at shift ``s * bits`` holds elements ``s, s + P, s + 2P, s + 3P`` (P = 8 / bits)
   in its four bytes; the activation pack (word, s) holds the same elements' int8s. Per word
   ``scale * d_x * sum(q_w q_x) + offset * sum(x)``, the float formula with x rounded.
@@ -38,19 +38,19 @@ import os
 
 import torch
 import triton
-import triton.language as tl
 
 from cvllm_cuda.kernels import gpu
+from cvllm_cuda.kernels.gate_math import LIBDEVICE
 from cvllm_cuda.kernels.int8_activations import (
     BLOCK,
+    attach,
     attached,
     buffers,
     producers_on,
     quantize_activations,
 )
-from cvllm_cuda.kernels.int8_bytes import weight_bytes
+from cvllm_cuda.kernels.int8_gemv_kernel import _gemv_int8_kernel
 from cvllm_cuda.kernels.pdl import options as pdl_options
-from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.quant_gemv import GEMV_CONFIGS
 from cvllm_cuda.kernels.quant_tiles import (
     add_splits,
@@ -58,14 +58,9 @@ from cvllm_cuda.kernels.quant_tiles import (
     group_words,
     groups_in_thread,
     kernel_tensors,
-    last_split,
-    load_masked,
-    prefetch_to_l2,
     prefetch_words,
     split_counters,
     split_k,
-    summed_splits,
-    word_factors,
 )
 from cvllm_cuda.kernels.sizes import cdiv
 from cvllm_cuda.kernels.tuned_matmul import TUNED_QUANT_GEMV, quant_gemv_key
@@ -135,160 +130,6 @@ def default_tiles(layout: QuantLayout) -> tuple[tuple, int]:
     return INT8_GEMV_CONFIGS[layout.low_bits], INT8_PROGRAMS_PER_SM[layout.low_bits]
 
 
-@triton.jit
-def _dot4(a, b, c, INTERPRET: tl.constexpr):
-    """c + the sum over the four bytes of the unsigned bytes of ``a`` times the signed bytes of ``b``."""
-    if INTERPRET:
-        for j in tl.static_range(4):
-            c += ((a >> (8 * j)) & 0xFF) * ((b << (24 - 8 * j)) >> 24)   # arithmetic shift: sign-extended
-        return c
-    else:
-        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
-                                         is_pure=True, pack=1)
-
-
-@triton.jit
-def _row_step(acc, wbytes, scale, offset, pack_ptrs, xd_ptr, xsum_ptr, xblock_sum_ptr, words, gwords, word_ok,
-              num_words, LOW_BITS: tl.constexpr, GROUP_WORDS: tl.constexpr, ONE_BLOCK: tl.constexpr,
-              EVEN: tl.constexpr, INTERPRET: tl.constexpr):
-    """One row of x's share of a K step: ``acc`` plus the tile's words (``wbytes``, their dp4a operands per phase,
-    made once for all the rows) times the row's int8 packs, summed per group (ONE_BLOCK) or per word. The same
-    operations for every row and every number of rows, so a row's output does not depend on the rows beside it."""
-    PER_WORD: tl.constexpr = 32 // LOW_BITS
-    PHASES: tl.constexpr = 8 // LOW_BITS
-    dots = tl.zeros(wbytes[0].shape, dtype=tl.int32)
-    for s in tl.static_range(PHASES):
-        pack = load_masked(pack_ptrs + s, word_ok, 0)
-        dots = _dot4(wbytes[s], pack + tl.zeros_like(dots), dots, INTERPRET)
-    if ONE_BLOCK:
-        block = gwords // GROUP_WORDS
-        block_ok = None if EVEN else gwords < num_words
-        x_d = load_masked(xd_ptr + block, block_ok, 0.0)
-        x_sum = load_masked(xblock_sum_ptr + block, block_ok, 0.0)
-        acc += tl.sum(dots, axis=1, keep_dims=True).to(tl.float32) * (x_d * scale) + offset * x_sum
-    else:
-        x_d = load_masked(xd_ptr + words * PER_WORD // 32, word_ok, 0.0)
-        x_sum = load_masked(xsum_ptr + words, word_ok, 0.0)
-        acc += (dots.to(tl.float32) * x_d) * scale + offset * x_sum
-    return acc
-
-
-@triton.jit(do_not_specialize=["T", "stride_ot"])
-def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr,
-                      high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K, SPLIT_WORDS, T, stride_ot,
-                      LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
-                      SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
-                      HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                      GROUP_WORDS: tl.constexpr, GROUP_SUM: tl.constexpr, STAGES: tl.constexpr,
-                      EVEN: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr,
-                      ROWS: tl.constexpr = 1, FUSED_SUM: tl.constexpr = False, PREFETCH_WORDS: tl.constexpr = 0):
-    """The float GEMV's tiling and splits (quant_matmul._gemv_kernel), integer dot products per word. Where a factor
-    group is one activation block (32 inputs: Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0), the group's word products
-    are added as integers and turned into a float once per group and column, not once per word. A high plane's
-    words come with the low words' tile, one per factor group where a group is one high word (Q6_K, Q5_*), else
-    one per low word (Q3_K), and each word's bytes are made once for all the rows (weight_bytes). ROWS rows of x a
-    program, rows ``program_id(0) * ROWS`` on (a few rows: a decode batch, a speculative verify step): each weight
-    tile is loaded and its factors computed once for all of them, and each row is summed as it is alone
-    (_row_step), so a row's output does not depend on the others or on ROWS; the tiles and K splits depend on the
-    weight only. A last program with fewer rows computes its last row again in their place and stores nothing for
-    them. Out row t at ``t * stride_ot``; with K splits, split j's partial sums of row t at ``partial_ptr + (j * T +
-    t) * N`` (float32), added by sum_splits_kernel or, FUSED_SUM, by the split that finishes last
-    (quant_tiles.last_split). PREFETCH_WORDS: the first words of the program's K range fetched into L2 before it
-    waits for the previous kernel (quant_tiles.prefetch_words), by the first program of a column tile's rows."""
-    PER_WORD: tl.constexpr = 32 // LOW_BITS
-    PHASES: tl.constexpr = 8 // LOW_BITS
-    GROUPS: tl.constexpr = BLOCK_W // GROUP_WORDS
-    start = tl.program_id(2) * SPLIT_WORDS
-    num_words = tl.minimum(K // PER_WORD, start + SPLIT_WORDS)
-    if PREFETCH_WORDS > 0:
-        if tl.program_id(0) == 0:
-            prefetch_to_l2(low_ptr, start, num_words, tl.program_id(1) * BLOCK_N, N, PREFETCH_WORDS, BLOCK_N)
-    wait_for_previous_kernel(USE_PDL)
-    first_row = tl.program_id(0) * ROWS
-    packs_ptr += first_row * (K // 4)
-    xd_ptr += first_row * (K // 32)
-    xblock_sum_ptr += first_row * (K // 32)
-    xsum_ptr += first_row * (K // PER_WORD)
-    # each row's offset from the first (a last program's missing rows repeat its last row)
-    row_offsets = (0,)
-    for r in tl.static_range(1, ROWS):
-        row_offsets = row_offsets + (tl.minimum(first_row + r, T - 1) - first_row,)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols3 = cols[None, None, :]
-    group_first = tl.arange(0, GROUPS) * GROUP_WORDS
-    tile_words = group_first[:, None, None] + tl.arange(0, GROUP_WORDS)[None, :, None]   # [GROUPS, GROUP_WORDS, 1]
-    ONE_BLOCK: tl.constexpr = GROUP_WORDS * PER_WORD == 32 and GROUP_SUM   # (quant_tiles.groups_in_thread)
-    accs = ()
-    for _ in tl.static_range(ROWS):
-        accs = accs + (tl.zeros((GROUPS, 1 if ONE_BLOCK else GROUP_WORDS, BLOCK_N), dtype=tl.float32),)
-    # pointers advanced a tile at a time (recomputing them from the word index was a quarter of the loop's
-    # instructions); EVEN: every tile in bounds, no masks
-    low_ptrs = low_ptr + (start + tile_words) * N + cols3                       # [GROUPS, GROUP_WORDS, BLOCK_N]
-    pack_ptrs = packs_ptr + (start + tile_words) * PHASES                       # [GROUPS, GROUP_WORDS, 1]
-    # a high-plane word spans LOW_BITS / HIGH_BITS low words (whole ones per tile and split: which part of it a
-    # word holds is the same every step); where a factor group is one high word (Q6_K, Q5_*), it is loaded once
-    # per group, [GROUPS, 1, BLOCK_N] as the factors are, else once per low word
-    WORDS_PER_HIGH: tl.constexpr = LOW_BITS // HIGH_BITS if HIGH_BITS > 0 else 1
-    HIGH_PER_GROUP: tl.constexpr = GROUP_WORDS == WORDS_PER_HIGH
-    part = tile_words % WORDS_PER_HIGH
-    if HIGH_BITS > 0:
-        tl.static_assert(BLOCK_W % WORDS_PER_HIGH == 0, "a tile must hold whole high-plane words")
-        if HIGH_PER_GROUP:
-            high_ptrs = high_ptr + ((start + group_first) // WORDS_PER_HIGH)[:, None, None] * N + cols3
-        else:
-            high_ptrs = high_ptr + (start + tile_words) // WORDS_PER_HIGH * N + cols3
-    # STAGES > 1: the next tiles' loads are issued while this one computes
-    for w0 in tl.range(start, num_words, BLOCK_W, num_stages=STAGES):
-        words = w0 + tile_words
-        gwords = (w0 + group_first)[:, None, None]
-        if EVEN:
-            word_ok = None
-            ok = None
-            group_ok = None
-        else:
-            word_ok = words < num_words
-            ok = word_ok & (cols3 < N)
-            group_ok = (gwords < num_words) & (cols3 < N)
-        low = load_masked(low_ptrs, ok, 0)
-        high = low
-        if HIGH_BITS > 0:
-            high = load_masked(high_ptrs, group_ok if HIGH_PER_GROUP else ok, 0)
-            high_ptrs += BLOCK_W // WORDS_PER_HIGH * N
-        wbytes = weight_bytes(low, high, part, LOW_BITS, HIGH_BITS, INTERPRET)
-        # the factors loaded as [GROUPS, 1, BLOCK_N], in the tile's own layout: loaded [GROUPS, BLOCK_N] they would
-        # be moved through shared memory every step, a barrier that stalls all the program's warps
-        scale, offset = word_factors(d_ptr, m_ptr, a_ptr, b_ptr, gwords * PER_WORD, cols3, group_ok, N, SCALE_GROUP,
-                                      SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
-        stepped = ()
-        for r in tl.static_range(ROWS):
-            at = row_offsets[r]
-            stepped = stepped + (_row_step(accs[r], wbytes, scale, offset, pack_ptrs + at * (K // 4),
-                                           xd_ptr + at * (K // 32), xsum_ptr + at * (K // PER_WORD),
-                                           xblock_sum_ptr + at * (K // 32), words, gwords, word_ok, num_words,
-                                           LOW_BITS, GROUP_WORDS, ONE_BLOCK, EVEN, INTERPRET),)
-        accs = stepped
-        low_ptrs += BLOCK_W * N
-        pack_ptrs += BLOCK_W * PHASES
-    splits = tl.num_programs(2)
-    for r in tl.static_range(ROWS):
-        row = first_row + r
-        total = tl.sum(tl.sum(accs[r], axis=1), axis=0)
-        if splits > 1:
-            tl.store(partial_ptr + (tl.program_id(2) * T + row).to(tl.int64) * N + cols, total,
-                     mask=(cols < N) & (row < T))
-        else:
-            tl.store(out_ptr + row.to(tl.int64) * stride_ot + cols, total.to(out_ptr.dtype.element_ty),
-                     mask=(cols < N) & (row < T))
-    if FUSED_SUM:
-        if splits > 1:
-            if last_split(counters_ptr, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), splits):
-                for r in tl.static_range(ROWS):
-                    row = first_row + r
-                    ok = (cols < N) & (row < T)
-                    total = summed_splits(partial_ptr + row.to(tl.int64) * N, cols, ok, splits, T * N)
-                    tl.store(out_ptr + row.to(tl.int64) * stride_ot + cols, total.to(out_ptr.dtype.element_ty),
-                             mask=ok)
-
 
 # rows of x a GEMV program takes: each weight tile then comes from memory and is unpacked once for all of them, and
 # each row is summed as when alone (the same bits). All of them up to MAX_ROWS by default: a Llama-3-8B layer in a
@@ -319,31 +160,88 @@ def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, con
     gives: the tiles and K splits depend on the weight only. ``activations``: x already rounded by
     ``quantize_activations`` (benchmarks time the GEMV without its quantizer that way); ``rows_per_program``: rows
     of x a program takes (default: program_rows)."""
+    block_n, block_w, warps, stages, programs_per_sm = _tiles(weight, x.device, config)
+    splits, split_words = split_k(cdiv(weight.out_features, block_n), weight.in_features, weight.layout.low_bits,
+                                  block_w, x.device, splits, programs_per_sm)
+    _launch(x, weight, out, (block_n, block_w, warps, stages), splits, split_words, activations, rows_per_program)
+
+
+# rows of x up to which the gated GEMV takes a product: its tile is twice the plain GEMV's width (gate and up), and
+# compiled for sm_90 (Llama-3-8B's gate_up, default tiles, rows 1 / 2 / 3 / 4 / 5) Q4_K holds 103 / 201 / 230 / 253
+# registers a thread and spills at 5 rows, Q2_K 127 / 225 / 247 / 255 (spills at 5), Q6_K 104 / 179 / 207 / 235 /
+# 255 (spills at 5), Q8_0 80 / 118 / 166 / 163 / 208; batch-1 and -2 decode steps, where the launch it saves is
+# a larger share of the step; more rows (a verify step) run the projection and the activation apart
+GATED_MAX_ROWS = 2
+
+
+def gated_gemv_int8(x: torch.Tensor, weight: QuantWeight, act: int, feeds=None) -> torch.Tensor | None:
+    """``act(gate) * up`` [T, I] for x [T, K] and a fused gate + up projection ``weight`` [2I, K] (gate rows first),
+    in one launch (GATED: gate_math's SILU, GELU, GELU_TANH); with its int8 form for ``feeds`` where that is a
+    low-bit GEMV on int8 activations (quant_gemv_int8.output_form). None where this path does not take it: more
+    than GATED_MAX_ROWS rows, a layout off the int8 GEMV, I not a multiple of the tile's half, or a K split without
+    fused split sums (CVLLM_GEMV_FUSED_SPLITS); the caller then runs the projection and the activation apart.
+    Each half of a tile is BLOCK_N features of 32 or more (whole activation blocks of the output): the tuned or
+    default tile's BLOCK_N, halved from 64 up."""
+    t, (n, k) = x.shape[0], (weight.out_features, weight.in_features)
+    if t > GATED_MAX_ROWS or n % 2 or not applies(weight.layout, k):
+        return None
+    block_n, block_w, warps, stages, programs_per_sm = _tiles(weight, x.device)
+    half = block_n if block_n <= 32 else block_n // 2
+    if half % 32 or (n // 2) % half:
+        return None
+    splits, split_words = split_k(n // 2 // half, k, weight.layout.low_bits, block_w, x.device, None,
+                                  programs_per_sm)
+    if splits > 1 and split_counters(x.device, cdiv(t, program_rows(t, n, k)) * (n // 2 // half)) is None:
+        return None
+    out = torch.empty((t, n // 2), dtype=x.dtype, device=x.device)
+    int8_bits, made = output_form(out, feeds, t)
+    _launch(x, weight, out, (half, block_w, warps, stages), splits, split_words, gated=act,
+            out_form=(int8_bits, made))
+    if int8_bits:
+        attach(out, int8_bits, made)
+    return out
+
+
+def _tiles(weight: QuantWeight, device: torch.device, config: tuple | None = None) -> tuple:
+    """(BLOCK_N, BLOCK_W, num_warps, stages, programs per SM of the K split): ``config`` (no split policy of its
+    own: the layout's default), else the tuned entry for this GPU and shape, else the layout's default."""
+    lay = weight.layout
+    tuned = None if config else gpu.tuned_entry(TUNED_QUANT_GEMV, device,
+                                                quant_gemv_key(weight.out_features, weight.in_features, lay, True))
+    default, programs_per_sm = default_tiles(lay)
+    block_n, block_w, warps, *stages = tuned[:4] if tuned else config or default
+    return block_n, block_w, warps, stages[0] if stages else 1, tuned[4] if tuned else programs_per_sm
+
+
+def _launch(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, tiles: tuple, splits: int, split_words: int,
+            activations: tuple[torch.Tensor, ...] | None = None, rows_per_program: int | None = None, gated: int = 0,
+            out_form: tuple = (0, None)) -> None:
+    """One launch of _gemv_int8_kernel (and of sum_splits_kernel after it where the splits are not fused)."""
     lay = weight.layout
     n, k = weight.out_features, weight.in_features
     t = x.shape[0]
+    block_n, block_w, warps, stages = tiles
+    out_n, tile_n = (n // 2, 2 * block_n) if gated else (n, block_n)
     if not x.is_contiguous():
         x = x.contiguous()
-    tuned = None if config else gpu.tuned_entry(TUNED_QUANT_GEMV, x.device, quant_gemv_key(n, k, lay, True))
-    default, programs_per_sm = default_tiles(lay)
-    block_n, block_w, warps, *stages = tuned[:4] if tuned else config or default
     if activations is None:
         activations = attached(x, lay.low_bits) or quantize_activations(x, lay.low_bits)
-    splits, split_words = split_k(cdiv(n, block_n), k, lay.low_bits, block_w, x.device, splits,
-                                  tuned[4] if tuned else programs_per_sm)
     partials = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
     gw = group_words(lay, block_w)
-    launch = pdl_options(x.device)
     rows = max(1, min(t, rows_per_program)) if rows_per_program else program_rows(t, n, k)
-    grid = (cdiv(t, rows), cdiv(n, block_n), splits)
+    grid = (cdiv(t, rows), cdiv(out_n, block_n), splits)
     counters = split_counters(x.device, grid[0] * grid[1]) if splits > 1 else None
+    assert counters is not None or not gated or splits == 1, "a gated GEMV's K splits are summed in its launch"
+    out_bits, made = out_form
     _gemv_int8_kernel[grid](
-        *activations, out, partials, partials if counters is None else counters, *kernel_tensors(weight), n, k,
-        split_words, t, out.stride(0), **lay.kernel_args(), BLOCK_N=block_n,
-        BLOCK_W=block_w, GROUP_WORDS=gw, STAGES=stages[0] if stages else 1,
-        GROUP_SUM=groups_in_thread(block_n, block_w, gw, warps),
-        EVEN=even_tiles(n, k, lay.low_bits, block_n, split_words),
+        *activations, out, partials, partials if counters is None else counters, *kernel_tensors(weight),
+        *(made or (out,) * 4), n, k, split_words, t, out.stride(0), **lay.kernel_args(), BLOCK_N=block_n,
+        BLOCK_W=block_w, GROUP_WORDS=gw, STAGES=stages, GROUP_SUM=groups_in_thread(tile_n, block_w, gw, warps),
+        EVEN=even_tiles(out_n, k, lay.low_bits, block_n, split_words),
         INTERPRET=bool(triton.knobs.runtime.interpret), ROWS=rows, FUSED_SUM=counters is not None,
-        PREFETCH_WORDS=prefetch_words(grid[1] * grid[2], block_n, split_words, x.device), num_warps=warps, **launch)
+        PREFETCH_WORDS=prefetch_words(grid[1] * grid[2] * (2 if gated else 1), block_n, split_words, x.device),
+        GATED=gated, LIBDEVICE=LIBDEVICE, OUT_INT8_BITS=out_bits, num_warps=warps,
+        # a gated epilogue rounds as the activation kernels do: compiled, as they are, without FMA contraction
+        **({"enable_fp_fusion": False} if gated else {}), **pdl_options(x.device))
     if splits > 1 and counters is None:
         add_splits(partials, out, splits, n)

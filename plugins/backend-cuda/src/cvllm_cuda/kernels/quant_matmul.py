@@ -250,3 +250,23 @@ def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None
     if bias is not None:
         out += bias.to(out.dtype)
     return out.view(*x.shape[:-1], weight.out_features)
+
+
+# the gate + up projection and its activation in one launch at batch 1-2 (quant_gemv_int8.gated_gemv_int8;
+# CVLLM_GEMV_GATED=1): off until timed on the H200 (written 2026-12-05 without a device: `run_all.sh gemvfusions`)
+GATED_ENV = "CVLLM_GEMV_GATED"
+GATED_ACTS = {"silu": 1, "gelu": 2, "gelu_tanh": 3}   # gate_math's SILU, GELU, GELU_TANH
+
+
+def gated_linear(layer, x: torch.Tensor, act: str, feeds=None) -> torch.Tensor | None:
+    """Backend.gated_linear: ``act(gate) * up`` [..., I] of a low-bit gate + up projection ``layer`` (two equal
+    parts, gate first, no bias: what its forward multiplies is ``layer.quant_weight``), or None where the gated
+    GEMV does not take it (GATED_ENV off, another layer, more rows than it takes)."""
+    weight = getattr(layer, "quant_weight", None)
+    sizes = getattr(layer, "output_sizes", ())
+    if (weight is None or getattr(layer, "bias", None) is not None or len(sizes) != 2 or sizes[0] != sizes[1]
+            or act not in GATED_ACTS or os.environ.get(GATED_ENV, "0") != "1"):
+        return None
+    from cvllm_cuda.kernels.quant_gemv_int8 import gated_gemv_int8  # (it builds on this module)
+    out = gated_gemv_int8(x.reshape(-1, weight.in_features), weight, GATED_ACTS[act], feeds)
+    return None if out is None else out.view(*x.shape[:-1], out.shape[-1])

@@ -1,0 +1,206 @@
+"""The int8-activation GEMV's Triton kernel (quant_gemv_int8.py launches it and says how it works): integer dot
+products of a low-bit weight tile's words with x rounded to int8 per 32 inputs, its K splits, a gated activation's
+epilogue."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from cvllm_cuda.kernels.gate_math import gated, store_with_int8
+from cvllm_cuda.kernels.int8_bytes import weight_bytes
+from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
+from cvllm_cuda.kernels.quant_tiles import last_split, load_masked, prefetch_to_l2, summed_splits, word_factors
+
+
+@triton.jit
+def _dot4(a, b, c, INTERPRET: tl.constexpr):
+    """c + the sum over the four bytes of the unsigned bytes of ``a`` times the signed bytes of ``b``."""
+    if INTERPRET:
+        for j in tl.static_range(4):
+            c += ((a >> (8 * j)) & 0xFF) * ((b << (24 - 8 * j)) >> 24)   # arithmetic shift: sign-extended
+        return c
+    else:
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def _row_step(acc, wbytes, scale, offset, pack_ptrs, xd_ptr, xsum_ptr, xblock_sum_ptr, words, gwords, word_ok,
+              num_words, LOW_BITS: tl.constexpr, GROUP_WORDS: tl.constexpr, ONE_BLOCK: tl.constexpr,
+              EVEN: tl.constexpr, INTERPRET: tl.constexpr):
+    """One row of x's share of a K step: ``acc`` plus the tile's words (``wbytes``, their dp4a operands per phase,
+    made once for all the rows) times the row's int8 packs, summed per group (ONE_BLOCK) or per word. The same
+    operations for every row and every number of rows, so a row's output does not depend on the rows beside it."""
+    PER_WORD: tl.constexpr = 32 // LOW_BITS
+    PHASES: tl.constexpr = 8 // LOW_BITS
+    dots = tl.zeros(wbytes[0].shape, dtype=tl.int32)
+    for s in tl.static_range(PHASES):
+        pack = load_masked(pack_ptrs + s, word_ok, 0)
+        dots = _dot4(wbytes[s], pack + tl.zeros_like(dots), dots, INTERPRET)
+    if ONE_BLOCK:
+        block = gwords // GROUP_WORDS
+        block_ok = None if EVEN else gwords < num_words
+        x_d = load_masked(xd_ptr + block, block_ok, 0.0)
+        x_sum = load_masked(xblock_sum_ptr + block, block_ok, 0.0)
+        acc += tl.sum(dots, axis=1, keep_dims=True).to(tl.float32) * (x_d * scale) + offset * x_sum
+    else:
+        x_d = load_masked(xd_ptr + words * PER_WORD // 32, word_ok, 0.0)
+        x_sum = load_masked(xsum_ptr + words, word_ok, 0.0)
+        acc += (dots.to(tl.float32) * x_d) * scale + offset * x_sum
+    return acc
+
+
+@triton.jit(do_not_specialize=["T", "stride_ot"])
+def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr,
+                      high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, out_packs_ptr, out_d_ptr, out_sums_ptr, out_block_sums_ptr,
+                      N, K, SPLIT_WORDS, T, stride_ot,
+                      LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
+                      SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
+                      HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                      GROUP_WORDS: tl.constexpr, GROUP_SUM: tl.constexpr, STAGES: tl.constexpr,
+                      EVEN: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr,
+                      ROWS: tl.constexpr = 1, FUSED_SUM: tl.constexpr = False, PREFETCH_WORDS: tl.constexpr = 0,
+                      GATED: tl.constexpr = 0, LIBDEVICE: tl.constexpr = False, OUT_INT8_BITS: tl.constexpr = 0):
+    """The float GEMV's tiling and splits (quant_matmul._gemv_kernel), integer dot products per word. Where a factor
+    group is one activation block (32 inputs: Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0), the group's word products
+    are added as integers and turned into a float once per group and column, not once per word. A high plane's
+    words come with the low words' tile, one per factor group where a group is one high word (Q6_K, Q5_*), else
+    one per low word (Q3_K), and each word's bytes are made once for all the rows (weight_bytes). ROWS rows of x a
+    program, rows ``program_id(0) * ROWS`` on (a few rows: a decode batch, a speculative verify step): each weight
+    tile is loaded and its factors computed once for all of them, and each row is summed as it is alone
+    (_row_step), so a row's output does not depend on the others or on ROWS; the tiles and K splits depend on the
+    weight only. A last program with fewer rows computes its last row again in their place and stores nothing for
+    them. Out row t at ``t * stride_ot``; with K splits, split j's partial sums of row t at ``partial_ptr + (j * T +
+    t) * N`` (float32), added by sum_splits_kernel or, FUSED_SUM, by the split that finishes last
+    (quant_tiles.last_split). PREFETCH_WORDS: the first words of the program's K range fetched into L2 before it
+    waits for the previous kernel (quant_tiles.prefetch_words), by the first program of a column tile's rows.
+
+    GATED (gate_math's SILU, GELU, GELU_TANH; 0 none): the weight is a fused gate + up projection [N = 2I, K] and
+    the output ``act(gate) * up`` [T, I] (contiguous): a program's tile holds BLOCK_N gate features and the same
+    BLOCK_N up features (I further on), and its epilogue applies the activation as the activation kernel would to
+    the bf16 products (_finish); OUT_INT8_BITS: with the output's int8 form for the low-bit GEMV it feeds (at the
+    ``out_*`` pointers, int8_activations.buffers)."""
+    PER_WORD: tl.constexpr = 32 // LOW_BITS
+    PHASES: tl.constexpr = 8 // LOW_BITS
+    GROUPS: tl.constexpr = BLOCK_W // GROUP_WORDS
+    start = tl.program_id(2) * SPLIT_WORDS
+    num_words = tl.minimum(K // PER_WORD, start + SPLIT_WORDS)
+    if PREFETCH_WORDS > 0:
+        if tl.program_id(0) == 0:
+            prefetch_to_l2(low_ptr, start, num_words, tl.program_id(1) * BLOCK_N, N, PREFETCH_WORDS, BLOCK_N)
+            if GATED > 0:
+                prefetch_to_l2(low_ptr, start, num_words, N // 2 + tl.program_id(1) * BLOCK_N, N, PREFETCH_WORDS,
+                               BLOCK_N)
+    wait_for_previous_kernel(USE_PDL)
+    first_row = tl.program_id(0) * ROWS
+    packs_ptr += first_row * (K // 4)
+    xd_ptr += first_row * (K // 32)
+    xblock_sum_ptr += first_row * (K // 32)
+    xsum_ptr += first_row * (K // PER_WORD)
+    # each row's offset from the first (a last program's missing rows repeat its last row)
+    row_offsets = (0,)
+    for r in tl.static_range(1, ROWS):
+        row_offsets = row_offsets + (tl.minimum(first_row + r, T - 1) - first_row,)
+    # the tile's weight columns (output features), TILE_N of them, and which lie inside the weight
+    TILE_N: tl.constexpr = 2 * BLOCK_N if GATED > 0 else BLOCK_N
+    if GATED > 0:   # BLOCK_N gate features, then the same up features
+        lane = tl.arange(0, TILE_N)
+        gate_cols = tl.program_id(1) * BLOCK_N + lane % BLOCK_N
+        cols = gate_cols + lane // BLOCK_N * (N // 2)
+        col_ok = gate_cols < N // 2
+    else:
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+    cols3 = cols[None, None, :]
+    col_ok3 = col_ok[None, None, :]
+    group_first = tl.arange(0, GROUPS) * GROUP_WORDS
+    tile_words = group_first[:, None, None] + tl.arange(0, GROUP_WORDS)[None, :, None]   # [GROUPS, GROUP_WORDS, 1]
+    ONE_BLOCK: tl.constexpr = GROUP_WORDS * PER_WORD == 32 and GROUP_SUM   # (quant_tiles.groups_in_thread)
+    accs = ()
+    for _ in tl.static_range(ROWS):
+        accs = accs + (tl.zeros((GROUPS, 1 if ONE_BLOCK else GROUP_WORDS, TILE_N), dtype=tl.float32),)
+    # pointers advanced a tile at a time (recomputing them from the word index was a quarter of the loop's
+    # instructions); EVEN: every tile in bounds, no masks
+    low_ptrs = low_ptr + (start + tile_words) * N + cols3                       # [GROUPS, GROUP_WORDS, TILE_N]
+    pack_ptrs = packs_ptr + (start + tile_words) * PHASES                       # [GROUPS, GROUP_WORDS, 1]
+    # a high-plane word spans LOW_BITS / HIGH_BITS low words (whole ones per tile and split: which part of it a
+    # word holds is the same every step); where a factor group is one high word (Q6_K, Q5_*), it is loaded once
+    # per group, [GROUPS, 1, BLOCK_N] as the factors are, else once per low word
+    WORDS_PER_HIGH: tl.constexpr = LOW_BITS // HIGH_BITS if HIGH_BITS > 0 else 1
+    HIGH_PER_GROUP: tl.constexpr = GROUP_WORDS == WORDS_PER_HIGH
+    part = tile_words % WORDS_PER_HIGH
+    if HIGH_BITS > 0:
+        tl.static_assert(BLOCK_W % WORDS_PER_HIGH == 0, "a tile must hold whole high-plane words")
+        if HIGH_PER_GROUP:
+            high_ptrs = high_ptr + ((start + group_first) // WORDS_PER_HIGH)[:, None, None] * N + cols3
+        else:
+            high_ptrs = high_ptr + (start + tile_words) // WORDS_PER_HIGH * N + cols3
+    # STAGES > 1: the next tiles' loads are issued while this one computes
+    for w0 in tl.range(start, num_words, BLOCK_W, num_stages=STAGES):
+        words = w0 + tile_words
+        gwords = (w0 + group_first)[:, None, None]
+        if EVEN:
+            word_ok = None
+            ok = None
+            group_ok = None
+        else:
+            word_ok = words < num_words
+            ok = word_ok & col_ok3
+            group_ok = (gwords < num_words) & col_ok3
+        low = load_masked(low_ptrs, ok, 0)
+        high = low
+        if HIGH_BITS > 0:
+            high = load_masked(high_ptrs, group_ok if HIGH_PER_GROUP else ok, 0)
+            high_ptrs += BLOCK_W // WORDS_PER_HIGH * N
+        wbytes = weight_bytes(low, high, part, LOW_BITS, HIGH_BITS, INTERPRET)
+        # the factors loaded as [GROUPS, 1, TILE_N], in the tile's own layout: loaded [GROUPS, TILE_N] they would
+        # be moved through shared memory every step, a barrier that stalls all the program's warps
+        scale, offset = word_factors(d_ptr, m_ptr, a_ptr, b_ptr, gwords * PER_WORD, cols3, group_ok, N, SCALE_GROUP,
+                                      SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
+        stepped = ()
+        for r in tl.static_range(ROWS):
+            at = row_offsets[r]
+            stepped = stepped + (_row_step(accs[r], wbytes, scale, offset, pack_ptrs + at * (K // 4),
+                                           xd_ptr + at * (K // 32), xsum_ptr + at * (K // PER_WORD),
+                                           xblock_sum_ptr + at * (K // 32), words, gwords, word_ok, num_words,
+                                           LOW_BITS, GROUP_WORDS, ONE_BLOCK, EVEN, INTERPRET),)
+        accs = stepped
+        low_ptrs += BLOCK_W * N
+        pack_ptrs += BLOCK_W * PHASES
+    splits = tl.num_programs(2)
+    for r in tl.static_range(ROWS):
+        row = first_row + r
+        total = tl.sum(tl.sum(accs[r], axis=1), axis=0)
+        if splits > 1:
+            tl.store(partial_ptr + (tl.program_id(2) * T + row).to(tl.int64) * N + cols, total,
+                     mask=col_ok & (row < T))
+        else:
+            _finish(out_ptr, total, row, T, stride_ot, cols, col_ok, N, out_packs_ptr, out_d_ptr, out_sums_ptr,
+                    out_block_sums_ptr, BLOCK_N, GATED, LIBDEVICE, OUT_INT8_BITS)
+    if FUSED_SUM:
+        if splits > 1:
+            if last_split(counters_ptr, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), splits):
+                for r in tl.static_range(ROWS):
+                    row = first_row + r
+                    total = summed_splits(partial_ptr + row.to(tl.int64) * N, cols, col_ok & (row < T), splits,
+                                          T * N)
+                    _finish(out_ptr, total, row, T, stride_ot, cols, col_ok, N, out_packs_ptr, out_d_ptr,
+                            out_sums_ptr, out_block_sums_ptr, BLOCK_N, GATED, LIBDEVICE, OUT_INT8_BITS)
+
+
+@triton.jit
+def _finish(out_ptr, total, row, T, stride_ot, cols, col_ok, N, out_packs_ptr, out_d_ptr, out_sums_ptr,
+            out_block_sums_ptr, BLOCK_N: tl.constexpr, GATED: tl.constexpr, LIBDEVICE: tl.constexpr,
+            OUT_INT8_BITS: tl.constexpr):
+    """Row ``row``'s output from the tile's float32 sums ``total``: stored as they are, or (GATED) rounded to the
+    output's dtype as the projection's output would be, gated (gate_math.gated) and stored with its int8 form."""
+    dtype = out_ptr.dtype.element_ty
+    if GATED > 0:
+        gate, up = tl.split(tl.permute(tl.reshape(total, (2, BLOCK_N)), (1, 0)))
+        out = gated(gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype, GATED, LIBDEVICE)
+        out_cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        store_with_int8(out_ptr, out, row, out_cols, (out_cols < N // 2) & (row < T), N // 2, out_packs_ptr,
+                        out_d_ptr, out_sums_ptr, out_block_sums_ptr, BLOCK_N, OUT_INT8_BITS)
+    else:
+        tl.store(out_ptr + row.to(tl.int64) * stride_ot + cols, total.to(dtype), mask=col_ok & (row < T))
