@@ -12,8 +12,8 @@ one ``dp4a`` multiplies four weight bytes by four activation bytes and adds them
   made by the RMSNorm or silu * up that produced x where the model links them (``input_bits``;
   CVLLM_QUANT_PRODUCER_ACTIVATIONS=1), else by its own kernel before the GEMV.
 - ``_gemv_int8_kernel`` (int8_gemv_kernel.py): a low-plane word of ``32 / bits`` elements masked with 0x0F0F0F0F
-  (4-bit; 0x03030303 2-bit; the word itself 8-bit) at shift ``s * bits`` holds elements ``s, s + P, s + 2P, s + 3P`` (P = 8 / bits)
-  in its four bytes; the activation pack (word, s) holds the same elements' int8s. Per word
+  (4-bit; 0x03030303 2-bit; the word itself 8-bit) at shift ``s * bits`` holds elements ``s, s + P, s + 2P,
+  s + 3P`` (P = 8 / bits) in its four bytes; the activation pack (word, s) holds the same elements' int8s. Per word
   ``scale * d_x * sum(q_w q_x) + offset * sum(x)``, the float formula with x rounded.
 - High planes (Q6_K 4 + 2 bits, Q5_0, Q5_1, Q5_K 4 + 1, Q3_K 2 + 1: int8_bytes.weight_bytes): each byte then holds the
   element's whole integer, its high bits above the low ones (6 bits at most, so unsigned bytes times int8 still
