@@ -38,6 +38,8 @@ LAYOUTS = {   # as the GGUF plugin and GPTQ repack them (int8 activations: GGUF'
     "q6_k_int8": QuantLayout(4, 2, 16, 256, a_mode=1, b_mode=1, b_const=-32, int8_activations=True),
     "q5_k_int8": QuantLayout(4, 1, 32, 256, a_mode=2, b_mode=2, b_const=-1, has_m=True, int8_activations=True),
     "gptq4_g128": QuantLayout(4, 0, 128, 128, b_mode=2, b_const=-1),
+    # GPTQ on int8 activations (CVLLM_GPTQ_INT8_ACTIVATIONS=1, cvllm_marlin/planes.py)
+    "gptq4_g128_int8": QuantLayout(4, 0, 128, 128, b_mode=2, b_const=-1, int8_activations=True),
 }
 
 

@@ -28,8 +28,8 @@
 # "smallgemv" (issue 18): the batch-1 int8 GEMV in small programs (1-2 warps, no pipeline: many programs an SM, as
 # the bf16 GEMV's winning tiles are), q4_k and q8_0 by shape, then a batch-1 q4k decode profile without PDL (~5 min).
 # "gemvfusions" (issue 18): the GEMVs' K splits summed in their own launch, weight tiles prefetched before the PDL
-# wait, gate + up + silu in one launch: GPU tests, stack of layers, batch-1 decode (~9 min; FUSION_CASES="fused,MB
-# ..." narrows the stack runs, FUSION_MB the decode runs' prefetch).
+# wait, gate + up + silu in one launch, GPTQ on int8 activations: GPU tests and the stack of layers (~4 min;
+# FUSION_CASES="fused,MB ..." narrows the stack runs); "fusionslatency": batch-1 decode with them (~7 min; FUSION_MB).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
 # NVLink multicast stays off on the shared multi-GPU hosts (h200_setup.sh sets these too; the benchmarks pass them on)
@@ -266,28 +266,33 @@ producers)
 gemvfusions)
     # issue 18: a split GEMV's partial sums added by its last split, in its own launch (CVLLM_GEMV_FUSED_SPLITS, no
     # sum_splits_kernel: 64 launches a q4k step, 128 a GPTQ one), the first weight tiles prefetched into L2 before
-    # the PDL wait (CVLLM_GEMV_PREFETCH_MB), and gate + up + silu in one launch (CVLLM_GEMV_GATED), all written
-    # 2026-12-05 without a device: their GPU tests (50 launches each the separate sums' bits; the gated GEMV against
-    # the two launches, and in the tiny GGUF model), the stack of layers by (fused, MB), then batch-1 decode of q4k
-    # with everything off, fused + prefetch, and those with the producers and the gated GEMV; GPTQ off and fused +
-    # prefetch (~9 min)
+    # the PDL wait (CVLLM_GEMV_PREFETCH_MB), gate + up + silu in one launch (CVLLM_GEMV_GATED) and GPTQ on int8
+    # activations (CVLLM_GPTQ_INT8_ACTIVATIONS), all written 2026-12-05 without a device: their GPU tests (50
+    # launches each the separate sums' bits; the gated GEMV against the two launches, and in the tiny GGUF model),
+    # then the stack of layers by (fused, MB) (~4 min; then "fusionslatency")
     t=plugins/backend-cuda/tests
     run gpu-tests-fusions 150 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_fused_split_sums.py \
         $t/test_gated_gemv.py plugins/quant-gguf/tests/test_gguf_cuda.py -k "fused or gated or producers"
-    for case in ${FUSION_CASES:-0,0 1,0 0,4 1,2 1,4 1,8}; do
+    for case in ${FUSION_CASES:-0,0 1,0 1,2 1,4 1,8}; do
         fused=${case%,*} mb=${case#*,}
-        CVLLM_GEMV_FUSED_SPLITS=$fused CVLLM_GEMV_PREFETCH_MB=$mb run stack-fused$fused-pf$mb 90 \
-            python3 bench/quant_gemv_stack.py --defaults --layouts q4_k,q8_0,gptq4_g128 \
+        CVLLM_GEMV_FUSED_SPLITS=$fused CVLLM_GEMV_PREFETCH_MB=$mb run stack-fused$fused-pf$mb 60 \
+            python3 bench/quant_gemv_stack.py --defaults --layouts q4_k,q8_0,gptq4_g128,gptq4_g128_int8 \
             --json "$out/$day-h200-quant_gemv_stack-fused$fused-pf$mb-$commit.json"
-    done
-    # (fused, MB, producers, gated) a case
-    for case in q4k,0,0,0,0 q4k,1,${FUSION_MB:-4},0,0 q4k,1,${FUSION_MB:-4},1,0 q4k,1,${FUSION_MB:-4},1,1 \
-                gptq,0,0,0,0 gptq,1,${FUSION_MB:-4},0,0; do
-        IFS=, read -r q fused mb producers gated <<< "$case"
-        name=$q-fused$fused-pf$mb-producers$producers-gated$gated
-        CVLLM_GEMV_FUSED_SPLITS=$fused CVLLM_GEMV_PREFETCH_MB=$mb CVLLM_QUANT_PRODUCER_ACTIVATIONS=$producers \
-            CVLLM_GEMV_GATED=$gated run latency-$name 120 python3 bench/latency.py --skip-hf --contexts 1024 \
-            --decode-tokens 128 --isq $q --json "$out/$day-h200-latency-isq-$name-$commit.json"
+    done ;;
+fusionslatency)
+    # issue 18: batch-1 decode with the fusions above: q4k with everything off, fused sums + prefetch, those with the
+    # producers' int8 activations, and with the gated GEMV too; GPTQ off, fused + prefetch, and on int8
+    # activations with the producers (~7 min; FUSION_MB: the prefetch's megabytes, from the stack runs)
+    # (isq, fused, MB, producers, gated, gptq int8) a case
+    mb=${FUSION_MB:-4}
+    for case in q4k,0,0,0,0,0 q4k,1,$mb,0,0,0 q4k,1,$mb,1,0,0 q4k,1,$mb,1,1,0 gptq,0,0,0,0,0 gptq,1,$mb,0,0,0 \
+                gptq,1,$mb,1,0,1; do
+        IFS=, read -r q fused pf producers gated w4a8 <<< "$case"
+        name=$q-fused$fused-pf$pf-producers$producers-gated$gated-w4a8$w4a8
+        CVLLM_GEMV_FUSED_SPLITS=$fused CVLLM_GEMV_PREFETCH_MB=$pf CVLLM_QUANT_PRODUCER_ACTIVATIONS=$producers \
+            CVLLM_GEMV_GATED=$gated CVLLM_GPTQ_INT8_ACTIVATIONS=$w4a8 run latency-$name 100 python3 bench/latency.py \
+            --skip-hf --contexts 1024 --decode-tokens 128 --isq $q \
+            --json "$out/$day-h200-latency-isq-$name-$commit.json"
     done ;;
 smallgemv)
     # issue 18: tiles of 1-2 warps with no software pipeline (1.6 SASS a weight for q4_k at (32, 32, 2, 1), against
@@ -353,6 +358,6 @@ kvfp8)
             --kv-cache-dtype $kv --json "$out/$day-h200-serving-kv_$kv-$commit.json"
     done ;;
 *)
-    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|ggufmix|ggufhigh|prefillhost|kvfp8|fp8attn|moe|spec|specsteps|specstaging|quant64|quantgemm|swapped|swappedsplits|gemvrows|swappedwide|smallgemv|producers|swappedstages|gemvfusions" >&2
+    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|ggufmix|ggufhigh|prefillhost|kvfp8|fp8attn|moe|spec|specsteps|specstaging|quant64|quantgemm|swapped|swappedsplits|gemvrows|swappedwide|smallgemv|producers|swappedstages|gemvfusions|fusionslatency" >&2
     exit 2 ;;
 esac

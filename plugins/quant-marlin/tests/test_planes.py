@@ -197,6 +197,33 @@ def test_planes_form_reshapes_gathers_and_adds_the_bias(fmt, bits, group, act_or
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("fmt, bits, group, act_order", [
+    ("gptq", 4, 32, False), ("gptq", 8, 64, True), ("awq", 4, 64, False), ("gptq", 4, -1, False),
+], ids=["gptq-4bit-g32", "gptq-8bit-g64-act-order", "awq-g64", "gptq-4bit-per-row"])
+def test_int8_activations_where_asked(fmt, bits, group, act_order, quant_matmul, monkeypatch):
+    """CVLLM_GPTQ_INT8_ACTIVATIONS=1: the planes' layout takes the int8-activation GEMV, whose product of up to its
+    MAX_ROWS rows is x (gathered in group order under act-order) rounded to int8 per 32 inputs times the weight;
+    more rows keep float x. Unset, the layout keeps the float GEMV (W4A16, the default)."""
+    from cvllm_cuda.kernels import quant_gemv_int8
+    from cvllm_cuda.kernels.int8_activations import dequantized_activations
+
+    monkeypatch.setattr(linear_method, "plane_kernels_usable", lambda device: True)   # as on a CUDA device
+    assert planes.layout(bits, 32).int8_activations is False
+    monkeypatch.setenv(planes.INT8_ACTIVATIONS_ENV, "1")
+    layer = fused_layer(fmt, bits, group, act_order)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.marlin_compute == "planes" and layer.quant_weight.layout.int8_activations
+    assert quant_gemv_int8.applies(layer.quant_weight.layout, K)
+    want = dequantize_planes(layer.quant_weight).float()       # [N, K] in the planes' input order
+    perm = layer.quant_perm
+    for rows in (1, quant_gemv_int8.MAX_ROWS, 20):
+        x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+        gathered = x if perm is None else x.index_select(1, perm)
+        ref = (dequantized_activations(gathered) if rows <= quant_gemv_int8.MAX_ROWS else gathered) @ want.t()
+        ref = ref + layer.bias.float()
+        torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
 def test_fused_shards_with_different_orders_stay_dense(monkeypatch, fresh_log):
     monkeypatch.setattr(linear_method, "plane_kernels_usable", lambda device: True)
     layer = fused_layer("gptq", 4, 32, act_order=True, same_order=False)

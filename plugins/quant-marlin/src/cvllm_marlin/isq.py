@@ -140,9 +140,10 @@ class RTNLinearMethod(LinearMethod):
 
 def _planes(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int):
     """The CUDA backend's plane form of the blocks."""
-    from cvllm_cuda.quant_planes import QuantLayout, QuantWeight, pack_plane
+    from cvllm_cuda.quant_planes import QuantWeight, pack_plane
+    from cvllm_marlin.planes import layout as planes_layout
 
-    layout = QuantLayout(BITS, 0, group, group, b_mode=2, b_const=-1)
+    layout = planes_layout(BITS, group)
     n, k = codes.shape
     return QuantWeight(layout, n, k, low=pack_plane(codes, BITS), high=None, d=scales, m=None, a=None, b=zeros)
 

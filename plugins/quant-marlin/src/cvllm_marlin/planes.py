@@ -19,6 +19,7 @@ not a multiple of 32) gives None: the layer keeps the dequantized path, and why 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -40,9 +41,18 @@ class Planes(NamedTuple):
     perm: torch.Tensor | None   # int64 [K]: the planes' input order (None: the checkpoint's own)
 
 
+# GPTQ/AWQ's batch-1 products (up to 5 rows) on x rounded to int8 per 32 inputs, llama.cpp's numerics for its own
+# formats (cvllm_cuda/kernels/quant_gemv_int8.py: integer dot products, under one instruction a weight against the
+# float GEMV's ~4), instead of the checkpoint's W4A16 (bf16 x, Marlin's numerics, the default): an opt-in trade of
+# the activations' rounding (a relative error ~0.4% per 32 inputs) for batch-1 speed; not yet timed on the H200
+# (written 2026-12-05 without a device: `bench/quant_gemv_stack.py --layouts gptq4_g128,gptq4_g128_int8`)
+INT8_ACTIVATIONS_ENV = "CVLLM_GPTQ_INT8_ACTIVATIONS"
+
+
 def layout(bits: int, group: int) -> QuantLayout:
-    """``s * (q - z)`` with s and z per ``group`` input features."""
-    return QuantLayout(bits, 0, scale_group=group, super_group=group, a_mode=0, b_mode=2, b_const=-1, has_m=False)
+    """``s * (q - z)`` with s and z per ``group`` input features (int8 activations where INT8_ACTIVATIONS_ENV is 1)."""
+    return QuantLayout(bits, 0, scale_group=group, super_group=group, a_mode=0, b_mode=2, b_const=-1, has_m=False,
+                       int8_activations=os.environ.get(INT8_ACTIVATIONS_ENV, "0") == "1")
 
 
 def gptq_planes(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, bits: int,
