@@ -45,7 +45,7 @@ def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m
     """(jit function, signature, constexprs, num_warps) of one GEMV (or GEMM: ``block_m``, the rows' tile; the int8
     GEMV: the rows of x a program takes) configuration."""
     block_n, block_w, warps, *stages = config
-    gw = group_words(layout, block_w)
+    gw = quant_gemv_int8.int8_group_words(layout, block_w) if kind == "int8-gemv" else group_words(layout, block_w)
     common = {**layout.kernel_args(), "BLOCK_N": block_n, "BLOCK_W": block_w, "GROUP_WORDS": gw,
               "GROUP_SUM": groups_in_thread(block_n, block_w, gw, warps), "STAGES": stages[0] if stages else 1,
               "EVEN": True, "INTERPRET": False, "USE_PDL": False, "FUSED_SUM": False, "PREFETCH_WORDS": 0}

@@ -123,6 +123,17 @@ def output_form(out: torch.Tensor, feeds, rows: int) -> tuple[int, tuple[torch.T
     return (bits, buffers(out.numel(), bits, out.device)) if bits else (0, (out,) * 4)
 
 
+def int8_group_words(layout: QuantLayout, block_w: int) -> int:
+    """The kernel's GROUP_WORDS: words that share factors (quant_tiles.group_words), but a scale group of several
+    32-input activation blocks (GPTQ's 128, a per-row scale) taken a block at a time, so that each block's products
+    are summed as integers and turned into a float once a block and column (the kernel's ONE_BLOCK path), not once a
+    word: compiled for sm_90, gptq4_g128 at (32, 64, 4, 3) 346 -> 228 loop instructions a thread
+    (bench/sass_stats.py int8-gemv)."""
+    words = group_words(layout, block_w)
+    block = layout.low_bits   # words of one activation block
+    return block if words > block and words % block == 0 else words
+
+
 def default_tiles(layout: QuantLayout) -> tuple[tuple, int]:
     """(BLOCK_N, BLOCK_W, num_warps[, stages]) and the programs per SM the K split aims at, untuned."""
     if layout.high_bits:
@@ -227,7 +238,7 @@ def _launch(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, tiles: tupl
     if activations is None:
         activations = attached(x, lay.low_bits) or quantize_activations(x, lay.low_bits)
     partials = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
-    gw = group_words(lay, block_w)
+    gw = int8_group_words(lay, block_w)
     rows = max(1, min(t, rows_per_program)) if rows_per_program else program_rows(t, n, k)
     grid = (cdiv(t, rows), cdiv(out_n, block_n), splits)
     counters = split_counters(x.device, grid[0] * grid[1]) if splits > 1 else None
