@@ -264,20 +264,26 @@ producers)
         done
     done ;;
 gemvfusions)
-    # issue 18: a split GEMV's partial sums added by its last split, in its own launch (CVLLM_GEMV_FUSED_SPLITS, no
+    # issue 18: a split GEMV's partial sums added by its last split, in its own launch (CVLLM_FUSED_SPLIT_SUMS, no
     # sum_splits_kernel: 64 launches a q4k step, 128 a GPTQ one), the first weight tiles prefetched into L2 before
     # the PDL wait (CVLLM_GEMV_PREFETCH_MB), gate + up + silu in one launch (CVLLM_GEMV_GATED) and GPTQ on int8
     # activations (CVLLM_GPTQ_INT8_ACTIVATIONS), all written 2026-12-05 without a device: their GPU tests (50
     # launches each the separate sums' bits; the gated GEMV against the two launches, and in the tiny GGUF model),
-    # then the stack of layers by (fused, MB) (~4 min; then "fusionslatency")
+    # then the stack of layers by (fused, MB) and the swapped GEMM of 16-64 rows by fused (~5 min; then
+    # "fusionslatency")
     t=plugins/backend-cuda/tests
     run gpu-tests-fusions 150 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_fused_split_sums.py \
         $t/test_gated_gemv.py plugins/quant-gguf/tests/test_gguf_cuda.py -k "fused or gated or producers"
     for case in ${FUSION_CASES:-0,0 1,0 1,2 1,4 1,8}; do
         fused=${case%,*} mb=${case#*,}
-        CVLLM_GEMV_FUSED_SPLITS=$fused CVLLM_GEMV_PREFETCH_MB=$mb run stack-fused$fused-pf$mb 60 \
+        CVLLM_FUSED_SPLIT_SUMS=$fused CVLLM_GEMV_PREFETCH_MB=$mb run stack-fused$fused-pf$mb 60 \
             python3 bench/quant_gemv_stack.py --defaults --layouts q4_k,q8_0,gptq4_g128,gptq4_g128_int8 \
             --json "$out/$day-h200-quant_gemv_stack-fused$fused-pf$mb-$commit.json"
+    done
+    for fused in 0 1; do   # the swapped GEMM of 16-64 rows, its K splits summed apart and in its launch
+        CVLLM_FUSED_SPLIT_SUMS=$fused run gemm-swapped-fused$fused 90 python3 bench/gemm_swapped_probe.py \
+            --rows 16,32,64 --configs 64,8,4,4 --splits auto \
+            --json "$out/$day-h200-gemm_swapped_probe-fused$fused-$commit.json"
     done ;;
 fusionslatency)
     # issue 18: batch-1 decode with the fusions above: q4k with everything off, fused sums + prefetch, those with the
@@ -289,7 +295,7 @@ fusionslatency)
                 gptq,1,$mb,1,0,1; do
         IFS=, read -r q fused pf producers gated w4a8 <<< "$case"
         name=$q-fused$fused-pf$pf-producers$producers-gated$gated-w4a8$w4a8
-        CVLLM_GEMV_FUSED_SPLITS=$fused CVLLM_GEMV_PREFETCH_MB=$pf CVLLM_QUANT_PRODUCER_ACTIVATIONS=$producers \
+        CVLLM_FUSED_SPLIT_SUMS=$fused CVLLM_GEMV_PREFETCH_MB=$pf CVLLM_QUANT_PRODUCER_ACTIVATIONS=$producers \
             CVLLM_GEMV_GATED=$gated CVLLM_GPTQ_INT8_ACTIVATIONS=$w4a8 run latency-$name 100 python3 bench/latency.py \
             --skip-hf --contexts 1024 --decode-tokens 128 --isq $q \
             --json "$out/$day-h200-latency-isq-$name-$commit.json"

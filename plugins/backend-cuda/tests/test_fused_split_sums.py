@@ -1,5 +1,6 @@
 """The GEMVs' K splits added by the split that finishes last (quant_tiles.FUSED_SPLITS_ENV): the same bits as the
-separate sum kernel, for the int8 GEMV (1 to MAX_ROWS rows, strided output rows) and the float GEMV (GPTQ, FP8), and
+separate sum kernel, for the int8 GEMV (1 to MAX_ROWS rows, strided output rows), the float GEMV (GPTQ, FP8) and the
+swapped GEMM of decode batches, and
 the ticket counters zero again after every launch. In Triton's interpreter (programs run one after another: the
 last split is the last program) and compiled for sm_90 (test_sm90_compile.py); on a GPU where one is."""
 
@@ -17,6 +18,7 @@ import_or_skip("triton")
 from test_quant_matmul import DEVICE, LAYOUTS, needs_gpu, random_weight  # noqa: E402
 
 from cvllm_cuda.kernels import quant_tiles  # noqa: E402
+from cvllm_cuda.kernels.quant_gemm_swapped import quant_gemm_swapped  # noqa: E402
 from cvllm_cuda.kernels.quant_gemv import quant_gemv  # noqa: E402
 from cvllm_cuda.kernels.quant_gemv_int8 import MAX_ROWS, quant_gemv_int8  # noqa: E402
 
@@ -58,6 +60,22 @@ def test_float_gemv_fused_split_sum_gives_the_separate_sums_bits(monkeypatch, na
         quant_gemv(x, weight, outs[on], config=(16, 8, 4), splits=3)
     assert not outs[True].isnan().any() and torch.equal(outs[True], outs[False])
     assert counters_are_zero()
+
+
+@pytest.mark.parametrize("name,rows", [("q4_k", 3), ("gptq4_g128", 20), ("q8_0", 5)])
+def test_swapped_gemm_fused_split_sum_gives_the_separate_sums_bits(monkeypatch, name, rows):
+    """The swapped GEMM of decode batches (lane order for 4-bit, position order for Q8_0), rows in a masked tile and
+    output rows at a stride."""
+    weight = random_weight(LAYOUTS[name], 40, 512, DEVICE, seed=rows)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(DEVICE).to(torch.bfloat16)
+    outs = {}
+    for on in (False, True):
+        fused(monkeypatch, on)
+        wide = torch.full((rows, 56), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+        quant_gemm_swapped(x, weight, wide[:, 8:48], splits=2)
+        outs[on] = wide
+    assert not outs[True][:, 8:48].isnan().any() and outs[True][:, :8].isnan().all()
+    assert torch.equal(outs[True][:, 8:48], outs[False][:, 8:48]) and counters_are_zero()
 
 
 def test_no_counters_without_the_switch_or_past_their_number(monkeypatch):

@@ -124,6 +124,22 @@ def test_swapped_low_bit_gemm_compiles(monkeypatch, name, rows):
 
 
 @compiles
+@pytest.mark.parametrize("name", ["q4_k", "q8_0"])
+def test_swapped_gemm_with_fused_split_sums_compiles(monkeypatch, name):
+    """The swapped GEMM of a 64-row decode batch adding its K splits in the last split's program
+    (quant_tiles.FUSED_SPLITS_ENV): one acquire-release ticket a program, the partial sums read through L2."""
+    from test_quant_matmul import LAYOUTS, random_weight
+    monkeypatch.setenv("CVLLM_FUSED_SPLIT_SUMS", "1")
+    monkeypatch.setattr(importlib.import_module("cvllm_cuda.kernels.quant_tiles"), "_counters", {})
+    weight = random_weight(LAYOUTS[name], 256, 1024, "cpu")
+    x, out = torch.zeros(64, 1024, dtype=torch.bfloat16), torch.empty(64, 256, dtype=torch.bfloat16)
+    kernels = compiled_launches(monkeypatch, quant_gemm_swapped, "_gemm_swapped_kernel",
+                                lambda: quant_gemm_swapped.quant_gemm_swapped(x, weight, out, splits=4))
+    ptx = kernels[0].asm["ptx"]
+    assert len(kernels) == 1 and ptx.count("atom.global.gpu.acq_rel.add") == 1 and "ld.global.cg" in ptx
+
+
+@compiles
 @pytest.mark.parametrize("name", ["q4_k", "q8_0", "q2_k", "q6_k", "q5_0", "q3_k"])
 def test_int8_gemv_of_several_rows_compiles_without_spills(monkeypatch, name):
     """The int8 GEMV with MAX_ROWS rows of x in a program (one accumulator a row, kept in registers) at its default
@@ -227,7 +243,7 @@ def test_gemvs_with_fused_split_sums_compile(monkeypatch, name, rows):
     split's program (quant_tiles.FUSED_SPLITS_ENV): one acquire-release ticket at GPU scope a program, the partial
     sums read back through L2, no spills."""
     from test_quant_matmul import LAYOUTS, random_weight
-    monkeypatch.setenv("CVLLM_GEMV_FUSED_SPLITS", "1")
+    monkeypatch.setenv("CVLLM_FUSED_SPLIT_SUMS", "1")
     int8, float_gemv, tiles = (importlib.import_module(f"cvllm_cuda.kernels.{name}")
                                for name in ("quant_gemv_int8", "quant_gemv", "quant_tiles"))
     monkeypatch.setattr(tiles, "_counters", {})
@@ -295,7 +311,7 @@ def test_gated_gemv_compiles_without_spills(monkeypatch, name, rows):
                                          for name in ("quant_gemv_int8", "int8_activations", "gate_math"))
     monkeypatch.setenv(int8_activations.PRODUCERS_ENV, "1")
     monkeypatch.setenv(int8.HIGH_PLANES_ENV, "1")
-    monkeypatch.setenv("CVLLM_GEMV_FUSED_SPLITS", "1")   # on CPU K 4096 splits in two: the epilogue after the sums
+    monkeypatch.setenv("CVLLM_FUSED_SPLIT_SUMS", "1")   # on CPU K 4096 splits in two: the epilogue after the sums
     monkeypatch.setattr(importlib.import_module("cvllm_cuda.kernels.quant_tiles"), "_counters", {})
     monkeypatch.setattr(int8_activations, "_quantize_kernel", sm90.LaunchRecorder(int8_activations._quantize_kernel))
     if name == "q5_k":

@@ -190,7 +190,7 @@ def gated_gemv_int8(x: torch.Tensor, weight: QuantWeight, act: int, feeds=None) 
     in one launch (GATED: gate_math's SILU, GELU, GELU_TANH); with its int8 form for ``feeds`` where that is a
     low-bit GEMV on int8 activations (quant_gemv_int8.output_form). None where this path does not take it: more
     than GATED_MAX_ROWS rows, a layout off the int8 GEMV, I not a multiple of the tile's half, or a K split without
-    fused split sums (CVLLM_GEMV_FUSED_SPLITS); the caller then runs the projection and the activation apart.
+    fused split sums (CVLLM_FUSED_SPLIT_SUMS); the caller then runs the projection and the activation apart.
     Each half of a tile is BLOCK_N features of 32 or more (whole activation blocks of the output): the tuned or
     default tile's BLOCK_N, halved from 64 up."""
     t, (n, k) = x.shape[0], (weight.out_features, weight.in_features)

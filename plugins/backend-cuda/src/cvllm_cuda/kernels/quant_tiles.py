@@ -142,8 +142,9 @@ def sum_splits_kernel(partial_ptr, out_ptr, N, SPLITS: tl.constexpr, BLOCK: tl.c
     tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-# The GEMVs' K splits added by the split that finishes last, in the GEMV's own launch (CVLLM_GEMV_FUSED_SPLITS=1; off
-# until timed on the H200: written 2026-12-05 without a device). At batch 1 a split GEMV is otherwise followed by
+# The GEMVs' (and the swapped GEMM's) K splits added by the split that finishes last, in their own launch
+# (CVLLM_FUSED_SPLIT_SUMS=1; off until timed on the H200: written 2026-12-05 without a device; the swapped GEMM of a
+# 64-row batch splits qkv, o and down 6-9 ways). At batch 1 a split GEMV is otherwise followed by
 # sum_splits_kernel: on the H100 (bench/results/2026-12-05-h100-profile_decode-b1-nopdl-q4k-*) 64 launches a Q4_K
 # step of 1.1 us each and ~54 us of gaps around them, the o and down projections' (128 tiles of 32 output features,
 # fewer than the SMs); the float GEMV (GPTQ, FP8 at batch 1) splits all four of a layer's projections.
@@ -154,7 +155,7 @@ def sum_splits_kernel(partial_ptr, out_ptr, N, SPLITS: tl.constexpr, BLOCK: tl.c
 # partials in split order from zero, as sum_splits_kernel does (the same bits), stores the output and puts the
 # counter back to zero for the next launch: the counters are zero between kernels, and a kernel launched with PDL
 # touches them only after it has waited for the one before (pdl.py).
-FUSED_SPLITS_ENV = "CVLLM_GEMV_FUSED_SPLITS"
+FUSED_SPLITS_ENV = "CVLLM_FUSED_SPLIT_SUMS"
 COUNTER_SLOTS = 1 << 16   # output tiles a launch may have (a 152k-word vocabulary in 16-wide tiles, 5 rows: 47.5k)
 _counters: dict[torch.device, torch.Tensor] = {}
 
