@@ -7,6 +7,7 @@ last split is the last program) and compiled for sm_90 (test_sm90_compile.py); o
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import pytest
 import torch
@@ -76,6 +77,40 @@ def test_swapped_gemm_fused_split_sum_gives_the_separate_sums_bits(monkeypatch, 
         outs[on] = wide
     assert not outs[True][:, 8:48].isnan().any() and outs[True][:, :8].isnan().all()
     assert torch.equal(outs[True][:, 8:48], outs[False][:, 8:48]) and counters_are_zero()
+
+
+@pytest.mark.parametrize("splits,head_dim,contexts", [(4, 64, [127, 0, 63]), (16, 80, [40, 3, 200])])
+def test_attention_splits_combined_in_its_launch(monkeypatch, make_attention_case, check_attention, splits,
+                                                 head_dim, contexts):
+    """The split-KV decode attention with its splits combined by the last of a tile's programs: the oracle's output
+    (16 splits: most slices of the short contexts empty; head_dim 80: masked lanes), the separate combining kernel's
+    within float32 rounding (a split at a time here, a tree there), the counters zero again."""
+    from cvllm_cuda.kernels.paged_attention import paged_attention
+    case = make_attention_case(query_lens=[1, 1, 1], context_lens=contexts, num_heads=8, num_kv_heads=2,
+                               head_dim=head_dim, block_size=16, dtype=torch.float32, device=DEVICE)
+    fused(monkeypatch, False)
+    apart = paged_attention(*case.args(), None, None, num_splits=splits)
+    fused(monkeypatch, True)
+    module = importlib.import_module("cvllm_cuda.kernels.paged_attention")   # (not the package's function)
+    monkeypatch.setattr(module, "_combine_splits_kernel", None)   # not launched
+    together = check_attention(case, num_splits=splits)
+    torch.testing.assert_close(together, apart, rtol=1e-6, atol=1e-6)
+    assert counters_are_zero()
+
+
+@pytest.mark.parametrize("head_dim", [64, 96])   # 96: 128 lanes, the last block masked
+def test_attention_combined_in_its_launch_makes_the_int8_form(monkeypatch, make_attention_case, head_dim):
+    from cvllm_cuda.kernels.int8_activations import attached, quantize_activations
+    from cvllm_cuda.kernels.paged_attention import paged_attention
+    fused(monkeypatch, True)
+    module = importlib.import_module("cvllm_cuda.kernels.paged_attention")   # (not the package's function)
+    monkeypatch.setattr(module, "_combine_splits_kernel", None)   # not launched
+    case = make_attention_case(query_lens=[1, 1, 1], context_lens=[70, 0, 33], num_heads=8, num_kv_heads=2,
+                               head_dim=head_dim, block_size=16, dtype=torch.float16, device=DEVICE)
+    out = paged_attention(*case.args(), None, None, num_splits=4, int8_bits=4)
+    flat = out.reshape(3, 8 * head_dim)   # as the output projection takes it
+    for got, want in zip(attached(flat, 4), quantize_activations(flat, 4), strict=True):
+        assert torch.equal(got, want)
 
 
 def test_no_counters_without_the_switch_or_past_their_number(monkeypatch):
