@@ -143,3 +143,21 @@ def test_gpu_fused_split_sums_equal_the_separate_sums_over_many_launches(monkeyp
         run(x, weight, outs[i], splits=4)
     torch.cuda.synchronize()
     assert torch.equal(outs, ref.expand_as(outs)) and counters_are_zero()
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_gpu_attention_combined_in_its_launch_over_many_launches(monkeypatch, make_attention_case):
+    """Compiled, a batch-1 decode of Llama-3-8B's heads over 2k keys at the default splits, 50 launches: each the
+    same bits (a race between the splits would show as a launch that differs), within rounding of the separate
+    combining kernel's, the counters zero at the end."""
+    from cvllm_cuda.kernels.paged_attention import paged_attention
+    case = make_attention_case(query_lens=[1], context_lens=[2047], num_heads=32, num_kv_heads=8, head_dim=128,
+                               block_size=16, dtype=torch.bfloat16, device=DEVICE)
+    fused(monkeypatch, False)
+    apart = paged_attention(*case.args(), None, None)
+    fused(monkeypatch, True)
+    outs = torch.stack([paged_attention(*case.args(), None, None) for _ in range(50)])
+    torch.cuda.synchronize()
+    assert torch.equal(outs, outs[0].expand_as(outs)) and counters_are_zero()
+    torch.testing.assert_close(outs[0], apart, rtol=1e-2, atol=1e-2)
