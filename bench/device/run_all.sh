@@ -286,18 +286,21 @@ gemvfusions)
             --json "$out/$day-h200-gemm_swapped_probe-fused$fused-$commit.json"
     done ;;
 fusionslatency)
-    # issue 18: batch-1 decode with the fusions above: q4k with everything off, fused sums + prefetch, those with the
-    # producers' int8 activations, and with the gated GEMV too; GPTQ off, fused + prefetch, and on int8
-    # activations with the producers (~7 min; FUSION_MB: the prefetch's megabytes, from the stack runs)
-    # (isq, fused, MB, producers, gated, gptq int8) a case
+    # issue 18: batch-1 decode with the fusions above, beside bf16: q4k with everything off, fused sums + prefetch,
+    # those with the producers' int8 activations, with the gated GEMV too, and with a Q6_K LM head
+    # (CVLLM_ISQ_LM_HEAD); GPTQ off, fused + prefetch, and on int8 activations with the producers (~8 min;
+    # FUSION_MB: the prefetch's megabytes, from the stack runs; LATENCY_CASES narrows)
+    # (isq, fused, MB, producers, gated, gptq int8, ISQ head type) a case; bf16 first, the ratios' baseline
+    run latency-bf16-fusions 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
+        --json "$out/$day-h200-latency-bf16-fusions-$commit.json"
     mb=${FUSION_MB:-4}
-    for case in q4k,0,0,0,0,0 q4k,1,$mb,0,0,0 q4k,1,$mb,1,0,0 q4k,1,$mb,1,1,0 gptq,0,0,0,0,0 gptq,1,$mb,0,0,0 \
-                gptq,1,$mb,1,0,1; do
-        IFS=, read -r q fused pf producers gated w4a8 <<< "$case"
-        name=$q-fused$fused-pf$pf-producers$producers-gated$gated-w4a8$w4a8
+    for case in ${LATENCY_CASES:-q4k,0,0,0,0,0, q4k,1,$mb,0,0,0, q4k,1,$mb,1,0,0, q4k,1,$mb,1,1,0, \
+                q4k,1,$mb,1,1,0,q6k gptq,0,0,0,0,0, gptq,1,$mb,0,0,0, gptq,1,$mb,1,0,1,}; do
+        IFS=, read -r q fused pf producers gated w4a8 head <<< "$case"
+        name=$q-fused$fused-pf$pf-producers$producers-gated$gated-w4a8$w4a8${head:+-head$head}
         CVLLM_FUSED_SPLIT_SUMS=$fused CVLLM_GEMV_PREFETCH_MB=$pf CVLLM_QUANT_PRODUCER_ACTIVATIONS=$producers \
-            CVLLM_GEMV_GATED=$gated CVLLM_GPTQ_INT8_ACTIVATIONS=$w4a8 run latency-$name 100 python3 bench/latency.py \
-            --skip-hf --contexts 1024 --decode-tokens 128 --isq $q \
+            CVLLM_GEMV_GATED=$gated CVLLM_GPTQ_INT8_ACTIVATIONS=$w4a8 CVLLM_ISQ_LM_HEAD=$head \
+            run latency-$name 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 --isq $q \
             --json "$out/$day-h200-latency-isq-$name-$commit.json"
     done ;;
 smallgemv)
