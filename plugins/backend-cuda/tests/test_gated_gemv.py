@@ -20,6 +20,7 @@ from test_quant_matmul import DEVICE, LAYOUTS, needs_gpu, random_weight  # noqa:
 from cvllm_cuda.kernels import int8_activations, quant_tiles  # noqa: E402
 from cvllm_cuda.kernels.activation import gelu_and_mul, silu_and_mul  # noqa: E402
 from cvllm_cuda.kernels.gate_math import GELU, GELU_TANH, SILU  # noqa: E402
+from cvllm_cuda.kernels.quant_gemv import gated_gemv, quant_gemv  # noqa: E402
 from cvllm_cuda.kernels.quant_gemv_int8 import GATED_MAX_ROWS, gated_gemv_int8, quant_gemv_int8  # noqa: E402
 
 APART = {SILU: silu_and_mul, GELU: lambda x: gelu_and_mul(x, "none"), GELU_TANH: lambda x: gelu_and_mul(x, "tanh")}
@@ -85,12 +86,30 @@ def test_gated_gemv_sums_its_k_splits_in_its_launch(monkeypatch):
     assert all(int(c.abs().sum()) == 0 for c in quant_tiles._counters.values())
 
 
+@pytest.mark.parametrize("name,act,n", [("gptq4_g128", SILU, 2 * 96), ("fp8_block128", GELU_TANH, 2 * 40),
+                                        ("q6_k", SILU, 2 * 64)])
+def test_float_gemv_gated_gives_the_projection_then_the_activation_bits(monkeypatch, name, act, n):
+    """The float GEMV's layouts (GPTQ's W4A16, FP8, a GGUF type on float activations), one row: 40 features a half
+    is a masked last tile; K 1024 splits in two in the interpreter, summed in the launch."""
+    monkeypatch.setenv(quant_tiles.FUSED_SPLITS_ENV, "1")
+    weight = random_weight(LAYOUTS[name], n, 1024, DEVICE, seed=n)
+    x = small_x(1, 1024, seed=n)
+    out = gated_gemv(x, weight, act)
+    gate_up = torch.empty(1, n, device=DEVICE, dtype=x.dtype)
+    quant_gemv(x, weight, gate_up)
+    assert out is not None and torch.equal(out, APART[act](gate_up))
+    assert (out < 0).any() and (out > 0).any()
+    monkeypatch.setenv(quant_tiles.FUSED_SPLITS_ENV, "0")
+    assert gated_gemv(x, weight, act) is None                             # split, and no fused sums
+    assert gated_gemv(torch.cat([x, x]), weight, act) is None             # one row only
+
+
 def test_gated_gemv_leaves_what_it_does_not_take():
     lay = dataclasses.replace(LAYOUTS["q4_k"], int8_activations=True)
     x = torch.zeros(GATED_MAX_ROWS + 1, 512, device=DEVICE, dtype=torch.bfloat16)
     assert gated_gemv_int8(x, random_weight(lay, 128, 512, DEVICE), SILU) is None           # too many rows
     assert gated_gemv_int8(x[:1], random_weight(lay, 2 * 48, 512, DEVICE), SILU) is None    # I not whole tiles
-    float_gemv = LAYOUTS["gptq4_g128"]                                                     # the float GEMV's
+    float_gemv = LAYOUTS["gptq4_g128"]                                   # the float GEMV's (gated_gemv takes it)
     assert gated_gemv_int8(x[:1], random_weight(float_gemv, 128, 512, DEVICE), SILU) is None
 
 

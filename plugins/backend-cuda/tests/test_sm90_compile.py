@@ -354,3 +354,21 @@ def test_gated_gemv_compiles_without_spills(monkeypatch, name, rows):
     assert len(kernels) == 1
     assert kernels[0].metadata.enable_fp_fusion is False
     assert sm90.resource_usage(kernels[0])["STACK"] == 0, "spilled to local memory"
+
+
+@compiles
+@pytest.mark.parametrize("name", ["gptq4_g128", "fp8_block128", "q6_k"])
+def test_float_gated_gemv_compiles_without_spills(monkeypatch, name):
+    """The float GEMV's gate + up with silu in its epilogue (GPTQ's W4A16, FP8 weights; Llama-3-8B's gate_up), its
+    K splits summed in the launch: no FMA contraction, no local memory."""
+    from test_quant_matmul import LAYOUTS, random_weight
+    quant_gemv, gate_math = (importlib.import_module(f"cvllm_cuda.kernels.{name}") for name in ("quant_gemv",
+                                                                                                  "gate_math"))
+    monkeypatch.setenv("CVLLM_FUSED_SPLIT_SUMS", "1")
+    monkeypatch.setattr(importlib.import_module("cvllm_cuda.kernels.quant_tiles"), "_counters", {})
+    weight = random_weight(LAYOUTS[name], 2 * 512, 4096, "cpu")
+    x = torch.zeros(1, 4096, dtype=torch.bfloat16)
+    kernels = compiled_launches(monkeypatch, quant_gemv, "_gemv_kernel",
+                                lambda: quant_gemv.gated_gemv(x, weight, gate_math.SILU))
+    assert len(kernels) == 1 and kernels[0].metadata.enable_fp_fusion is False
+    assert sm90.resource_usage(kernels[0])["STACK"] == 0, "spilled to local memory"

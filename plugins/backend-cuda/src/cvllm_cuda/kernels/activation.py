@@ -27,8 +27,8 @@ def _gated_kernel(
     gate = tl.load(x_ptr + token * stride_xt + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + token * stride_xt + intermediate + cols, mask=mask, other=0.0).to(tl.float32)
     out = gated(gate, up, out_ptr.dtype.element_ty, ACT, LIBDEVICE)
-    store_with_int8(out_ptr, out, token, cols, mask, intermediate, packs_ptr, xd_ptr, sums_ptr, block_sums_ptr,
-                    BLOCK, INT8_BITS)
+    store_with_int8(out_ptr, out, token, tl.program_id(1), mask, intermediate, packs_ptr, xd_ptr, sums_ptr,
+                    block_sums_ptr, BLOCK, INT8_BITS)
 
 
 def _gated_and_mul(x: torch.Tensor, act: int, feeds) -> torch.Tensor:

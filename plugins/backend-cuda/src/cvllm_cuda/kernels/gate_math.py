@@ -1,6 +1,7 @@
 """The gated activations' arithmetic (``silu(gate) * up``, ``gelu(gate) * up``) with torch's roundings, and the store
-of their output with its int8 form, shared by the activation kernels (activation.py) and the low-bit GEMV that
-applies them in its epilogue (quant_gemv_int8.py, ``GATED``).
+of their output with its int8 form, shared by the activation kernels (activation.py) and the low-bit GEMVs that
+apply them in their epilogue (int8_gemv_kernel.py and quant_gemv.py, ``GATED``: a tile of BLOCK_N gate features and
+the same up features, ``gated_columns`` and ``store_gated``).
 
 torch computes ``F.silu(gate)`` in fp32 as ``gate / (1 + exp(-gate))``, rounds it to the dtype, and the product with
 ``up`` rounds again; so do these. On the GPU exp comes from libdevice (the CUDA math library's expf, which torch's
@@ -63,16 +64,39 @@ def gated(gate, up, dtype: tl.constexpr, ACT: tl.constexpr, LIBDEVICE: tl.conste
 
 
 @triton.jit
-def store_with_int8(out_ptr, out, row, cols, ok, width, packs_ptr, xd_ptr, sums_ptr, block_sums_ptr,
+def store_with_int8(out_ptr, out, row, tile, ok, width, packs_ptr, xd_ptr, sums_ptr, block_sums_ptr,
                     BLOCK: tl.constexpr, INT8_BITS: tl.constexpr):
-    """``out`` [BLOCK], columns ``cols`` = program_id(1) * BLOCK ... of row ``row`` of a [rows, width] output
-    (``ok``: which to store), and where INT8_BITS is set their int8 form for the low-bit GEMV they go to
-    (int8_activations.py; BLOCK a multiple of 32, so the program's columns are whole blocks of 32)."""
-    tl.store(out_ptr + row * width + cols, out, mask=ok)
+    """``out`` [BLOCK], columns ``tile * BLOCK ...`` of row ``row`` of a [rows, width] output (``ok``: which to
+    store), and where INT8_BITS is set their int8 form for the low-bit GEMV they go to (int8_activations.py; BLOCK a
+    multiple of 32, so the columns are whole blocks of 32)."""
+    tl.store(out_ptr + row * width + tile * BLOCK + tl.arange(0, BLOCK), out, mask=ok)
     if INT8_BITS > 0:
         BLOCKS: tl.constexpr = BLOCK // 32
-        blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+        blocks = tile * BLOCKS + tl.arange(0, BLOCKS)
         block_ok = tl.reshape(ok, (BLOCKS, 32))
         block_ok = tl.max(block_ok.to(tl.int32), axis=1) > 0
         quantize_blocks(tl.reshape(out.to(tl.float32), (BLOCKS, 32)), row * (width // 32) + blocks, block_ok,
                         packs_ptr, xd_ptr, sums_ptr, block_sums_ptr, INT8_BITS)
+
+
+@triton.jit
+def gated_columns(tile, N, BLOCK_N: tl.constexpr):
+    """A gated GEMV tile's weight columns [2 BLOCK_N] of a fused gate + up weight [N = 2I, K] (BLOCK_N gate features
+    from ``tile * BLOCK_N``, then the same up features, I further on) and which lie inside it."""
+    lane = tl.arange(0, 2 * BLOCK_N)
+    gate_cols = tile * BLOCK_N + lane % BLOCK_N
+    return gate_cols + lane // BLOCK_N * (N // 2), gate_cols < N // 2
+
+
+@triton.jit
+def store_gated(out_ptr, total, row, row_ok, tile, N, packs_ptr, xd_ptr, sums_ptr, block_sums_ptr,
+                BLOCK_N: tl.constexpr, ACT: tl.constexpr, LIBDEVICE: tl.constexpr, INT8_BITS: tl.constexpr):
+    """A gated GEMV tile's float32 sums ``total`` [2 BLOCK_N] (gated_columns' order for ``tile``) of output row
+    ``row``: rounded to the output's dtype as the projection's output would be, gated, stored in out [rows, N / 2]
+    (contiguous), with its int8 form where INT8_BITS is set."""
+    dtype = out_ptr.dtype.element_ty
+    gate, up = tl.split(tl.permute(tl.reshape(total, (2, BLOCK_N)), (1, 0)))
+    out = gated(gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype, ACT, LIBDEVICE)
+    ok = (tile * BLOCK_N + tl.arange(0, BLOCK_N) < N // 2) & row_ok
+    store_with_int8(out_ptr, out, row, tile, ok, N // 2, packs_ptr, xd_ptr, sums_ptr, block_sums_ptr, BLOCK_N,
+                    INT8_BITS)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from cvllm_cuda.kernels.gate_math import gated, store_with_int8
+from cvllm_cuda.kernels.gate_math import gated_columns, store_gated
 from cvllm_cuda.kernels.int8_bytes import weight_bytes
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.quant_tiles import last_split, load_masked, prefetch_to_l2, summed_splits, word_factors
@@ -105,10 +105,7 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, part
     # the tile's weight columns (output features), TILE_N of them, and which lie inside the weight
     TILE_N: tl.constexpr = 2 * BLOCK_N if GATED > 0 else BLOCK_N
     if GATED > 0:   # BLOCK_N gate features, then the same up features
-        lane = tl.arange(0, TILE_N)
-        gate_cols = tl.program_id(1) * BLOCK_N + lane % BLOCK_N
-        cols = gate_cols + lane // BLOCK_N * (N // 2)
-        col_ok = gate_cols < N // 2
+        cols, col_ok = gated_columns(tl.program_id(1), N, BLOCK_N)
     else:
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
@@ -195,12 +192,9 @@ def _finish(out_ptr, total, row, T, stride_ot, cols, col_ok, N, out_packs_ptr, o
             OUT_INT8_BITS: tl.constexpr):
     """Row ``row``'s output from the tile's float32 sums ``total``: stored as they are, or (GATED) rounded to the
     output's dtype as the projection's output would be, gated (gate_math.gated) and stored with its int8 form."""
-    dtype = out_ptr.dtype.element_ty
     if GATED > 0:
-        gate, up = tl.split(tl.permute(tl.reshape(total, (2, BLOCK_N)), (1, 0)))
-        out = gated(gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype, GATED, LIBDEVICE)
-        out_cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        store_with_int8(out_ptr, out, row, out_cols, (out_cols < N // 2) & (row < T), N // 2, out_packs_ptr,
-                        out_d_ptr, out_sums_ptr, out_block_sums_ptr, BLOCK_N, OUT_INT8_BITS)
+        store_gated(out_ptr, total, row, row < T, tl.program_id(1), N, out_packs_ptr, out_d_ptr, out_sums_ptr,
+                    out_block_sums_ptr, BLOCK_N, GATED, LIBDEVICE, OUT_INT8_BITS)
     else:
-        tl.store(out_ptr + row.to(tl.int64) * stride_ot + cols, total.to(dtype), mask=col_ok & (row < T))
+        tl.store(out_ptr + row.to(tl.int64) * stride_ot + cols, total.to(out_ptr.dtype.element_ty),
+                 mask=col_ok & (row < T))

@@ -27,7 +27,7 @@ import triton.language as tl
 from cvllm_cuda.kernels.pdl import options as pdl_options
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.quant_gemm_swapped import in_lanes, quant_gemm_swapped
-from cvllm_cuda.kernels.quant_gemv import GEMV_CONFIGS, quant_gemv
+from cvllm_cuda.kernels.quant_gemv import GEMV_CONFIGS, gated_gemv, quant_gemv
 from cvllm_cuda.kernels.quant_tiles import (
     add_splits,
     dot_into,
@@ -267,6 +267,12 @@ def gated_linear(layer, x: torch.Tensor, act: str, feeds=None) -> torch.Tensor |
     if (weight is None or getattr(layer, "bias", None) is not None or len(sizes) != 2 or sizes[0] != sizes[1]
             or act not in GATED_ACTS or os.environ.get(GATED_ENV, "0") != "1"):
         return None
-    from cvllm_cuda.kernels.quant_gemv_int8 import gated_gemv_int8  # (it builds on this module)
-    out = gated_gemv_int8(x.reshape(-1, weight.in_features), weight, GATED_ACTS[act], feeds)
+    from cvllm_cuda.kernels import quant_gemv_int8  # (it builds on this module)
+    rows = x.reshape(-1, weight.in_features)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if quant_gemv_int8.applies(weight.layout, weight.in_features):
+        out = quant_gemv_int8.gated_gemv_int8(rows, weight, GATED_ACTS[act], feeds)
+    else:   # the float GEMV's layouts (GPTQ/AWQ, FP8, the float path's GGUF types): one row
+        out = gated_gemv(rows, weight, GATED_ACTS[act])
     return None if out is None else out.view(*x.shape[:-1], out.shape[-1])
