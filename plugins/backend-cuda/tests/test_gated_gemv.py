@@ -115,19 +115,27 @@ def test_gated_gemv_leaves_what_it_does_not_take():
 
 @needs_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["q4_k", "q8_0", "q6_k"])
+@pytest.mark.parametrize("name", ["q4_k", "q8_0", "q6_k", "gptq4_g128"])
 def test_gpu_gated_gemv_matches_the_two_launches(monkeypatch, name):
-    """Compiled at Llama-3-8B's gate_up shape: within a bf16 rounding of the projection then silu (the gated
-    kernel is compiled without FMA contraction, the projection's GEMV with it: its products may round apart), and
-    its int8 form the quantizer's bits of its own output."""
+    """Compiled at Llama-3-8B's gate_up shape, one row: within a bf16 rounding of the projection then silu (the
+    gated kernel is compiled without FMA contraction, the projection's GEMV with it: its products may round
+    apart); on int8 activations its int8 form for a Q4_K down projection is the quantizer's bits of its output."""
     monkeypatch.setenv(int8_activations.PRODUCERS_ENV, "1")
     monkeypatch.setenv(quant_tiles.FUSED_SPLITS_ENV, "1")
-    weight = random_weight(dataclasses.replace(LAYOUTS[name], int8_activations=True), 2 * 14336, 4096, DEVICE)
-    x = torch.randn(1, 4096, device=DEVICE, dtype=torch.bfloat16)
-    down = layer_of("q4_k", 14336)
-    out = gated_gemv_int8(x, weight, SILU, feeds=down)
+    int8 = name != "gptq4_g128"
+    weight = random_weight(dataclasses.replace(LAYOUTS[name], int8_activations=int8), 2 * 14336, 4096, DEVICE)
+    x = torch.randn(1, 4096, device=DEVICE, dtype=torch.bfloat16) * 0.05
+    if int8:
+        out = gated_gemv_int8(x, weight, SILU, feeds=layer_of("q4_k", 14336))
+        want = apart(x, weight, SILU)
+    else:
+        out = gated_gemv(x, weight, SILU)
+        gate_up = torch.empty(1, 2 * 14336, device=DEVICE, dtype=x.dtype)
+        quant_gemv(x, weight, gate_up)
+        want = silu_and_mul(gate_up)
     assert out is not None
-    torch.testing.assert_close(out, apart(x, weight, SILU), rtol=1.6e-2, atol=1e-2 * out.abs().max().item())
-    for got, want in zip(int8_activations.attached(out, 4), int8_activations.quantize_activations(out, 4),
-                         strict=True):
-        assert torch.equal(got, want)
+    torch.testing.assert_close(out, want, rtol=1.6e-2, atol=1e-2 * want.abs().max().item())
+    if int8:
+        for got, form in zip(int8_activations.attached(out, 4), int8_activations.quantize_activations(out, 4),
+                             strict=True):
+            assert torch.equal(got, form)
