@@ -262,10 +262,12 @@ def gated_linear(layer, x: torch.Tensor, act: str, feeds=None) -> torch.Tensor |
     """Backend.gated_linear: ``act(gate) * up`` [..., I] of a low-bit gate + up projection ``layer`` (two equal
     parts, gate first, no bias: what its forward multiplies is ``layer.quant_weight``), or None where the gated
     GEMV does not take it (GATED_ENV off, another layer, more rows than it takes)."""
+    if os.environ.get(GATED_ENV, "0") != "1":
+        return None
     weight = getattr(layer, "quant_weight", None)
     sizes = getattr(layer, "output_sizes", ())
     if (weight is None or getattr(layer, "bias", None) is not None or len(sizes) != 2 or sizes[0] != sizes[1]
-            or act not in GATED_ACTS or os.environ.get(GATED_ENV, "0") != "1"):
+            or act not in GATED_ACTS):
         return None
     from cvllm_cuda.kernels import quant_gemv_int8  # (it builds on this module)
     rows = x.reshape(-1, weight.in_features)
