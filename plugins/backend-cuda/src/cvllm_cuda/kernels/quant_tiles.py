@@ -224,7 +224,7 @@ def prefetch_words(programs: int, block_n: int, split_words: int, device: torch.
 def prefetch_to_l2(low_ptr, first_word, last_word, col0, N, WORDS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Fetch words first_word .. first_word + WORDS (not past ``last_word``) of output features col0 ... col0 +
     BLOCK_N of a low plane into L2 (``prefetch.global.L2::evict_last``, a line of 128 bytes at a time: 32 features
-    of a word row); no registers, nothing waits for it."""
+    of a word row); nothing reads its result, nothing waits for it."""
     LINES: tl.constexpr = (BLOCK_N + 31) // 32
     words = tl.minimum(first_word + tl.arange(0, WORDS), last_word - 1)
     ptrs = low_ptr + words[:, None] * N + col0 + (tl.arange(0, LINES) * 32)[None, :]
