@@ -302,7 +302,8 @@ fusionslatency)
             CVLLM_GEMV_GATED=$gated CVLLM_GPTQ_INT8_ACTIVATIONS=$w4a8 CVLLM_ISQ_LM_HEAD=$head \
             run latency-$name 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 --isq $q \
             --json "$out/$day-h200-latency-isq-$name-$commit.json"
-    done ;;
+    done
+    python3 bench/latency_table.py "$out"/$day-h200-latency-*-$commit.json ;;
 smallgemv)
     # issue 18: tiles of 1-2 warps with no software pipeline (1.6 SASS a weight for q4_k at (32, 32, 2, 1), against
     # 2.0 for the default (32, 64, 4, 3); `bench/sass_stats.py int8-gemv`), never timed: the sweeps kept 4-8 warps
