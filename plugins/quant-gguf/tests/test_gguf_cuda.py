@@ -203,8 +203,8 @@ def test_tiny_model_logprobs_equal_with_the_producers_int8_activations(tmp_path,
 @needs_gpu
 def test_tiny_model_with_the_gated_gemv_keeps_its_tokens(tmp_path, make_rows, monkeypatch):
     """The tiny GGUF Llama on CUDA (graphs on) with its gate + up projection and silu in one launch
-    (CVLLM_GEMV_GATED=1, quant_matmul.gated_linear; with the producers' int8 activations and fused split sums): the
-    gated GEMV ran, and the greedy tokens and their logprobs are the two launches' within bf16 roundings (the gated
+    (CVLLM_GEMV_GATED=1, quant_matmul.gated_linear; with the producers' int8 activations, fused split sums and the
+    weight prefetch): the gated GEMV ran, and the greedy tokens and their logprobs are the two launches' within bf16 roundings (the gated
     kernel is compiled without FMA contraction, the plain GEMV with it)."""
     from cvllm import LLM
     from cvllm.sampling_params import SamplingParams
@@ -216,6 +216,7 @@ def test_tiny_model_with_the_gated_gemv_keeps_its_tokens(tmp_path, make_rows, mo
     prompts = [{"prompt_token_ids": [5, 17, 33, 2]}, {"prompt_token_ids": [90, 1, 44, 44, 3, 8]}]
     monkeypatch.setenv(int8_activations.PRODUCERS_ENV, "1")
     monkeypatch.setenv(quant_tiles.FUSED_SPLITS_ENV, "1")
+    monkeypatch.setenv(quant_tiles.PREFETCH_ENV, "4")
     gated_calls, gated = [], quant_gemv_int8.gated_gemv_int8
     monkeypatch.setattr(quant_gemv_int8, "gated_gemv_int8", lambda *a: gated_calls.append(1) or gated(*a))
     results = {}
