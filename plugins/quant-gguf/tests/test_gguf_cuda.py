@@ -204,8 +204,8 @@ def test_tiny_model_logprobs_equal_with_the_producers_int8_activations(tmp_path,
 def test_tiny_model_with_the_gated_gemv_keeps_its_tokens(tmp_path, make_rows, monkeypatch):
     """The tiny GGUF Llama on CUDA (graphs on) with its gate + up projection and silu in one launch
     (CVLLM_GEMV_GATED=1, quant_matmul.gated_linear; with the producers' int8 activations, fused split sums and the
-    weight prefetch): the gated GEMV ran, and the greedy tokens and their logprobs are the two launches' within bf16 roundings (the gated
-    kernel is compiled without FMA contraction, the plain GEMV with it)."""
+    weight prefetch): the gated GEMV ran, and the greedy tokens and their logprobs are the two launches' within bf16
+    roundings (the gated kernel is compiled without FMA contraction, the plain GEMV with it)."""
     from cvllm import LLM
     from cvllm.sampling_params import SamplingParams
     from cvllm_cuda.kernels import int8_activations, quant_matmul, quant_tiles
