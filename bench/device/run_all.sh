@@ -280,6 +280,10 @@ gemvfusions)
             python3 bench/quant_gemv_stack.py --defaults --layouts q4_k,q8_0,gptq4_g128,gptq4_g128_int8 \
             --json "$out/$day-h200-quant_gemv_stack-fused$fused-pf$mb-$commit.json"
     done
+    # with the splits summed in the launch, more of them may pay: the default tiles at 1, 2 and 4 programs an SM
+    CVLLM_FUSED_SPLIT_SUMS=1 run stack-fused-pps 90 python3 bench/quant_gemv_stack.py --layouts q4_k,q8_0 \
+        --configs "32,64,4,3;64,64,4,3" --pps 1,2,4 --budget-s 70 \
+        --json "$out/$day-h200-quant_gemv_stack-fused-pps-$commit.json"
     for fused in 0 1; do   # the swapped GEMM of 16-64 rows, its K splits summed apart and in its launch
         CVLLM_FUSED_SPLIT_SUMS=$fused run gemm-swapped-fused$fused 90 python3 bench/gemm_swapped_probe.py \
             --rows 16,32,64 --configs 64,8,4,4 --splits auto \
