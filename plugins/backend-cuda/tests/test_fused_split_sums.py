@@ -92,7 +92,7 @@ def test_attention_splits_combined_in_its_launch(monkeypatch, make_attention_cas
     apart = paged_attention(*case.args(), None, None, num_splits=splits)
     fused(monkeypatch, True)
     module = importlib.import_module("cvllm_cuda.kernels.paged_attention")   # (not the package's function)
-    monkeypatch.setattr(module, "_combine_splits_kernel", None)   # not launched
+    monkeypatch.setattr(module, "combine_splits", None)   # not called
     together = check_attention(case, num_splits=splits)
     torch.testing.assert_close(together, apart, rtol=1e-6, atol=1e-6)
     assert counters_are_zero()
@@ -104,7 +104,7 @@ def test_attention_combined_in_its_launch_makes_the_int8_form(monkeypatch, make_
     from cvllm_cuda.kernels.paged_attention import paged_attention
     fused(monkeypatch, True)
     module = importlib.import_module("cvllm_cuda.kernels.paged_attention")   # (not the package's function)
-    monkeypatch.setattr(module, "_combine_splits_kernel", None)   # not launched
+    monkeypatch.setattr(module, "combine_splits", None)   # not called
     case = make_attention_case(query_lens=[1, 1, 1], context_lens=[70, 0, 33], num_heads=8, num_kv_heads=2,
                                head_dim=head_dim, block_size=16, dtype=torch.float16, device=DEVICE)
     out = paged_attention(*case.args(), None, None, num_splits=4, int8_bits=4)

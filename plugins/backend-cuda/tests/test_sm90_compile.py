@@ -253,7 +253,8 @@ def test_producers_of_int8_activations_compile(monkeypatch, low_bits, rows):
         q, *cache, torch.arange(rows + 1, dtype=torch.int32), lens, torch.zeros(rows, 4, dtype=torch.int32), 1,
         DIM ** -0.5, None, None, num_splits=4, int8_bits=low_bits)
     monkeypatch.setattr(paged_attention, "_attention_kernel", sm90.LaunchRecorder(paged_attention._attention_kernel))
-    assert len(compiled_launches(monkeypatch, paged_attention, "_combine_splits_kernel", attention)) == 1
+    attention_splits = importlib.import_module("cvllm_cuda.kernels.attention_splits")
+    assert len(compiled_launches(monkeypatch, attention_splits, "_combine_splits_kernel", attention)) == 1
 
 
 @compiles

@@ -9,7 +9,8 @@ are loaded separately (both powers of two), each program takes BLOCK_H heads of 
 latents serve as keys and, transposed, as values: one load.
 
 Prefill and decode alike (a token per program row block, its causal keys); split over the keys for long contexts
-like the generic kernel, whose ``_combine_splits_kernel`` adds the slices. Launches read nothing back to the host.
+like the generic kernel, whose ``combine_splits`` (attention_splits.py) adds the slices. Launches read nothing
+back to the host.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import triton
 import triton.language as tl
 
 from cvllm_cuda.kernels import gpu, pdl
-from cvllm_cuda.kernels.paged_attention import MAX_SPLITS, _combine_splits_kernel, _find_sequence
+from cvllm_cuda.kernels.attention_splits import combine_splits
+from cvllm_cuda.kernels.paged_attention import MAX_SPLITS, _find_sequence
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
 
@@ -151,7 +153,5 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, latent: int, query_start
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8, num_warps=4, num_stages=2,
         **launch)
     if splits > 1:
-        _combine_splits_kernel[(num_tokens, num_heads)](
-            out, part_max, part_sum, part_acc, *(out,) * 4, out.stride(0), out.stride(1), HEAD_DIM=latent,
-            BLOCK_D=latent, NUM_SPLITS=splits, INT8_BITS=0, num_warps=4, **launch)
+        combine_splits(out, part_max, part_sum, part_acc)
     return out

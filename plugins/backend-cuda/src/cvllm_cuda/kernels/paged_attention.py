@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from cvllm_cuda.kernels import gpu, int8_activations, pdl
-from cvllm_cuda.kernels.int8_activations import quantize_blocks
+from cvllm_cuda.kernels.attention_splits import combine_splits, combined, quantize_heads
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.quant_tiles import last_split, split_counters
 from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
@@ -162,7 +162,7 @@ def _attention_kernel(
     FP8: tl.constexpr, USE_PDL: tl.constexpr, FUSED_COMBINE: tl.constexpr = False, INT8_BITS: tl.constexpr = 0,
 ):
     """FUSED_COMBINE: with splits, the last of a tile's splits to finish combines them (quant_tiles.last_split) and
-    writes the output, with its int8 form where INT8_BITS is set, instead of _combine_splits_kernel."""
+    writes the output, with its int8 form where INT8_BITS is set, instead of attention_splits.combine_splits."""
     wait_for_previous_kernel(USE_PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -261,68 +261,12 @@ def _attention_kernel(
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=out_mask)
         if FUSED_COMBINE:
             if last_split(counters_ptr, tile * tl.num_programs(1) + kv_head, NUM_SPLITS):
-                o = _combined(part_max_ptr, part_sum_ptr, part_acc_ptr, part - split, row_valid, out_mask, dims,
-                              HEAD_DIM, NUM_SPLITS).to(out_ptr.dtype.element_ty)
+                o = combined(part_max_ptr, part_sum_ptr, part_acc_ptr, part - split, row_valid, out_mask, dims,
+                             HEAD_DIM, NUM_SPLITS).to(out_ptr.dtype.element_ty)
                 tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :], o,
                          mask=out_mask)
-                if INT8_BITS > 0:   # the rows' int8 form for the output projection's low-bit GEMV
-                    BLOCKS: tl.constexpr = BLOCK_D // 32   # (HEAD_DIM a multiple of 32, the output contiguous)
-                    blocks = tl.arange(0, BLOCKS)
-                    first = (token * (tl.num_programs(1) * G) + head) * (HEAD_DIM // 32)
-                    ok = row_valid[:, None] & (blocks < HEAD_DIM // 32)[None, :]
-                    quantize_blocks(tl.reshape(o.to(tl.float32), (BLOCK_M * BLOCKS, 32)),
-                                    tl.reshape(first[:, None] + blocks[None, :], (BLOCK_M * BLOCKS,)),
-                                    tl.reshape(ok, (BLOCK_M * BLOCKS,)), packs_ptr, xd_ptr, sums_ptr,
-                                    block_sums_ptr, INT8_BITS)
-
-
-@triton.jit
-def _combined(part_max_ptr, part_sum_ptr, part_acc_ptr, first_part, row_valid, out_mask, dims,
-              HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """float32 [BLOCK_M, BLOCK_D]: the rows' splits (workspace entries first_part ... + NUM_SPLITS) combined as
-    _combine_splits_kernel does, a split at a time, read through L2 (other programs wrote them)."""
-    m_all = tl.full(first_part.shape, float("-inf"), tl.float32)
-    for j in tl.static_range(NUM_SPLITS):
-        m_all = tl.maximum(m_all, tl.load(part_max_ptr + first_part + j, mask=row_valid, other=float("-inf"),
-                                          cache_modifier=".cg"))
-    m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
-    total = tl.zeros(first_part.shape, tl.float32)
-    acc = tl.zeros(out_mask.shape, tl.float32)
-    for j in tl.static_range(NUM_SPLITS):
-        m = tl.load(part_max_ptr + first_part + j, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
-        weight = tl.exp(m - m_ref)   # 0 for slices that saw no key
-        total += weight * tl.load(part_sum_ptr + first_part + j, mask=row_valid, other=0.0, cache_modifier=".cg")
-        acc += weight[:, None] * tl.load(part_acc_ptr + (first_part + j)[:, None] * HEAD_DIM + dims[None, :],
-                                         mask=out_mask, other=0.0, cache_modifier=".cg")
-    return acc / tl.where(total == 0.0, 1.0, total)[:, None]
-
-
-@triton.jit
-def _combine_splits_kernel(
-    out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, packs_ptr, xd_ptr, sums_ptr, block_sums_ptr,
-    stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, INT8_BITS: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    wait_for_previous_kernel(USE_PDL)
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    part = (token * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
-    dims = tl.arange(0, BLOCK_D)
-    m = tl.load(part_max_ptr + part)
-    l = tl.load(part_sum_ptr + part)
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=(dims < HEAD_DIM)[None, :])
-    m_all = tl.max(m, 0)
-    weight = tl.exp(m - tl.where(m_all == float("-inf"), 0.0, m_all))  # 0 for slices that saw no key
-    total = tl.sum(weight * l, 0)
-    o = (tl.sum(acc * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, o, mask=dims < HEAD_DIM)
-    if INT8_BITS > 0:   # the head's int8 form for the low-bit GEMV of the output projection (int8_activations.py)
-        BLOCKS: tl.constexpr = BLOCK_D // 32   # (HEAD_DIM a multiple of 32, the output [T, H, D] contiguous)
-        blocks = tl.arange(0, BLOCKS)
-        quantize_blocks(tl.reshape(o.to(tl.float32), (BLOCKS, 32)),
-                        (token * tl.num_programs(1) + head) * (HEAD_DIM // 32) + blocks, blocks < HEAD_DIM // 32,
-                        packs_ptr, xd_ptr, sums_ptr, block_sums_ptr, INT8_BITS)
+                quantize_heads(o, token * (tl.num_programs(1) * G) + head, row_valid, packs_ptr, xd_ptr, sums_ptr,
+                               block_sums_ptr, HEAD_DIM, INT8_BITS)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
@@ -402,10 +346,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )
     if splits > 1 and counters is None:
-        _combine_splits_kernel[(num_tokens, num_heads)](
-            out, part_max, part_sum, part_acc, *made, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, INT8_BITS=int8_bits or 0, num_warps=4, **launch,
-        )
+        combine_splits(out, part_max, part_sum, part_acc, made, int8_bits or 0)
     if int8_bits:
         int8_activations.attach(out, int8_bits, made)
     return out
