@@ -350,3 +350,20 @@ def test_logit_bias_is_added_per_row_before_greedy():
     expected[0, 1], expected[0, 4], expected[2, 0] = 2.5, -1.0, 7.0
     assert torch.equal(out, expected) and torch.equal(logits, torch.zeros(3, 6))  # input untouched
     assert apply_logit_bias(logits, [SamplingParams()] * 3) is logits
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=1),
+                                    SamplingParams(temperature=0.8, seed=3)], ids=["plain-greedy", "logprobs", "sampled"])
+def test_rows_holding_nan_or_inf_are_reported_as_minus_one(params):
+    """The host is told -1 for a row whose logits hold NaN or +inf (the engine fails that request alone), and the
+    token otherwise: -inf logits are masked tokens, even a row of them but one; the device keeps a valid id."""
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(1))
+    logits[1, 7] = float("nan")
+    logits[2, 30] = float("inf")
+    logits[3, :] = float("-inf")
+    logits[3, 12] = 0.5
+    logits[4, 3] = float("nan")
+    logits[4, 9] = float("inf")
+    out = Sampler()(logits, [make_row(params) for _ in range(5)])
+    assert out.reported_ids.tolist()[1:] == [-1, -1, 12, -1]
+    assert out.reported_ids[0] == out.token_ids[0] >= 0 and ((out.token_ids >= 0) & (out.token_ids < 40)).all()

@@ -87,18 +87,21 @@ class Sampler:
             # the usual batch-1 step, in the backend's one pass: the argmax, and -1 where a row is not finite
             token_ids, reported_ids = self.argmax_reported(logits)
             return SamplerOutput(token_ids, None, None, None, reported_ids)
+        if plain_greedy:
+            # the usual batch-1 step without the backend's one-pass kernel: only the argmax (what the general path
+            # below computes for such rows, in one pass over the rows instead of one per feature: host time a step,
+            # where the device waits for it). NaN and +inf rank highest in it, so a row holding one is not finite
+            # exactly where its chosen logit is not below +inf: no second pass over the row
+            token_ids = self.argmax(logits)
+            sane = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) < float("inf")
+            return SamplerOutput(token_ids, None, None, None, torch.where(sane, token_ids, -1))
         # False for a row with NaN or +inf (-inf is a masked token): its max is NaN or +inf. One reduction, no
-        # [B, V] boolean temporary, on the hot path of every step; the backend's one-pass argmax reports it where
-        # it has one (torch's amax of a 128k-wide row took 18 us on an H100, the chunked argmax kernels ~4)
+        # [B, V] boolean temporary; the backend's one-pass argmax reports it where it has one (torch's amax of a
+        # 128k-wide row took 18 us on an H100, the chunked argmax kernels ~4)
         if self.argmax_reported is not None:
             sane = self.argmax_reported(logits)[1] >= 0
         else:
             sane = logits.amax(dim=-1) < float("inf")
-        if plain_greedy:
-            # the usual batch-1 step: only the argmax (what the general path below computes for such rows, in one
-            # pass over the rows instead of one per feature: host time a step, where the device waits for it)
-            token_ids = self.argmax(logits)
-            return SamplerOutput(token_ids, None, None, None, torch.where(sane, token_ids, -1))
         asked = [p.logprobs for p in params if p.logprobs is not None]
         processed = any(p.logits_processors for p in params)
         # something computes with the logits (a plain greedy batch, which needs only the argmax, returned above):
