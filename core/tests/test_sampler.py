@@ -352,8 +352,9 @@ def test_logit_bias_is_added_per_row_before_greedy():
     assert apply_logit_bias(logits, [SamplingParams()] * 3) is logits
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=1),
-                                    SamplingParams(temperature=0.8, seed=3)], ids=["plain-greedy", "logprobs", "sampled"])
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=1), SamplingParams(temperature=0.8, seed=3),
+], ids=["plain-greedy", "logprobs", "sampled"])
 def test_rows_holding_nan_or_inf_are_reported_as_minus_one(params):
     """The host is told -1 for a row whose logits hold NaN or +inf (the engine fails that request alone), and the
     token otherwise: -inf logits are masked tokens, even a row of them but one; the device keeps a valid id."""
