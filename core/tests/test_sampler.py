@@ -353,7 +353,8 @@ def test_logit_bias_is_added_per_row_before_greedy():
 
 
 @pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=1), SamplingParams(temperature=0.8, seed=3),
+    SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=1),
+    SamplingParams(temperature=0.8, seed=3),
 ], ids=["plain-greedy", "logprobs", "sampled"])
 def test_rows_holding_nan_or_inf_are_reported_as_minus_one(params):
     """The host is told -1 for a row whose logits hold NaN or +inf (the engine fails that request alone), and the
