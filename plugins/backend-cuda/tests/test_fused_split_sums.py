@@ -161,3 +161,20 @@ def test_gpu_attention_combined_in_its_launch_over_many_launches(monkeypatch, ma
     torch.cuda.synchronize()
     assert torch.equal(outs, outs[0].expand_as(outs)) and counters_are_zero()
     torch.testing.assert_close(outs[0], apart, rtol=1e-2, atol=1e-2)
+
+
+def test_prefetch_budget_is_split_over_the_programs(monkeypatch):
+    """quant_tiles.prefetch_words (the weight prefetch before the PDL wait, CVLLM_GEMV_PREFETCH_MB): the budget over
+    the programs' tiles, a power of two, within the program's K range and the cap; nothing off, without PDL (the
+    interpreter, GPUs before Hopper) or below 8 words."""
+    pdl_on = {"USE_PDL": True, "launch_pdl": True}
+    monkeypatch.setenv(quant_tiles.PREFETCH_ENV, "4")
+    assert quant_tiles.prefetch_words(192, 32, 4096, torch.device("cpu")) == 0          # no PDL: nothing to overlap
+    monkeypatch.setattr(quant_tiles, "pdl_options", lambda device: pdl_on)
+    # 4 MB over 192 tiles of 32 features (128 bytes a word row): 170 words -> 128
+    assert quant_tiles.prefetch_words(192, 32, 4096, torch.device("cuda")) == 128
+    assert quant_tiles.prefetch_words(192, 32, 100, torch.device("cuda")) == 64          # the program's range
+    assert quant_tiles.prefetch_words(8, 32, 4096, torch.device("cuda")) == quant_tiles.PREFETCH_MAX_WORDS
+    assert quant_tiles.prefetch_words(8192, 64, 4096, torch.device("cuda")) == 0         # under 8 words a program
+    monkeypatch.setenv(quant_tiles.PREFETCH_ENV, "0")
+    assert quant_tiles.prefetch_words(192, 32, 4096, torch.device("cuda")) == 0
