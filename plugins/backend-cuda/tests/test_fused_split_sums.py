@@ -1,8 +1,8 @@
 """The GEMVs' K splits added by the split that finishes last (quant_tiles.FUSED_SPLITS_ENV): the same bits as the
 separate sum kernel, for the int8 GEMV (1 to MAX_ROWS rows, strided output rows), the float GEMV (GPTQ, FP8) and the
-swapped GEMM of decode batches, and
-the ticket counters zero again after every launch. In Triton's interpreter (programs run one after another: the
-last split is the last program) and compiled for sm_90 (test_sm90_compile.py); on a GPU where one is."""
+swapped GEMM of decode batches, the split-KV attention combined in its launch, and the ticket counters zero again
+after every launch; the weight prefetch's budget. In Triton's interpreter (programs run one after another: the last
+split is the last program) and compiled for sm_90 (test_sm90_compile.py); on a GPU where one is."""
 
 from __future__ import annotations
 
