@@ -24,6 +24,7 @@ from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.quant_tiles import (
     add_splits,
     even_tiles,
+    fused_splits_ready,
     group_words,
     groups_in_thread,
     kernel_tensors,
@@ -213,7 +214,7 @@ def gated_gemv(x: torch.Tensor, weight: QuantWeight, act: int) -> torch.Tensor |
     block_n, block_w, warps, stages, programs_per_sm = _tiles(weight, x.device)
     splits, split_words = split_k(cdiv(n // 2, block_n), k, weight.layout.low_bits, block_w, x.device, None,
                                   programs_per_sm)
-    if splits > 1 and split_counters(x.device, cdiv(n // 2, block_n)) is None:
+    if splits > 1 and not fused_splits_ready(x.device):
         return None
     out = torch.empty((1, n // 2), dtype=x.dtype, device=x.device)
     _launch(x, weight, out, (block_n, block_w, warps, stages), splits, split_words, gated=act)

@@ -55,6 +55,7 @@ from cvllm_cuda.kernels.quant_gemv import GEMV_CONFIGS
 from cvllm_cuda.kernels.quant_tiles import (
     add_splits,
     even_tiles,
+    fused_splits_ready,
     group_words,
     groups_in_thread,
     kernel_tensors,
@@ -202,7 +203,7 @@ def gated_gemv_int8(x: torch.Tensor, weight: QuantWeight, act: int, feeds=None) 
         return None
     splits, split_words = split_k(n // 2 // half, k, weight.layout.low_bits, block_w, x.device, None,
                                   programs_per_sm)
-    if splits > 1 and split_counters(x.device, cdiv(t, program_rows(t, n, k)) * (n // 2 // half)) is None:
+    if splits > 1 and not fused_splits_ready(x.device):
         return None
     out = torch.empty((t, n // 2), dtype=x.dtype, device=x.device)
     int8_bits, made = output_form(out, feeds, t)

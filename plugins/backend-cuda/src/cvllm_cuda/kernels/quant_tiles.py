@@ -174,6 +174,12 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
     return counters
 
 
+def fused_splits_ready(device: torch.device) -> bool:
+    """Whether a launch on ``device`` can sum its K splits in itself (split_counters has counters for it): what a
+    caller that needs it (a gated GEMV's epilogue runs after the sums) asks before choosing that path."""
+    return split_counters(device, 1) is not None
+
+
 @triton.jit
 def last_split(counters_ptr, tile, splits):
     """Whether this program is the last of its output tile's ``splits`` K splits to have stored its partial sums
