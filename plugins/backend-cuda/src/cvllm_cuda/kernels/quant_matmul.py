@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cvllm_cuda.kernels.gate_math import GELU, GELU_TANH, SILU
 from cvllm_cuda.kernels.pdl import options as pdl_options
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.quant_gemm_swapped import in_lanes, quant_gemm_swapped
@@ -255,7 +256,7 @@ def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None
 # the gate + up projection and its activation in one launch at batch 1-2 (quant_gemv_int8.gated_gemv_int8;
 # CVLLM_GEMV_GATED=1): off until timed on the H200 (written 2026-12-05 without a device: `run_all.sh gemvfusions`)
 GATED_ENV = "CVLLM_GEMV_GATED"
-GATED_ACTS = {"silu": 1, "gelu": 2, "gelu_tanh": 3}   # gate_math's SILU, GELU, GELU_TANH
+GATED_ACTS = {"silu": SILU, "gelu": GELU, "gelu_tanh": GELU_TANH}   # Backend.gated_linear's names
 
 
 def gated_linear(layer, x: torch.Tensor, act: str, feeds=None) -> torch.Tensor | None:
