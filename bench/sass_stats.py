@@ -64,11 +64,12 @@ def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m
                 "UNPACKED": kind == "gemm", "IEEE": False, "UPCAST": False, "USE_PDL": False}
         return quant_matmul._gemm_kernel, signature, gemm, warps
     if kind == "gemm-swapped":   # quant_gemm_swapped._gemm_swapped_kernel: (BLOCK_N, BLOCK_W, warps, stages)
-        signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", **PLANES, "T": "i32", "N": "i32", "K": "i32",
-                     "stride_xt": "i32", "stride_ot": "i32", "SPLIT_WORDS": "i32"}
+        signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", "partial_ptr": "*fp32", "counters_ptr": "*i32",
+                     **PLANES, "T": "i32", "N": "i32", "K": "i32", "stride_xt": "i32", "stride_ot": "i32",
+                     "SPLIT_WORDS": "i32"}
         swapped = {**layout.kernel_args(), "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_W": block_w,
                    "IEEE": False, "UPCAST": False, "LANES": quant_gemm_swapped.in_lanes(layout, torch.bfloat16),
-                   "ASM": True, "USE_PDL": False}
+                   "ASM": True, "USE_PDL": False, "FUSED_SUM": False}
         return quant_gemm_swapped._gemm_swapped_kernel, signature, swapped, warps
     signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", "partial_ptr": "*fp32", "counters_ptr": "*i32", **PLANES,
                  "N": "i32", "K": "i32", "SPLIT_WORDS": "i32", "one_bits": "i32"}
