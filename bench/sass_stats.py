@@ -69,7 +69,7 @@ def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m
                      "SPLIT_WORDS": "i32"}
         swapped = {**layout.kernel_args(), "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_W": block_w,
                    "IEEE": False, "UPCAST": False, "LANES": quant_gemm_swapped.in_lanes(layout, torch.bfloat16),
-                   "ASM": True, "USE_PDL": False, "FUSED_SUM": False}
+                   "ASM": True, "USE_PDL": False, "FUSED_SUM": False, "GROUP_WORDS": group_words(layout, block_w)}
         return quant_gemm_swapped._gemm_swapped_kernel, signature, swapped, warps
     signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", "partial_ptr": "*fp32", "counters_ptr": "*i32", **PLANES,
                  "N": "i32", "K": "i32", "SPLIT_WORDS": "i32", "one_bits": "i32"}

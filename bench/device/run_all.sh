@@ -284,10 +284,13 @@ gemvfusions)
     CVLLM_FUSED_SPLIT_SUMS=1 run stack-fused-pps 90 python3 bench/quant_gemv_stack.py --layouts q4_k,q8_0 \
         --configs "32,64,4,3;64,64,4,3" --pps 1,2,4 --budget-s 70 \
         --json "$out/$day-h200-quant_gemv_stack-fused-pps-$commit.json"
-    for fused in 0 1; do   # the swapped GEMM of 16-64 rows, its K splits summed apart and in its launch
-        CVLLM_FUSED_SPLIT_SUMS=$fused run gemm-swapped-fused$fused 90 python3 bench/gemm_swapped_probe.py \
-            --rows 16,32,64 --configs 64,8,4,4 --splits auto \
-            --json "$out/$day-h200-gemm_swapped_probe-fused$fused-$commit.json"
+    # the swapped GEMM of 16-64 rows, its K splits summed apart and in its launch, and with each thread unpacking only
+    # its wgmma operand's lanes (CVLLM_SWAPPED_OPERAND_LANES, no shared-memory round trip of the unpacked tile)
+    for case in 0,0 1,0 0,1 1,1; do
+        fused=${case%,*} operand=${case#*,}
+        CVLLM_FUSED_SPLIT_SUMS=$fused CVLLM_SWAPPED_OPERAND_LANES=$operand run gemm-swapped-fused$fused-operand$operand \
+            90 python3 bench/gemm_swapped_probe.py --rows 16,32,64 --configs 64,8,4,4 --splits auto \
+            --json "$out/$day-h200-gemm_swapped_probe-fused$fused-operand$operand-$commit.json"
     done ;;
 fusionslatency)
     # issue 18: batch-1 decode with the fusions above, beside bf16: q4k with everything off, fused sums + prefetch,

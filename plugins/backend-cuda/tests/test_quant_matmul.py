@@ -171,9 +171,15 @@ def test_per_position_kernel_equals_the_reference(name):
 @pytest.mark.parametrize("name", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)   # bf16: 4-bit words in lane order
 @pytest.mark.parametrize("t,n,splits", [(3, 13, None), (20, 130, 3)])
-def test_swapped_kernel_equals_the_reference(name, dtype, t, n, splits):
+@pytest.mark.parametrize("operand_lanes", [False, True], ids=["tile-lanes", "operand-lanes"])
+def test_swapped_kernel_equals_the_reference(monkeypatch, name, dtype, t, n, splits, operand_lanes):
     """The swapped GEMM (quant_gemm_swapped.py: the weight as the first operand, x permuted) with a K split and
-    ragged rows and columns, position by position or, for 4-bit planes without a high plane in bf16, in lanes."""
+    ragged rows and columns, position by position or, for 4-bit planes without a high plane in bf16, in lanes (a
+    word's four lanes in one thread, or, CVLLM_SWAPPED_OPERAND_LANES, each thread the lane its operand holds)."""
+    from cvllm_cuda.kernels import quant_gemm_swapped
+    if operand_lanes and not quant_gemm_swapped.in_lanes(LAYOUTS[name], dtype):
+        pytest.skip("position by position: no lanes")
+    monkeypatch.setattr(quant_gemm_swapped, "OPERAND_LANES", operand_lanes)
     weight = random_weight(LAYOUTS[name], n, 512, DEVICE, seed=12)
     x = torch.randn(t, 512, generator=torch.Generator().manual_seed(12)).to(dtype).to(DEVICE)
     out = torch.empty(t, n, device=DEVICE, dtype=dtype)
@@ -258,9 +264,15 @@ def test_gpu_shapes(name, t):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", LAYOUTS)
 @pytest.mark.parametrize("t", [2, 16, 33, 128])
-def test_gpu_swapped_gemm(name, t):
+@pytest.mark.parametrize("operand_lanes", [False, True], ids=["tile-lanes", "operand-lanes"])
+def test_gpu_swapped_gemm(monkeypatch, name, t, operand_lanes):
     """The swapped GEMM (4-bit planes without a high plane in lanes: quant_gemm's default there) compiled, its default
-    tiles, against float32: bf16 factors in lanes, so 2e-2 of the largest output as in the interpreter test."""
+    tiles, against float32: bf16 factors in lanes, so 2e-2 of the largest output as in the interpreter test; with
+    CVLLM_SWAPPED_OPERAND_LANES too."""
+    from cvllm_cuda.kernels import quant_gemm_swapped
+    if operand_lanes and not quant_gemm_swapped.in_lanes(LAYOUTS[name], torch.bfloat16):
+        pytest.skip("position by position: no lanes")
+    monkeypatch.setattr(quant_gemm_swapped, "OPERAND_LANES", operand_lanes)
     weight = random_weight(LAYOUTS[name], 1000, 4096, DEVICE, seed=t)
     x = torch.randn(t, 4096, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16).to(DEVICE)
     out = torch.empty(t, 1000, device=DEVICE, dtype=torch.bfloat16)

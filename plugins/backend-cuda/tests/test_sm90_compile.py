@@ -144,6 +144,29 @@ def test_swapped_low_bit_gemm_compiles(monkeypatch, name, rows):
 
 
 @compiles
+@pytest.mark.parametrize("name", ["q4_k", "gptq4_g128"])
+@pytest.mark.parametrize("rows", [2, 64])
+def test_swapped_gemm_operand_lanes_skip_the_unpacked_tiles_round_trip(monkeypatch, name, rows):
+    """CVLLM_SWAPPED_OPERAND_LANES: each thread unpacks the lanes its wgmma operand registers hold, so the unpacked
+    tile no longer goes through shared memory (four 16-byte stores a K step fewer), and every load is still an
+    asynchronous copy of the software pipeline (a synchronous load in the loop cost 30-40% on the H200, session 23)."""
+    from test_quant_matmul import LAYOUTS, random_weight
+    weight = random_weight(LAYOUTS[name], 256, 1024, "cpu")
+    x, out = torch.zeros(rows, 1024, dtype=torch.bfloat16), torch.empty(rows, 256, dtype=torch.bfloat16)
+    ptx = {}
+    for operand_lanes in (False, True):
+        with monkeypatch.context() as patch:
+            patch.setattr(quant_gemm_swapped, "OPERAND_LANES", operand_lanes)
+            kernel, = compiled_launches(patch, quant_gemm_swapped, "_gemm_swapped_kernel",
+                                        lambda: quant_gemm_swapped.quant_gemm_swapped(x, weight, out, splits=1))
+        ptx[operand_lanes] = kernel.asm["ptx"]
+        assert sm90.resource_usage(kernel)["STACK"] == 0, "spilled to local memory"
+    assert ptx[True].count("st.shared") == ptx[False].count("st.shared") - 4
+    assert "ld.global" not in ptx[True].replace("ld.global.cg", "")
+    assert ptx[True].count("cp.async") == ptx[False].count("cp.async")
+
+
+@compiles
 @pytest.mark.parametrize("name", ["q4_k", "q8_0"])
 def test_swapped_gemm_with_fused_split_sums_compiles(monkeypatch, name):
     """The swapped GEMM of a 64-row decode batch adding its K splits in the last split's program

@@ -28,6 +28,8 @@ import) forces one for every layout and row count; ``quant_gemm(..., kernel="swa
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -37,6 +39,7 @@ from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.quant_tiles import (
     add_splits,
     dot_into,
+    group_words,
     kernel_tensors,
     last_split,
     load_words,
@@ -58,6 +61,9 @@ SWAPPED_CONFIGS = {2: (128, 16, 4, 3), 4: (128, 16, 4, 4), 8: (128, 32, 4, 4)}
 # lane order: the best of seven tiles at 2-48 rows on the H200, q4_k and gptq4_g128 (narrower BLOCK_N and 2 warps were
 # 1.5-2.5x slower; bench/results/2026-12-04-h200-gemm_swapped_probe-tiles-5c9bebb.json)
 LANE_CONFIG = (64, 8, 4, 4)
+# CVLLM_SWAPPED_OPERAND_LANES=1 (read at import): each thread unpacks only the lanes its wgmma operand registers hold
+# (``_lane``), no shared-memory round trip of the unpacked tile; compiled for sm_90, not yet timed (off by default)
+OPERAND_LANES = os.environ.get("CVLLM_SWAPPED_OPERAND_LANES", "0") == "1"
 
 # lane j: byte j of the word in the low half, byte j of the word shifted by 4 in the high half (one prmt: selector
 # nibbles j, j, 4 + j, 4 + j), so that the mask leaves element 2 j below 128.0's mantissa and element 2 j + 1 above
@@ -67,6 +73,13 @@ LANES_ASM = tl.constexpr(
     "{ .reg .b32 c, s2, o2, t, h; .reg .b16 sb, ob; mov.b32 c, 0x43004300; cvt.rn.bf16.f32 sb, $5; "
     "cvt.rn.bf16.f32 ob, $6; mov.b32 s2, {sb, sb}; mov.b32 o2, {ob, ob}; shr.b32 h, $4, 4; "
     + "".join(_LANE % (j | j << 4 | (4 + j) << 8 | (4 + j) << 12, j) for j in range(4)) + "}")
+
+
+# lane p of a word (elements 2 p and 2 p + 1, prmt selector p * 0x1111 + 0x4400) from its word, the word shifted by
+# 4, and the packed bf16x2 factors
+LANE_ASM = tl.constexpr(
+    "{ .reg .b32 c, t; mov.b32 c, 0x43004300; prmt.b32 t, $1, $2, $3; lop3.b32 t, t, 0x000F000F, c, 0xEA; "
+    "sub.rn.bf16x2 t, t, c; fma.rn.bf16x2 $0, t, $4, $5; }")
 
 
 @triton.jit
@@ -97,6 +110,35 @@ def _lanes(word, scale, offset, ASM: tl.constexpr):
 
 
 @triton.jit
+def _lane(word, pair, scale2, offset2, ASM: tl.constexpr):
+    """Lane ``pair`` (0-3) of 4-bit words: elements 2 pair (low half) and 2 pair + 1 (high half) as bf16
+    ``q * scale + offset`` in an int32, the factors given as bf16x2 pairs (``_pack2``); arguments of one shape."""
+    if ASM:
+        return tl.inline_asm_elementwise(LANE_ASM, "=r,r,r,r,r,r",
+                                         [word, word >> 4, pair * 0x1111 + 0x4400, scale2, offset2],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        s = (scale2 & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+        o = (offset2 & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+        return _pack2((((word >> (8 * pair)) & 0xF).to(tl.float32) * s + o).to(tl.bfloat16),
+                      (((word >> (8 * pair + 4)) & 0xF).to(tl.float32) * s + o).to(tl.bfloat16))
+
+
+@triton.jit
+def _first_words(v, BLOCK_N: tl.constexpr, G: tl.constexpr, GW: tl.constexpr):
+    """[BLOCK_N, G * GW] -> [BLOCK_N, G]: each group's first word (halving splits: the rest is never loaded)."""
+    if GW >= 2:
+        v = tl.split(tl.reshape(v, (BLOCK_N, G * GW // 2, 2)))[0]
+    if GW >= 4:
+        v = tl.split(tl.reshape(v, (BLOCK_N, G * GW // 4, 2)))[0]
+    if GW >= 8:
+        v = tl.split(tl.reshape(v, (BLOCK_N, G * GW // 8, 2)))[0]
+    if GW >= 16:
+        v = tl.split(tl.reshape(v, (BLOCK_N, G * GW // 16, 2)))[0]
+    return v
+
+
+@triton.jit
 def _lanes_to_bf16(lanes):
     """int32 lanes [...] -> bf16 [..., 2], element m the lane's half m. Not inline PTX with ``pack=2``: that hands
     an instance two consecutive registers of the thread, which in the compiled layout were not always the two
@@ -112,7 +154,8 @@ def _gemm_swapped_kernel(x_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr, hig
                          SCALE_GROUP: tl.constexpr, SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr,
                          B_MODE: tl.constexpr, B_CONST: tl.constexpr, HAS_M: tl.constexpr, FLOAT8: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, IEEE: tl.constexpr,
-                         UPCAST: tl.constexpr, LANES: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr,
+                         UPCAST: tl.constexpr, LANES: tl.constexpr, ASM: tl.constexpr, GROUP_WORDS: tl.constexpr,
+                         USE_PDL: tl.constexpr,
                          FUSED_SUM: tl.constexpr = False):
     """out^T tile [BLOCK_N, BLOCK_M] += W tile [BLOCK_N, BLOCK_W words] @ x^T over K steps of BLOCK_W words: LANES,
     one dot a step in lane order (x as it is); else one per element position (x permuted, module docstring). Split
@@ -138,7 +181,24 @@ def _gemm_swapped_kernel(x_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr, hig
         low, high = load_words(low_ptr, high_ptr, words[None, :], cols[:, None], ok, N, LOW_BITS, HIGH_BITS)
         scale, offset = word_factors(d_ptr, m_ptr, a_ptr, b_ptr, first, cols[:, None], ok, N, SCALE_GROUP,
                                       SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
-        if LANES:
+        if LANES == 2:
+            # a group's factors once, as bf16x2; [N, groups, group's words, lane]: Triton lays this out as the
+            # wgmma's register operand (a thread holds lane p = its lane id % 4), no layout conversion
+            G: tl.constexpr = BLOCK_W // GROUP_WORDS
+            s2 = _first_words(scale, BLOCK_N, G, GROUP_WORDS).to(tl.bfloat16)
+            o2 = _first_words(offset, BLOCK_N, G, GROUP_WORDS).to(tl.bfloat16)
+            s2 = _pack2(s2, s2)
+            o2 = _pack2(o2, o2)
+            shape: tl.constexpr = (BLOCK_N, G, GROUP_WORDS, 4)
+            lanes = _lane(tl.broadcast_to(tl.reshape(low, (BLOCK_N, G, GROUP_WORDS))[:, :, :, None], shape),
+                          tl.broadcast_to(tl.arange(0, 4)[None, None, None, :], shape),
+                          tl.broadcast_to(s2[:, :, None, None], shape), tl.broadcast_to(o2[:, :, None, None], shape),
+                          ASM)
+            w = tl.reshape(_lanes_to_bf16(lanes), (BLOCK_N, BLOCK_W * 8))
+            ks = w0 * 8 + tl.arange(0, BLOCK_W * 8)
+            x = tl.load(x_cols + ks[:, None], mask=(ks < num_words * 8)[:, None] & t_ok[None, :], other=0.0)
+            acc = dot_into(w, x, acc, IEEE, UPCAST)
+        elif LANES:
             lane0, lane1, lane2, lane3 = _lanes(low, scale, offset, ASM)
             lanes = tl.join(tl.join(lane0, lane2), tl.join(lane1, lane3))   # [N, W, c, d]: lane 2 c + d
             # [N, W, c, d, m]: element 2 (2 c + d) + m of the word, in K order
@@ -199,8 +259,10 @@ def quant_gemm_swapped(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, 
     _gemm_swapped_kernel[(*grid, splits)](
         xp, out, partials, partials if counters is None else counters, *kernel_tensors(weight), t, n, k,
         xp.stride(0), out.stride(0), split_words, **lay.kernel_args(), BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_W=block_w, IEEE=x.dtype == torch.float32, UPCAST=upcast(x.dtype), LANES=lanes,
-        ASM=not triton.knobs.runtime.interpret, FUSED_SUM=counters is not None, num_warps=warps, num_stages=stages,
+        BLOCK_W=block_w, IEEE=x.dtype == torch.float32, UPCAST=upcast(x.dtype),
+        LANES=(2 if OPERAND_LANES else 1) if lanes else 0,
+        ASM=not triton.knobs.runtime.interpret, GROUP_WORDS=group_words(lay, block_w), FUSED_SUM=counters is not None,
+        num_warps=warps, num_stages=stages,
         **pdl_options(x.device))
     if splits > 1 and counters is None:
         add_splits(partials, out, splits, n)
