@@ -158,7 +158,8 @@ def _gemm_swapped_kernel(x_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr, hig
                          USE_PDL: tl.constexpr,
                          FUSED_SUM: tl.constexpr = False):
     """out^T tile [BLOCK_N, BLOCK_M] += W tile [BLOCK_N, BLOCK_W words] @ x^T over K steps of BLOCK_W words: LANES,
-    one dot a step in lane order (x as it is); else one per element position (x permuted, module docstring). Split
+    one dot a step in lane order (x as it is; 1: a thread unpacks all four lanes of its words, 2: the lanes its wgmma
+    operand registers hold); else one per element position (x permuted, module docstring). Split
     over K like the unpacked GEMM: with more than one split, each stores its float32 partial sums in [splits, T, N]
     at ``partial_ptr``, added by sum_splits_kernel or, FUSED_SUM, by the split that finishes last
     (quant_tiles.last_split)."""
