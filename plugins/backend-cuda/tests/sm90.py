@@ -5,6 +5,7 @@ compiled kernel's registers, shared memory and SASS."""
 
 from __future__ import annotations
 
+import inspect
 import re
 import subprocess
 import tempfile
@@ -23,6 +24,10 @@ def compile_sm90(fn, signature: dict, constexprs: dict, warps: int, stages: int 
     pointers and the ``divisible`` integers get the 16-divisibility a launch specialises them on;
     ``max_registers``: a launch's ``maxnreg``; ``fp_fusion``: its ``enable_fp_fusion`` (None: Triton's default)."""
     # in the kernel's parameter order, whatever order the caller listed them in (indices name the parameters)
+    # constexprs the caller left out take the kernel's defaults (a switch added with a default keeps older callers)
+    defaults = {name: param.default for name, param in inspect.signature(fn.fn).parameters.items()
+                if param.default is not inspect.Parameter.empty and name not in signature}
+    constexprs = {**defaults, **constexprs}
     given = {**signature, **dict.fromkeys(constexprs, "constexpr")}
     missing = set(fn.arg_names) - set(given)
     assert not missing, f"no type or value for {sorted(missing)}"

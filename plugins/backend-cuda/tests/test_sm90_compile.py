@@ -396,3 +396,17 @@ def test_float_gated_gemv_compiles_without_spills(monkeypatch, name):
                                 lambda: quant_gemv.gated_gemv(x, weight, gate_math.SILU))
     assert len(kernels) == 1 and kernels[0].metadata.enable_fp_fusion is False
     assert sm90.resource_usage(kernels[0])["STACK"] == 0, "spilled to local memory"
+
+
+@compiles
+@pytest.mark.parametrize("kind,layout,config,rows", [
+    ("int8-gemv", "q4_k", (32, 64, 4, 3), 1), ("float-gemv", "gptq4_g128", (32, 32, 4, 3), 1),
+    ("gemm", "q6_k", (128, 8, 4, 4), 64), ("gemm-swapped", "q4_k", (64, 8, 4, 4), 64)])
+def test_sass_stats_compiles_every_kind(kind, layout, config, rows):
+    """bench/sass_stats.py's specs keep up with the kernels' parameters (a parameter added to a kernel broke two of
+    them unnoticed in session 31)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "bench"))
+    sass_stats = importlib.import_module("sass_stats")
+    stages = config[3] if kind.startswith("gemm") else None
+    kernel = sass_stats.compile_sm90(*sass_stats.kernel_spec(kind, sass_stats.LAYOUTS[layout], config, rows), stages)
+    assert sm90.registers(kernel) > 0
