@@ -126,7 +126,11 @@ def _lane(word, pair, scale2, offset2, ASM: tl.constexpr):
 
 @triton.jit
 def _first_words(v, BLOCK_N: tl.constexpr, G: tl.constexpr, GW: tl.constexpr):
-    """[BLOCK_N, G * GW] -> [BLOCK_N, G]: each group's first word (halving splits: the rest is never loaded)."""
+    """[BLOCK_N, G * GW] -> [BLOCK_N, G]: each group's first word, by halving splits (GW a power of two up to 16).
+    The factors are taken per word and then selected, not loaded per group: loads of [BLOCK_N, G] are too small for
+    the pipeline's asynchronous copies and came in the loop as synchronous ones; the words' loads left unused here
+    are compiled away."""
+    tl.static_assert(GW <= 16 and (GW & (GW - 1)) == 0, "a group's words: a power of two up to 16")
     if GW >= 2:
         v = tl.split(tl.reshape(v, (BLOCK_N, G * GW // 2, 2)))[0]
     if GW >= 4:
@@ -195,14 +199,11 @@ def _gemm_swapped_kernel(x_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr, hig
                           tl.broadcast_to(tl.arange(0, 4)[None, None, None, :], shape),
                           tl.broadcast_to(s2[:, :, None, None], shape), tl.broadcast_to(o2[:, :, None, None], shape),
                           ASM)
-            w = tl.reshape(_lanes_to_bf16(lanes), (BLOCK_N, BLOCK_W * 8))
-            ks = w0 * 8 + tl.arange(0, BLOCK_W * 8)
-            x = tl.load(x_cols + ks[:, None], mask=(ks < num_words * 8)[:, None] & t_ok[None, :], other=0.0)
-            acc = dot_into(w, x, acc, IEEE, UPCAST)
         elif LANES:
             lane0, lane1, lane2, lane3 = _lanes(low, scale, offset, ASM)
             lanes = tl.join(tl.join(lane0, lane2), tl.join(lane1, lane3))   # [N, W, c, d]: lane 2 c + d
-            # [N, W, c, d, m]: element 2 (2 c + d) + m of the word, in K order
+        if LANES:
+            # [N, W, ..., m]: element m of each lane, in K order (x read as it is)
             w = tl.reshape(_lanes_to_bf16(lanes), (BLOCK_N, BLOCK_W * 8))
             ks = w0 * 8 + tl.arange(0, BLOCK_W * 8)
             x = tl.load(x_cols + ks[:, None], mask=(ks < num_words * 8)[:, None] & t_ok[None, :], other=0.0)
