@@ -27,14 +27,16 @@ import triton
 sys.path.insert(0, str(Path(__file__).parent))
 from common import git_commit  # noqa: E402
 
+from cvllm_cuda.kernels.kv_cache import empty_value_cache  # noqa: E402
 from cvllm_cuda.kernels.paged_attention import AttentionConfig, attention_config, paged_attention  # noqa: E402
 
 BLOCK_SIZE, HEAD_DIM, DTYPE = 16, 128, torch.bfloat16
 
 
 def workload(query_lens: list[int], contexts: list[int], heads: int, kv_heads: int, generator,
-             kv_dtype: torch.dtype = DTYPE) -> dict:
-    """One launch's inputs; an FP8 cache (``kv_dtype`` float8_e4m3fn) holds e4m3 values with per-head scales."""
+             kv_dtype: torch.dtype = DTYPE, values_by_dim: bool = False) -> dict:
+    """One launch's inputs; an FP8 cache (``kv_dtype`` float8_e4m3fn) holds e4m3 values with per-head scales, its
+    V laid out by key as the engine allocates it (``values_by_dim``: as K, the layout before)."""
     seq_lens = [c + q for c, q in zip(contexts, query_lens)]
     blocks = [-(-s // BLOCK_SIZE) for s in seq_lens]
     num_blocks = sum(blocks)
@@ -47,9 +49,13 @@ def workload(query_lens: list[int], contexts: list[int], heads: int, kv_heads: i
         at += n
     cache = (num_blocks, BLOCK_SIZE, kv_heads, HEAD_DIM)
     copies = max(1, math.ceil(3 * 60e6 / (2 * math.prod(cache) * 2)))   # K+V of all copies > 3x the L2
-    caches = [(torch.randn(cache, device="cuda", dtype=DTYPE).to(kv_dtype),
-               torch.randn(cache, device="cuda", dtype=DTYPE).to(kv_dtype)) for _ in range(min(copies, 4))]
     fp8 = kv_dtype == torch.float8_e4m3fn
+
+    def values() -> torch.Tensor:
+        v = torch.randn(cache, device="cuda", dtype=DTYPE).to(kv_dtype)
+        return v if values_by_dim or not fp8 else empty_value_cache(cache, kv_dtype, v.device).copy_(v)
+
+    caches = [(torch.randn(cache, device="cuda", dtype=DTYPE).to(kv_dtype), values()) for _ in range(min(copies, 4))]
     kv_scales = tuple(torch.full((kv_heads,), 0.05, device="cuda") for _ in range(2)) if fp8 else None
     return {"q": torch.randn(sum(query_lens), heads, HEAD_DIM, device="cuda", dtype=DTYPE), "caches": caches,
             "query_start_loc": torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32, device="cuda"),
@@ -92,16 +98,19 @@ def main() -> None:
     ap.add_argument("--prefill", help="only these prefill configs, likewise")
     ap.add_argument("--kv-dtype", choices=["bfloat16", "fp8"], default="bfloat16",
                     help="fp8: e4m3 caches (--kv-cache-dtype fp8), decode workloads; entries spelled float8_e4m3fn")
+    ap.add_argument("--values-by-dim", action="store_true",
+                    help="fp8: V laid out as K (the layout before kv_cache.empty_value_cache), for an A/B run")
     ap.add_argument("--write", type=Path, help="write tuned_configs.py here with this GPU's entries merged in")
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     kv = torch.float8_e4m3fn if args.kv_dtype == "fp8" else DTYPE
+    by_dim = args.values_by_dim
     workloads = {
-        True: {"llama 256x1k": workload([1] * 256, [1024] * 256, 32, 8, g, kv),
-               "llama 256x2k": workload([1] * 256, [2048] * 256, 32, 8, g, kv),
-               "llama 64x1.5k": workload([1] * 64, [1536] * 64, 32, 8, g, kv),
-               "llama 1x1k (split)": workload([1], [1024], 32, 8, g, kv),
-               "qwen3 256x800": workload([1] * 256, [800] * 256, 16, 8, g, kv)},
+        True: {"llama 256x1k": workload([1] * 256, [1024] * 256, 32, 8, g, kv, by_dim),
+               "llama 256x2k": workload([1] * 256, [2048] * 256, 32, 8, g, kv, by_dim),
+               "llama 64x1.5k": workload([1] * 64, [1536] * 64, 32, 8, g, kv, by_dim),
+               "llama 1x1k (split)": workload([1], [1024], 32, 8, g, kv, by_dim),
+               "qwen3 256x800": workload([1] * 256, [800] * 256, 16, 8, g, kv, by_dim)},
         False: {"mixed 8x1024+248": workload([1024] * 8 + [1] * 248, [0] * 8 + [1024] * 248, 32, 8, g),
                 "prefill 1x1024": workload([1024], [0], 32, 8, g)},
     }
@@ -110,7 +119,7 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     result = {"bench": "tune_attention", "gpu": gpu, "commit": git_commit(), "date": datetime.date.today().isoformat(),
               "command": "python " + " ".join(sys.argv), "head_dim": HEAD_DIM, "dtype": "bfloat16",
-              "kv_dtype": args.kv_dtype, "kinds": {}}
+              "kv_dtype": args.kv_dtype, "values_by_dim": by_dim, "kinds": {}}
     entries = {}
     for decode, named in workloads.items():
         default = attention_config(HEAD_DIM, DTYPE, decode, torch.device("cuda"), fp8_cache=args.kv_dtype == "fp8")

@@ -8,7 +8,7 @@
 # "quant" (issue 18): batch-1 latency of bf16 and in-situ quantized (q4k, q8_0, gptq, fp8) Llama-3-8B shapes, then
 # the batch-1 GEMV's tile sweep over a stack of layers (~8 min; QUANT_LAYOUTS=q4_k,q8_0 narrows the sweep);
 # "kvfp8": 256 streams through cvserve with a 16-bit and an FP8 KV cache (~8 min); "fp8attn": the FP8-cache
-# decode tiles with register caps, then 256 streams offline with both caches (~5 min);
+# decode tile with V by dim and by key, tiles by key, then 256 streams offline with both caches (~6 min);
 # "spec" (issue 22): the cost of a speculative verify step by batch size, and the demo model with n-gram drafts;
 # "specsteps" (issue 22): the demo's steps by kind with the device's time and kernels, then its tasks (~3 min);
 # "ggufmix" (issue 18): batch-1 decode of random Llama-3-8B GGUF files in llama.cpp's Q4_K_M and Q8_0 mixes, and bf16;
@@ -356,12 +356,14 @@ swappedwide)
         --configs "64,8,4,4 128,8,8,4 128,8,8,3 256,8,8,3" \
         --json "$out/$day-h200-gemm_swapped_probe-wide-$commit.json" ;;
 fp8attn)
-    # issue 18: FP8-cache decode tiles (FP8_TILES; by default today's against tiles without a software pipeline: on
-    # sm_90 (16, 64, 2, 1) compiles to 3,200 warp instructions a 64-key step against 4,688 for today's three stages,
-    # mostly the pipeline's address and predicate arithmetic; never timed: the sweeps began at two stages), then 256
-    # streams offline with an FP8 and a 16-bit KV cache (~5 min)
+    # issue 18: the FP8-cache decode tile with V laid out as K (the layout before, one ld.shared.b8 a value) against
+    # V by key (kv_cache.empty_value_cache: 1,488 -> 847 SASS instructions a 64-key step on sm_90), then tiles by key
+    # (FP8_TILES; one stage and no register cap among them: by key the tile holds 192 registers, 208 before), then
+    # 256 streams offline with an FP8 and a 16-bit KV cache (~6 min)
+    run tune-attention-fp8-bydim 60 python3 bench/tune_attention.py --kv-dtype fp8 --values-by-dim \
+        --decode "16,64,2,3,168" --json "$out/$day-h200-tune_attention-fp8-bydim-$commit.json"
     run tune-attention-fp8 150 python3 bench/tune_attention.py --kv-dtype fp8 --decode "${FP8_TILES:-16,64,2,3,168 \
-16,64,2,1 16,64,2,1,168 16,64,4,1 16,128,4,1 16,128,2,1 16,32,2,1 16,64,8,1}" \
+16,64,2,3 16,64,2,2 16,64,2,1 16,64,4,2 16,64,4,1 16,128,4,2 16,32,2,2}" \
         --json "$out/$day-h200-tune_attention-fp8-tiles-$commit.json"
     for kv in fp8 auto; do
         run throughput256-kv-$kv 140 python3 bench/throughput.py --shape llama3-8b --skip-hf --num-requests 256 \

@@ -16,6 +16,7 @@ import_or_skip("triton")
 from cvllm.backends.cpu import paged_attention_reference  # noqa: E402
 from cvllm.layers.kv_fp8 import quantize  # noqa: E402
 from cvllm_cuda.kernels import paged_attention, write_kv  # noqa: E402
+from cvllm_cuda.kernels.kv_cache import empty_value_cache  # noqa: E402
 from cvllm_cuda.kernels.paged_attention import AttentionConfig  # noqa: E402
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
@@ -48,21 +49,40 @@ def test_write_kv_stores_scaled_saturated_e4m3(generator):
     assert (flat_k[untouched] == 0).all() and (flat_v[untouched] == 0).all()
 
 
+def poisoned(cache8: torch.Tensor, case, by_key: bool = False) -> torch.Tensor:
+    """An e4m3 cache with NaN in every slot that holds no key of a sequence (spare pages, the tails of the last
+    ones): no kernel may let those reach an output (0 * NaN = NaN). ``by_key``: laid out as the engine's FP8 V cache
+    (kv_cache.empty_value_cache)."""
+    blocks, block_size = cache8.shape[:2]
+    used = torch.zeros(blocks, block_size, dtype=torch.bool)
+    for table, seq_len in zip(case.block_tables.cpu().long(), case.seq_lens.cpu().tolist()):
+        used.view(-1).index_fill_(0, (table[:-(-seq_len // block_size)][:, None] * block_size
+                                      + torch.arange(block_size)).view(-1)[:seq_len], True)
+    nan = cache8.cpu().clone()
+    nan.view(torch.uint8)[~used] = 0x7F   # e4m3fn's NaN
+    out = empty_value_cache(nan.shape, FP8, torch.device(DEVICE)) if by_key else torch.empty_like(nan, device=DEVICE)
+    out.copy_(nan.to(DEVICE))
+    return out
+
+
 @pytest.mark.parametrize("query_lens,context_lens,splits", [
     ([1, 1, 1], [127, 0, 63], 1), ([1, 1, 1], [127, 0, 63], 4), ([1, 5, 1, 7], [37, 20, 9, 0], 1),
-    ([1, 5, 1, 7], [37, 20, 9, 0], 2)])
+    ([1, 5, 1, 7], [37, 20, 9, 0], 2), ([1, 1], [200, 95], 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])   # bf16 queries: the products in float16
-def test_attention_over_fp8_caches(make_attention_case, query_lens, context_lens, splits, dtype):
+@pytest.mark.parametrize("values_by_key", [False, True], ids=["values-by-dim", "values-by-key"])
+@pytest.mark.parametrize("sliding_window", [None, 40])
+def test_attention_over_fp8_caches(make_attention_case, query_lens, context_lens, splits, dtype, values_by_key,
+                                   sliding_window):
     case = make_attention_case(query_lens=query_lens, context_lens=context_lens, num_heads=4, num_kv_heads=2,
                                head_dim=64, block_size=16, dtype=dtype, device=DEVICE)
     k_scale, v_scale = torch.tensor([0.004, 0.006], device=DEVICE), torch.tensor([0.003, 0.002], device=DEVICE)
-    k8 = quantize(case.k_cache.cpu(), k_scale.cpu()).to(DEVICE)
-    v8 = quantize(case.v_cache.cpu(), v_scale.cpu()).to(DEVICE)
-    out = paged_attention(case.q, k8, v8, *case.args()[3:], None, None, num_splits=splits,
-                          kv_scales=(k_scale, v_scale))
+    k8 = quantize(case.k_cache.cpu(), k_scale.cpu())
+    v8 = quantize(case.v_cache.cpu(), v_scale.cpu())
+    out = paged_attention(case.q, poisoned(k8, case), poisoned(v8, case, values_by_key), *case.args()[3:],
+                          sliding_window, None, num_splits=splits, kv_scales=(k_scale, v_scale))
     # the reference on the dequantized caches (what the stored bytes mean)
-    k_deq = (k8.float() * k_scale[:, None]).to(case.q.dtype)   # [blocks, block_size, Hkv, D] * per-head scales
-    v_deq = (v8.float() * v_scale[:, None]).to(case.q.dtype)
+    k_deq = (k8.float() * k_scale.cpu()[:, None]).to(case.q.dtype)   # [blocks, block_size, Hkv, D] * per-head scales
+    v_deq = (v8.float() * v_scale.cpu()[:, None]).to(case.q.dtype)
     positions = []
     for q_len, ctx in zip(query_lens, context_lens):
         positions.append(torch.arange(ctx, ctx + q_len))
@@ -73,8 +93,8 @@ def test_attention_over_fp8_caches(make_attention_case, query_lens, context_lens
     for i, pos in enumerate(positions):
         query_pos[i, :len(pos)] = pos
         q_rows[i, :len(pos)] = case.q.cpu()[starts[i]:starts[i + 1]]
-    ref = paged_attention_reference(q_rows.float(), k_deq.cpu().float(), v_deq.cpu().float(), case.block_tables.cpu(),
-                                    query_pos, case.seq_lens.cpu().long(), case.scale, None, None)
+    ref = paged_attention_reference(q_rows.float(), k_deq.float(), v_deq.float(), case.block_tables.cpu(),
+                                    query_pos, case.seq_lens.cpu().long(), case.scale, sliding_window, None)
     expected = torch.cat([ref[i, :q] for i, q in enumerate(query_lens)])
     tolerance = 2e-4 if dtype == torch.float32 else 1e-2   # bf16: the output's rounding
     torch.testing.assert_close(out.cpu().float(), expected, rtol=tolerance, atol=tolerance)
@@ -110,7 +130,8 @@ def test_register_cap_only_past_one_wave(monkeypatch):
 
 
 @pytest.mark.parametrize("rotary_dim", [64, 32])   # whole and partial rotary
-def test_fused_rotary_write_stores_what_rotary_then_write_kv_stores(generator, rotary_dim):
+@pytest.mark.parametrize("values_by_key", [False, True], ids=["values-by-dim", "values-by-key"])
+def test_fused_rotary_write_stores_what_rotary_then_write_kv_stores(generator, rotary_dim, values_by_key):
     from cvllm_cuda.kernels.rotary import rotary, rotary_write_kv
 
     tokens, q_heads, kv_heads, dim, blocks, block_size = 6, 4, 2, 64, 2, 16
@@ -124,6 +145,8 @@ def test_fused_rotary_write_stores_what_rotary_then_write_kv_stores(generator, r
     scales = (torch.tensor([0.02, 0.05]), torch.tensor([0.01, 0.03]))
     on = lambda *ts: [t.to(DEVICE) for t in ts]   # noqa: E731
     caches = [torch.zeros(blocks, block_size, kv_heads, dim, dtype=FP8, device=DEVICE) for _ in range(4)]
+    if values_by_key:   # the V caches as the engine lays them out (kv_cache.empty_value_cache): by key
+        caches[1], caches[3] = (empty_value_cache(c.shape, FP8, torch.device(DEVICE)).copy_(c) for c in caches[1::2])
     fused_q = rotary_write_kv(*on(positions, q, k, v, cos_sin), dim, caches[0], caches[1], slots.to(DEVICE),
                               tuple(on(*scales)))
     plain_q, plain_k = rotary(*on(positions, q, k), cos_sin.to(DEVICE), dim)
@@ -132,3 +155,22 @@ def test_fused_rotary_write_stores_what_rotary_then_write_kv_stores(generator, r
     assert torch.equal(fused_q, plain_q)
     for fused, plain in ((caches[0], caches[2]), (caches[1], caches[3])):
         assert torch.equal(fused.view(torch.uint8), plain.view(torch.uint8))
+    if values_by_key:   # and where write_kv into a V cache by dim puts them
+        by_dim = torch.zeros(caches[3].shape, dtype=FP8, device=DEVICE)
+        write_kv(plain_k.view(tokens, kv_heads, dim), v.to(DEVICE).view(tokens, kv_heads, dim), caches[2], by_dim,
+                 slots.to(DEVICE), tuple(on(*scales)))
+        assert torch.equal(caches[3].contiguous().view(torch.uint8), by_dim.view(torch.uint8))
+        assert caches[3].stride()[1] == 1 and not (caches[3].float() == 0).all()
+
+
+def test_engine_keeps_only_fp8_values_by_key():
+    """The caches the engine allocates on CUDA (Backend.empty_kv_cache): an FP8 V cache by key (a page's keys
+    contiguous for each dimension), its K cache and every 16-bit cache contiguous; the logical shape is the same."""
+    from cvllm_cuda.backend import CudaBackend
+
+    shape, cpu = (3, 16, 2, 64), torch.device("cpu")
+    values = CudaBackend.empty_kv_cache(None, shape, FP8, cpu, values=True)
+    assert values.shape == shape and values.stride() == (2 * 64 * 16, 1, 64 * 16, 16)
+    for dtype, is_values in ((FP8, False), (torch.bfloat16, True), (torch.bfloat16, False)):
+        cache = CudaBackend.empty_kv_cache(None, shape, dtype, cpu, values=is_values)
+        assert cache.shape == shape and cache.is_contiguous() and cache.dtype == dtype

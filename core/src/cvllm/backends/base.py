@@ -144,6 +144,13 @@ class Backend:
         memory after loading the model: 90% of it."""
         return int(free * 0.9)
 
+    def empty_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                       values: bool) -> torch.Tensor:
+        """An uninitialised K (or, ``values``, V) cache of logical shape ``shape`` ([num_blocks, block_size,
+        *layer.kv_cache_shape()]). Only this backend's write_kv and attention read it, so it may lay the tensor out in
+        memory as its kernels read it best (its strides: CUDA keeps an FP8 V cache by key); contiguous here."""
+        return torch.empty(shape, dtype=dtype, device=device)
+
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Store this step's K/V ``[T, Hkv, D]`` at ``slot_mapping`` (block * block_size + offset). An FP8 cache

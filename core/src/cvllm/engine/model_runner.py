@@ -174,9 +174,9 @@ class ModelRunner:
             # empty, not zeros: filling gigabytes costs seconds at start-up (every page touched), and no kernel lets
             # a slot past a sequence's length reach its output (masked loads; the CPU reference zeroes such values,
             # since 0 * NaN = NaN), which tests check with a cache full of NaN
-            layer.k_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
-            layer.v_cache = layer.k_cache if layer.kv_cache_tensors() == 1 else torch.empty(
-                shape, dtype=self.kv_cache_dtype, device=self.device)
+            layer.k_cache = self.backend.empty_kv_cache(shape, self.kv_cache_dtype, self.device, values=False)
+            layer.v_cache = layer.k_cache if layer.kv_cache_tensors() == 1 else self.backend.empty_kv_cache(
+                shape, self.kv_cache_dtype, self.device, values=True)
             if kv_fp8.is_fp8(layer.k_cache):
                 kv_fp8.init_scales(layer, self.device)
         self.num_blocks = num_blocks

@@ -95,6 +95,12 @@ class CudaBackend(Backend):
     def memory(self) -> tuple[int, int]:
         return torch.cuda.mem_get_info(self.device)
 
+    def empty_kv_cache(self, shape, dtype, device, values) -> torch.Tensor:
+        from cvllm_cuda.kernels.kv_cache import empty_value_cache
+
+        # an FP8 V cache by key (the attention's 8-bit operand contiguous along the keys: attention_step.py)
+        return empty_value_cache(shape, dtype, device) if values else torch.empty(shape, dtype=dtype, device=device)
+
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping, scales=None) -> None:
         self._write_kv(k, v, k_cache, v_cache, slot_mapping, scales)
 

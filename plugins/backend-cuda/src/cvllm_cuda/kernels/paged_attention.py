@@ -25,6 +25,7 @@ import triton.language as tl
 
 from cvllm_cuda.kernels import gpu, int8_activations, pdl
 from cvllm_cuda.kernels.attention_splits import combine_splits, combined, quantize_heads
+from cvllm_cuda.kernels.attention_step import attend_keys
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.quant_tiles import last_split, split_counters
 from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
@@ -126,12 +127,6 @@ def is_sparse_decode(num_seqs: int, num_kv_heads: int, num_splits: int, device: 
 
 
 @triton.jit
-def _tanh(x):
-    # tl has no tanh; this form saturates cleanly to +-1 (no inf / inf)
-    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
-
-
-@triton.jit
 def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     """The last sequence s whose first tile, query_start_loc[s] // BLOCK_Q + s, is <= tile.
 
@@ -155,11 +150,13 @@ def _attention_kernel(
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
     counters_ptr, packs_ptr, xd_ptr, sums_ptr, block_sums_ptr,
     num_seqs, scale, soft_cap, sliding_window,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, stride_vd,
+    stride_bt,
     BLOCK_SIZE: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DECODE_ONLY: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr, USE_PDL: tl.constexpr, FUSED_COMBINE: tl.constexpr = False, INT8_BITS: tl.constexpr = 0,
+    VALUES_BY_KEY: tl.constexpr = False,
 ):
     """FUSED_COMBINE: with splits, the last of a tile's splits to finish combines them (quant_tiles.last_split) and
     writes the output, with its int8 form where INT8_BITS is set, instead of attention_splits.combine_splits."""
@@ -206,6 +203,8 @@ def _attention_kernel(
     kv_begin = first_pos * 0
     if USE_WINDOW:
         kv_begin = tl.maximum(first_pos - sliding_window + 1, 0)
+        if VALUES_BY_KEY:   # steps start on a multiple of BLOCK_N (attention_step.py); the window masks the rest
+            kv_begin = kv_begin // BLOCK_N * BLOCK_N
     # This program's slice: a contiguous run of BLOCK_N-key steps (all of them when NUM_SPLITS == 1).
     steps_per_split = tl.cdiv(tl.cdiv(kv_end - kv_begin, BLOCK_N), NUM_SPLITS)
     split_begin = kv_begin + split * steps_per_split * BLOCK_N
@@ -215,36 +214,29 @@ def _attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(split_begin, split_end, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)
-        key_valid = keys < split_end
-        page = tl.load(table + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
-        key_offset = page * stride_cb + (keys % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        k = tl.load(k_cache_ptr + key_offset[None, :] + dims[:, None],
-                    mask=dim_valid[:, None] & key_valid[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
-        if FP8:
-            k = k.to(q.dtype)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
-        if USE_SOFT_CAP:
-            s = soft_cap * _tanh(s / soft_cap)
-        visible = key_valid[None, :] & (keys[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            visible = visible & (q_pos[:, None] - keys[None, :] < sliding_window)
-        s = tl.where(visible, s, float("-inf"))
-
-        # online softmax; a row that has seen no visible key yet keeps m = -inf, and subtracting 0
-        # instead makes exp() give 0 rather than NaN
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_ref[:, None])
-        alpha = tl.exp(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + key_offset[:, None] + dims[None, :],
-                    mask=key_valid[:, None] & dim_valid[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        if FP8:
-            v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    if VALUES_BY_KEY:
+        # the steps whose keys are all the sequence's without load masks, then (at most) one masked step
+        # (attention_step.py: values by key are zeroed past the sequence a byte at a time)
+        whole_steps = tl.minimum(tl.cdiv(split_end - split_begin, BLOCK_N), (seq_len - split_begin) // BLOCK_N)
+        clean_end = split_begin + tl.maximum(whole_steps, 0) * BLOCK_N
+        for start in range(split_begin, clean_end, BLOCK_N):
+            acc, m_i, l_i = attend_keys(
+                acc, m_i, l_i, q, tl.multiple_of(start, BLOCK_N), split_end, q_pos, table, k_cache_ptr, v_cache_ptr,
+                kv_head, dims, dim_valid, scale, soft_cap, sliding_window, stride_cb, stride_cs, stride_ch, stride_vb,
+                stride_vh, stride_vd, BLOCK_SIZE, BLOCK_N, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION, FP8,
+                True, False)
+        if clean_end < split_end:
+            acc, m_i, l_i = attend_keys(
+                acc, m_i, l_i, q, tl.multiple_of(clean_end, BLOCK_N), split_end, q_pos, table, k_cache_ptr,
+                v_cache_ptr, kv_head, dims, dim_valid, scale, soft_cap, sliding_window, stride_cb, stride_cs,
+                stride_ch, stride_vb, stride_vh, stride_vd, BLOCK_SIZE, BLOCK_N, USE_WINDOW, USE_SOFT_CAP,
+                DOT_PRECISION, FP8, True, True)
+    else:
+        for start in range(split_begin, split_end, BLOCK_N):
+            acc, m_i, l_i = attend_keys(
+                acc, m_i, l_i, q, start, split_end, q_pos, table, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_valid,
+                scale, soft_cap, sliding_window, stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, stride_vd,
+                BLOCK_SIZE, BLOCK_N, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION, FP8, False, True)
     if FP8:
         acc = acc * tl.load(v_scale_ptr + kv_head)
 
@@ -283,20 +275,27 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     the decode path). ``num_splits`` forces the split-KV path (rounded up to a power of two); by default
     ``default_num_splits``. ``config`` overrides the tile sizes of ``attention_config`` (tuning). FP8 caches
     (float8_e4m3fn) take ``kv_scales``: the K and V scales per KV head (float32 [Hkv]) the stored values are
-    multiplied by. ``int8_bits``: the output's int8 form for a low-bit GEMV of that low-plane width comes with it
-    (attached, int8_activations.py) where the split-KV path's combining kernel writes it (a decode step's few rows);
-    elsewhere none does, and the GEMV rounds the output itself.
+    multiplied by; their V cache may be laid out by key (``kv_cache.empty_value_cache``: a page's keys contiguous
+    for each dimension, what the engine allocates on CUDA). ``int8_bits``: the output's int8 form for a low-bit
+    GEMV of that low-plane width comes with it (attached, int8_activations.py) where the split-KV path's combining
+    kernel writes it (a decode step's few rows); elsewhere none does, and the GEMV rounds the output itself.
     Launches without reading anything back to the host.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
     assert num_heads % num_kv_heads == 0 and k_cache.shape[3] == head_dim, (q.shape, k_cache.shape)
-    assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride(), "K and V caches differ in layout"
+    assert v_cache.shape == k_cache.shape, (v_cache.shape, k_cache.shape)
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     assert (q.dtype == k_cache.dtype or fp8) and v_cache.dtype == k_cache.dtype, (q.dtype, k_cache.dtype)
     assert fp8 == (kv_scales is not None), "an FP8 cache needs its scales (and only an FP8 cache)"
-    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1, "q and the caches need a contiguous last dim"
+    # V laid out like K, or (an FP8 cache: kv_cache.empty_value_cache) a page's keys contiguous for each dimension
+    values_by_key = v_cache.stride(1) == 1 and block_size > 1
+    assert fp8 or not values_by_key, "values by key are an FP8 cache's layout"
+    assert values_by_key or v_cache.stride() == k_cache.stride(), "V is laid out as K is, or by key"
+    # (the loads copy runs of a page's keys 16 bytes at a time: every other stride a multiple of the page)
+    assert not values_by_key or all(v_cache.stride(d) % block_size == 0 for d in (0, 2, 3)), v_cache.stride()
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1, "q and the K cache need a contiguous last dim"
     assert query_start_loc.shape == (num_seqs + 1,) and block_tables.shape[0] == num_seqs
     assert query_start_loc.stride(0) == 1 and seq_lens.stride(0) == 1 and block_tables.stride(1) == 1
     if out is None:
@@ -336,12 +335,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         seq_lens if counters is None else counters, *made,
         num_seqs, float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(2),
+        v_cache.stride(3), block_tables.stride(0),
         BLOCK_SIZE=block_size, G=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_N=config.block_n,
         NUM_SPLITS=splits, DECODE_ONLY=decode, USE_WINDOW=bool(sliding_window), USE_SOFT_CAP=bool(soft_cap),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8,
-        FUSED_COMBINE=counters is not None, INT8_BITS=int8_bits or 0,
+        FUSED_COMBINE=counters is not None, INT8_BITS=int8_bits or 0, VALUES_BY_KEY=values_by_key,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch,
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )

@@ -85,7 +85,7 @@ def _rotary_kernel(
     positions_ptr, cos_sin_ptr, q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, slot_ptr, k_scale_ptr,
     v_scale_ptr, q_norm_ptr, k_norm_ptr, eps,
     num_q_heads, num_k_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
-    block_size, stride_cb, stride_cs, stride_ch,
+    block_size, stride_cb, stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch, stride_vcd,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr, TO_CACHE: tl.constexpr, FP8: tl.constexpr,
     INTERLEAVED: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr,
@@ -113,10 +113,12 @@ def _rotary_kernel(
             slot = tl.maximum(slot, 0)
             out_row = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs
             out_stride_h = stride_ch
+            v_row = (slot // block_size) * stride_vcb + (slot % block_size) * stride_vcs
         else:
             stored_heads = num_k_heads
             out_row = t * num_k_heads * HEAD_DIM
             out_stride_h = HEAD_DIM
+            v_row = out_row
         if head_block < q_blocks + k_blocks:
             _rotate_heads(k_ptr + t * stride_kt, stride_kh, k_out_ptr + out_row, out_stride_h, cos, sin,
                           (head_block - q_blocks) * BLOCK_H, stored_heads, k_scale_ptr, k_norm_ptr, eps, HEAD_DIM,
@@ -127,7 +129,7 @@ def _rotary_kernel(
             mask = (heads < stored_heads)[:, None] & (d < HEAD_DIM)[None, :]
             v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + d[None, :], mask=mask)
             v_scale = tl.load(v_scale_ptr + heads, mask=heads < stored_heads, other=1.0) if FP8 else v
-            tl.store(v_out_ptr + out_row + heads[:, None] * out_stride_h + d[None, :],
+            tl.store(v_out_ptr + v_row + heads[:, None] * stride_vch + d[None, :] * stride_vcd,
                      _to_cache(v, v_scale, FP8).to(v_out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -163,7 +165,8 @@ def rotary_write_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     each head of q and k normalised first (Qwen3), for a rotary over the whole head. ``interleaved``: GPT-J pairs."""
     assert v.shape == k.shape and v.stride(-1) == 1 and slot_mapping.shape == (q.shape[0],), (v.shape, k.shape)
     assert k_cache.shape[2] * k_cache.shape[3] == k.shape[-1] and k_cache.shape[3] == head_dim, k_cache.shape
-    assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride() and k_cache.stride(-1) == 1
+    # V laid out like K, or by key (kv_cache.empty_value_cache)
+    assert v_cache.shape == k_cache.shape and k_cache.stride(-1) == 1, (v_cache.shape, k_cache.shape)
     assert (k_cache.dtype == torch.float8_e4m3fn) == (scales is not None), "an FP8 cache needs its scales"
     return _launch(positions, q, k, v, cos_sin, head_dim, k_cache, v_cache, slot_mapping.contiguous(), scales,
                    interleaved=interleaved, qk_norm=qk_norm)
@@ -187,7 +190,7 @@ def _launch(positions, q, k, v, cos_sin, head_dim, k_out, v_cache, slot_mapping,
         return q_out
     to_cache = v_cache is not None
     v3 = _heads_view(v, head_dim) if to_cache else k3
-    cache_strides = k_out.stride()[:3] if to_cache else (0, 0, 0)
+    cache_strides = (*k_out.stride()[:3], *v_cache.stride()) if to_cache else (0,) * 7
     half = rotary_dim // 2
     block_half = next_power_of_2(half)
     block_h = min(next_power_of_2(max(num_q_heads, num_k_heads)), max(1, _TILE_ELEMENTS // block_half))
