@@ -52,10 +52,8 @@ def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m
     if kind == "int8-gemv":
         signature = {"packs_ptr": "*i32", "xd_ptr": "*fp32", "xsum_ptr": "*fp32", "xblock_sum_ptr": "*fp32",
                      "out_ptr": "*bf16", "partial_ptr": "*fp32", "counters_ptr": "*i32", **PLANES,
-                     "out_packs_ptr": "*i32", "out_d_ptr": "*fp32", "out_sums_ptr": "*fp32",
-                     "out_block_sums_ptr": "*fp32", "N": "i32", "K": "i32", "SPLIT_WORDS": "i32", "T": "i32",
-                     "stride_ot": "i32"}
-        int8 = {**common, "ROWS": block_m, "GATED": 0, "LIBDEVICE": True, "OUT_INT8_BITS": 0}
+                     "N": "i32", "K": "i32", "SPLIT_WORDS": "i32", "T": "i32", "stride_ot": "i32"}
+        int8 = {**common, "ROWS": block_m}
         return quant_gemv_int8._gemv_int8_kernel, signature, int8, warps
     if kind in ("gemm", "gemm-per-position"):   # quant_matmul._gemm_kernel: (BLOCK_N, BLOCK_W, warps, stages)
         signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", **PLANES, "T": "i32", "N": "i32", "K": "i32",

@@ -266,14 +266,13 @@ producers)
 gemvfusions)
     # issue 18: a split GEMV's partial sums added by its last split, in its own launch (CVLLM_FUSED_SPLIT_SUMS, no
     # sum_splits_kernel: 64 launches a q4k step, 128 a GPTQ one), the first weight tiles prefetched into L2 before
-    # the PDL wait (CVLLM_GEMV_PREFETCH_MB), gate + up + silu in one launch (CVLLM_GEMV_GATED) and GPTQ on int8
-    # activations (CVLLM_GPTQ_INT8_ACTIVATIONS), all written 2026-12-05 without a device: their GPU tests (50
-    # launches each the separate sums' bits; the gated GEMV against the two launches, and in the tiny GGUF model),
-    # then the stack of layers by (fused, MB) and the swapped GEMM of 16-64 rows by fused (~5 min; then
-    # "fusionslatency")
+    # the PDL wait (CVLLM_GEMV_PREFETCH_MB) and GPTQ on int8 activations (CVLLM_GPTQ_INT8_ACTIVATIONS), written
+    # 2026-12-05 without a device: their GPU tests (50 launches each the separate sums' bits), then the stack of
+    # layers by (fused, MB) and the swapped GEMM of 16-64 rows by fused (~5 min; then "fusionslatency"). (The gated
+    # GEMV, timed slower in session 33, is gone.)
     t=plugins/backend-cuda/tests
     run gpu-tests-fusions 150 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_fused_split_sums.py \
-        $t/test_gated_gemv.py plugins/quant-gguf/tests/test_gguf_cuda.py -k "fused or gated or producers"
+        plugins/quant-gguf/tests/test_gguf_cuda.py -k "fused or producers"
     for case in ${FUSION_CASES:-0,0 1,0 1,2 1,4 1,8}; do
         fused=${case%,*} mb=${case#*,}
         CVLLM_FUSED_SPLIT_SUMS=$fused CVLLM_GEMV_PREFETCH_MB=$mb run stack-fused$fused-pf$mb 60 \
@@ -294,19 +293,19 @@ gemvfusions)
     done ;;
 fusionslatency)
     # issue 18: batch-1 decode with the fusions above, beside bf16: q4k with everything off, fused sums + prefetch,
-    # those with the producers' int8 activations, with the gated GEMV too, and with a Q6_K LM head
+    # those with the producers' int8 activations, and with a Q6_K LM head
     # (CVLLM_ISQ_LM_HEAD); GPTQ off, fused + prefetch, and on int8 activations with the producers (~8 min;
     # FUSION_MB: the prefetch's megabytes, from the stack runs; LATENCY_CASES narrows)
-    # (isq, fused, MB, producers, gated, gptq int8, ISQ head type) a case; bf16 first, the ratios' baseline
+    # (isq, fused, MB, producers, gptq int8, ISQ head type) a case; bf16 first, the ratios' baseline
     run latency-bf16-fusions 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
         --json "$out/$day-h200-latency-bf16-fusions-$commit.json"
     mb=${FUSION_MB:-4}
-    for case in ${LATENCY_CASES:-q4k,0,0,0,0,0, q4k,1,$mb,0,0,0, q4k,1,$mb,1,0,0, q4k,1,$mb,1,1,0, \
-                q4k,1,$mb,1,1,0,q6k gptq,0,0,0,0,0, gptq,1,$mb,0,0,0, gptq,1,$mb,1,0,1,}; do
-        IFS=, read -r q fused pf producers gated w4a8 head <<< "$case"
-        name=$q-fused$fused-pf$pf-producers$producers-gated$gated-w4a8$w4a8${head:+-head$head}
+    for case in ${LATENCY_CASES:-q4k,0,0,0,0, q4k,1,$mb,0,0, q4k,1,$mb,1,0, q4k,1,$mb,1,0,q6k gptq,0,0,0,0, \
+                gptq,1,$mb,0,0, gptq,1,$mb,1,1,}; do
+        IFS=, read -r q fused pf producers w4a8 head <<< "$case"
+        name=$q-fused$fused-pf$pf-producers$producers-w4a8$w4a8${head:+-head$head}
         CVLLM_FUSED_SPLIT_SUMS=$fused CVLLM_GEMV_PREFETCH_MB=$pf CVLLM_QUANT_PRODUCER_ACTIVATIONS=$producers \
-            CVLLM_GEMV_GATED=$gated CVLLM_GPTQ_INT8_ACTIVATIONS=$w4a8 CVLLM_ISQ_LM_HEAD=$head \
+            CVLLM_GPTQ_INT8_ACTIVATIONS=$w4a8 CVLLM_ISQ_LM_HEAD=$head \
             run latency-$name 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 --isq $q \
             --json "$out/$day-h200-latency-isq-$name-$commit.json"
     done

@@ -273,36 +273,3 @@ def test_unknown_checkpoint_tensor_is_ignored_with_a_warning(caplog):
     assert loaded == set(dict(model.named_parameters()))
     assert "model.layers.0.extra.weight" in caplog.text
 
-
-def test_gated_projection_takes_the_backends_one_launch_or_runs_both():
-    """``act_fn.of(gate_up, x)``: the backend's gated_linear where it returns a tensor (with the activation's name and
-    its feeds where the backend takes feeds), the projection then the activation where it returns None, and
-    outside a forward pass."""
-    from cvllm.backends.base import Backend
-    from cvllm.forward_context import ForwardContext, forward_context
-
-    gate_up = MergedColumnParallelLinear(HIDDEN, [INTER, INTER])
-    gate_up.weight.data = randn(2 * INTER, HIDDEN, seed=9)
-    x = randn(3, HIDDEN, seed=10)
-    calls = []
-
-    class Fused(Backend):
-        takes_feeds = True
-
-        def gated_linear(self, layer, x, act, feeds):
-            calls.append((layer, act, feeds))
-            return None if act == "gelu" else torch.full((x.shape[0], INTER), 7.0)
-
-    def in_pass(call):
-        with forward_context(ForwardContext(Fused(), *([None] * 4), [], [], [], 1, 1, True)), torch.inference_mode():
-            return call()
-
-    silu, gelu = SiluAndMul(), GeluAndMul("none")
-    down = nn.Linear(INTER, HIDDEN)
-    object.__setattr__(silu, "feeds", down)
-    assert torch.equal(in_pass(lambda: silu.of(gate_up, x)), torch.full((3, INTER), 7.0))
-    assert calls[-1] == (gate_up, "silu", down)
-    torch.testing.assert_close(in_pass(lambda: gelu.of(gate_up, x)), gelu(gate_up(x)))   # declined: both run
-    assert calls[-1] == (gate_up, "gelu", None)
-    assert GeluAndMul("tanh").of(gate_up, x).shape == (3, INTER) and len(calls) == 2     # no forward pass
-    torch.testing.assert_close(silu.of(gate_up, x), silu(gate_up(x)))

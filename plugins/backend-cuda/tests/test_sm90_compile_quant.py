@@ -1,6 +1,6 @@
 """The low-bit GEMMs and GEMVs compiled for Hopper on CPU (sm90.py; run with the rest by test_sm90_compile.py's
 test_kernels_compile_for_hopper, the interpreter off): the swapped GEMM's inline PTX and operand lanes, the int8
-GEMV's rows, fused split sums, the weight prefetch, the gated GEMVs, and bench/sass_stats.py's specs."""
+GEMV's rows, fused split sums, the weight prefetch, and bench/sass_stats.py's specs."""
 
 from __future__ import annotations
 
@@ -166,63 +166,6 @@ def test_gemvs_prefetch_their_first_tiles_before_waiting(monkeypatch, name):
     ptx = kernels[0].asm["ptx"]
     prefetches = [m.start() for m in re.finditer(r"prefetch\.global\.L2::evict_last", ptx)]
     assert prefetches and max(prefetches) < ptx.index("griddepcontrol.wait"), len(prefetches)
-    assert sm90.resource_usage(kernels[0])["STACK"] == 0, "spilled to local memory"
-
-
-@compiles
-@pytest.mark.parametrize("name", ["q4_k", "q8_0", "q2_k", "q6_k", "q5_k"])
-@pytest.mark.parametrize("rows", [1, 2])
-def test_gated_gemv_compiles_without_spills(monkeypatch, name, rows):
-    """The gate + up GEMV with silu in its epilogue and the down projection's int8 form (Llama-3-8B's 4096 -> 2 x
-    14336, the default tiles: each half a tile's width), the rows it takes (GATED_MAX_ROWS): no FMA contraction
-    (its roundings are the activation kernel's), no local memory."""
-    from types import SimpleNamespace
-
-    from test_quant_matmul import LAYOUTS, random_weight
-    int8, int8_activations, gate_math = (importlib.import_module(f"cvllm_cuda.kernels.{name}")
-                                         for name in ("quant_gemv_int8", "int8_activations", "gate_math"))
-    monkeypatch.setenv(int8_activations.PRODUCERS_ENV, "1")
-    monkeypatch.setenv(int8.HIGH_PLANES_ENV, "1")
-    monkeypatch.setenv("CVLLM_FUSED_SPLIT_SUMS", "1")   # on CPU K 4096 splits in two: the epilogue after the sums
-    monkeypatch.setattr(importlib.import_module("cvllm_cuda.kernels.quant_tiles"), "_counters", {})
-    monkeypatch.setattr(int8_activations, "_quantize_kernel", sm90.LaunchRecorder(int8_activations._quantize_kernel))
-    if name == "q5_k":
-        from cvllm_gguf.planes import LAYOUTS as GGUF
-        from cvllm_gguf.quant_types import GGMLType
-        layout = GGUF[GGMLType.Q5_K]
-    else:
-        layout = LAYOUTS[name]
-    layout = dataclasses.replace(layout, int8_activations=True)
-    weight = random_weight(layout, 2 * 14336, 4096, "cpu") if name != "q5_k" else SimpleNamespace(
-        layout=layout, out_features=2 * 14336, in_features=4096, low=torch.zeros(1, dtype=torch.int32),
-        high=torch.zeros(1, dtype=torch.int32), d=torch.zeros(1, dtype=torch.float16),
-        m=torch.zeros(1, dtype=torch.float16), a=torch.zeros(1, dtype=torch.uint8), b=None)
-    down = SimpleNamespace(quant_weight=SimpleNamespace(layout=dataclasses.replace(LAYOUTS["q4_k"],
-                                                                                   int8_activations=True),
-                                                        in_features=14336))
-    x = torch.zeros(rows, 4096, dtype=torch.bfloat16)
-    kernels = compiled_launches(monkeypatch, int8, "_gemv_int8_kernel",
-                                lambda: int8.gated_gemv_int8(x, weight, gate_math.SILU, feeds=down))
-    assert len(kernels) == 1
-    assert kernels[0].metadata.enable_fp_fusion is False
-    assert sm90.resource_usage(kernels[0])["STACK"] == 0, "spilled to local memory"
-
-
-@compiles
-@pytest.mark.parametrize("name", ["gptq4_g128", "fp8_block128", "q6_k"])
-def test_float_gated_gemv_compiles_without_spills(monkeypatch, name):
-    """The float GEMV's gate + up with silu in its epilogue (GPTQ's W4A16, FP8 weights; Llama-3-8B's gate_up), its
-    K splits summed in the launch: no FMA contraction, no local memory."""
-    from test_quant_matmul import LAYOUTS, random_weight
-    quant_gemv, gate_math = (importlib.import_module(f"cvllm_cuda.kernels.{name}") for name in ("quant_gemv",
-                                                                                                  "gate_math"))
-    monkeypatch.setenv("CVLLM_FUSED_SPLIT_SUMS", "1")
-    monkeypatch.setattr(importlib.import_module("cvllm_cuda.kernels.quant_tiles"), "_counters", {})
-    weight = random_weight(LAYOUTS[name], 2 * 512, 4096, "cpu")
-    x = torch.zeros(1, 4096, dtype=torch.bfloat16)
-    kernels = compiled_launches(monkeypatch, quant_gemv, "_gemv_kernel",
-                                lambda: quant_gemv.gated_gemv(x, weight, gate_math.SILU))
-    assert len(kernels) == 1 and kernels[0].metadata.enable_fp_fusion is False
     assert sm90.resource_usage(kernels[0])["STACK"] == 0, "spilled to local memory"
 
 

@@ -87,11 +87,6 @@ class Backend:
     #   carry one (Attention.feeds); the backend may make that layer's input form beside the output in the same
     #   launch: CUDA's int8 activations of a low-bit GEMV)
     #   gelu_and_mul(x [..., 2I], approximate) -> [..., I]: GeluAndMul, ``approximate`` "none" or "tanh"
-    #   gated_linear(layer, x, act, feeds) -> [..., I] or None: ``act_fn(layer(x))`` for a fused gate + up projection
-    #       ``layer`` (gate rows first) and its activation ``act`` ("silu", "gelu", "gelu_tanh"), as the activation
-    #       module's ``of`` asks (layers/activation.gated_projection; ``feeds`` as silu_and_mul's, None unless
-    #       ``takes_feeds``); None where the backend does not take this layer or x (the layer and the activation then
-    #       run apart)
     #   fused_add_rms_norm_plus_one(x, residual, weight, eps): GemmaRMSNorm.forward (scales by 1 + weight, in fp32,
     #       rounded once), residual as fused_add_rms_norm's
     #   fused_add_layer_norm(x, residual, weight, bias, eps): LayerNorm.forward (bias may be None), residual as
@@ -117,7 +112,6 @@ class Backend:
     fused_add_layer_norm: Callable[[Tensor, Tensor | None, Tensor, Tensor | None, float],
                                    Tensor | tuple[Tensor, Tensor]] | None = None
     gelu_and_mul: Callable[[Tensor, str], Tensor] | None = None
-    gated_linear: Callable[[Any, Tensor, str, Any], Tensor | None] | None = None
     fused_moe: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
     linear: Callable[[Tensor, Tensor, Tensor | None], Tensor] | None = None
     route_experts: Callable[[Tensor, Tensor | None, Any], tuple[Tensor, Tensor]] | None = None

@@ -9,24 +9,8 @@ from torch import nn
 from cvllm.backends.base import forward_backend
 
 
-def gated_projection(act: nn.Module, name: str, gate_up: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``act(gate_up(x))``: in one launch where the forward pass's backend has ``gated_linear`` and takes this layer
-    and x (``name``: its activation), else the projection then the activation."""
-    backend = forward_backend()
-    fused = getattr(backend, "gated_linear", None)
-    if fused is not None:
-        out = fused(gate_up, x, name, act.feeds if backend.takes_feeds else None)
-        if out is not None:
-            return out
-    return act(gate_up(x))
-
-
 class SiluAndMul(nn.Module):
     feeds: nn.Module | None = None   # the layer its output goes to next, as RMSNorm.feeds
-
-    def of(self, gate_up: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """``self(gate_up(x))`` for the fused gate + up projection ``gate_up`` (gated_projection)."""
-        return gated_projection(self, "silu", gate_up, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         backend = forward_backend()
@@ -47,10 +31,6 @@ class GeluAndMul(nn.Module):
         self.approximate = approximate
 
     feeds: nn.Module | None = None   # the layer its output goes to next, as RMSNorm.feeds
-
-    def of(self, gate_up: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """``self(gate_up(x))`` for the fused gate + up projection ``gate_up`` (gated_projection)."""
-        return gated_projection(self, "gelu_tanh" if self.approximate == "tanh" else "gelu", gate_up, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         backend = forward_backend()

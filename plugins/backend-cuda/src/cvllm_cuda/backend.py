@@ -60,7 +60,6 @@ class CudaBackend(Backend):
         from cvllm_cuda.kernels.ngram import advance_ngram
         from cvllm_cuda.kernels.paged_attention import paged_attention
         from cvllm_cuda.kernels.quant_gemv_int8 import input_bits
-        from cvllm_cuda.kernels.quant_matmul import gated_linear
         from cvllm_cuda.kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_plus_one
         from cvllm_cuda.kernels.rotary import rotary, rotary_write_kv
 
@@ -70,7 +69,6 @@ class CudaBackend(Backend):
         self.fused_add_rms_norm, self.rotary, self.silu_and_mul = fused_add_rms_norm, rotary, silu_and_mul
         self.fused_add_rms_norm_plus_one, self.fused_add_layer_norm = fused_add_rms_norm_plus_one, fused_add_layer_norm
         self.gelu_and_mul = gelu_and_mul
-        self.gated_linear = gated_linear
         # the keys rotated on their way into the cache, one launch a layer instead of two (CVLLM_FUSED_ROPE_KV=0:
         # rotary, then write_kv, for A/B runs)
         self.rotary_write_kv = rotary_write_kv if os.environ.get("CVLLM_FUSED_ROPE_KV", "1") != "0" else None

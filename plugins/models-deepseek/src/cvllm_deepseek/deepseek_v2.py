@@ -39,7 +39,7 @@ class DeepseekV2MLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn.of(self.gate_up_proj, x))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DeepseekRouter(nn.Module):

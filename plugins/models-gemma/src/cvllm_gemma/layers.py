@@ -69,7 +69,7 @@ class GemmaMLP(nn.Module):
         self.act_fn = GeluAndMul(approximate=gelu_approximation(activation))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn.of(self.gate_up_proj, x))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class GemmaAttention(nn.Module):

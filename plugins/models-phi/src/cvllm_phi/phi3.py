@@ -87,7 +87,7 @@ class Phi3MLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn.of(self.gate_up_proj, x))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class Phi3ForCausalLM(DecoderOnlyForCausalLM):

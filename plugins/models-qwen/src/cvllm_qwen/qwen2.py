@@ -74,7 +74,7 @@ class Qwen2MLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn.of(self.gate_up_proj, x))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 # the pre-norm decoder skeleton, core's (cvllm.layers.decoder), under the names the Qwen files use

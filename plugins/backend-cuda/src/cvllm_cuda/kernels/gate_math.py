@@ -1,7 +1,5 @@
 """The gated activations' arithmetic (``silu(gate) * up``, ``gelu(gate) * up``) with torch's roundings, and the store
-of their output with its int8 form, shared by the activation kernels (activation.py) and the low-bit GEMVs that
-apply them in their epilogue (int8_gemv_kernel.py and quant_gemv.py, ``GATED``: a tile of BLOCK_N gate features and
-the same up features, ``gated_columns`` and ``store_gated``).
+of their output with its int8 form, for the activation kernels (activation.py).
 
 torch computes ``F.silu(gate)`` in fp32 as ``gate / (1 + exp(-gate))``, rounds it to the dtype, and the product with
 ``up`` rounds again; so do these. On the GPU exp comes from libdevice (the CUDA math library's expf, which torch's
@@ -22,7 +20,7 @@ from cvllm_cuda.kernels.int8_activations import quantize_blocks
 
 # Triton's CPU interpreter has no libdevice; it gets numpy's functions instead
 LIBDEVICE = not triton.knobs.runtime.interpret
-# the gated activations by the number the kernels take (GATED / ACT): 0 none
+# the gated activations by the number the kernels take (ACT): 0 none
 SILU, GELU, GELU_TANH = 1, 2, 3
 GELU_APPROXIMATIONS = {"none": GELU, "tanh": GELU_TANH}
 
@@ -77,26 +75,3 @@ def store_with_int8(out_ptr, out, row, tile, ok, width, packs_ptr, xd_ptr, sums_
         block_ok = tl.max(block_ok.to(tl.int32), axis=1) > 0
         quantize_blocks(tl.reshape(out.to(tl.float32), (BLOCKS, 32)), row * (width // 32) + blocks, block_ok,
                         packs_ptr, xd_ptr, sums_ptr, block_sums_ptr, INT8_BITS)
-
-
-@triton.jit
-def gated_columns(tile, N, BLOCK_N: tl.constexpr):
-    """A gated GEMV tile's weight columns [2 BLOCK_N] of a fused gate + up weight [N = 2I, K] (BLOCK_N gate features
-    from ``tile * BLOCK_N``, then the same up features, I further on) and which lie inside it."""
-    lane = tl.arange(0, 2 * BLOCK_N)
-    gate_cols = tile * BLOCK_N + lane % BLOCK_N
-    return gate_cols + lane // BLOCK_N * (N // 2), gate_cols < N // 2
-
-
-@triton.jit
-def store_gated(out_ptr, total, row, row_ok, tile, N, packs_ptr, xd_ptr, sums_ptr, block_sums_ptr,
-                BLOCK_N: tl.constexpr, ACT: tl.constexpr, LIBDEVICE: tl.constexpr, INT8_BITS: tl.constexpr):
-    """A gated GEMV tile's float32 sums ``total`` [2 BLOCK_N] (gated_columns' order for ``tile``) of output row
-    ``row``: rounded to the output's dtype as the projection's output would be, gated, stored in out [rows, N / 2]
-    (contiguous), with its int8 form where INT8_BITS is set."""
-    dtype = out_ptr.dtype.element_ty
-    gate, up = tl.split(tl.permute(tl.reshape(total, (2, BLOCK_N)), (1, 0)))
-    out = gated(gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype, ACT, LIBDEVICE)
-    ok = (tile * BLOCK_N + tl.arange(0, BLOCK_N) < N // 2) & row_ok
-    store_with_int8(out_ptr, out, row, tile, ok, N // 2, packs_ptr, xd_ptr, sums_ptr, block_sums_ptr, BLOCK_N,
-                    INT8_BITS)

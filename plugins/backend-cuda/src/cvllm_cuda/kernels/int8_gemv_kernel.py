@@ -1,13 +1,11 @@
 """The int8-activation GEMV's Triton kernel (quant_gemv_int8.py launches it and says how it works): integer dot
-products of a low-bit weight tile's words with x rounded to int8 per 32 inputs, its K splits, a gated activation's
-epilogue."""
+products of a low-bit weight tile's words with x rounded to int8 per 32 inputs, and its K splits."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from cvllm_cuda.kernels.gate_math import gated_columns, store_gated
 from cvllm_cuda.kernels.int8_bytes import weight_bytes
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.quant_tiles import last_split, load_masked, prefetch_to_l2, summed_splits, word_factors
@@ -53,15 +51,13 @@ def _row_step(acc, wbytes, scale, offset, pack_ptrs, xd_ptr, xsum_ptr, xblock_su
 
 @triton.jit(do_not_specialize=["T", "stride_ot"])
 def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr,
-                      high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, out_packs_ptr, out_d_ptr, out_sums_ptr, out_block_sums_ptr,
-                      N, K, SPLIT_WORDS, T, stride_ot,
+                      high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K, SPLIT_WORDS, T, stride_ot,
                       LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
                       SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
                       HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                       GROUP_WORDS: tl.constexpr, GROUP_SUM: tl.constexpr, STAGES: tl.constexpr,
                       EVEN: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr,
-                      ROWS: tl.constexpr = 1, FUSED_SUM: tl.constexpr = False, PREFETCH_WORDS: tl.constexpr = 0,
-                      GATED: tl.constexpr = 0, LIBDEVICE: tl.constexpr = False, OUT_INT8_BITS: tl.constexpr = 0):
+                      ROWS: tl.constexpr = 1, FUSED_SUM: tl.constexpr = False, PREFETCH_WORDS: tl.constexpr = 0):
     """The float GEMV's tiling and splits (quant_matmul._gemv_kernel), integer dot products per word. Where a factor
     group is one activation block (32 inputs: Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0), the group's word products
     are added as integers and turned into a float once per group and column, not once per word. A high plane's
@@ -74,13 +70,7 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, part
     them. Out row t at ``t * stride_ot``; with K splits, split j's partial sums of row t at ``partial_ptr + (j * T +
     t) * N`` (float32), added by sum_splits_kernel or, FUSED_SUM, by the split that finishes last
     (quant_tiles.last_split). PREFETCH_WORDS: the first words of the program's K range fetched into L2 before it
-    waits for the previous kernel (quant_tiles.prefetch_words), by the first program of a column tile's rows.
-
-    GATED (gate_math's SILU, GELU, GELU_TANH; 0 none): the weight is a fused gate + up projection [N = 2I, K] and
-    the output ``act(gate) * up`` [T, I] (contiguous): a program's tile holds BLOCK_N gate features and the same
-    BLOCK_N up features (I further on), and its epilogue applies the activation as the activation kernel would to
-    the bf16 products (_finish); OUT_INT8_BITS: with the output's int8 form for the low-bit GEMV it feeds (at the
-    ``out_*`` pointers, int8_activations.buffers)."""
+    waits for the previous kernel (quant_tiles.prefetch_words), by the first program of a column tile's rows."""
     PER_WORD: tl.constexpr = 32 // LOW_BITS
     PHASES: tl.constexpr = 8 // LOW_BITS
     GROUPS: tl.constexpr = BLOCK_W // GROUP_WORDS
@@ -89,9 +79,6 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, part
     if PREFETCH_WORDS > 0:
         if tl.program_id(0) == 0:
             prefetch_to_l2(low_ptr, start, num_words, tl.program_id(1) * BLOCK_N, N, PREFETCH_WORDS, BLOCK_N)
-            if GATED > 0:
-                prefetch_to_l2(low_ptr, start, num_words, N // 2 + tl.program_id(1) * BLOCK_N, N, PREFETCH_WORDS,
-                               BLOCK_N)
     wait_for_previous_kernel(USE_PDL)
     first_row = tl.program_id(0) * ROWS
     packs_ptr += first_row * (K // 4)
@@ -102,13 +89,9 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, part
     row_offsets = (0,)
     for r in tl.static_range(1, ROWS):
         row_offsets = row_offsets + (tl.minimum(first_row + r, T - 1) - first_row,)
-    # the tile's weight columns (output features), TILE_N of them, and which lie inside the weight
-    TILE_N: tl.constexpr = 2 * BLOCK_N if GATED > 0 else BLOCK_N
-    if GATED > 0:   # BLOCK_N gate features, then the same up features
-        cols, col_ok = gated_columns(tl.program_id(1), N, BLOCK_N)
-    else:
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
+    # the tile's weight columns (output features) and which lie inside the weight
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
     cols3 = cols[None, None, :]
     col_ok3 = col_ok[None, None, :]
     group_first = tl.arange(0, GROUPS) * GROUP_WORDS
@@ -116,10 +99,10 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, part
     ONE_BLOCK: tl.constexpr = GROUP_WORDS * PER_WORD == 32 and GROUP_SUM   # (quant_tiles.groups_in_thread)
     accs = ()
     for _ in tl.static_range(ROWS):
-        accs = accs + (tl.zeros((GROUPS, 1 if ONE_BLOCK else GROUP_WORDS, TILE_N), dtype=tl.float32),)
+        accs = accs + (tl.zeros((GROUPS, 1 if ONE_BLOCK else GROUP_WORDS, BLOCK_N), dtype=tl.float32),)
     # pointers advanced a tile at a time (recomputing them from the word index was a quarter of the loop's
     # instructions); EVEN: every tile in bounds, no masks
-    low_ptrs = low_ptr + (start + tile_words) * N + cols3                       # [GROUPS, GROUP_WORDS, TILE_N]
+    low_ptrs = low_ptr + (start + tile_words) * N + cols3                       # [GROUPS, GROUP_WORDS, BLOCK_N]
     pack_ptrs = packs_ptr + (start + tile_words) * PHASES                       # [GROUPS, GROUP_WORDS, 1]
     # a high-plane word spans LOW_BITS / HIGH_BITS low words (whole ones per tile and split: which part of it a
     # word holds is the same every step); where a factor group is one high word (Q6_K, Q5_*), it is loaded once
@@ -151,7 +134,7 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, part
             high = load_masked(high_ptrs, group_ok if HIGH_PER_GROUP else ok, 0)
             high_ptrs += BLOCK_W // WORDS_PER_HIGH * N
         wbytes = weight_bytes(low, high, part, LOW_BITS, HIGH_BITS, INTERPRET)
-        # the factors loaded as [GROUPS, 1, TILE_N], in the tile's own layout: loaded [GROUPS, TILE_N] they would
+        # the factors loaded as [GROUPS, 1, BLOCK_N], in the tile's own layout: loaded [GROUPS, BLOCK_N] they would
         # be moved through shared memory every step, a barrier that stalls all the program's warps
         scale, offset = word_factors(d_ptr, m_ptr, a_ptr, b_ptr, gwords * PER_WORD, cols3, group_ok, N, SCALE_GROUP,
                                       SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
@@ -173,8 +156,8 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, part
             tl.store(partial_ptr + (tl.program_id(2) * T + row).to(tl.int64) * N + cols, total,
                      mask=col_ok & (row < T))
         else:
-            _finish(out_ptr, total, row, T, stride_ot, cols, col_ok, N, out_packs_ptr, out_d_ptr, out_sums_ptr,
-                    out_block_sums_ptr, BLOCK_N, GATED, LIBDEVICE, OUT_INT8_BITS)
+            tl.store(out_ptr + row.to(tl.int64) * stride_ot + cols, total.to(out_ptr.dtype.element_ty),
+                     mask=col_ok & (row < T))
     if FUSED_SUM:
         if splits > 1:
             if last_split(counters_ptr, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), splits):
@@ -182,19 +165,5 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, part
                     row = first_row + r
                     total = summed_splits(partial_ptr + row.to(tl.int64) * N, cols, col_ok & (row < T), splits,
                                           T * N)
-                    _finish(out_ptr, total, row, T, stride_ot, cols, col_ok, N, out_packs_ptr, out_d_ptr,
-                            out_sums_ptr, out_block_sums_ptr, BLOCK_N, GATED, LIBDEVICE, OUT_INT8_BITS)
-
-
-@triton.jit
-def _finish(out_ptr, total, row, T, stride_ot, cols, col_ok, N, out_packs_ptr, out_d_ptr, out_sums_ptr,
-            out_block_sums_ptr, BLOCK_N: tl.constexpr, GATED: tl.constexpr, LIBDEVICE: tl.constexpr,
-            OUT_INT8_BITS: tl.constexpr):
-    """Row ``row``'s output from the tile's float32 sums ``total``: stored as they are, or (GATED) rounded to the
-    output's dtype as the projection's output would be, gated (gate_math.gated) and stored with its int8 form."""
-    if GATED > 0:
-        store_gated(out_ptr, total, row, row < T, tl.program_id(1), N, out_packs_ptr, out_d_ptr, out_sums_ptr,
-                    out_block_sums_ptr, BLOCK_N, GATED, LIBDEVICE, OUT_INT8_BITS)
-    else:
-        tl.store(out_ptr + row.to(tl.int64) * stride_ot + cols, total.to(out_ptr.dtype.element_ty),
-                 mask=col_ok & (row < T))
+                    tl.store(out_ptr + row.to(tl.int64) * stride_ot + cols, total.to(out_ptr.dtype.element_ty),
+                             mask=col_ok & (row < T))

@@ -18,13 +18,11 @@ import triton
 import triton.language as tl
 
 from cvllm_cuda.kernels import gpu
-from cvllm_cuda.kernels.gate_math import LIBDEVICE, gated_columns, store_gated
 from cvllm_cuda.kernels.pdl import options as pdl_options
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.quant_tiles import (
     add_splits,
     even_tiles,
-    fused_splits_ready,
     group_words,
     groups_in_thread,
     kernel_tensors,
@@ -97,7 +95,7 @@ def _gemv_kernel(x_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr, high_ptr, d
                  HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                  GROUP_WORDS: tl.constexpr, GROUP_SUM: tl.constexpr, STAGES: tl.constexpr, EVEN: tl.constexpr,
                  INTERPRET: tl.constexpr, USE_PDL: tl.constexpr, FUSED_SUM: tl.constexpr = False,
-                 PREFETCH_WORDS: tl.constexpr = 0, GATED: tl.constexpr = 0, LIBDEVICE: tl.constexpr = False):
+                 PREFETCH_WORDS: tl.constexpr = 0):
     """Program (i, j) sums words j * SPLIT_WORDS .. (j + 1) * SPLIT_WORDS of output features i * BLOCK_N ...; with
     more than one split, each stores its partial sums in the float32 [splits, N] at ``partial_ptr``, added by
     ``sum_splits_kernel`` or, FUSED_SUM, by the split that finishes last (quant_tiles.last_split).
@@ -107,8 +105,7 @@ def _gemv_kernel(x_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr, high_ptr, d
     multiply-add of ``1 + q / 2**bits`` with x; per word, ``sum (1 + q/2**bits) x = sum x + sum(q x) / 2**bits``
     turns into the weights' sum with one more multiply-add: ``scale * sum(q x) + offset * sum(x)``.
     PREFETCH_WORDS: the first words of the program's K range fetched into L2 before it waits for the previous
-    kernel (quant_tiles.prefetch_words). GATED: a fused gate + up weight, ``act(gate) * up`` stored (gate_math's
-    gated_columns and store_gated; out [1, N / 2])."""
+    kernel (quant_tiles.prefetch_words)."""
     PER_WORD: tl.constexpr = 32 // LOW_BITS
     GROUPS: tl.constexpr = BLOCK_W // GROUP_WORDS
     UNIT: tl.constexpr = 1.0 if FLOAT8 else float(1 << (LOW_BITS + HIGH_BITS))
@@ -116,22 +113,14 @@ def _gemv_kernel(x_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr, high_ptr, d
     num_words = tl.minimum(K // PER_WORD, start + SPLIT_WORDS)
     if PREFETCH_WORDS > 0:
         prefetch_to_l2(low_ptr, start, num_words, tl.program_id(0) * BLOCK_N, N, PREFETCH_WORDS, BLOCK_N)
-        if GATED > 0:
-            prefetch_to_l2(low_ptr, start, num_words, N // 2 + tl.program_id(0) * BLOCK_N, N, PREFETCH_WORDS,
-                           BLOCK_N)
     wait_for_previous_kernel(USE_PDL)
-    TILE_N: tl.constexpr = 2 * BLOCK_N if GATED > 0 else BLOCK_N
-    if GATED > 0:
-        cols, col_ok = gated_columns(tl.program_id(0), N, BLOCK_N)
-    else:
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols3 = cols[None, None, :]
     group_first = tl.arange(0, GROUPS) * GROUP_WORDS                                 # [GROUPS]
     tile_words = group_first[:, None, None] + tl.arange(0, GROUP_WORDS)[None, :, None]   # [GROUPS, GROUP_WORDS, 1]
     # a group's words share their factors: with GROUP_SUM (the tile's layout keeps a group's words in one thread,
     # quant_tiles.groups_in_thread) their products are summed before the factors apply, once per group and column
-    acc = tl.zeros((GROUPS, 1 if GROUP_SUM else GROUP_WORDS, TILE_N), dtype=tl.float32)
+    acc = tl.zeros((GROUPS, 1 if GROUP_SUM else GROUP_WORDS, BLOCK_N), dtype=tl.float32)
     # pointers advanced a tile at a time; EVEN: every tile in bounds, no masks (as in quant_gemv_int8.py)
     low_ptrs = low_ptr + (start + tile_words) * N + cols3
     x_ptrs = x_ptr + (start + tile_words) * PER_WORD
@@ -145,8 +134,8 @@ def _gemv_kernel(x_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr, high_ptr, d
             group_ok = None
         else:
             word_ok = words < num_words
-            ok = word_ok & col_ok[None, None, :]
-            group_ok = (gwords < num_words) & col_ok[None, None, :]
+            ok = word_ok & (cols3 < N)
+            group_ok = (gwords < num_words) & (cols3 < N)
         low = load_masked(low_ptrs, ok, 0)
         high_at = low
         if HIGH_BITS > 0:
@@ -157,7 +146,7 @@ def _gemv_kernel(x_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr, high_ptr, d
         # in the tile's layout (no shared-memory round trip)
         scale, offset = word_factors(d_ptr, m_ptr, a_ptr, b_ptr, gwords * PER_WORD, cols3, group_ok, N, SCALE_GROUP,
                                       SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
-        part = tl.zeros((GROUPS, GROUP_WORDS, TILE_N), dtype=tl.float32)
+        part = tl.zeros((GROUPS, GROUP_WORDS, BLOCK_N), dtype=tl.float32)
         x_sum = tl.zeros((GROUPS, GROUP_WORDS, 1), dtype=tl.float32)
         for S in tl.static_range(PER_WORD):
             x = load_masked(x_ptrs + S, word_ok, 0.0).to(tl.float32)
@@ -177,80 +166,34 @@ def _gemv_kernel(x_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr, high_ptr, d
     total = tl.sum(tl.sum(acc, axis=1), axis=0)
     splits = tl.num_programs(1)
     if splits > 1:
-        tl.store(partial_ptr + tl.program_id(1) * N + cols, total, mask=col_ok)
+        tl.store(partial_ptr + tl.program_id(1) * N + cols, total, mask=cols < N)
         if FUSED_SUM:
             if last_split(counters_ptr, tl.program_id(0), splits):
-                _finish(out_ptr, summed_splits(partial_ptr, cols, col_ok, splits, N), cols, col_ok, N, BLOCK_N,
-                        GATED, LIBDEVICE)
+                total = summed_splits(partial_ptr, cols, cols < N, splits, N)
+                tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=cols < N)
     else:
-        _finish(out_ptr, total, cols, col_ok, N, BLOCK_N, GATED, LIBDEVICE)
-
-
-@triton.jit
-def _finish(out_ptr, total, cols, col_ok, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr, LIBDEVICE: tl.constexpr):
-    if GATED > 0:   # (the one row; no int8 form: the float GEMV's layouts feed float GEMVs)
-        store_gated(out_ptr, total, 0, True, tl.program_id(0), N, out_ptr, out_ptr, out_ptr, out_ptr, BLOCK_N, GATED,
-                    LIBDEVICE, 0)
-    else:
-        tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
+        tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=cols < N)
 
 
 def quant_gemv(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple | None = None,
                splits: int | None = None) -> None:
     """out[0] = weight @ x[0] (x [1, K] and out [1, N], contiguous)."""
-    block_n, block_w, warps, stages, programs_per_sm = _tiles(weight, x.device, config)
-    splits, split_words = split_k(cdiv(weight.out_features, block_n), weight.in_features, weight.layout.low_bits,
-                                  block_w, x.device, splits, programs_per_sm)
-    _launch(x, weight, out, (block_n, block_w, warps, stages), splits, split_words)
-
-
-def gated_gemv(x: torch.Tensor, weight: QuantWeight, act: int) -> torch.Tensor | None:
-    """``act(gate) * up`` [1, I] for one row of x [1, K] and a fused gate + up projection ``weight`` [2I, K] (gate
-    rows first) in one launch (gate_math's SILU, GELU, GELU_TANH), or None: x of more rows, or a K split without
-    fused split sums (quant_tiles.FUSED_SPLITS_ENV). Each half of a tile is the tuned or default tile's BLOCK_N."""
     n, k = weight.out_features, weight.in_features
-    if x.shape[0] != 1 or n % 2:
-        return None
-    block_n, block_w, warps, stages, programs_per_sm = _tiles(weight, x.device)
-    splits, split_words = split_k(cdiv(n // 2, block_n), k, weight.layout.low_bits, block_w, x.device, None,
-                                  programs_per_sm)
-    if splits > 1 and not fused_splits_ready(x.device):
-        return None
-    out = torch.empty((1, n // 2), dtype=x.dtype, device=x.device)
-    _launch(x, weight, out, (block_n, block_w, warps, stages), splits, split_words, gated=act)
-    return out
-
-
-def _tiles(weight: QuantWeight, device: torch.device, config: tuple | None = None) -> tuple:
-    """(BLOCK_N, BLOCK_W, num_warps, stages, programs per SM of the K split): ``config`` (with the default split
-    policy), else the tuned entry for this GPU and shape, else GEMV_CONFIGS."""
-    tuned = None if config else gpu.tuned_entry(TUNED_QUANT_GEMV, device, quant_gemv_key(
-        weight.out_features, weight.in_features, weight.layout, False))
+    tuned = None if config else gpu.tuned_entry(TUNED_QUANT_GEMV, x.device, quant_gemv_key(n, k, weight.layout, False))
     block_n, block_w, warps, *stages = tuned[:4] if tuned else config or GEMV_CONFIGS[weight.layout.low_bits]
-    return block_n, block_w, warps, stages[0] if stages else 1, tuned[4] if tuned else GEMV_PROGRAMS_PER_SM
-
-
-def _launch(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, tiles: tuple, splits: int, split_words: int,
-            gated: int = 0) -> None:
-    """One launch of _gemv_kernel (and of sum_splits_kernel after it where the splits are not fused)."""
-    n, k = weight.out_features, weight.in_features
-    block_n, block_w, warps, stages = tiles
-    out_n, tile_n = (n // 2, 2 * block_n) if gated else (n, block_n)
+    splits, split_words = split_k(cdiv(n, block_n), k, weight.layout.low_bits, block_w, x.device, splits,
+                                  tuned[4] if tuned else GEMV_PROGRAMS_PER_SM)
     partials = out if splits == 1 else torch.empty((splits, n), dtype=torch.float32, device=x.device)
-    counters = split_counters(x.device, cdiv(out_n, block_n)) if splits > 1 else None
-    assert counters is not None or not gated or splits == 1, "a gated GEMV's K splits are summed in its launch"
+    counters = split_counters(x.device, cdiv(n, block_n)) if splits > 1 else None
     lay = weight.layout
     gw = group_words(lay, block_w)
-    _gemv_kernel[(cdiv(out_n, block_n), splits)](
+    _gemv_kernel[(cdiv(n, block_n), splits)](
         x, out, partials, partials if counters is None else counters, *kernel_tensors(weight), n, k, split_words,
         ONE_BITS, **lay.kernel_args(), BLOCK_N=block_n,
-        BLOCK_W=block_w, GROUP_WORDS=gw, GROUP_SUM=groups_in_thread(tile_n, block_w, gw, warps),
-        STAGES=stages, EVEN=even_tiles(out_n, k, lay.low_bits, block_n, split_words),
+        BLOCK_W=block_w, GROUP_WORDS=gw, GROUP_SUM=groups_in_thread(block_n, block_w, gw, warps),
+        STAGES=stages[0] if stages else 1, EVEN=even_tiles(n, k, lay.low_bits, block_n, split_words),
         INTERPRET=bool(triton.knobs.runtime.interpret), FUSED_SUM=counters is not None,
-        PREFETCH_WORDS=prefetch_words(cdiv(out_n, block_n) * splits * (2 if gated else 1), block_n, split_words,
-                                      x.device),
-        GATED=gated, LIBDEVICE=LIBDEVICE, num_warps=warps,
-        # a gated epilogue rounds as the activation kernels do: compiled, as they are, without FMA contraction
-        **({"enable_fp_fusion": False} if gated else {}), **pdl_options(x.device))
+        PREFETCH_WORDS=prefetch_words(cdiv(n, block_n) * splits, block_n, split_words, x.device), num_warps=warps,
+        **pdl_options(x.device))
     if splits > 1 and counters is None:
         add_splits(partials, out, splits, n)

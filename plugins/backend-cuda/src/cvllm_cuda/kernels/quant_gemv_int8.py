@@ -40,10 +40,8 @@ import torch
 import triton
 
 from cvllm_cuda.kernels import gpu
-from cvllm_cuda.kernels.gate_math import LIBDEVICE
 from cvllm_cuda.kernels.int8_activations import (
     BLOCK,
-    attach,
     attached,
     buffers,
     producers_on,
@@ -55,7 +53,6 @@ from cvllm_cuda.kernels.quant_gemv import GEMV_CONFIGS
 from cvllm_cuda.kernels.quant_tiles import (
     add_splits,
     even_tiles,
-    fused_splits_ready,
     group_words,
     groups_in_thread,
     kernel_tensors,
@@ -178,42 +175,6 @@ def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, con
     _launch(x, weight, out, (block_n, block_w, warps, stages), splits, split_words, activations, rows_per_program)
 
 
-# rows of x up to which the gated GEMV takes a product: its tile is twice the plain GEMV's width (gate and up), and
-# compiled for sm_90 (Llama-3-8B's gate_up, default tiles, rows 1 / 2 / 3 / 4 / 5) Q4_K holds 103 / 201 / 230 / 253
-# registers a thread and spills at 5 rows, Q2_K 127 / 225 / 247 / 255 (spills at 5), Q6_K 104 / 179 / 207 / 235 /
-# 255 (spills at 5), Q8_0 80 / 118 / 166 / 163 / 208; batch-1 and -2 decode steps, where the launch it saves is
-# a larger share of the step; more rows (a verify step) run the projection and the activation apart
-GATED_MAX_ROWS = 2
-
-
-def gated_gemv_int8(x: torch.Tensor, weight: QuantWeight, act: int, feeds=None) -> torch.Tensor | None:
-    """``act(gate) * up`` [T, I] for x [T, K] and a fused gate + up projection ``weight`` [2I, K] (gate rows first),
-    in one launch (GATED: gate_math's SILU, GELU, GELU_TANH); with its int8 form for ``feeds`` where that is a
-    low-bit GEMV on int8 activations (quant_gemv_int8.output_form). None where this path does not take it: more
-    than GATED_MAX_ROWS rows, a layout off the int8 GEMV, I not a multiple of the tile's half, or a K split without
-    fused split sums (CVLLM_FUSED_SPLIT_SUMS); the caller then runs the projection and the activation apart.
-    Each half of a tile is BLOCK_N features of 32 or more (whole activation blocks of the output): the tuned or
-    default tile's BLOCK_N, halved from 64 up."""
-    t, (n, k) = x.shape[0], (weight.out_features, weight.in_features)
-    if t > GATED_MAX_ROWS or n % 2 or not applies(weight.layout, k):
-        return None
-    block_n, block_w, warps, stages, programs_per_sm = _tiles(weight, x.device)
-    half = block_n if block_n <= 32 else block_n // 2
-    if half % 32 or (n // 2) % half:
-        return None
-    splits, split_words = split_k(n // 2 // half, k, weight.layout.low_bits, block_w, x.device, None,
-                                  programs_per_sm)
-    if splits > 1 and not fused_splits_ready(x.device):
-        return None
-    out = torch.empty((t, n // 2), dtype=x.dtype, device=x.device)
-    int8_bits, made = output_form(out, feeds, t)
-    _launch(x, weight, out, (half, block_w, warps, stages), splits, split_words, gated=act,
-            out_form=(int8_bits, made))
-    if int8_bits:
-        attach(out, int8_bits, made)
-    return out
-
-
 def _tiles(weight: QuantWeight, device: torch.device, config: tuple | None = None) -> tuple:
     """(BLOCK_N, BLOCK_W, num_warps, stages, programs per SM of the K split): ``config`` (no split policy of its
     own: the layout's default), else the tuned entry for this GPU and shape, else the layout's default."""
@@ -226,14 +187,12 @@ def _tiles(weight: QuantWeight, device: torch.device, config: tuple | None = Non
 
 
 def _launch(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, tiles: tuple, splits: int, split_words: int,
-            activations: tuple[torch.Tensor, ...] | None = None, rows_per_program: int | None = None, gated: int = 0,
-            out_form: tuple = (0, None)) -> None:
+            activations: tuple[torch.Tensor, ...] | None = None, rows_per_program: int | None = None) -> None:
     """One launch of _gemv_int8_kernel (and of sum_splits_kernel after it where the splits are not fused)."""
     lay = weight.layout
     n, k = weight.out_features, weight.in_features
     t = x.shape[0]
     block_n, block_w, warps, stages = tiles
-    out_n, tile_n = (n // 2, 2 * block_n) if gated else (n, block_n)
     if not x.is_contiguous():
         x = x.contiguous()
     if activations is None:
@@ -241,19 +200,15 @@ def _launch(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, tiles: tupl
     partials = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
     gw = int8_group_words(lay, block_w)
     rows = max(1, min(t, rows_per_program)) if rows_per_program else program_rows(t, n, k)
-    grid = (cdiv(t, rows), cdiv(out_n, block_n), splits)
+    grid = (cdiv(t, rows), cdiv(n, block_n), splits)
     counters = split_counters(x.device, grid[0] * grid[1]) if splits > 1 else None
-    assert counters is not None or not gated or splits == 1, "a gated GEMV's K splits are summed in its launch"
-    out_bits, made = out_form
     _gemv_int8_kernel[grid](
         *activations, out, partials, partials if counters is None else counters, *kernel_tensors(weight),
-        *(made or (out,) * 4), n, k, split_words, t, out.stride(0), **lay.kernel_args(), BLOCK_N=block_n,
-        BLOCK_W=block_w, GROUP_WORDS=gw, STAGES=stages, GROUP_SUM=groups_in_thread(tile_n, block_w, gw, warps),
-        EVEN=even_tiles(out_n, k, lay.low_bits, block_n, split_words),
+        n, k, split_words, t, out.stride(0), **lay.kernel_args(), BLOCK_N=block_n,
+        BLOCK_W=block_w, GROUP_WORDS=gw, STAGES=stages, GROUP_SUM=groups_in_thread(block_n, block_w, gw, warps),
+        EVEN=even_tiles(n, k, lay.low_bits, block_n, split_words),
         INTERPRET=bool(triton.knobs.runtime.interpret), ROWS=rows, FUSED_SUM=counters is not None,
-        PREFETCH_WORDS=prefetch_words(grid[1] * grid[2] * (2 if gated else 1), block_n, split_words, x.device),
-        GATED=gated, LIBDEVICE=LIBDEVICE, OUT_INT8_BITS=out_bits, num_warps=warps,
-        # a gated epilogue rounds as the activation kernels do: compiled, as they are, without FMA contraction
-        **({"enable_fp_fusion": False} if gated else {}), **pdl_options(x.device))
+        PREFETCH_WORDS=prefetch_words(grid[1] * grid[2], block_n, split_words, x.device), num_warps=warps,
+        **pdl_options(x.device))
     if splits > 1 and counters is None:
         add_splits(partials, out, splits, n)

@@ -24,11 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from cvllm_cuda.kernels.gate_math import GELU, GELU_TANH, SILU
 from cvllm_cuda.kernels.pdl import options as pdl_options
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.quant_gemm_swapped import in_lanes, quant_gemm_swapped
-from cvllm_cuda.kernels.quant_gemv import GEMV_CONFIGS, gated_gemv, quant_gemv
+from cvllm_cuda.kernels.quant_gemv import GEMV_CONFIGS, quant_gemv
 from cvllm_cuda.kernels.quant_tiles import (
     add_splits,
     dot_into,
@@ -251,31 +250,3 @@ def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None
     if bias is not None:
         out += bias.to(out.dtype)
     return out.view(*x.shape[:-1], weight.out_features)
-
-
-# the gate + up projection and its activation in one launch at batch 1-2 (quant_gemv_int8.gated_gemv_int8;
-# CVLLM_GEMV_GATED=1): off until timed on the H200 (written 2026-12-05 without a device: `run_all.sh gemvfusions`)
-GATED_ENV = "CVLLM_GEMV_GATED"
-GATED_ACTS = {"silu": SILU, "gelu": GELU, "gelu_tanh": GELU_TANH}   # Backend.gated_linear's names
-
-
-def gated_linear(layer, x: torch.Tensor, act: str, feeds=None) -> torch.Tensor | None:
-    """Backend.gated_linear: ``act(gate) * up`` [..., I] of a low-bit gate + up projection ``layer`` (two equal
-    parts, gate first, no bias: what its forward multiplies is ``layer.quant_weight``), or None where the gated
-    GEMV does not take it (GATED_ENV off, another layer, more rows than it takes)."""
-    if os.environ.get(GATED_ENV, "0") != "1":
-        return None
-    weight = getattr(layer, "quant_weight", None)
-    sizes = getattr(layer, "output_sizes", ())
-    if (weight is None or getattr(layer, "bias", None) is not None or len(sizes) != 2 or sizes[0] != sizes[1]
-            or act not in GATED_ACTS):
-        return None
-    from cvllm_cuda.kernels import quant_gemv_int8  # (it builds on this module)
-    rows = x.reshape(-1, weight.in_features)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    if quant_gemv_int8.applies(weight.layout, weight.in_features):
-        out = quant_gemv_int8.gated_gemv_int8(rows, weight, GATED_ACTS[act], feeds)
-    else:   # the float GEMV's layouts (GPTQ/AWQ, FP8, the float path's GGUF types): one row
-        out = gated_gemv(rows, weight, GATED_ACTS[act])
-    return None if out is None else out.view(*x.shape[:-1], out.shape[-1])
