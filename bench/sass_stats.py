@@ -48,10 +48,10 @@ def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m
     gw = quant_gemv_int8.int8_group_words(layout, block_w) if kind == "int8-gemv" else group_words(layout, block_w)
     common = {**layout.kernel_args(), "BLOCK_N": block_n, "BLOCK_W": block_w, "GROUP_WORDS": gw,
               "GROUP_SUM": groups_in_thread(block_n, block_w, gw, warps), "STAGES": stages[0] if stages else 1,
-              "EVEN": True, "INTERPRET": False, "USE_PDL": False, "FUSED_SUM": False, "PREFETCH_WORDS": 0}
+              "EVEN": True, "INTERPRET": False, "USE_PDL": False}
     if kind == "int8-gemv":
         signature = {"packs_ptr": "*i32", "xd_ptr": "*fp32", "xsum_ptr": "*fp32", "xblock_sum_ptr": "*fp32",
-                     "out_ptr": "*bf16", "partial_ptr": "*fp32", "counters_ptr": "*i32", **PLANES,
+                     "out_ptr": "*bf16", "partial_ptr": "*fp32", **PLANES,
                      "N": "i32", "K": "i32", "SPLIT_WORDS": "i32", "T": "i32", "stride_ot": "i32"}
         int8 = {**common, "ROWS": block_m}
         return quant_gemv_int8._gemv_int8_kernel, signature, int8, warps
@@ -62,14 +62,14 @@ def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m
                 "UNPACKED": kind == "gemm", "IEEE": False, "UPCAST": False, "USE_PDL": False}
         return quant_matmul._gemm_kernel, signature, gemm, warps
     if kind == "gemm-swapped":   # quant_gemm_swapped._gemm_swapped_kernel: (BLOCK_N, BLOCK_W, warps, stages)
-        signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", "partial_ptr": "*fp32", "counters_ptr": "*i32",
+        signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", "partial_ptr": "*fp32",
                      **PLANES, "T": "i32", "N": "i32", "K": "i32", "stride_xt": "i32", "stride_ot": "i32",
                      "SPLIT_WORDS": "i32"}
         swapped = {**layout.kernel_args(), "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_W": block_w,
                    "IEEE": False, "UPCAST": False, "LANES": quant_gemm_swapped.in_lanes(layout, torch.bfloat16),
-                   "ASM": True, "USE_PDL": False, "FUSED_SUM": False, "GROUP_WORDS": group_words(layout, block_w)}
+                   "ASM": True, "USE_PDL": False, "GROUP_WORDS": group_words(layout, block_w)}
         return quant_gemm_swapped._gemm_swapped_kernel, signature, swapped, warps
-    signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", "partial_ptr": "*fp32", "counters_ptr": "*i32", **PLANES,
+    signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", "partial_ptr": "*fp32", **PLANES,
                  "N": "i32", "K": "i32", "SPLIT_WORDS": "i32", "one_bits": "i32"}
     return quant_gemv._gemv_kernel, signature, common, warps
 

@@ -27,9 +27,8 @@
 # "specstaging" (issue 22): the demo's speculation with step inputs staged and not, and the staged steps' profile.
 # "smallgemv" (issue 18): the batch-1 int8 GEMV in small programs (1-2 warps, no pipeline: many programs an SM, as
 # the bf16 GEMV's winning tiles are), q4_k and q8_0 by shape, then a batch-1 q4k decode profile without PDL (~5 min).
-# "gemvfusions" (issue 18): the GEMVs' K splits summed in their own launch, weight tiles prefetched before the PDL
-# wait, gate + up + silu in one launch, GPTQ on int8 activations: GPU tests and the stack of layers (~4 min;
-# FUSION_CASES="fused,MB ..." narrows the stack runs); "fusionslatency": batch-1 decode with them (~7 min; FUSION_MB).
+# "gemvfusions" (issue 18): GPTQ on int8 activations in the stack of layers, the swapped GEMM's operand lanes (~3 min);
+# "fusionslatency": batch-1 decode with the producers' int8 activations, a Q6_K head, GPTQ W4A8 (~6 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
 # NVLink multicast stays off on the shared multi-GPU hosts (h200_setup.sh sets these too; the benchmarks pass them on)
@@ -264,48 +263,28 @@ producers)
         done
     done ;;
 gemvfusions)
-    # issue 18: a split GEMV's partial sums added by its last split, in its own launch (CVLLM_FUSED_SPLIT_SUMS, no
-    # sum_splits_kernel: 64 launches a q4k step, 128 a GPTQ one), the first weight tiles prefetched into L2 before
-    # the PDL wait (CVLLM_GEMV_PREFETCH_MB) and GPTQ on int8 activations (CVLLM_GPTQ_INT8_ACTIVATIONS), written
-    # 2026-12-05 without a device: their GPU tests (50 launches each the separate sums' bits), then the stack of
-    # layers by (fused, MB) and the swapped GEMM of 16-64 rows by fused (~5 min; then "fusionslatency"). (The gated
-    # GEMV, timed slower in session 33, is gone.)
-    t=plugins/backend-cuda/tests
-    run gpu-tests-fusions 150 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_fused_split_sums.py \
-        plugins/quant-gguf/tests/test_gguf_cuda.py -k "fused or producers"
-    for case in ${FUSION_CASES:-0,0 1,0 1,2 1,4 1,8}; do
-        fused=${case%,*} mb=${case#*,}
-        CVLLM_FUSED_SPLIT_SUMS=$fused CVLLM_GEMV_PREFETCH_MB=$mb run stack-fused$fused-pf$mb 60 \
-            python3 bench/quant_gemv_stack.py --defaults --layouts q4_k,q8_0,gptq4_g128,gptq4_g128_int8 \
-            --json "$out/$day-h200-quant_gemv_stack-fused$fused-pf$mb-$commit.json"
-    done
-    # with the splits summed in the launch, more of them may pay: the default tiles at 1, 2 and 4 programs an SM
-    CVLLM_FUSED_SPLIT_SUMS=1 run stack-fused-pps 90 python3 bench/quant_gemv_stack.py --layouts q4_k,q8_0 \
-        --configs "32,64,4,3;64,64,4,3" --pps 1,2,4 --budget-s 70 \
-        --json "$out/$day-h200-quant_gemv_stack-fused-pps-$commit.json"
-    # the swapped GEMM of 16-64 rows, its K splits summed apart and in its launch, and with each thread unpacking only
-    # its wgmma operand's lanes (CVLLM_SWAPPED_OPERAND_LANES, no shared-memory round trip of the unpacked tile)
-    for case in 0,0 1,0 0,1 1,1; do
-        fused=${case%,*} operand=${case#*,}
-        CVLLM_FUSED_SPLIT_SUMS=$fused CVLLM_SWAPPED_OPERAND_LANES=$operand run gemm-swapped-fused$fused-operand$operand \
-            90 python3 bench/gemm_swapped_probe.py --rows 16,32,64 --configs 64,8,4,4 --splits auto \
-            --json "$out/$day-h200-gemm_swapped_probe-fused$fused-operand$operand-$commit.json"
+    # issue 18: the GEMV stack of layers with GPTQ on int8 activations beside its float GEMV (gptq4_g128_int8,
+    # CVLLM_GPTQ_INT8_ACTIVATIONS), then the swapped GEMM of 16-64 rows with and without each thread unpacking only
+    # its wgmma operand's lanes (CVLLM_SWAPPED_OPERAND_LANES) (~3 min; then "fusionslatency"). (The fused split
+    # sums, the L2 prefetch and the gated GEMV, timed slower in session 33, are gone.)
+    run stack 60 python3 bench/quant_gemv_stack.py --defaults --layouts q4_k,q8_0,gptq4_g128,gptq4_g128_int8 \
+        --json "$out/$day-h200-quant_gemv_stack-$commit.json"
+    for operand in 0 1; do
+        CVLLM_SWAPPED_OPERAND_LANES=$operand run gemm-swapped-operand$operand 90 python3 bench/gemm_swapped_probe.py \
+            --rows 16,32,64 --configs 64,8,4,4 --splits auto \
+            --json "$out/$day-h200-gemm_swapped_probe-operand$operand-$commit.json"
     done ;;
 fusionslatency)
-    # issue 18: batch-1 decode with the fusions above, beside bf16: q4k with everything off, fused sums + prefetch,
-    # those with the producers' int8 activations, and with a Q6_K LM head
-    # (CVLLM_ISQ_LM_HEAD); GPTQ off, fused + prefetch, and on int8 activations with the producers (~8 min;
-    # FUSION_MB: the prefetch's megabytes, from the stack runs; LATENCY_CASES narrows)
-    # (isq, fused, MB, producers, gptq int8, ISQ head type) a case; bf16 first, the ratios' baseline
+    # issue 18: batch-1 decode beside bf16: q4k as it is, with the producers' int8 activations
+    # (CVLLM_QUANT_PRODUCER_ACTIVATIONS) and with a Q6_K LM head (CVLLM_ISQ_LM_HEAD); GPTQ as it is and on int8
+    # activations (W4A8) (~6 min; LATENCY_CASES narrows)
+    # (isq, producers, gptq int8, ISQ head type) a case; bf16 first, the ratios' baseline
     run latency-bf16-fusions 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
         --json "$out/$day-h200-latency-bf16-fusions-$commit.json"
-    mb=${FUSION_MB:-4}
-    for case in ${LATENCY_CASES:-q4k,0,0,0,0, q4k,1,$mb,0,0, q4k,1,$mb,1,0, q4k,1,$mb,1,0,q6k gptq,0,0,0,0, \
-                gptq,1,$mb,0,0, gptq,1,$mb,1,1,}; do
-        IFS=, read -r q fused pf producers w4a8 head <<< "$case"
-        name=$q-fused$fused-pf$pf-producers$producers-w4a8$w4a8${head:+-head$head}
-        CVLLM_FUSED_SPLIT_SUMS=$fused CVLLM_GEMV_PREFETCH_MB=$pf CVLLM_QUANT_PRODUCER_ACTIVATIONS=$producers \
-            CVLLM_GPTQ_INT8_ACTIVATIONS=$w4a8 CVLLM_ISQ_LM_HEAD=$head \
+    for case in ${LATENCY_CASES:-q4k,0,0, q4k,1,0, q4k,0,0,q6k gptq,0,0, gptq,0,1,}; do
+        IFS=, read -r q producers w4a8 head <<< "$case"
+        name=$q-producers$producers-w4a8$w4a8${head:+-head$head}
+        CVLLM_QUANT_PRODUCER_ACTIVATIONS=$producers CVLLM_GPTQ_INT8_ACTIVATIONS=$w4a8 CVLLM_ISQ_LM_HEAD=$head \
             run latency-$name 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 --isq $q \
             --json "$out/$day-h200-latency-isq-$name-$commit.json"
     done

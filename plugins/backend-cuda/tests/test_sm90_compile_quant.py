@@ -1,13 +1,12 @@
 """The low-bit GEMMs and GEMVs compiled for Hopper on CPU (sm90.py; run with the rest by test_sm90_compile.py's
 test_kernels_compile_for_hopper, the interpreter off): the swapped GEMM's inline PTX and operand lanes, the int8
-GEMV's rows, fused split sums, the weight prefetch, and bench/sass_stats.py's specs."""
+GEMV's rows, and bench/sass_stats.py's specs."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
 import os
-import re
 import sys
 
 import pytest
@@ -59,22 +58,6 @@ def test_swapped_gemm_operand_lanes_skip_the_unpacked_tiles_round_trip(monkeypat
 
 
 @compiles
-@pytest.mark.parametrize("name", ["q4_k", "q8_0"])
-def test_swapped_gemm_with_fused_split_sums_compiles(monkeypatch, name):
-    """The swapped GEMM of a 64-row decode batch adding its K splits in the last split's program
-    (quant_tiles.FUSED_SPLITS_ENV): one acquire-release ticket a program, the partial sums read through L2."""
-    from test_quant_matmul import LAYOUTS, random_weight
-    monkeypatch.setenv("CVLLM_FUSED_SPLIT_SUMS", "1")
-    monkeypatch.setattr(importlib.import_module("cvllm_cuda.kernels.quant_tiles"), "_counters", {})
-    weight = random_weight(LAYOUTS[name], 256, 1024, "cpu")
-    x, out = torch.zeros(64, 1024, dtype=torch.bfloat16), torch.empty(64, 256, dtype=torch.bfloat16)
-    kernels = compiled_launches(monkeypatch, quant_gemm_swapped, "_gemm_swapped_kernel",
-                                lambda: quant_gemm_swapped.quant_gemm_swapped(x, weight, out, splits=4))
-    ptx = kernels[0].asm["ptx"]
-    assert len(kernels) == 1 and ptx.count("atom.global.gpu.acq_rel.add") == 1 and "ld.global.cg" in ptx
-
-
-@compiles
 @pytest.mark.parametrize("name", ["q4_k", "q8_0", "q2_k", "q6_k", "q5_0", "q3_k"])
 def test_int8_gemv_of_several_rows_compiles_without_spills(monkeypatch, name):
     """The int8 GEMV with MAX_ROWS rows of x in a program (one accumulator a row, kept in registers) at its default
@@ -106,67 +89,6 @@ def test_dequantize_rows_compiles(monkeypatch, name, lookups):
     ids = torch.zeros(lookups, dtype=torch.long)
     lookup = lambda: quant_matmul.dequantize_rows(weight, ids, torch.bfloat16)  # noqa: E731
     assert len(compiled_launches(monkeypatch, quant_matmul, "_dequantize_kernel", lookup)) == 1
-
-
-@compiles
-@pytest.mark.parametrize("name,rows", [("q4_k", 1), ("q4_k", 5), ("q6_k", 5), ("gptq4_g128", 1)])
-def test_gemvs_with_fused_split_sums_compile(monkeypatch, name, rows):
-    """The int8 GEMV (a decode step's row, a verify step's rows) and the float GEMV adding their K splits in the last
-    split's program (quant_tiles.FUSED_SPLITS_ENV): one acquire-release ticket at GPU scope a program, the partial
-    sums read back through L2, no spills."""
-    from test_quant_matmul import LAYOUTS, random_weight
-    monkeypatch.setenv("CVLLM_FUSED_SPLIT_SUMS", "1")
-    int8, float_gemv, tiles = (importlib.import_module(f"cvllm_cuda.kernels.{name}")
-                               for name in ("quant_gemv_int8", "quant_gemv", "quant_tiles"))
-    monkeypatch.setattr(tiles, "_counters", {})
-    layout = dataclasses.replace(LAYOUTS[name], int8_activations=name != "gptq4_g128")
-    weight = random_weight(layout, 256, 4096, "cpu")
-    x, out = torch.zeros(rows, 4096, dtype=torch.bfloat16), torch.empty(rows, 256, dtype=torch.bfloat16)
-    if layout.int8_activations:
-        int8_activations = importlib.import_module("cvllm_cuda.kernels.int8_activations")
-        monkeypatch.setattr(int8_activations, "_quantize_kernel",
-                            sm90.LaunchRecorder(int8_activations._quantize_kernel))
-        launch = lambda: int8.quant_gemv_int8(x, weight, out, splits=4)  # noqa: E731
-        kernels = compiled_launches(monkeypatch, int8, "_gemv_int8_kernel", launch)
-    else:   # one row
-        launch = lambda: float_gemv.quant_gemv(x, weight, out, splits=4)  # noqa: E731
-        kernels = compiled_launches(monkeypatch, float_gemv, "_gemv_kernel", launch)
-    assert len(kernels) == 1
-    ptx = kernels[0].asm["ptx"]
-    assert len(re.findall(r"atom\.global\.gpu\.acq_rel\.add|atom\.acq_rel\.gpu\.global\.add", ptx)) == 1, \
-        re.findall(r"atom\.[^ ]*", ptx)
-    assert "ld.global.cg" in ptx
-    assert sm90.resource_usage(kernels[0])["STACK"] == 0, "spilled to local memory"
-
-
-@compiles
-@pytest.mark.parametrize("name", ["q4_k", "q8_0", "gptq4_g128"])
-def test_gemvs_prefetch_their_first_tiles_before_waiting(monkeypatch, name):
-    """With PDL and a prefetch budget (quant_tiles.PREFETCH_ENV) the GEMVs issue ``prefetch.global.L2`` for the
-    first words of their K range before ``griddepcontrol.wait``: one a word row of a 128-byte line (Q8_0's 64-wide
-    tile: two)."""
-    from test_quant_matmul import LAYOUTS, random_weight
-    int8, float_gemv = (importlib.import_module(f"cvllm_cuda.kernels.{name}")
-                        for name in ("quant_gemv_int8", "quant_gemv"))
-    layout = dataclasses.replace(LAYOUTS[name], int8_activations=name != "gptq4_g128")
-    module, kernel = (int8, "_gemv_int8_kernel") if layout.int8_activations else (float_gemv, "_gemv_kernel")
-    monkeypatch.setattr(module, "prefetch_words", lambda *args: 64)
-    monkeypatch.setattr(module, "pdl_options", lambda device: {"USE_PDL": True, "launch_pdl": True})
-    weight = random_weight(layout, 256, 4096, "cpu")
-    x, out = torch.zeros(1, 4096, dtype=torch.bfloat16), torch.empty(1, 256, dtype=torch.bfloat16)
-    if layout.int8_activations:
-        int8_activations = importlib.import_module("cvllm_cuda.kernels.int8_activations")
-        monkeypatch.setattr(int8_activations, "_quantize_kernel",
-                            sm90.LaunchRecorder(int8_activations._quantize_kernel))
-        launch = lambda: int8.quant_gemv_int8(x, weight, out, splits=1)  # noqa: E731
-    else:
-        launch = lambda: float_gemv.quant_gemv(x, weight, out, splits=1)  # noqa: E731
-    kernels = compiled_launches(monkeypatch, module, kernel, launch)
-    assert len(kernels) == 1
-    ptx = kernels[0].asm["ptx"]
-    prefetches = [m.start() for m in re.finditer(r"prefetch\.global\.L2::evict_last", ptx)]
-    assert prefetches and max(prefetches) < ptx.index("griddepcontrol.wait"), len(prefetches)
-    assert sm90.resource_usage(kernels[0])["STACK"] == 0, "spilled to local memory"
 
 
 @compiles

@@ -1,7 +1,6 @@
 """Split-KV attention's slices combined (paged_attention.py, mla_attention.py): each program of a split decode wrote an
 unnormalised partial (row max, row sum, accumulator) to a workspace [T, H, NUM_SPLITS] (and [.., D]); a small
-kernel adds them up a head at a time (``combine_splits``), or the last of a tile's programs does in the attention's
-own launch (``combined``; quant_tiles.FUSED_SPLITS_ENV). Either may write the output's int8 form for the output
+kernel adds them up a head at a time (``combine_splits``), and may write the output's int8 form for the output
 projection's low-bit GEMV (``quantize_heads``, int8_activations.py).
 """
 
@@ -32,27 +31,6 @@ def quantize_heads(o, heads, row_ok, packs_ptr, xd_ptr, sums_ptr, block_sums_ptr
         quantize_blocks(tl.reshape(o.to(tl.float32), (R * BLOCKS, 32)),
                         tl.reshape(first[:, None] + blocks[None, :], (R * BLOCKS,)), tl.reshape(ok, (R * BLOCKS,)),
                         packs_ptr, xd_ptr, sums_ptr, block_sums_ptr, INT8_BITS)
-
-
-@triton.jit
-def combined(part_max_ptr, part_sum_ptr, part_acc_ptr, first_part, row_valid, out_mask, dims,
-             HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """float32 [BLOCK_M, BLOCK_D]: the rows' splits (workspace entries first_part ... + NUM_SPLITS) combined as
-    _combine_splits_kernel does, a split at a time, read through L2 (other programs wrote them)."""
-    m_all = tl.full(first_part.shape, float("-inf"), tl.float32)
-    for j in tl.static_range(NUM_SPLITS):
-        m_all = tl.maximum(m_all, tl.load(part_max_ptr + first_part + j, mask=row_valid, other=float("-inf"),
-                                          cache_modifier=".cg"))
-    m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
-    total = tl.zeros(first_part.shape, tl.float32)
-    acc = tl.zeros(out_mask.shape, tl.float32)
-    for j in tl.static_range(NUM_SPLITS):
-        m = tl.load(part_max_ptr + first_part + j, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
-        weight = tl.exp(m - m_ref)   # 0 for slices that saw no key
-        total += weight * tl.load(part_sum_ptr + first_part + j, mask=row_valid, other=0.0, cache_modifier=".cg")
-        acc += weight[:, None] * tl.load(part_acc_ptr + (first_part + j)[:, None] * HEAD_DIM + dims[None, :],
-                                         mask=out_mask, other=0.0, cache_modifier=".cg")
-    return acc / tl.where(total == 0.0, 1.0, total)[:, None]
 
 
 @triton.jit

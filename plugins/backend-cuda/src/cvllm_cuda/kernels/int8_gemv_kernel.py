@@ -8,7 +8,7 @@ import triton.language as tl
 
 from cvllm_cuda.kernels.int8_bytes import weight_bytes
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
-from cvllm_cuda.kernels.quant_tiles import last_split, load_masked, prefetch_to_l2, summed_splits, word_factors
+from cvllm_cuda.kernels.quant_tiles import load_masked, word_factors
 
 
 @triton.jit
@@ -50,14 +50,14 @@ def _row_step(acc, wbytes, scale, offset, pack_ptrs, xd_ptr, xsum_ptr, xblock_su
 
 
 @triton.jit(do_not_specialize=["T", "stride_ot"])
-def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr,
-                      high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K, SPLIT_WORDS, T, stride_ot,
+def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, partial_ptr, low_ptr, high_ptr,
+                      d_ptr, m_ptr, a_ptr, b_ptr, N, K, SPLIT_WORDS, T, stride_ot,
                       LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
                       SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
                       HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                       GROUP_WORDS: tl.constexpr, GROUP_SUM: tl.constexpr, STAGES: tl.constexpr,
                       EVEN: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr,
-                      ROWS: tl.constexpr = 1, FUSED_SUM: tl.constexpr = False, PREFETCH_WORDS: tl.constexpr = 0):
+                      ROWS: tl.constexpr = 1):
     """The float GEMV's tiling and splits (quant_matmul._gemv_kernel), integer dot products per word. Where a factor
     group is one activation block (32 inputs: Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0), the group's word products
     are added as integers and turned into a float once per group and column, not once per word. A high plane's
@@ -68,17 +68,12 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, part
     (_row_step), so a row's output does not depend on the others or on ROWS; the tiles and K splits depend on the
     weight only. A last program with fewer rows computes its last row again in their place and stores nothing for
     them. Out row t at ``t * stride_ot``; with K splits, split j's partial sums of row t at ``partial_ptr + (j * T +
-    t) * N`` (float32), added by sum_splits_kernel or, FUSED_SUM, by the split that finishes last
-    (quant_tiles.last_split). PREFETCH_WORDS: the first words of the program's K range fetched into L2 before it
-    waits for the previous kernel (quant_tiles.prefetch_words), by the first program of a column tile's rows."""
+    t) * N`` (float32), added by sum_splits_kernel."""
     PER_WORD: tl.constexpr = 32 // LOW_BITS
     PHASES: tl.constexpr = 8 // LOW_BITS
     GROUPS: tl.constexpr = BLOCK_W // GROUP_WORDS
     start = tl.program_id(2) * SPLIT_WORDS
     num_words = tl.minimum(K // PER_WORD, start + SPLIT_WORDS)
-    if PREFETCH_WORDS > 0:
-        if tl.program_id(0) == 0:
-            prefetch_to_l2(low_ptr, start, num_words, tl.program_id(1) * BLOCK_N, N, PREFETCH_WORDS, BLOCK_N)
     wait_for_previous_kernel(USE_PDL)
     first_row = tl.program_id(0) * ROWS
     packs_ptr += first_row * (K // 4)
@@ -158,12 +153,3 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, part
         else:
             tl.store(out_ptr + row.to(tl.int64) * stride_ot + cols, total.to(out_ptr.dtype.element_ty),
                      mask=col_ok & (row < T))
-    if FUSED_SUM:
-        if splits > 1:
-            if last_split(counters_ptr, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), splits):
-                for r in tl.static_range(ROWS):
-                    row = first_row + r
-                    total = summed_splits(partial_ptr + row.to(tl.int64) * N, cols, col_ok & (row < T), splits,
-                                          T * N)
-                    tl.store(out_ptr + row.to(tl.int64) * stride_ot + cols, total.to(out_ptr.dtype.element_ty),
-                             mask=col_ok & (row < T))

@@ -41,13 +41,10 @@ from cvllm_cuda.kernels.quant_tiles import (
     dot_into,
     group_words,
     kernel_tensors,
-    last_split,
     load_words,
     quant_element,
     row_tile,
-    split_counters,
     split_k,
-    summed_splits,
     upcast,
     word_factors,
 )
@@ -153,20 +150,18 @@ def _lanes_to_bf16(lanes):
 
 
 @triton.jit(do_not_specialize=["T"])
-def _gemm_swapped_kernel(x_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, T,
+def _gemm_swapped_kernel(x_ptr, out_ptr, partial_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, T,
                          N, K, stride_xt, stride_ot, SPLIT_WORDS, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr,
                          SCALE_GROUP: tl.constexpr, SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr,
                          B_MODE: tl.constexpr, B_CONST: tl.constexpr, HAS_M: tl.constexpr, FLOAT8: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, IEEE: tl.constexpr,
                          UPCAST: tl.constexpr, LANES: tl.constexpr, ASM: tl.constexpr, GROUP_WORDS: tl.constexpr,
-                         USE_PDL: tl.constexpr,
-                         FUSED_SUM: tl.constexpr = False):
+                         USE_PDL: tl.constexpr):
     """out^T tile [BLOCK_N, BLOCK_M] += W tile [BLOCK_N, BLOCK_W words] @ x^T over K steps of BLOCK_W words: LANES,
     one dot a step in lane order (x as it is; 1: a thread unpacks all four lanes of its words, 2: the lanes its wgmma
     operand registers hold); else one per element position (x permuted, module docstring). Split
     over K like the unpacked GEMM: with more than one split, each stores its float32 partial sums in [splits, T, N]
-    at ``partial_ptr``, added by sum_splits_kernel or, FUSED_SUM, by the split that finishes last
-    (quant_tiles.last_split)."""
+    at ``partial_ptr``, added by sum_splits_kernel."""
     wait_for_previous_kernel(USE_PDL)
     PER_WORD: tl.constexpr = 32 // LOW_BITS
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -220,10 +215,6 @@ def _gemm_swapped_kernel(x_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr, hig
     if splits > 1:
         at = ts[None, :] * N + cols[:, None]   # [BLOCK_N, BLOCK_M] in a split's [T, N]
         tl.store(partial_ptr + tl.program_id(2).to(tl.int64) * T * N + at, acc, mask=ok)
-        if FUSED_SUM:
-            if last_split(counters_ptr, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), splits):
-                total = summed_splits(partial_ptr, at, ok, splits, T * N)
-                tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=ok)
     else:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -257,14 +248,12 @@ def quant_gemm_swapped(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, 
     grid = (cdiv(n, block_n), cdiv(t, block_m))
     splits, split_words = split_k(grid[0] * grid[1], k, lay.low_bits, block_w, x.device, splits)
     partials = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
-    counters = split_counters(x.device, grid[0] * grid[1]) if splits > 1 else None
     _gemm_swapped_kernel[(*grid, splits)](
-        xp, out, partials, partials if counters is None else counters, *kernel_tensors(weight), t, n, k,
+        xp, out, partials, *kernel_tensors(weight), t, n, k,
         xp.stride(0), out.stride(0), split_words, **lay.kernel_args(), BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_W=block_w, IEEE=x.dtype == torch.float32, UPCAST=upcast(x.dtype),
         LANES=(2 if OPERAND_LANES else 1) if lanes else 0,
-        ASM=not triton.knobs.runtime.interpret, GROUP_WORDS=group_words(lay, block_w), FUSED_SUM=counters is not None,
-        num_warps=warps, num_stages=stages,
-        **pdl_options(x.device))
-    if splits > 1 and counters is None:
+        ASM=not triton.knobs.runtime.interpret, GROUP_WORDS=group_words(lay, block_w), num_warps=warps,
+        num_stages=stages, **pdl_options(x.device))
+    if splits > 1:
         add_splits(partials, out, splits, n)

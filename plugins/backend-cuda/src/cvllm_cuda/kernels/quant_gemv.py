@@ -4,8 +4,8 @@ take quant_gemv_int8.py instead).
 Each program owns BLOCK_N output features and walks K in tiles of quant_tiles.py, summing ``q * x`` per word and
 applying the scale group's factors once (``scale * sum(q x) + offset * sum(x)``); one reduction at the end. When
 the output features alone make too few programs to fill the GPU (a 4096-row weight is 128 tiles of 32), K is split
-over programs too and a second small kernel adds the float32 partial sums (or the last split to finish does:
-quant_tiles.FUSED_SPLITS_ENV).
+over programs too and a second small kernel adds the float32 partial sums (summing them in the last split's own
+launch instead measured slower at batch 1 on an H100, 2026-12-05, and was removed).
 
 Measured on the H200 (bench/quant_matmul_sweep.py, docs/benchmarks.md): its arithmetic (about four instructions per
 weight) is ~40% of its time; a Q4_K Llama-3-8B decodes ~1.1x bf16 with it, ~1.4x with the int8-activation GEMV.
@@ -26,13 +26,8 @@ from cvllm_cuda.kernels.quant_tiles import (
     group_words,
     groups_in_thread,
     kernel_tensors,
-    last_split,
     load_masked,
-    prefetch_to_l2,
-    prefetch_words,
-    split_counters,
     split_k,
-    summed_splits,
     word_factors,
 )
 from cvllm_cuda.kernels.sizes import cdiv
@@ -88,31 +83,26 @@ def _unit(low, high_at, S: tl.constexpr, LOW_BITS: tl.constexpr, HIGH_BITS: tl.c
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K,
+def _gemv_kernel(x_ptr, out_ptr, partial_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K,
                  SPLIT_WORDS, one_bits,
                  LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
                  SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
                  HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                  GROUP_WORDS: tl.constexpr, GROUP_SUM: tl.constexpr, STAGES: tl.constexpr, EVEN: tl.constexpr,
-                 INTERPRET: tl.constexpr, USE_PDL: tl.constexpr, FUSED_SUM: tl.constexpr = False,
-                 PREFETCH_WORDS: tl.constexpr = 0):
+                 INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (i, j) sums words j * SPLIT_WORDS .. (j + 1) * SPLIT_WORDS of output features i * BLOCK_N ...; with
     more than one split, each stores its partial sums in the float32 [splits, N] at ``partial_ptr``, added by
-    ``sum_splits_kernel`` or, FUSED_SUM, by the split that finishes last (quant_tiles.last_split).
+    ``sum_splits_kernel``.
 
     A tile is [BLOCK_W // GROUP_WORDS, GROUP_WORDS, BLOCK_N] words: GROUP_WORDS words share their factors (one
     scale group, or a part of one), loaded once per group and column. Per element: a shift, an or and a fused
     multiply-add of ``1 + q / 2**bits`` with x; per word, ``sum (1 + q/2**bits) x = sum x + sum(q x) / 2**bits``
-    turns into the weights' sum with one more multiply-add: ``scale * sum(q x) + offset * sum(x)``.
-    PREFETCH_WORDS: the first words of the program's K range fetched into L2 before it waits for the previous
-    kernel (quant_tiles.prefetch_words)."""
+    turns into the weights' sum with one more multiply-add: ``scale * sum(q x) + offset * sum(x)``."""
     PER_WORD: tl.constexpr = 32 // LOW_BITS
     GROUPS: tl.constexpr = BLOCK_W // GROUP_WORDS
     UNIT: tl.constexpr = 1.0 if FLOAT8 else float(1 << (LOW_BITS + HIGH_BITS))
     start = tl.program_id(1) * SPLIT_WORDS
     num_words = tl.minimum(K // PER_WORD, start + SPLIT_WORDS)
-    if PREFETCH_WORDS > 0:
-        prefetch_to_l2(low_ptr, start, num_words, tl.program_id(0) * BLOCK_N, N, PREFETCH_WORDS, BLOCK_N)
     wait_for_previous_kernel(USE_PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols3 = cols[None, None, :]
@@ -167,10 +157,6 @@ def _gemv_kernel(x_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr, high_ptr, d
     splits = tl.num_programs(1)
     if splits > 1:
         tl.store(partial_ptr + tl.program_id(1) * N + cols, total, mask=cols < N)
-        if FUSED_SUM:
-            if last_split(counters_ptr, tl.program_id(0), splits):
-                total = summed_splits(partial_ptr, cols, cols < N, splits, N)
-                tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=cols < N)
     else:
         tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=cols < N)
 
@@ -184,16 +170,13 @@ def quant_gemv(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: 
     splits, split_words = split_k(cdiv(n, block_n), k, weight.layout.low_bits, block_w, x.device, splits,
                                   tuned[4] if tuned else GEMV_PROGRAMS_PER_SM)
     partials = out if splits == 1 else torch.empty((splits, n), dtype=torch.float32, device=x.device)
-    counters = split_counters(x.device, cdiv(n, block_n)) if splits > 1 else None
     lay = weight.layout
     gw = group_words(lay, block_w)
     _gemv_kernel[(cdiv(n, block_n), splits)](
-        x, out, partials, partials if counters is None else counters, *kernel_tensors(weight), n, k, split_words,
+        x, out, partials, *kernel_tensors(weight), n, k, split_words,
         ONE_BITS, **lay.kernel_args(), BLOCK_N=block_n,
         BLOCK_W=block_w, GROUP_WORDS=gw, GROUP_SUM=groups_in_thread(block_n, block_w, gw, warps),
         STAGES=stages[0] if stages else 1, EVEN=even_tiles(n, k, lay.low_bits, block_n, split_words),
-        INTERPRET=bool(triton.knobs.runtime.interpret), FUSED_SUM=counters is not None,
-        PREFETCH_WORDS=prefetch_words(cdiv(n, block_n) * splits, block_n, split_words, x.device), num_warps=warps,
-        **pdl_options(x.device))
-    if splits > 1 and counters is None:
+        INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=warps, **pdl_options(x.device))
+    if splits > 1:
         add_splits(partials, out, splits, n)

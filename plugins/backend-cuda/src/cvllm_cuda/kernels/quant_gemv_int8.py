@@ -56,8 +56,6 @@ from cvllm_cuda.kernels.quant_tiles import (
     group_words,
     groups_in_thread,
     kernel_tensors,
-    prefetch_words,
-    split_counters,
     split_k,
 )
 from cvllm_cuda.kernels.sizes import cdiv
@@ -188,7 +186,7 @@ def _tiles(weight: QuantWeight, device: torch.device, config: tuple | None = Non
 
 def _launch(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, tiles: tuple, splits: int, split_words: int,
             activations: tuple[torch.Tensor, ...] | None = None, rows_per_program: int | None = None) -> None:
-    """One launch of _gemv_int8_kernel (and of sum_splits_kernel after it where the splits are not fused)."""
+    """One launch of _gemv_int8_kernel (and of sum_splits_kernel after it where K is split)."""
     lay = weight.layout
     n, k = weight.out_features, weight.in_features
     t = x.shape[0]
@@ -201,14 +199,11 @@ def _launch(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, tiles: tupl
     gw = int8_group_words(lay, block_w)
     rows = max(1, min(t, rows_per_program)) if rows_per_program else program_rows(t, n, k)
     grid = (cdiv(t, rows), cdiv(n, block_n), splits)
-    counters = split_counters(x.device, grid[0] * grid[1]) if splits > 1 else None
     _gemv_int8_kernel[grid](
-        *activations, out, partials, partials if counters is None else counters, *kernel_tensors(weight),
+        *activations, out, partials, *kernel_tensors(weight),
         n, k, split_words, t, out.stride(0), **lay.kernel_args(), BLOCK_N=block_n,
         BLOCK_W=block_w, GROUP_WORDS=gw, STAGES=stages, GROUP_SUM=groups_in_thread(block_n, block_w, gw, warps),
         EVEN=even_tiles(n, k, lay.low_bits, block_n, split_words),
-        INTERPRET=bool(triton.knobs.runtime.interpret), ROWS=rows, FUSED_SUM=counters is not None,
-        PREFETCH_WORDS=prefetch_words(grid[1] * grid[2], block_n, split_words, x.device), num_warps=warps,
-        **pdl_options(x.device))
-    if splits > 1 and counters is None:
+        INTERPRET=bool(triton.knobs.runtime.interpret), ROWS=rows, num_warps=warps, **pdl_options(x.device))
+    if splits > 1:
         add_splits(partials, out, splits, n)

@@ -11,7 +11,6 @@ mask (plus the high plane's bits), made a float without a conversion instruction
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import triton
@@ -140,102 +139,6 @@ def sum_splits_kernel(partial_ptr, out_ptr, N, SPLITS: tl.constexpr, BLOCK: tl.c
     for j in tl.static_range(SPLITS):
         total += tl.load(partial_ptr + j * N + cols, mask=ok, other=0.0)
     tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-# The GEMVs' (and the swapped GEMM's) K splits added by the split that finishes last, in their own launch
-# (CVLLM_FUSED_SPLIT_SUMS=1; off until timed on the H200: written 2026-12-05 without a device; the swapped GEMM of a
-# 64-row batch splits qkv, o and down 6-9 ways). At batch 1 a split GEMV is otherwise followed by
-# sum_splits_kernel: on the H100 (bench/results/2026-12-05-h100-profile_decode-b1-nopdl-q4k-*) 64 launches a Q4_K
-# step of 1.1 us each and ~54 us of gaps around them, the o and down projections' (128 tiles of 32 output features,
-# fewer than the SMs); the float GEMV (GPTQ, FP8 at batch 1) splits all four of a layer's projections.
-#
-# Each split stores its float32 partial sums as before, then takes a ticket (an atomic add on its output tile's
-# counter, after a barrier: every thread's stores issued first; acq_rel at GPU scope: the stores of the splits
-# before it are visible to the one that draws the last ticket, which reads them through L2). The last adds the
-# partials in split order from zero, as sum_splits_kernel does (the same bits), stores the output and puts the
-# counter back to zero for the next launch: the counters are zero between kernels, and a kernel launched with PDL
-# touches them only after it has waited for the one before (pdl.py).
-FUSED_SPLITS_ENV = "CVLLM_FUSED_SPLIT_SUMS"
-COUNTER_SLOTS = 1 << 16   # output tiles a launch may have (a 152k-word vocabulary in 16-wide tiles, 5 rows: 47.5k)
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The zeroed int32 ticket counters of ``device`` for a split GEMV of ``tiles`` output tiles, or None: fused
-    split sums off, too many tiles, or none allocated yet while a CUDA graph is being captured (the engine runs each
-    shape eagerly before capturing it, which allocates them)."""
-    if os.environ.get(FUSED_SPLITS_ENV, "0") != "1" or tiles > COUNTER_SLOTS:
-        return None
-    counters = _counters.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = _counters[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return counters
-
-
-def fused_splits_ready(device: torch.device) -> bool:
-    """Whether a launch on ``device`` can sum its K splits in itself (split_counters has counters for it): what a
-    caller that needs it (a gated GEMV's epilogue runs after the sums) asks before choosing that path."""
-    return split_counters(device, 1) is not None
-
-
-@triton.jit
-def last_split(counters_ptr, tile, splits):
-    """Whether this program is the last of its output tile's ``splits`` K splits to have stored its partial sums
-    (then the counter is zero again). Call after the program's partial stores."""
-    tl.debug_barrier()
-    ticket = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    last = ticket == splits - 1
-    if last:
-        tl.atomic_xchg(counters_ptr + tile, 0, sem="relaxed", scope="gpu")
-    return last
-
-
-@triton.jit
-def summed_splits(partial_ptr, cols, ok, splits, split_stride):
-    """float32: the partial sums at ``partial_ptr + j * split_stride + cols`` for j < ``splits``, added in split order
-    from zero (sum_splits_kernel's order), read from L2 (another SM wrote them)."""
-    total = tl.zeros(cols.shape, dtype=tl.float32)
-    for j in range(0, splits):
-        total += tl.load(partial_ptr + j * split_stride + cols, mask=ok, other=0.0, cache_modifier=".cg")
-    return total
-
-
-# The GEMVs' first weight tiles fetched into L2 before the kernel waits for the one before it (CVLLM_GEMV_PREFETCH_MB:
-# megabytes a launch may prefetch, 0 = off, the default until timed on the H200: written 2026-12-05 without a
-# device). With PDL a kernel's programs are resident while the previous kernel still runs (pdl.py); they wait
-# before reading anything another kernel writes, but the weights no kernel writes: streamed into L2 then, the
-# GEMV starts on tiles already on chip instead of each kernel ramping up from DRAM after the one before drains.
-# At batch 1 that ramp and tail is most of a small layer's time (bench/results/2026-12-04-h200-tune_quant_gemv-q4_k:
-# qkv 14.5 MB in 8.6 us, 1.7 TB/s; gate_up 68 MB at 3.0 TB/s). A budget rather than a kernel's whole weight: L2 is
-# ~50 MB, and what the previous kernel's short run leaves time to fetch is a few MB.
-PREFETCH_ENV = "CVLLM_GEMV_PREFETCH_MB"
-PREFETCH_MAX_WORDS = 512   # words (rows of a tile) a program prefetches at most
-
-
-def prefetch_words(programs: int, block_n: int, split_words: int, device: torch.device) -> int:
-    """Words of its K range each of ``programs`` (weight tiles of ``block_n`` output features: one 4-byte word
-    each a word row) prefetches into L2 before waiting for the previous kernel: a power of two within the budget
-    (PREFETCH_ENV) and the program's range, or 0: off, no PDL on ``device`` (nothing to overlap), or the
-    interpreter."""
-    budget = float(os.environ.get(PREFETCH_ENV, "0") or 0) * (1 << 20)
-    if budget <= 0 or not pdl_options(device).get("USE_PDL"):
-        return 0
-    words = min(int(budget) // (programs * block_n * 4), split_words, PREFETCH_MAX_WORDS)
-    return 1 << (words.bit_length() - 1) if words >= 8 else 0
-
-
-@triton.jit
-def prefetch_to_l2(low_ptr, first_word, last_word, col0, N, WORDS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Fetch words first_word .. first_word + WORDS (not past ``last_word``) of output features col0 ... col0 +
-    BLOCK_N of a low plane into L2 (``prefetch.global.L2::evict_last``, a line of 128 bytes at a time: 32 features
-    of a word row); nothing reads its result, nothing waits for it."""
-    LINES: tl.constexpr = (BLOCK_N + 31) // 32
-    words = tl.minimum(first_word + tl.arange(0, WORDS), last_word - 1)
-    ptrs = low_ptr + words[:, None] * N + col0 + (tl.arange(0, LINES) * 32)[None, :]
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 def upcast(dtype: torch.dtype) -> bool:
