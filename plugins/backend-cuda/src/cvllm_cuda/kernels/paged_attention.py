@@ -40,10 +40,11 @@ class AttentionConfig:
     block_n: int      # keys per step of the inner loop
     num_warps: int
     num_stages: int
-    # registers a thread may use (Triton's maxnreg), None: the compiler's choice. The FP8-cache decode tile compiles
-    # to 208 a thread on sm_90 (bf16: 234), so 4 programs of 2 warps fit an SM; 168 fits 6 (24 B spilled): more e4m3
-    # key tiles in flight. Applied only to launches of more programs than UNCAPPED_WAVE an SM (paged_attention):
-    # a launch that fits one wave uncapped only pays the spills
+    # registers a thread may use (Triton's maxnreg), None: the compiler's choice. The FP8-cache decode tile compiled
+    # to 208 a thread on sm_90 with V by dim (bf16: 234), so 4 programs of 2 warps fit an SM; 168 fits 6 (24 B
+    # spilled): more e4m3 key tiles in flight. With V by key (the engine's layout since 2026-12-05) it holds 192
+    # uncapped and 168 without spills; the cap's gain is not re-measured for it. Applied only to launches of more
+    # programs than UNCAPPED_WAVE an SM (paged_attention): a launch that fits one wave uncapped only pays the spills
     max_registers: int | None = None
 
 
