@@ -70,16 +70,16 @@ def poisoned(cache8: torch.Tensor, case, by_key: bool = False) -> torch.Tensor:
     ([1, 5, 1, 7], [37, 20, 9, 0], 2), ([1, 1], [200, 95], 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])   # bf16 queries: the products in float16
 @pytest.mark.parametrize("values_by_key", [False, True], ids=["values-by-dim", "values-by-key"])
-@pytest.mark.parametrize("sliding_window", [None, 40])
+@pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (40, 30.0)])   # (40, 30.0): Gemma-2's kind
 def test_attention_over_fp8_caches(make_attention_case, query_lens, context_lens, splits, dtype, values_by_key,
-                                   sliding_window):
+                                   sliding_window, soft_cap):
     case = make_attention_case(query_lens=query_lens, context_lens=context_lens, num_heads=4, num_kv_heads=2,
                                head_dim=64, block_size=16, dtype=dtype, device=DEVICE)
     k_scale, v_scale = torch.tensor([0.004, 0.006], device=DEVICE), torch.tensor([0.003, 0.002], device=DEVICE)
     k8 = quantize(case.k_cache.cpu(), k_scale.cpu())
     v8 = quantize(case.v_cache.cpu(), v_scale.cpu())
     out = paged_attention(case.q, poisoned(k8, case), poisoned(v8, case, values_by_key), *case.args()[3:],
-                          sliding_window, None, num_splits=splits, kv_scales=(k_scale, v_scale))
+                          sliding_window, soft_cap, num_splits=splits, kv_scales=(k_scale, v_scale))
     # the reference on the dequantized caches (what the stored bytes mean)
     k_deq = (k8.float() * k_scale.cpu()[:, None]).to(case.q.dtype)   # [blocks, block_size, Hkv, D] * per-head scales
     v_deq = (v8.float() * v_scale.cpu()[:, None]).to(case.q.dtype)
@@ -94,7 +94,7 @@ def test_attention_over_fp8_caches(make_attention_case, query_lens, context_lens
         query_pos[i, :len(pos)] = pos
         q_rows[i, :len(pos)] = case.q.cpu()[starts[i]:starts[i + 1]]
     ref = paged_attention_reference(q_rows.float(), k_deq.float(), v_deq.float(), case.block_tables.cpu(),
-                                    query_pos, case.seq_lens.cpu().long(), case.scale, sliding_window, None)
+                                    query_pos, case.seq_lens.cpu().long(), case.scale, sliding_window, soft_cap)
     expected = torch.cat([ref[i, :q] for i, q in enumerate(query_lens)])
     tolerance = 2e-4 if dtype == torch.float32 else 1e-2   # bf16: the output's rounding
     torch.testing.assert_close(out.cpu().float(), expected, rtol=tolerance, atol=tolerance)
