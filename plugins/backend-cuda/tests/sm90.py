@@ -61,7 +61,9 @@ class LaunchRecorder:
 
 def compile_launch(fn, args: tuple, kwargs: dict):
     """``fn`` compiled for sm_90 as a launch with these arguments would compile it on the GPU: the runtime
-    arguments' types from the tensors and numbers, the constexprs as given or defaulted."""
+    arguments' types from the tensors and numbers, the constexprs as given or defaulted, and as Triton's launcher
+    specialises them an integer equal to 1 as a constant and one divisible by 16 as such (not the kernel's
+    ``do_not_specialize`` ones): a stride of 1 folds into the address arithmetic there, so it must here."""
     values = dict(zip(fn.arg_names, args)) | {k: v for k, v in kwargs.items() if k not in OPTIONS}
     signature, constexprs, divisible = {}, {}, set()
     for param in fn.params:
@@ -74,9 +76,11 @@ def compile_launch(fn, args: tuple, kwargs: dict):
             signature[name] = "*" + TYPES[value.dtype]
         elif isinstance(value, float):
             signature[name] = "fp32"
+        elif value == 1 and not param.do_not_specialize:
+            constexprs[name] = 1
         else:
             signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
-            if value % 16 == 0:
+            if value % 16 == 0 and not param.do_not_specialize:
                 divisible.add(name)
     return compile_sm90(fn, signature, constexprs, kwargs.get("num_warps", 4), kwargs.get("num_stages"),
                         frozenset(divisible), kwargs.get("maxnreg"), kwargs.get("enable_fp_fusion"))
