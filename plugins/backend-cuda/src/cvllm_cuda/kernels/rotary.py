@@ -118,7 +118,6 @@ def _rotary_kernel(
             stored_heads = num_k_heads
             out_row = t * num_k_heads * HEAD_DIM
             out_stride_h = HEAD_DIM
-            v_row = out_row
         if head_block < q_blocks + k_blocks:
             _rotate_heads(k_ptr + t * stride_kt, stride_kh, k_out_ptr + out_row, out_stride_h, cos, sin,
                           (head_block - q_blocks) * BLOCK_H, stored_heads, k_scale_ptr, k_norm_ptr, eps, HEAD_DIM,
