@@ -23,9 +23,8 @@ import_or_skip("triton")
 import sm90  # noqa: E402
 
 # (the modules: cvllm_cuda.kernels exports functions of the same names)
-kv_cache, paged_attention, rotary, quant_gemm_swapped = (
-    importlib.import_module(f"cvllm_cuda.kernels.{name}")
-    for name in ("kv_cache", "paged_attention", "rotary", "quant_gemm_swapped"))
+kv_cache, paged_attention, rotary = (
+    importlib.import_module(f"cvllm_cuda.kernels.{name}") for name in ("kv_cache", "paged_attention", "rotary"))
 
 FP8 = torch.float8_e4m3fn
 # In Triton's interpreter the kernels are not compilable objects (nor the helpers they call): there, this file's
