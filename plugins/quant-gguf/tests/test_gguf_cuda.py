@@ -172,8 +172,6 @@ def test_tiny_model_on_cuda_computes_from_planes_and_gives_the_cpu_exact_tokens(
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.xfail(strict=True, reason="the GEMVs still quantize every call with the switch on (55 quantizer calls "
-                   "either way on the H100, 2026-12-05): the producers' forms do not reach them in the engine")
 def test_tiny_model_logprobs_equal_with_the_producers_int8_activations(tmp_path, make_rows, monkeypatch):
     """The tiny GGUF Llama in bf16 on CUDA (graphs on; its layers Q4_1, Q5_1, Q8_0, Q4_K: all on int8 activations):
     greedy tokens and their logprobs to the bit whether the norms and silu * up make the GEMVs' int8 activations or

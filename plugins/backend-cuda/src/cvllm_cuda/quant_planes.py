@@ -24,7 +24,7 @@ factors are plain arrays [K / group, N].
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -82,6 +82,8 @@ class QuantWeight:
     m: torch.Tensor | None             # like d
     a: torch.Tensor | None             # int8 / uint8 [K / scale_group, N]
     b: torch.Tensor | None             # uint8 [K / scale_group, N]
+    # the int8 form of this weight's next input, left by the kernel that made that input (quant_gemv_int8.hand_over)
+    handed: tuple | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         # the kernels index the planes and factors with int32

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cvllm_cuda.kernels import int8_activations, pdl, quant_gemv_int8
+from cvllm_cuda.kernels import pdl, quant_gemv_int8
 from cvllm_cuda.kernels.gate_math import GELU_APPROXIMATIONS, LIBDEVICE, SILU, gated, store_with_int8
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
@@ -48,7 +48,7 @@ def _gated_and_mul(x: torch.Tensor, act: int, feeds) -> torch.Tensor:
         **pdl.options(x.device),
     )
     if int8_bits:
-        int8_activations.attach(out, int8_bits, made)
+        quant_gemv_int8.hand_over(out, feeds, int8_bits, made)
     return out
 
 

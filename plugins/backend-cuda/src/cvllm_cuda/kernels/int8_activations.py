@@ -8,13 +8,15 @@
   (H100, `bench/profile_decode.py --isq q4k` without PDL: 1.4 us each, plus the gaps on either side). An RMSNorm,
   a silu (or gelu) * up or the attention's split-KV combination whose output a model hands straight to a low-bit
   linear layer (``RMSNorm.feeds``, ``SiluAndMul.feeds``, ``GeluAndMul.feeds``, ``Attention.feeds``) rounds its own
-  output tile the same way (``quantize_blocks``, the same code as the quantizer's) and ``attach``es the result to
-  the tensor it returns; the GEMV takes it from there (``attached``) instead of quantizing again.
+  output tile the same way (``quantize_blocks``, the same code as the quantizer's), ``attach``es the result to
+  the tensor it returns and hands it to that layer's weights (quant_gemv_int8.hand_over); the layer's next GEMV
+  takes it (quant_gemv_int8.taken) instead of quantizing again.
 
 The form belongs to the exact tensor it was made from: ``attached`` finds it only on that tensor or a view of all of
-it, and only for the low-bit width it was made for. It cannot see an in-place write to x between the producer and the
-GEMV (inference tensors keep no version counter): a producer is linked only where the model hands its output
-straight on (layers/decoder.py), and no model in the tree writes into a norm's or an activation's output.
+it (outside inference mode: inside, a view records no base), ``taken`` only for input at the same address, of the
+same size, dtype and low-bit width, once. Neither can see an in-place write to x between the producer and the GEMV
+(inference tensors keep no version counter): a producer is linked only where the model hands its output straight on
+(layers/decoder.py), and no model in the tree writes into a norm's or an activation's output.
 ``CVLLM_QUANT_PRODUCER_ACTIVATIONS=1`` turns the producers' part on (the same bits either way); off until timed on the
 H200 (written 2026-12-05 without a device: `bash bench/device/run_all.sh producers` measures it on and off).
 Every kernel here is compiled without FMA contraction (the norm and activation kernels are, for torch's roundings),

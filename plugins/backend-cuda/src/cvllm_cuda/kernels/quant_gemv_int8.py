@@ -9,8 +9,8 @@ one ``dp4a`` multiplies four weight bytes by four activation bytes and adds them
 
 - ``quantize_activations`` (int8_activations.py): x [T, K] -> per 32 inputs d = max|x| / 127 and q = round(x / d),
   packed four per int32 in the order the weight words' bytes come out (below), and the sums the offsets multiply;
-  made by the RMSNorm or silu * up that produced x where the model links them (``input_bits``;
-  CVLLM_QUANT_PRODUCER_ACTIVATIONS=1), else by its own kernel before the GEMV.
+  made by the RMSNorm, silu * up or attention that produced x where the model links them (``input_bits``,
+  ``hand_over``; CVLLM_QUANT_PRODUCER_ACTIVATIONS=1), else by its own kernel before the GEMV.
 - ``_gemv_int8_kernel`` (int8_gemv_kernel.py): a low-plane word of ``32 / bits`` elements masked with 0x0F0F0F0F
   (4-bit; 0x03030303 2-bit; the word itself 8-bit) at shift ``s * bits`` holds elements ``s, s + P, s + 2P,
   s + 3P`` (P = 8 / bits) in its four bytes; the activation pack (word, s) holds the same elements' int8s. Per word
@@ -42,7 +42,7 @@ import triton
 from cvllm_cuda.kernels import gpu
 from cvllm_cuda.kernels.int8_activations import (
     BLOCK,
-    attached,
+    attach,
     buffers,
     producers_on,
     quantize_activations,
@@ -99,12 +99,17 @@ def applies(layout: QuantLayout, in_features: int) -> bool:
             and os.environ.get(ENV, "1") != "0")
 
 
+def _weights(layer) -> list[QuantWeight]:
+    """A low-bit linear layer's weights: its one, or its parts' (a fused layer whose parts have different types)."""
+    weight = getattr(layer, "quant_weight", None)
+    return [weight] if weight is not None else [part for _, part in getattr(layer, "quant_parts", ())]
+
+
 def input_bits(layer, rows: int) -> int | None:
     """The low-plane width whose int8 form of x [rows, K] the low-bit linear ``layer`` takes (every part of a fused
     layer the same one), or None: a layer of another kind, more rows than MAX_ROWS, parts of different widths, or
     CVLLM_QUANT_PRODUCER_ACTIVATIONS not 1. What a producer linked to ``layer`` makes beside its output."""
-    weight = getattr(layer, "quant_weight", None)
-    weights = [weight] if weight is not None else [part for _, part in getattr(layer, "quant_parts", ())]
+    weights = _weights(layer)
     if not weights or rows > MAX_ROWS or not producers_on():
         return None
     widths = {w.layout.low_bits if applies(w.layout, w.in_features) else None for w in weights}
@@ -117,6 +122,29 @@ def output_form(out: torch.Tensor, feeds, rows: int) -> tuple[int, tuple[torch.T
     placeholders the kernel never touches)."""
     bits = input_bits(feeds, rows) if feeds is not None and rows else None
     return (bits, buffers(out.numel(), bits, out.device)) if bits else (0, (out,) * 4)
+
+
+def hand_over(out: torch.Tensor, feeds, low_bits: int, made: tuple[torch.Tensor, ...]) -> None:
+    """``made`` (``out``'s int8 form, just filled by the kernel that wrote ``out``) attached to ``out`` and left
+    with the weights of ``feeds``, the layer ``out`` goes to next, for their next GEMV on ``out`` (``taken``).
+
+    By weight and address, not only on the tensor: the engine runs in inference mode, where a view records no base,
+    so the reshapes between a producer and its GEMV (the attention's [T, H, D] -> [T, H * D], a linear layer's
+    [..., K] -> [T, K]) hand the GEMV a tensor that ``attached`` cannot trace back to ``out``."""
+    attach(out, low_bits, made)
+    for weight in _weights(feeds):
+        weight.handed = (out.data_ptr(), out.numel(), out.dtype, low_bits, made)
+
+
+def taken(x: torch.Tensor, weight: QuantWeight) -> tuple[torch.Tensor, ...] | None:
+    """The int8 form handed to ``weight`` for x (the same memory, size, dtype and width; x contiguous), taken once:
+    a form left unused (its layer then ran on other input) is dropped at the next GEMV of that weight."""
+    handed, weight.handed = weight.handed, None
+    if handed is None or not x.is_contiguous():
+        return None
+    ptr, numel, dtype, low_bits, made = handed
+    same = ptr == x.data_ptr() and numel == x.numel() and dtype == x.dtype and low_bits == weight.layout.low_bits
+    return made if same else None
 
 
 def int8_group_words(layout: QuantLayout, block_w: int) -> int:
@@ -194,7 +222,7 @@ def _launch(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, tiles: tupl
     if not x.is_contiguous():
         x = x.contiguous()
     if activations is None:
-        activations = attached(x, lay.low_bits) or quantize_activations(x, lay.low_bits)
+        activations = taken(x, weight) or quantize_activations(x, lay.low_bits)
     partials = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
     gw = int8_group_words(lay, block_w)
     rows = max(1, min(t, rows_per_program)) if rows_per_program else program_rows(t, n, k)

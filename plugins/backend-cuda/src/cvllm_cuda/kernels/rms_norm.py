@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cvllm_cuda.kernels import int8_activations, pdl, quant_gemv_int8
+from cvllm_cuda.kernels import pdl, quant_gemv_int8
 from cvllm_cuda.kernels.int8_activations import quantize_blocks
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
@@ -139,5 +139,5 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
             **pdl.options(x.device),
         )
         if int8_bits:
-            int8_activations.attach(out, int8_bits, made)
+            quant_gemv_int8.hand_over(out, feeds, int8_bits, made)
     return out if residual is None else (out, new_residual)
