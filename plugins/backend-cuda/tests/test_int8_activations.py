@@ -31,7 +31,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
 
 @pytest.fixture(autouse=True)
 def producers_on(monkeypatch):
-    monkeypatch.setenv(int8_activations.PRODUCERS_ENV, "1")   # (off by default until timed)
+    monkeypatch.delenv(int8_activations.PRODUCERS_ENV, raising=False)   # on by default
 
 
 INT8_LAYOUTS = {bits: name for name, bits in (("q2_k", 2), ("q4_k", 4), ("q8_0", 8))}
@@ -114,12 +114,8 @@ def test_no_form_where_the_layer_does_not_take_one(monkeypatch):
                                                    and layer is not mixed)
     many = randn(7, quant_gemv_int8.MAX_ROWS + 1, 256, dtype=torch.float32)   # a batch past the GEMV's rows
     assert attached(fused_add_rms_norm(many, None, weight, 1e-5, feeds=int8_layer(4, 8, 256)), 4) is None
-    for off in ("0", None):   # switched off; off by default until timed
-        if off is None:
-            monkeypatch.delenv(int8_activations.PRODUCERS_ENV)
-        else:
-            monkeypatch.setenv(int8_activations.PRODUCERS_ENV, off)
-        assert attached(fused_add_rms_norm(x, None, weight, 1e-5, feeds=int8_layer(4, 8, 256)), 4) is None
+    monkeypatch.setenv(int8_activations.PRODUCERS_ENV, "0")   # switched off (on by default)
+    assert attached(fused_add_rms_norm(x, None, weight, 1e-5, feeds=int8_layer(4, 8, 256)), 4) is None
 
 
 def test_the_form_is_found_only_on_its_own_tensor():

@@ -17,8 +17,9 @@ it (outside inference mode: inside, a view records no base), ``taken`` only for 
 same size, dtype and low-bit width, once. Neither can see an in-place write to x between the producer and the GEMV
 (inference tensors keep no version counter): a producer is linked only where the model hands its output straight on
 (layers/decoder.py), and no model in the tree writes into a norm's or an activation's output.
-``CVLLM_QUANT_PRODUCER_ACTIVATIONS=1`` turns the producers' part on (the same bits either way); off until timed on the
-H200 (written 2026-12-05 without a device: `bash bench/device/run_all.sh producers` measures it on and off).
+On by default (the same bits either way; ``CVLLM_QUANT_PRODUCER_ACTIVATIONS=0`` turns the producers' part off): on
+an H100, Llama-3-8B shape, q4k batch 1, the decode graph's GPU time 2.978 -> 2.774 ms a step, 350.8 -> 355.1 tok/s
+(bench/results/2026-12-05-h100-latency-isq-q4k-producers*-9dc5be2.json; docs/benchmarks.md, session 34).
 Every kernel here is compiled without FMA contraction (the norm and activation kernels are, for torch's roundings),
 so the producers' rounding is the quantizer's to the bit.
 """
@@ -111,7 +112,7 @@ def dequantized_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 def producers_on() -> bool:
-    return os.environ.get(PRODUCERS_ENV, "0") == "1"
+    return os.environ.get(PRODUCERS_ENV, "1") != "0"
 
 
 def attach(out: torch.Tensor, low_bits: int, made: tuple[torch.Tensor, ...]) -> None:

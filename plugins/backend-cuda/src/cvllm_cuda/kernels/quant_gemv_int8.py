@@ -10,7 +10,7 @@ one ``dp4a`` multiplies four weight bytes by four activation bytes and adds them
 - ``quantize_activations`` (int8_activations.py): x [T, K] -> per 32 inputs d = max|x| / 127 and q = round(x / d),
   packed four per int32 in the order the weight words' bytes come out (below), and the sums the offsets multiply;
   made by the RMSNorm, silu * up or attention that produced x where the model links them (``input_bits``,
-  ``hand_over``; CVLLM_QUANT_PRODUCER_ACTIVATIONS=1), else by its own kernel before the GEMV.
+  ``hand_over``; unless CVLLM_QUANT_PRODUCER_ACTIVATIONS=0), else by its own kernel before the GEMV.
 - ``_gemv_int8_kernel`` (int8_gemv_kernel.py): a low-plane word of ``32 / bits`` elements masked with 0x0F0F0F0F
   (4-bit; 0x03030303 2-bit; the word itself 8-bit) at shift ``s * bits`` holds elements ``s, s + P, s + 2P,
   s + 3P`` (P = 8 / bits) in its four bytes; the activation pack (word, s) holds the same elements' int8s. Per word
@@ -108,7 +108,7 @@ def _weights(layer) -> list[QuantWeight]:
 def input_bits(layer, rows: int) -> int | None:
     """The low-plane width whose int8 form of x [rows, K] the low-bit linear ``layer`` takes (every part of a fused
     layer the same one), or None: a layer of another kind, more rows than MAX_ROWS, parts of different widths, or
-    CVLLM_QUANT_PRODUCER_ACTIVATIONS not 1. What a producer linked to ``layer`` makes beside its output."""
+    CVLLM_QUANT_PRODUCER_ACTIVATIONS=0. What a producer linked to ``layer`` makes beside its output."""
     weights = _weights(layer)
     if not weights or rows > MAX_ROWS or not producers_on():
         return None
