@@ -26,6 +26,7 @@ PROMPTS = ["Explain how a hash table works, with an example.", "Write a short st
 
 
 def run(model: str, kv: str, args) -> list[tuple[list[int], list[float]]]:
+    """Greedy continuations of PROMPTS: per prompt its tokens and their logprobs."""
     llm = LLM(model, kv_cache_dtype=kv, dtype=args.dtype, backend=args.backend)
     try:
         params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True, logprobs=0)
@@ -45,14 +46,19 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     model = args.model or str(demo_model_path())
-    base, fp8 = run(model, "auto", args), run(model, "fp8", args)
+    report("kv_fp8_error", model, args, run(model, "auto", args), run(model, "fp8", args))
+
+
+def report(bench: str, model: str, args, base: list, other: list) -> dict:
+    """Per prompt, how many greedy tokens ``other`` agrees with ``base`` on before the first difference, and the
+    mean / max |difference| of the chosen tokens' logprobs over that prefix; printed, and written to --json."""
     rows = []
-    for (tokens_a, lp_a), (tokens_b, lp_b) in zip(base, fp8):
+    for (tokens_a, lp_a), (tokens_b, lp_b) in zip(base, other):
         agree = next((i for i, (a, b) in enumerate(zip(tokens_a, tokens_b)) if a != b), len(tokens_a))
         diffs = [abs(a - b) for a, b in zip(lp_a[:agree], lp_b[:agree])] or [0.0]
         rows.append({"agree_tokens": agree, "mean_abs_dlogprob": statistics.mean(diffs),
                      "max_abs_dlogprob": max(diffs)})
-    result = {"bench": "kv_fp8_error", "model": Path(model).name, "backend": args.backend or "default",
+    result = {"bench": bench, "model": Path(model).name, "backend": args.backend or "default",
               "dtype": args.dtype, "tokens": args.tokens, "prompts": PROMPTS, "per_prompt": rows,
               "mean_abs_dlogprob": statistics.mean(r["mean_abs_dlogprob"] for r in rows),
               "agree_fraction": sum(r["agree_tokens"] for r in rows) / (args.tokens * len(rows)),
@@ -64,6 +70,7 @@ def main() -> None:
           f"{result['agree_fraction']:.1%}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
 
 
 if __name__ == "__main__":
