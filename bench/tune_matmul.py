@@ -17,7 +17,15 @@ batch-1 decode (cuBLAS's: 241 tok/s, docs/benchmarks.md), with programmatic depe
 off. ``--skip-skinny`` / ``--skip-gemv`` keep that committed table; ``--shapes`` and ``--row-tiles`` sweep a part of
 the shapes or row tiles, and ``--write`` then replaces only the entries of what was swept:
 
-    python bench/tune_matmul.py --skip-gemv --row-tiles 64 --shapes "llama qkv,llama o,llama down" --write ..."""
+    python bench/tune_matmul.py --skip-gemv --row-tiles 64 --shapes "llama qkv,llama o,llama down" --write ...
+
+``--weight-dtype float8_e4m3fn`` sweeps the GEMV over FP8 weights instead (``--isq fp8`` and FP8 checkpoints with one
+scale a row take it at batch 1: x in bf16, a byte a weight, so wider K steps than bf16's are candidates); its
+"cuBLAS" column is then the bf16 matmul of the same shape (twice the bytes), and the skinny GEMM is not swept (more
+rows take torch._scaled_mm).
+
+    python bench/tune_matmul.py --weight-dtype float8_e4m3fn --skip-skinny \
+        --shapes "llama qkv,llama o,llama gate_up,llama down" --write ..."""
 
 from __future__ import annotations
 
@@ -48,13 +56,14 @@ ROW_TILES = {16: [2, 4, 8, 16], 32: [32], 64: [64]}   # skinny row tile: the bat
 L2_BYTES = 60e6  # the H200's 50 MB L2, rounded up
 
 
-def gemv_candidates(tiny: bool):
+def gemv_candidates(tiny: bool, wide: bool = False):
+    """GEMV tiles to time (``wide``: one-byte weights, K steps up to 4096 too)."""
     from cvllm_cuda.kernels.gemv import DEFAULT_CONFIG, MatmulTile
 
     if tiny:
         return [MatmulTile(16, 32, 2, 1), DEFAULT_CONFIG]
     tiles = [(1, 2048), (2, 1024), (2, 2048), (4, 512), (4, 1024), (4, 2048), (8, 256), (8, 512), (8, 1024),
-             (16, 256)]
+             (16, 256)] + ([(1, 4096), (2, 4096), (4, 4096), (8, 2048)] if wide else [])
     found = [MatmulTile(n, k, w, s) for n, k in tiles for w in (1, 2, 4) for s in (1, 3)
              if n * k // (32 * w) <= 256]   # fp32 accumulator elements per thread: more would spill
     return found + [DEFAULT_CONFIG] if DEFAULT_CONFIG not in found else found
@@ -92,7 +101,7 @@ def per_launch_ms(kernel, x: torch.Tensor, weights: list[torch.Tensor]) -> float
 
 def weight_copies(n: int, k: int, device: str, dtype: torch.dtype) -> list[torch.Tensor]:
     copies = max(2, math.ceil(3 * L2_BYTES / (n * k * dtype.itemsize))) if device == "cuda" else 1
-    return [torch.randn(n, k, device=device, dtype=dtype) * k ** -0.5 for _ in range(copies)]
+    return [(torch.randn(n, k, device=device) * k ** -0.5).to(dtype) for _ in range(copies)]
 
 
 def sweep(run, configs: list) -> dict:
@@ -106,28 +115,36 @@ def sweep(run, configs: list) -> dict:
     return timed
 
 
-def tune_gemv(shapes: dict, device: str, dtype: torch.dtype, tiny: bool, result: dict) -> tuple[dict, dict]:
+def tune_gemv(shapes: dict, device: str, dtype: torch.dtype, tiny: bool, result: dict,
+              weight_dtype: torch.dtype | None = None) -> tuple[dict, dict]:
+    """``weight_dtype`` float8_e4m3fn: FP8 weights with their row scales, x in ``dtype``."""
     from cvllm_cuda.kernels.gemv import DEFAULT_CONFIG, gemv
 
+    weight_dtype = weight_dtype or dtype
+    fp8 = weight_dtype == torch.float8_e4m3fn
     entries, best_configs, all_ms = {}, {}, {}
-    print(f"GEMV, one token\n{'shape':20s} {'cuBLAS':>16s} {'default':>16s} {'best':>16s}  best (n, k, warps, stages)")
+    print(f"GEMV, one token, {str(weight_dtype).removeprefix('torch.')} weights\n"
+          f"{'shape':20s} {'cuBLAS':>16s} {'default':>16s} {'best':>16s}  best (n, k, warps, stages)")
     for name, (n, k) in shapes.items():
-        weights = weight_copies(n, k, device, dtype)
+        weights = weight_copies(n, k, device, weight_dtype)
         x = torch.randn(1, k, device=device, dtype=dtype)
-        cublas = per_launch_ms(F.linear, x, weights)
-        timed = sweep(lambda c, x=x, weights=weights: per_launch_ms(lambda a, w: gemv(a, w, config=c), x, weights),
-                      gemv_candidates(tiny))
+        scale = torch.full((n,), 1.0, device=device) if fp8 else None
+        cublas = per_launch_ms(F.linear, x, [copy.to(dtype) for copy in weights] if fp8 else weights)
+        timed = sweep(lambda c, x=x, weights=weights, scale=scale: per_launch_ms(
+                          lambda a, w: gemv(a, w, config=c, scale=scale), x, weights),
+                      gemv_candidates(tiny, wide=fp8))
         best = min(timed, key=timed.get)
-        nbytes = n * k * dtype.itemsize
-        print(f"{name:20s} " + " ".join(f"{ms * 1e3:7.1f}us {nbytes / ms / 1e9:4.2f}TB/s"
-                                        for ms in (cublas, timed[DEFAULT_CONFIG], timed[best])) + f"  {astuple(best)}")
+        nbytes = n * k * weight_dtype.itemsize
+        print(f"{name:20s} " + " ".join(f"{ms * 1e3:7.1f}us {n * k * size / ms / 1e9:4.2f}TB/s" for ms, size in
+                                        ((cublas, dtype.itemsize), (timed[DEFAULT_CONFIG], weight_dtype.itemsize),
+                                         (timed[best], weight_dtype.itemsize))) + f"  {astuple(best)}")
         result["gemv"][name] = {"out_features": n, "in_features": k, "weight_bytes": nbytes, "cublas_us": cublas * 1e3,
                                 "default_us": timed[DEFAULT_CONFIG] * 1e3, "best": astuple(best),
                                 "best_us": timed[best] * 1e3,
                                 "top": [(astuple(c), timed[c] * 1e3) for c in sorted(timed, key=timed.get)[:8]]}
         best_configs[(n, k)], all_ms[name] = best, timed
         if timed[best] < 0.98 * timed[DEFAULT_CONFIG] and best != DEFAULT_CONFIG:
-            entries[(n, k, result["dtype"])] = astuple(best)
+            entries[(n, k, str(weight_dtype).removeprefix("torch."))] = astuple(best)
     # the one tile closest to each shape's best: what gemv.DEFAULT_CONFIG should be
     common = set.intersection(*(set(t) for t in all_ms.values()))
     overall = min(common, key=lambda c: statistics.geometric_mean([t[c] / min(t.values()) for t in all_ms.values()]))
@@ -219,7 +236,11 @@ def main() -> None:
     ap.add_argument("--skip-gemv", action="store_true")
     ap.add_argument("--shapes", help="comma-separated names of SHAPES to sweep (default: all)")
     ap.add_argument("--row-tiles", help="comma-separated skinny row tiles to sweep, of 16, 32, 64 (default: all)")
+    ap.add_argument("--weight-dtype", choices=["bfloat16", "float8_e4m3fn"], default="bfloat16",
+                    help="float8_e4m3fn: the GEMV over FP8 weights (with --skip-skinny)")
     args = ap.parse_args()
+    if args.weight_dtype != "bfloat16" and not args.skip_skinny:
+        ap.error("--weight-dtype float8_e4m3fn sweeps the GEMV only: add --skip-skinny")
     if args.tiny:
         os.environ["TRITON_INTERPRET"] = "1"
     device = "cpu" if args.tiny else "cuda"
@@ -233,10 +254,12 @@ def main() -> None:
               "command": "python " + " ".join(sys.argv), "dtype": str(dtype).removeprefix("torch."),
               "gemv": {}, "skinny": {}}
     gemv, skinny = (None, None), (None, None)   # (entries that won, keys swept); None: not swept
+    weight_dtype = getattr(torch, args.weight_dtype) if not args.tiny or args.weight_dtype != "bfloat16" else dtype
+    result["weight_dtype"] = str(weight_dtype).removeprefix("torch.")
     if not args.skip_gemv:
-        gemv_entries, best_configs = tune_gemv(shapes, device, dtype, args.tiny, result)
-        gemv = (gemv_entries, {(n, k, result["dtype"]) for n, k in shapes.values()})
-        if not args.tiny and not args.shapes:
+        gemv_entries, best_configs = tune_gemv(shapes, device, dtype, args.tiny, result, weight_dtype)
+        gemv = (gemv_entries, {(n, k, result["weight_dtype"]) for n, k in shapes.values()})
+        if not args.tiny and not args.shapes and weight_dtype == dtype:
             time_chain(device, dtype, best_configs, result)
     if not args.skip_skinny:
         skinny = tune_skinny(shapes, device, dtype, args.tiny, result, row_tiles)

@@ -28,6 +28,7 @@
 # "smallgemv" (issue 18): the batch-1 int8 GEMV in small programs (1-2 warps, no pipeline: many programs an SM, as
 # the bf16 GEMV's winning tiles are), q4_k and q8_0 by shape, then a batch-1 q4k decode profile without PDL (~5 min).
 # "gemvfusions" (issue 18): GPTQ on int8 activations in the stack of layers, the swapped GEMM's operand lanes (~3 min);
+# "fp8gemv" (issue 18): the FP8 weights' batch-1 GEMV tiles swept, --isq fp8 batch 1 before and after (~7 min);
 # "fusionslatency": the batch-1 standing of every --isq type beside bf16, with a Q6_K head and GPTQ W4A8 (~5 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
@@ -293,6 +294,24 @@ fusionslatency)
         run int8-activations-error 90 python3 bench/int8_activations_error.py --backend cuda --dtype bfloat16 \
             --json "$out/$day-h200-int8_activations_error-$commit.json"
     fi ;;
+fp8gemv)
+    # issue 18: the FP8 weights' batch-1 GEMV (kernels/gemv.py with row scales: --isq fp8, FP8 checkpoints) has only
+    # run bf16's default tile (4, 1024, 2, 3), a K step of 1 KB a row where bf16's tuned tiles read 4 KB: batch-1
+    # --isq fp8 with the committed table, the sweep over Llama-3-8B's shapes, then with the swept table installed,
+    # and bf16 (~7 min)
+    run latency-fp8-committed 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 --isq fp8 \
+        --json "$out/$day-h200-latency-isq-fp8-committed-$commit.json"
+    run tune-gemv-fp8 240 python3 bench/tune_matmul.py --weight-dtype float8_e4m3fn --skip-skinny \
+        --shapes "llama qkv,llama o,llama gate_up,llama down" --json "$out/$day-h200-tune_matmul-fp8-$commit.json" \
+        --write "$out/tuned_matmul.py"
+    if [ -s "$out/tuned_matmul.py" ]; then
+        kernels=$(python3 -c "import cvllm_cuda.kernels as k, os; print(os.path.dirname(k.__file__))")
+        cp "$out/tuned_matmul.py" "$kernels/tuned_matmul.py"
+        run latency-fp8-swept 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 --isq fp8 \
+            --json "$out/$day-h200-latency-isq-fp8-swept-$commit.json"
+    fi
+    run latency-bf16-fp8gemv 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
+        --json "$out/$day-h200-latency-bf16-fp8gemv-$commit.json" ;;
 smallgemv)
     # issue 18: tiles of 1-2 warps with no software pipeline (1.6 SASS a weight for q4_k at (32, 32, 2, 1), against
     # 2.0 for the default (32, 64, 4, 3); `bench/sass_stats.py int8-gemv`), never timed: the sweeps kept 4-8 warps
@@ -359,6 +378,6 @@ kvfp8)
             --kv-cache-dtype $kv --json "$out/$day-h200-serving-kv_$kv-$commit.json"
     done ;;
 *)
-    echo "usage: run_all.sh tests|bench|tp|tp70b|quant|ggufmix|ggufhigh|prefillhost|kvfp8|fp8attn|moe|spec|specsteps|specstaging|quant64|quantgemm|swapped|swappedsplits|gemvrows|swappedwide|smallgemv|producers|swappedstages|gemvfusions|fusionslatency" >&2
+    echo "usage: run_all.sh tests|bench|fp8gemv|tp|tp70b|quant|ggufmix|ggufhigh|prefillhost|kvfp8|fp8attn|moe|spec|specsteps|specstaging|quant64|quantgemm|swapped|swappedsplits|gemvrows|swappedwide|smallgemv|producers|swappedstages|gemvfusions|fusionslatency" >&2
     exit 2 ;;
 esac
