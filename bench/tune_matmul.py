@@ -254,7 +254,7 @@ def main() -> None:
               "command": "python " + " ".join(sys.argv), "dtype": str(dtype).removeprefix("torch."),
               "gemv": {}, "skinny": {}}
     gemv, skinny = (None, None), (None, None)   # (entries that won, keys swept); None: not swept
-    weight_dtype = getattr(torch, args.weight_dtype) if not args.tiny or args.weight_dtype != "bfloat16" else dtype
+    weight_dtype = dtype if args.weight_dtype == "bfloat16" else getattr(torch, args.weight_dtype)
     result["weight_dtype"] = str(weight_dtype).removeprefix("torch.")
     if not args.skip_gemv:
         gemv_entries, best_configs = tune_gemv(shapes, device, dtype, args.tiny, result, weight_dtype)

@@ -1,8 +1,8 @@
 """The int8 activations that an RMSNorm, silu * up or the attention's split-KV combination makes beside its output
-for the low-bit GEMV it feeds (kernels/int8_activations.py): the quantizer kernel's bits, taken by that layer's GEMV
-only for the tensor they were made from, and the model's layers linked where their outputs go straight on. In Triton's
-interpreter without a GPU, compiled with one (a tiny GGUF model's logits with and without them:
-plugins/quant-gguf/tests/test_gguf_cuda.py)."""
+for the low-bit GEMV it feeds (kernels/int8_activations.py): the quantizer kernel's bits, handed to that layer's
+weights and taken by its GEMV only for the memory they were made from, and the model's layers linked where their
+outputs go straight on. In Triton's interpreter without a GPU, compiled with one (a tiny GGUF model's logits with
+and without them: plugins/quant-gguf/tests/test_gguf_cuda.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from test_quant_matmul import DEVICE, LAYOUTS, random_weight  # noqa: E402
 
 from cvllm_cuda.kernels import int8_activations, quant_gemv_int8  # noqa: E402
 from cvllm_cuda.kernels.activation import gelu_and_mul, silu_and_mul  # noqa: E402
-from cvllm_cuda.kernels.int8_activations import attached, quantize_activations  # noqa: E402
+from cvllm_cuda.kernels.int8_activations import quantize_activations  # noqa: E402
 from cvllm_cuda.kernels.quant_matmul import quant_matmul  # noqa: E402
 from cvllm_cuda.kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_plus_one  # noqa: E402
 
@@ -43,8 +43,13 @@ def int8_layer(low_bits: int, n: int, k: int, real: bool = False) -> SimpleNames
     layout = dataclasses.replace(LAYOUTS[INT8_LAYOUTS[low_bits]], int8_activations=True)
     assert layout.low_bits == low_bits and quant_gemv_int8.applies(layout, k)
     weight = random_weight(layout, n, k, DEVICE, seed=low_bits) if real else SimpleNamespace(layout=layout,
-                                                                                            in_features=k)
+                                                                                            in_features=k, handed=None)
     return SimpleNamespace(quant_weight=weight)
+
+
+def taken(layer, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """The int8 form a producer handed to ``layer`` for x, as the layer's GEMV takes it (once)."""
+    return quant_gemv_int8.taken(x, layer.quant_weight)
 
 
 def assert_same_form(got: tuple[torch.Tensor, ...] | None, want: tuple[torch.Tensor, ...]) -> None:
@@ -70,9 +75,9 @@ def test_norm_makes_the_quantizers_bits(low_bits, dtype, hidden, rows):
     out, summed = fused_add_rms_norm(x, residual, weight, 1e-5, feeds=layer)
     plain, plain_summed = fused_add_rms_norm(x, residual, weight, 1e-5)
     assert torch.equal(out, plain) and torch.equal(summed, plain_summed)   # the outputs themselves unchanged
-    assert_same_form(attached(out, low_bits), quantize_activations(out, low_bits))
+    assert_same_form(taken(layer, out), quantize_activations(out, low_bits))
     gemma = fused_add_rms_norm_plus_one(x, None, weight, 1e-5, feeds=layer)
-    assert_same_form(attached(gemma, low_bits), quantize_activations(gemma, low_bits))
+    assert_same_form(taken(layer, gemma), quantize_activations(gemma, low_bits))
 
 
 @pytest.mark.parametrize("low_bits", [4, 8])
@@ -84,7 +89,7 @@ def test_gated_activations_make_the_quantizers_bits(low_bits, shape, activation)
     act = silu_and_mul if activation == "silu" else functools.partial(gelu_and_mul, approximate="tanh")
     out = act(x, feeds=layer)
     assert torch.equal(out, act(x))
-    assert_same_form(attached(out, low_bits), quantize_activations(out, low_bits))
+    assert_same_form(taken(layer, out), quantize_activations(out, low_bits))
 
 
 @pytest.mark.parametrize("head_dim", [64, 96])   # 96: 128 lanes, the last block masked
@@ -93,41 +98,35 @@ def test_attention_combining_its_splits_makes_the_quantizers_bits(make_attention
     from cvllm_cuda.kernels.paged_attention import paged_attention
     case = make_attention_case(query_lens=[1, 1, 1], context_lens=[70, 0, 33], num_heads=8, num_kv_heads=2,
                                head_dim=head_dim, block_size=16, dtype=torch.float16, device=DEVICE)
+    layer = int8_layer(low_bits, 8, 8 * head_dim)
     plain = paged_attention(*case.args(), None, None, num_splits=4)
-    out = paged_attention(*case.args(), None, None, num_splits=4, int8_bits=low_bits)
+    out = paged_attention(*case.args(), None, None, num_splits=4, feeds=layer)
     assert torch.equal(out, plain)
     flat = out.reshape(3, 8 * head_dim)   # as the output projection takes it
-    assert_same_form(attached(flat, low_bits), quantize_activations(flat, low_bits))
-    one_split = paged_attention(*case.args(), None, None, num_splits=1, int8_bits=low_bits)
-    assert attached(one_split.reshape(3, -1), low_bits) is None   # no combining kernel: the GEMV rounds it itself
+    assert_same_form(taken(layer, flat), quantize_activations(flat, low_bits))
+    one_split = paged_attention(*case.args(), None, None, num_splits=1, feeds=layer)
+    assert taken(layer, one_split.reshape(3, -1)) is None   # no combining kernel: the GEMV rounds it itself
 
 
 def test_no_form_where_the_layer_does_not_take_one(monkeypatch):
     x, weight = randn(5, 2, 256, dtype=torch.float32), randn(6, 256, dtype=torch.float32)
-    float_layer = SimpleNamespace(quant_weight=SimpleNamespace(layout=LAYOUTS["gptq4_g128"], in_features=256))
+    float_layer = SimpleNamespace(quant_weight=SimpleNamespace(layout=LAYOUTS["gptq4_g128"], in_features=256,
+                                                               handed=None))
     mixed = SimpleNamespace(quant_parts=[(0, int8_layer(4, 8, 256).quant_weight),
                                          (8, int8_layer(8, 8, 256).quant_weight)])   # parts of two widths
-    for layer in (float_layer, mixed, torch.nn.Linear(256, 8), int8_layer(4, 8, 256)):
-        rows = 2 if layer is not float_layer else 1
-        made = fused_add_rms_norm(x[:rows], None, weight, 1e-5, feeds=layer)
-        assert (attached(made, 4) is not None) == (layer.__class__ is SimpleNamespace and layer is not float_layer
-                                                   and layer is not mixed)
+    handed = []
+    hand_over = quant_gemv_int8.hand_over
+    monkeypatch.setattr(quant_gemv_int8, "hand_over", lambda out, feeds, *a: handed.append(feeds) or
+                        hand_over(out, feeds, *a))
+    takes = int8_layer(4, 8, 256)
+    for layer in (float_layer, mixed, torch.nn.Linear(256, 8), takes):
+        fused_add_rms_norm(x[:2 if layer is not float_layer else 1], None, weight, 1e-5, feeds=layer)
+    assert handed == [takes]   # only the layer whose GEMV takes int8 activations, every part the same width
     many = randn(7, quant_gemv_int8.MAX_ROWS + 1, 256, dtype=torch.float32)   # a batch past the GEMV's rows
-    assert attached(fused_add_rms_norm(many, None, weight, 1e-5, feeds=int8_layer(4, 8, 256)), 4) is None
+    fused_add_rms_norm(many, None, weight, 1e-5, feeds=takes)
     monkeypatch.setenv(int8_activations.PRODUCERS_ENV, "0")   # switched off (on by default)
-    assert attached(fused_add_rms_norm(x, None, weight, 1e-5, feeds=int8_layer(4, 8, 256)), 4) is None
-
-
-def test_the_form_is_found_only_on_its_own_tensor():
-    layer = int8_layer(4, 8, 256)
-    out = fused_add_rms_norm(randn(8, 2, 256, dtype=torch.float32), None,
-                             randn(9, 256, dtype=torch.float32), 1e-5, feeds=layer)
-    assert attached(out, 4) is not None
-    assert attached(out.reshape(-1, 256), 4) is not None and attached(out.view(2, 1, 256), 4) is not None   # all of it
-    assert attached(out, 8) is None                        # another width's packing
-    assert attached(out[:1], 4) is None and attached(out[1:], 4) is None   # part of it
-    assert attached(out.t(), 4) is None                    # not in its order
-    assert attached(out.clone(), 4) is None                # another tensor with the same values
+    fused_add_rms_norm(x, None, weight, 1e-5, feeds=takes)
+    assert handed == [takes]
 
 
 @pytest.mark.parametrize("low_bits", [4, 8])
@@ -154,17 +153,27 @@ def test_the_gemv_takes_the_producers_form_and_gives_the_same_bits(low_bits, mon
         assert torch.equal(quant_matmul(flat, layer.quant_weight), got) and len(quantized) == 2
 
 
-def test_a_handed_form_is_not_taken_for_other_input():
-    layer = int8_layer(4, 40, 512, real=True)
+def test_a_handed_form_is_taken_only_for_its_own_memory():
+    layer = int8_layer(4, 40, 512)
     weight = randn(11, 512, dtype=torch.float16)
     with torch.inference_mode():
-        out = fused_add_rms_norm(randn(10, 3, 512, dtype=torch.float16), None, weight, 1e-5, feeds=layer)
-        assert quant_gemv_int8.taken(out[:2], layer.quant_weight) is None        # part of it
-        out = fused_add_rms_norm(randn(10, 3, 512, dtype=torch.float16), None, weight, 1e-5, feeds=layer)
-        assert quant_gemv_int8.taken(out.clone(), layer.quant_weight) is None    # the same values elsewhere
-        assert layer.quant_weight.handed is None   # dropped by the GEMV that did not take it
-        out = fused_add_rms_norm(randn(10, 3, 512, dtype=torch.float16), None, weight, 1e-5, feeds=layer)
-        assert quant_gemv_int8.taken(out.view(torch.int16).view(torch.float16), layer.quant_weight) is not None
+        def made():
+            return fused_add_rms_norm(randn(10, 2, 2, 512, dtype=torch.float16), None, weight, 1e-5, feeds=layer)
+
+        for whole in (lambda out: out, lambda out: out.reshape(-1, 512), lambda out: out.view(4, 1, 512)):
+            assert taken(layer, whole(made())) is not None   # all of it, in its order
+        for other in (lambda out: out[:1], lambda out: out[1:],    # part of it
+                      lambda out: out.reshape(-1, 512).t(),        # not in its order
+                      lambda out: out.clone(),                     # the same values elsewhere
+                      lambda out: out.view(torch.int16)):          # another dtype
+            assert taken(layer, other(made())) is None
+            assert layer.quant_weight.handed is None   # dropped by the GEMV that did not take it
+        out = made()
+        assert taken(layer, out) is not None and taken(layer, out) is None   # once
+        out = made()
+        ptr, numel, dtype, _, form = layer.quant_weight.handed
+        layer.quant_weight.handed = (ptr, numel, dtype, 8, form)
+        assert taken(layer, out) is None   # another width's packing
 
 
 def test_decoder_layers_link_their_producers_to_the_linear_layers_they_feed():

@@ -182,15 +182,21 @@ def test_producers_of_int8_activations_compile(monkeypatch, low_bits, rows):
                                               for name in ("activation", "int8_activations", "rms_norm"))
     layout = dataclasses.replace(next(lay for lay in LAYOUTS.values() if lay.low_bits == low_bits and
                                       not lay.high_bits), int8_activations=True)
-    layer = lambda k: SimpleNamespace(quant_weight=SimpleNamespace(layout=layout, in_features=k))  # noqa: E731
+    layers = {k: SimpleNamespace(quant_weight=SimpleNamespace(layout=layout, in_features=k, handed=None))
+              for k in (4096, 14336, Q_HEADS * DIM)}
+
+    def made_int8(k):   # the producer's launch took the int8 variant and handed its form over (then cleared)
+        handed, layers[k].quant_weight.handed = layers[k].quant_weight.handed, None
+        return handed is not None and handed[3] == low_bits
+
     x = torch.zeros(rows, 4096, dtype=torch.bfloat16)
     norm = lambda: rms_norm.fused_add_rms_norm(x, x, torch.ones(4096, dtype=torch.bfloat16), 1e-5,  # noqa: E731
-                                               feeds=layer(4096))
-    assert len(compiled_launches(monkeypatch, rms_norm, "_add_rms_norm_kernel", norm)) == 1
+                                               feeds=layers[4096])
+    assert len(compiled_launches(monkeypatch, rms_norm, "_add_rms_norm_kernel", norm)) == 1 and made_int8(4096)
     gate_up = torch.zeros(rows, 2 * 14336, dtype=torch.bfloat16)
-    both = lambda: (activation.silu_and_mul(gate_up, feeds=layer(14336)),  # noqa: E731
-                    activation.gelu_and_mul(gate_up, "tanh", feeds=layer(14336)))
-    assert len(compiled_launches(monkeypatch, activation, "_gated_kernel", both)) == 2
+    both = lambda: (activation.silu_and_mul(gate_up, feeds=layers[14336]),  # noqa: E731
+                    made_int8(14336) and activation.gelu_and_mul(gate_up, "tanh", feeds=layers[14336]))
+    assert len(compiled_launches(monkeypatch, activation, "_gated_kernel", both)) == 2 and made_int8(14336)
     alone = lambda: int8_activations.quantize_activations(x, low_bits)  # noqa: E731
     assert len(compiled_launches(monkeypatch, int8_activations, "_quantize_kernel", alone)) == 1
     paged_attention = importlib.import_module("cvllm_cuda.kernels.paged_attention")
@@ -198,7 +204,8 @@ def test_producers_of_int8_activations_compile(monkeypatch, low_bits, rows):
     lens = torch.full((rows,), 40, dtype=torch.int32)
     attention = lambda: paged_attention.paged_attention(  # noqa: E731
         q, *cache, torch.arange(rows + 1, dtype=torch.int32), lens, torch.zeros(rows, 4, dtype=torch.int32), 1,
-        DIM ** -0.5, None, None, num_splits=4, int8_bits=low_bits)
+        DIM ** -0.5, None, None, num_splits=4, feeds=layers[Q_HEADS * DIM])
     monkeypatch.setattr(paged_attention, "_attention_kernel", sm90.LaunchRecorder(paged_attention._attention_kernel))
     attention_splits = importlib.import_module("cvllm_cuda.kernels.attention_splits")
     assert len(compiled_launches(monkeypatch, attention_splits, "_combine_splits_kernel", attention)) == 1
+    assert made_int8(Q_HEADS * DIM)

@@ -53,20 +53,17 @@ class CudaBackend(Backend):
     def __init__(self) -> None:
         from cvllm_cuda.kernels.activation import gelu_and_mul, silu_and_mul
         from cvllm_cuda.kernels.argmax import argmax, argmax_reported
-        from cvllm_cuda.kernels.int8_activations import attached
         from cvllm_cuda.kernels.kv_cache import write_kv
         from cvllm_cuda.kernels.lagged_fixup import lagged_fixup
         from cvllm_cuda.kernels.layer_norm import fused_add_layer_norm
         from cvllm_cuda.kernels.linear import linear
         from cvllm_cuda.kernels.ngram import advance_ngram
         from cvllm_cuda.kernels.paged_attention import paged_attention
-        from cvllm_cuda.kernels.quant_gemv_int8 import hand_over, input_bits
         from cvllm_cuda.kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_plus_one
         from cvllm_cuda.kernels.rotary import rotary, rotary_write_kv
 
         self.device = torch.device("cuda", torch.cuda.current_device())
-        self._write_kv, self._paged_attention, self._int8_input_bits = write_kv, paged_attention, input_bits
-        self._int8_attached, self._int8_hand_over = attached, hand_over
+        self._write_kv, self._paged_attention = write_kv, paged_attention
         # fused kernels the layers call instead of their torch ops (Backend's attributes say how)
         self.fused_add_rms_norm, self.rotary, self.silu_and_mul = fused_add_rms_norm, rotary, silu_and_mul
         self.fused_add_rms_norm_plus_one, self.fused_add_layer_norm = fused_add_rms_norm_plus_one, fused_add_layer_norm
@@ -117,13 +114,9 @@ class CudaBackend(Backend):
                                                    kv_scales=(layer.k_scale, layer.v_scale) if fp8 else None)
         # the output's int8 form for the output projection's low-bit GEMV (Attention.feeds; kernels/int8_activations)
         feeds = getattr(layer, "feeds", None) if layer.value_dim == layer.head_dim else None
-        int8_bits = self._int8_input_bits(feeds, q.shape[0]) if feeds is not None else None
-        out = self._paged_attention(q, k_cache, v_cache, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables,
-                                    ctx.max_query_len, layer.scale, layer.sliding_window, layer.logits_soft_cap,
-                                    kv_scales=(layer.k_scale, layer.v_scale) if fp8 else None, int8_bits=int8_bits)
-        if int8_bits and (made := self._int8_attached(out, int8_bits)) is not None:   # (the split-KV path made it)
-            self._int8_hand_over(out, feeds, int8_bits, made)
-        return out
+        return self._paged_attention(q, k_cache, v_cache, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables,
+                                     ctx.max_query_len, layer.scale, layer.sliding_window, layer.logits_soft_cap,
+                                     kv_scales=(layer.k_scale, layer.v_scale) if fp8 else None, feeds=feeds)
 
     def wrap_decode(self, forward: Callable, max_num_seqs: int, max_blocks_per_seq: int,
                     verify: tuple[int, int] | None = None, chunk_tokens: int = 0) -> GraphedDecode:

@@ -8,13 +8,12 @@
   (H100, `bench/profile_decode.py --isq q4k` without PDL: 1.4 us each, plus the gaps on either side). An RMSNorm,
   a silu (or gelu) * up or the attention's split-KV combination whose output a model hands straight to a low-bit
   linear layer (``RMSNorm.feeds``, ``SiluAndMul.feeds``, ``GeluAndMul.feeds``, ``Attention.feeds``) rounds its own
-  output tile the same way (``quantize_blocks``, the same code as the quantizer's), ``attach``es the result to
-  the tensor it returns and hands it to that layer's weights (quant_gemv_int8.hand_over); the layer's next GEMV
-  takes it (quant_gemv_int8.taken) instead of quantizing again.
+  output tile the same way (``quantize_blocks``, the same code as the quantizer's) and hands the result to that
+  layer's weights (quant_gemv_int8.hand_over); the layer's next GEMV takes it (quant_gemv_int8.taken) instead of
+  quantizing again.
 
-The form belongs to the exact tensor it was made from: ``attached`` finds it only on that tensor or a view of all of
-it (outside inference mode: inside, a view records no base), ``taken`` only for input at the same address, of the
-same size, dtype and low-bit width, once. Neither can see an in-place write to x between the producer and the GEMV
+The form belongs to the memory it was made from: ``taken`` gives it only for input at the same address, of the same
+size, dtype and low-bit width, once. It cannot see an in-place write to x between the producer and the GEMV
 (inference tensors keep no version counter): a producer is linked only where the model hands its output straight on
 (layers/decoder.py), and no model in the tree writes into a norm's or an activation's output.
 On by default (the same bits either way; ``CVLLM_QUANT_PRODUCER_ACTIVATIONS=0`` turns the producers' part off): on
@@ -38,7 +37,6 @@ from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 BLOCK = 32   # inputs per activation scale
 QUANTIZE_BLOCKS = 8   # 32-input blocks per program of the activation quantizer
 PRODUCERS_ENV = "CVLLM_QUANT_PRODUCER_ACTIVATIONS"
-_ATTRIBUTE = "_cvllm_int8_activations"
 
 
 @triton.jit
@@ -114,17 +112,3 @@ def dequantized_activations(x: torch.Tensor) -> torch.Tensor:
 def producers_on() -> bool:
     return os.environ.get(PRODUCERS_ENV, "1") != "0"
 
-
-def attach(out: torch.Tensor, low_bits: int, made: tuple[torch.Tensor, ...]) -> None:
-    """Record ``made`` (``buffers``, filled by the kernel that wrote ``out``) as ``out``'s int8 form."""
-    setattr(out, _ATTRIBUTE, (low_bits, made))
-
-
-def attached(x: torch.Tensor, low_bits: int) -> tuple[torch.Tensor, ...] | None:
-    """The int8 form its producer attached to ``x`` (or to the tensor ``x`` views whole), for ``low_bits``."""
-    for owner in (x, x._base):
-        found = getattr(owner, _ATTRIBUTE, None) if owner is not None else None
-        if (found is not None and found[0] == low_bits and owner.data_ptr() == x.data_ptr()
-                and owner.numel() == x.numel() and x.is_contiguous()):
-            return found[1]
-    return None

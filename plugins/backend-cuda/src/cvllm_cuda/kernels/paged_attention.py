@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cvllm_cuda.kernels import gpu, int8_activations, pdl
+from cvllm_cuda.kernels import gpu, pdl, quant_gemv_int8
 from cvllm_cuda.kernels.attention_splits import combine_splits
 from cvllm_cuda.kernels.attention_step import attend_keys
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
@@ -254,8 +254,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int, scale: float,
                     sliding_window: int | None, soft_cap: float | None, out: torch.Tensor | None = None, *,
                     num_splits: int | None = None, config: AttentionConfig | None = None,
-                    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    int8_bits: int | None = None) -> torch.Tensor:
+                    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None, feeds=None) -> torch.Tensor:
     """Attention of varlen queries ``q [T, H, D]`` over the paged caches ``[num_blocks, block_size, Hkv, D]``.
 
     Sequence i's queries are rows ``query_start_loc[i]:query_start_loc[i + 1]`` at positions
@@ -265,9 +264,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ``default_num_splits``. ``config`` overrides the tile sizes of ``attention_config`` (tuning). FP8 caches
     (float8_e4m3fn) take ``kv_scales``: the K and V scales per KV head (float32 [Hkv]) the stored values are
     multiplied by; their V cache may be laid out by key (``kv_cache.empty_value_cache``: a page's keys contiguous
-    for each dimension, what the engine allocates on CUDA). ``int8_bits``: the output's int8 form for a low-bit
-    GEMV of that low-plane width comes with it (attached, int8_activations.py) where the split-KV path's combining
-    kernel writes it (a decode step's few rows); elsewhere none does, and the GEMV rounds the output itself.
+    for each dimension, what the engine allocates on CUDA). ``feeds``: the linear layer the output goes to next
+    (Attention.feeds): where that is a low-bit GEMV on int8 activations, the split-KV path's combining kernel makes
+    the output's int8 form too and hands it over (quant_gemv_int8.hand_over; a decode step's few rows); elsewhere
+    none is made, and the GEMV rounds the output itself.
     Launches without reading anything back to the host.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -314,8 +314,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     else:
         part_max = part_sum = part_acc = out  # never touched: the kernel writes `out` directly
     launch = pdl.options(q.device)
-    int8_bits = int8_bits if splits > 1 and int8_bits and head_dim % 32 == 0 and out.is_contiguous() else None
-    made = int8_activations.buffers(out.numel(), int8_bits, q.device) if int8_bits else (out,) * 4
+    combined_int8 = splits > 1 and head_dim % 32 == 0 and out.is_contiguous()
+    int8_bits, made = quant_gemv_int8.output_form(out, feeds if combined_int8 else None, num_tokens)
     _attention_kernel[(tiles, num_kv_heads, splits)](
         q, k_cache, v_cache, out, part_max, part_sum, part_acc,
         query_start_loc, seq_lens, block_tables, *(kv_scales or (seq_lens, seq_lens)),
@@ -332,7 +332,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )
     if splits > 1:
-        combine_splits(out, part_max, part_sum, part_acc, made, int8_bits or 0)
+        combine_splits(out, part_max, part_sum, part_acc, made, int8_bits)
     if int8_bits:
-        int8_activations.attach(out, int8_bits, made)
+        quant_gemv_int8.hand_over(out, feeds, int8_bits, made)
     return out

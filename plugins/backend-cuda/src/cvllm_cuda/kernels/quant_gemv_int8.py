@@ -42,7 +42,6 @@ import triton
 from cvllm_cuda.kernels import gpu
 from cvllm_cuda.kernels.int8_activations import (
     BLOCK,
-    attach,
     buffers,
     producers_on,
     quantize_activations,
@@ -125,13 +124,12 @@ def output_form(out: torch.Tensor, feeds, rows: int) -> tuple[int, tuple[torch.T
 
 
 def hand_over(out: torch.Tensor, feeds, low_bits: int, made: tuple[torch.Tensor, ...]) -> None:
-    """``made`` (``out``'s int8 form, just filled by the kernel that wrote ``out``) attached to ``out`` and left
-    with the weights of ``feeds``, the layer ``out`` goes to next, for their next GEMV on ``out`` (``taken``).
+    """Leave ``made`` (``out``'s int8 form, just filled by the kernel that wrote ``out``; ``output_form``) with the
+    weights of ``feeds``, the layer ``out`` goes to next, for their next GEMV on ``out`` (``taken``).
 
-    By weight and address, not only on the tensor: the engine runs in inference mode, where a view records no base,
-    so the reshapes between a producer and its GEMV (the attention's [T, H, D] -> [T, H * D], a linear layer's
-    [..., K] -> [T, K]) hand the GEMV a tensor that ``attached`` cannot trace back to ``out``."""
-    attach(out, low_bits, made)
+    By weight and address, not on the tensor object: the engine runs in inference mode, where a view records no
+    base, and between a producer and its GEMV come reshapes (the attention's [T, H, D] -> [T, H * D], a linear
+    layer's [..., K] -> [T, K]) that make new tensor objects over the same memory."""
     for weight in _weights(feeds):
         weight.handed = (out.data_ptr(), out.numel(), out.dtype, low_bits, made)
 
