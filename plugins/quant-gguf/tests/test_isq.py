@@ -26,7 +26,7 @@ from cvllm.server.cli import build_server_args
 from cvllm.testing import greedy_margins, hf_greedy, hf_logits, make_checkpoint
 from cvllm_gguf import isq
 from cvllm_gguf.dequant import dequantize
-from cvllm_gguf.isq import layer_type, parse_isq_type
+from cvllm_gguf.isq import head_type, layer_type, parse_isq_type
 from cvllm_gguf.quant_types import GGMLType
 from cvllm_gguf.quantize import quantize
 
@@ -50,8 +50,17 @@ def gguf_blocks(weight: torch.Tensor, qtype: GGMLType) -> np.ndarray:
     return gguf_quants.quantize(weight.detach().float().numpy(), GGMLQuantizationType(int(qtype)))
 
 
+def quantized_head(model, requested: GGMLType) -> torch.Tensor:
+    """The untied LM head's values after ``--isq requested``: llama.cpp's type for it (Q6_K; Q8_0 for Q8_0) by
+    cvllm_gguf's quantizer (byte-equal to llama.cpp's in the kquants tests), dequantized."""
+    w = model.lm_head.weight
+    qtype = layer_type(head_type(requested), w.shape[1])
+    return dequantize(quantize(w, qtype), qtype, tuple(w.shape))
+
+
 def dequantized_reference(model, qtype: GGMLType):
-    """The HF model with every linear weight (not the LM head) replaced by dequantize(quantize(w))."""
+    """The HF model with every linear weight replaced by dequantize(quantize(w)) (the gguf package's), the LM head
+    by ``quantized_head``'s."""
     reference = copy.deepcopy(model)
     kind = GGMLQuantizationType(int(qtype))
     with torch.no_grad():
@@ -59,6 +68,7 @@ def dequantized_reference(model, qtype: GGMLType):
             if isinstance(module, torch.nn.Linear) and name != "lm_head":
                 blocks = gguf_quants.quantize(module.weight.numpy(), kind)
                 module.weight.copy_(torch.from_numpy(gguf_quants.dequantize(blocks, kind)))
+        reference.lm_head.weight.copy_(quantized_head(model, qtype))
     return reference
 
 
@@ -89,8 +99,10 @@ def test_legacy_types_quantize_like_gguf_and_generate_like_transformers(checkpoi
         assert layer.qtype == qtype and layer.gguf_compute == "fp32"
         want = gguf_blocks(expected_rows(model, index, fused), qtype)
         np.testing.assert_array_equal(layer.qweight.numpy(), want, err_msg=layer_name)
-    # embeddings and the LM head stay float, exactly the checkpoint's
-    torch.testing.assert_close(ours.lm_head.weight, model.lm_head.weight, rtol=0, atol=0)
+    # the LM head in llama.cpp's type for it, the embedding float, exactly the checkpoint's
+    assert ours.lm_head.qtype == (GGMLType.Q8_0 if qtype == GGMLType.Q8_0 else GGMLType.Q6_K)
+    assert torch.equal(ours.lm_head.weight, quantized_head(model, qtype))
+    torch.testing.assert_close(ours.model.embed_tokens.weight, model.model.embed_tokens.weight, rtol=0, atol=0)
 
     reference = dequantized_reference(model, qtype)
     for prompt, logits in zip(PROMPTS, llm.llm_engine.prompt_logits(PROMPTS)):
@@ -103,9 +115,10 @@ def test_legacy_types_quantize_like_gguf_and_generate_like_transformers(checkpoi
     assert greedy(llm) == expected
 
 
-def own_reference(model, qtype: GGMLType | Callable[[int], GGMLType]):
+def own_reference(model, qtype: GGMLType | Callable[[int], GGMLType], head: torch.Tensor | None = None):
     """As ``dequantized_reference``, with cvllm_gguf's quantize/dequantize (gguf's numpy has no K-quant
-    quantizer; kquants' own tests hold those bytes to llama.cpp's); ``qtype`` may depend on in_features."""
+    quantizer; kquants' own tests hold those bytes to llama.cpp's); ``qtype`` may depend on in_features; the LM
+    head ``head``'s values where given, else ``quantized_head``'s for the requested type."""
     type_for = qtype if callable(qtype) else lambda _: qtype
     reference = copy.deepcopy(model)
     with torch.no_grad():
@@ -113,6 +126,8 @@ def own_reference(model, qtype: GGMLType | Callable[[int], GGMLType]):
             if isinstance(module, torch.nn.Linear) and name != "lm_head":
                 w, layer_qtype = module.weight, type_for(module.in_features)
                 module.weight.copy_(dequantize(quantize(w, layer_qtype), layer_qtype, tuple(w.shape)))
+        requested = type_for(model.config.hidden_size)
+        reference.lm_head.weight.copy_(quantized_head(model, requested) if head is None else head)
     return reference
 
 
@@ -135,24 +150,28 @@ def test_k_types_once_their_quantizer_exists(checkpoint, name):
     assert greedy(llm) == hf_greedy(reference, PROMPTS, NEW_TOKENS)
 
 
-@pytest.mark.parametrize("head", ["q6k", "q8_0"])
-def test_the_lm_head_quantized_where_asked(tmp_path, monkeypatch, head):
-    """CVLLM_ISQ_LM_HEAD=TYPE: an untied head quantized to that type as it loads (llama.cpp's Q4_K_M keeps its
-    output tensor Q6_K), its blocks the quantizer's; logits the dequantized model's; a tied head stays float."""
+@pytest.mark.parametrize("head", [None, "q8_0", "float"])
+def test_the_lm_head_in_llama_cpps_type_or_the_one_asked(tmp_path, monkeypatch, head):
+    """An untied head is quantized as it loads to llama.cpp's type for a Q4_K model's output tensor (Q6_K) or the
+    type CVLLM_ISQ_LM_HEAD names, its blocks the quantizer's, logits the dequantized model's; ``float`` keeps the
+    checkpoint's head; a tied head stays float."""
     model = make_model(tmp_path, tie_word_embeddings=False)
-    monkeypatch.setenv(isq.LM_HEAD_ENV, head)
+    if head is not None:
+        monkeypatch.setenv(isq.LM_HEAD_ENV, head)
     llm = LLM(model=str(tmp_path), dtype="float32", isq="q4k", num_kv_blocks=64)
     ours = llm.llm_engine.runner.model
-    head_type = parse_isq_type(head)
-    assert isinstance(ours.lm_head.quant_method, isq.ISQTableMethod) and ours.lm_head.qtype == head_type
-    w = model.lm_head.weight
-    dequantized = dequantize(quantize(w, head_type), head_type, tuple(w.shape))
-    # (float32 on the CPU: the exact path computes from the blocks dequantized once; CUDA keeps them as planes)
-    assert ours.lm_head.gguf_compute == "dense" and torch.equal(ours.lm_head.weight, dequantized)
     assert ours.model.embed_tokens.quant_method is None   # the embedding stays float
-    reference = own_reference(model, GGMLType.Q4_K)
-    with torch.no_grad():
-        reference.lm_head.weight.copy_(dequantized)
+    w = model.lm_head.weight
+    if head == "float":
+        assert ours.lm_head.quant_method is None and torch.equal(ours.lm_head.weight, w)
+        reference = own_reference(model, GGMLType.Q4_K, head=w)
+    else:
+        want = parse_isq_type(head) if head else GGMLType.Q6_K
+        assert isinstance(ours.lm_head.quant_method, isq.ISQTableMethod) and ours.lm_head.qtype == want
+        dequantized = dequantize(quantize(w, want), want, tuple(w.shape))
+        # (float32 on the CPU: the exact path computes from the blocks dequantized once; CUDA keeps them as planes)
+        assert ours.lm_head.gguf_compute == "dense" and torch.equal(ours.lm_head.weight, dequantized)
+        reference = own_reference(model, GGMLType.Q4_K, head=dequantized)
     for prompt, logits in zip(PROMPTS, llm.llm_engine.prompt_logits(PROMPTS)):
         assert (logits.float() - hf_logits(reference, prompt)).abs().max() < 1e-3
     assert greedy(llm) == hf_greedy(reference, PROMPTS, NEW_TOKENS)
@@ -161,6 +180,12 @@ def test_the_lm_head_quantized_where_asked(tmp_path, monkeypatch, head):
     make_model(tied_dir, tie_word_embeddings=True)
     tied = LLM(model=str(tied_dir), dtype="float32", isq="q4k", num_kv_blocks=64).llm_engine.runner.model
     assert tied.lm_head.quant_method is None and tied.model.embed_tokens.quant_method is None
+
+
+def test_a_misspelt_lm_head_type_fails_before_loading(checkpoint, monkeypatch):
+    monkeypatch.setenv(isq.LM_HEAD_ENV, "q6")
+    with pytest.raises(ValueError, match="unknown in-situ quantization type 'q6'"):
+        LLM(model=str(checkpoint[0]), dtype="float32", isq="q4k", num_kv_blocks=64)
 
 
 @pytest.mark.gpu
@@ -196,8 +221,10 @@ def test_a_type_without_a_quantizer_fails_before_loading(checkpoint, monkeypatch
 def test_bfloat16_uses_the_int4pack_path(checkpoint):
     directory, model = checkpoint
     llm = LLM(model=str(directory), dtype="bfloat16", isq="q4_0", num_kv_blocks=64)
-    computes = {m.gguf_compute for m in llm.llm_engine.runner.model.modules() if hasattr(m, "gguf_compute")}
+    ours = llm.llm_engine.runner.model
+    computes = {m.gguf_compute for m in ours.model.modules() if hasattr(m, "gguf_compute")}
     assert computes == {"int4pack"}
+    assert ours.lm_head.gguf_compute == "dense"   # its Q6_K blocks dequantized once
     reference = dequantized_reference(model, GGMLType.Q4_0)
     # bf16 activations drift from the fp32 oracle; the first greedy tokens must still agree
     assert [o[:3] for o in greedy(llm)] == [o[:3] for o in hf_greedy(reference, PROMPTS, NEW_TOKENS)]
@@ -219,7 +246,7 @@ def test_rows_without_super_blocks_fall_back_like_llama_cpp(tmp_path, caplog):
     assert fallbacks == [f"isq: layer 'model.layers.{i}.mlp.down_proj' has 320 inputs, not a multiple of 256: "
                          f"Q5_0 instead of Q4_K" for i in range(len(layers))]
     summary = [r.getMessage() for r in caplog.records if r.getMessage().startswith("quantized ")]
-    assert len(summary) == 1 and summary[0].startswith("quantized 8 linear layers to Q4_K, ")
+    assert len(summary) == 1 and summary[0].startswith("quantized 9 linear layers to Q4_K, ")   # and the head
     assert "(2 fell back)" in summary[0]
     reference = own_reference(model, lambda in_features: GGMLType.Q5_0 if in_features == 320 else GGMLType.Q4_K)
     assert greedy(llm) == hf_greedy(reference, PROMPTS, NEW_TOKENS)
@@ -250,13 +277,13 @@ def test_a_logged_load_has_one_line_per_phase_and_no_bars(checkpoint):
         [line] = [line for line in lines if line.startswith(prefix)]
         return line
 
-    # 2 layers x (qkv, o, gate_up, down); the weights counted are the checkpoint's tensors, q/k/v each
+    # 2 layers x (qkv, o, gate_up, down) and the LM head; the weights counted: the checkpoint's tensors, q/k/v each
     assert phase("INFO cvllm.engine.model_runner: loaded ").startswith(
         f"INFO cvllm.engine.model_runner: loaded {tensors} weights (")
     assert phase("INFO cvllm_gguf.isq: quantized ").startswith(
-        "INFO cvllm_gguf.isq: quantized 8 linear layers to Q8_0, ")
+        "INFO cvllm_gguf.isq: quantized 9 linear layers to Q8_0, ")
     assert phase("INFO cvllm.engine.model_runner: prepared ").startswith(
-        "INFO cvllm.engine.model_runner: prepared 8 quantized layers in ")
+        "INFO cvllm.engine.model_runner: prepared 9 quantized layers in ")
 
 
 @pytest.mark.parametrize(("requested", "in_features", "chosen"), [

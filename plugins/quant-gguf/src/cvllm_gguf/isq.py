@@ -11,10 +11,11 @@ After loading, the blocks move to ``qweight`` and ``GGUFLinearMethod`` prepares 
 (on CUDA repacked into low-bit planes that Triton kernels compute with; on CPU int4pack for
 Q4_0/Q4_1, bf16 or exact fp32 otherwise), exactly as for a GGUF file.
 
-Embeddings, the LM head and norms are not linear layers and stay as they are (candle-vllm's choice), unless
-``CVLLM_ISQ_LM_HEAD=TYPE`` (e.g. ``q6k``, llama.cpp's type for the output tensor of its Q4_K_M mixes): an untied LM
-head is then quantized to that type as it loads and computes from its blocks (table_method.py: on CUDA the low-bit
-planes; a Llama-3-8B head in Q6_K is 431 MB read a step instead of 1,051 MB of bf16). Experimental, off by default.
+An untied LM head is quantized too, to the type llama.cpp's quantizer gives a model's output tensor (``head_type``:
+Q6_K, or Q8_0 for a Q8_0 model), so that ``--isq q4k`` makes what a Q4_K GGUF file holds; it computes from its
+blocks as a GGUF file's head does (table_method.py: on CUDA the low-bit planes; a Llama-3-8B head in Q6_K is 431 MB
+read a step instead of 1,051 MB of bf16). ``CVLLM_ISQ_LM_HEAD=float`` keeps it float (candle-vllm's choice),
+``CVLLM_ISQ_LM_HEAD=TYPE`` picks another type. Embeddings (a head tied to them too) and norms stay as they are.
 K-quants need rows of whole 256-element super-blocks; a layer whose input is not a multiple of 256 falls back to the
 type llama.cpp uses, and a layer that fits no block stays unquantized.
 """
@@ -47,7 +48,7 @@ logger = logging.getLogger(__name__)
 ISQ_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0,
              GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
 
-LM_HEAD_ENV = "CVLLM_ISQ_LM_HEAD"   # the type an untied LM head is quantized to (unset: it stays float)
+LM_HEAD_ENV = "CVLLM_ISQ_LM_HEAD"   # an untied LM head's type ("float": left float; unset: head_type's)
 
 # llama.cpp's choice for a tensor whose rows do not split into 256-element super-blocks
 FALLBACKS = {GGMLType.Q2_K: GGMLType.Q4_0, GGMLType.Q3_K: GGMLType.Q4_0, GGMLType.Q4_K: GGMLType.Q5_0,
@@ -67,6 +68,14 @@ def parse_isq_type(name: str) -> GGMLType:
     if qtype not in ISQ_TYPES:
         raise ValueError(f"unknown in-situ quantization type {name!r}; choose one of {', '.join(isq_type_names())}")
     return qtype
+
+
+def head_type(requested: GGMLType) -> GGMLType:
+    """The type llama.cpp's quantizer gives the output tensor of a model quantized to ``requested``: Q8_0 for Q8_0,
+    else Q6_K (its LM head keeps more bits than the layers: next-token choice is sensitive to it, and at 6.6 bits a
+    weight it is still 40% of a bf16 head's bytes); layer_type's fallback (Q6_K -> Q8_0) where rows are not whole
+    super-blocks, as there."""
+    return GGMLType.Q8_0 if requested == GGMLType.Q8_0 else GGMLType.Q6_K
 
 
 def layer_type(requested: GGMLType, in_features: int) -> GGMLType | None:
@@ -165,7 +174,8 @@ class ISQLinearMethod(GGUFLinearMethod):
 
 
 class ISQTableMethod(ISQLinearMethod, GGUFTableMethod):
-    """An untied LM head quantized as it loads (CVLLM_ISQ_LM_HEAD), then computed as a GGUF file's head is."""
+    """An untied LM head quantized as it loads (head_type, or CVLLM_ISQ_LM_HEAD), then computed as a GGUF file's
+    head is."""
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
         super().create_weights(layer, input_size, output_size, dtype)
@@ -205,6 +215,9 @@ def isq_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMeth
     requested = parse_isq_type(str(checkpoint.quant_config))
     mode: Mode = "exact" if dtype == torch.float32 else "fast"
     progress = ISQProgress(requested)
+    head_choice = os.environ.get(LM_HEAD_ENV, "").strip().lower()
+    if head_choice and head_choice != "float":
+        parse_isq_type(head_choice)   # a misspelt type fails here, before anything loads
 
     def method_for(layer: str, sources: Sequence[str]) -> LinearMethod | None:
         if is_moe_router(layer):   # llama.cpp's quantize keeps ffn_gate_inp as it is too
@@ -218,13 +231,13 @@ def isq_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMeth
         return ISQFusedMoEMethod(requested, layer_type)
 
     def embedding_method(name: str, table: nn.Module) -> ISQTableMethod | None:
-        """An untied LM head in the type CVLLM_ISQ_LM_HEAD names; the token embedding stays float."""
-        head = os.environ.get(LM_HEAD_ENV)
-        if not head or not isinstance(table, ParallelLMHead):
+        """An untied LM head in llama.cpp's type for it (or the one CVLLM_ISQ_LM_HEAD names; "float": none); the
+        token embedding, and a head tied to it, stay float."""
+        if not isinstance(table, ParallelLMHead) or head_choice == "float":
             return None
-        qtype = parse_isq_type(head)
+        qtype = parse_isq_type(head_choice) if head_choice else head_type(requested)
         # (counted with the linear layers in the quantizing phase's bar and summary)
-        logger.info("isq: LM head '%s' quantized to %s too (%s)", name, qtype.name, LM_HEAD_ENV)
+        logger.info("isq: LM head '%s' quantized to %s (%s=float keeps it float)", name, qtype.name, LM_HEAD_ENV)
         return ISQTableMethod(qtype, mode, name, 1, progress)
 
     method_for.moe_method = moe_method
