@@ -278,27 +278,32 @@ def main() -> None:
 
 def module_text(gpu: str, gemv: tuple, skinny: tuple, provenance: str) -> str:
     """tuned_matmul.py with this GPU's swept keys replaced by the entries that won (other keys and other GPUs'
-    kept; a table not swept, (None, None), kept whole)."""
+    kept; a table not swept, (None, None), kept whole); the rest of the file (its other tables: the low-bit GEMV's,
+    tune_quant_gemv.py's) as it is."""
     import cvllm_cuda.kernels.tuned_matmul as module
 
-    lines = [f'"""{module.__doc__.strip()}"""', ""]
+    text = Path(module.__file__).read_text()
     for table_name, committed, (entries, swept), key_type, value_type in [
             ("TUNED_GEMV", module.TUNED_GEMV, gemv, "tuple[int, int, str]", "tuple[int, int, int, int]"),
             ("TUNED_SKINNY", module.TUNED_SKINNY, skinny, "tuple[int, int, int, str]", "tuple[int, ...]")]:
-        tables = dict(committed)
-        if entries is not None:
-            kept = {key: value for key, value in committed.get(gpu, {}).items() if key not in swept}
-            tables[gpu] = {**kept, **entries}
-        lines.append(f"{table_name}: dict[str, dict[{key_type}, {value_type}]] = {{")
+        if entries is None:   # not swept: its text (comments included) stays
+            continue
+        kept = {key: value for key, value in committed.get(gpu, {}).items() if key not in swept}
+        tables = {**committed, gpu: {**kept, **entries}}
+        lines = [f"{table_name}: dict[str, dict[{key_type}, {value_type}]] = {{"]
         for name, table in sorted(tables.items()):
-            partial = entries is not None and any(key not in swept for key in committed.get(gpu, {}))
+            partial = any(key not in swept for key in committed.get(gpu, {}))
             lines += [f"    # {provenance}" + ("; the keys it did not sweep as committed before" if partial else "")
-                      if name == gpu and entries is not None else "    # (kept from the committed table)",
+                      if name == gpu else "    # (kept from the committed table)",
                       f'    "{name}": {{']
             lines += [f"        {key_text(key)}: {value!r}," for key, value in sorted(table.items())]
             lines.append("    },")
-        lines += ["}", ""]
-    return "\n".join(lines)
+        lines.append("}\n")
+        # the table's text: from its line to the first "}" line after it
+        start = text.index(f"\n{table_name}: dict[") + 1
+        end = text.index("\n}\n", start) + 3
+        text = text[:start] + "\n".join(lines) + text[end:]
+    return text
 
 
 def key_text(key: tuple) -> str:

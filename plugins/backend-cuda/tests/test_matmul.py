@@ -291,3 +291,24 @@ def test_a_chain_of_dependent_kernels_in_a_graph_is_the_same_with_and_without_pd
         pdl._enabled.cache_clear()
     assert pdl.options(x0.device)["USE_PDL"] == (torch.cuda.get_device_capability()[0] >= 9)
     assert torch.isfinite(without).all() and torch.equal(with_pdl, without)
+
+
+def test_tune_matmul_write_replaces_only_the_swept_entries():
+    """bench/tune_matmul.py --write: the swept GPU's swept keys change; other GPUs' entries, a table not swept and
+    the file's other tables (the low-bit GEMV's) stay (it once wrote a file without TUNED_QUANT_GEMV)."""
+    import importlib.util
+    from pathlib import Path
+
+    import cvllm_cuda.kernels.tuned_matmul as committed
+
+    path = Path(__file__).parents[3] / "bench" / "tune_matmul.py"
+    spec = importlib.util.spec_from_file_location("tune_matmul_under_test", path)
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    assert tune.module_text("any GPU", (None, None), (None, None), "") == Path(committed.__file__).read_text()
+    key = (4096, 4096, "float8_e4m3fn")
+    written: dict = {}
+    exec(tune.module_text("Some GPU", ({key: (2, 1024, 1, 3)}, {key}), (None, None), "a sweep"), written)
+    assert written["TUNED_GEMV"] == {**committed.TUNED_GEMV, "Some GPU": {key: (2, 1024, 1, 3)}}
+    assert written["TUNED_SKINNY"] == committed.TUNED_SKINNY
+    assert written["TUNED_QUANT_GEMV"] == committed.TUNED_QUANT_GEMV
