@@ -30,6 +30,7 @@
 # "gemvfusions" (issue 18): GPTQ on int8 activations in the stack of layers, the swapped GEMM's operand lanes (~3 min);
 # "fp8gemv" (issue 18): the FP8 weights' batch-1 GEMV tiles swept, --isq fp8 batch 1 before and after (~7 min);
 # "fusionslatency": the batch-1 standing of every --isq type beside bf16, with a Q6_K head and GPTQ W4A8 (~5 min).
+# "earlyweights" (issue 18): the GEMVs' first weight tile read before the PDL wait, off and on, every type (~5 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
 # NVLink multicast stays off on the shared multi-GPU hosts (h200_setup.sh sets these too; the benchmarks pass them on)
@@ -295,6 +296,20 @@ fusionslatency)
         run int8-activations-error 90 python3 bench/int8_activations_error.py --backend cuda --dtype bfloat16 \
             --json "$out/$day-h200-int8_activations_error-$commit.json"
     fi ;;
+earlyweights)
+    # issue 18: the GEMVs' first weight tile read before the PDL wait (CVLLM_GEMV_EARLY_WEIGHTS; quant_tiles.py): its
+    # GPU tests, then batch-1 decode of bf16, q4k, GPTQ (W4A16), Q8_0 and FP8 with it off and on (~5 min)
+    t=plugins/backend-cuda/tests
+    run gpu-tests-early 150 python3 -m pytest -p no:cacheprovider -q $t/test_quant_gemv_int8.py $t/test_matmul.py \
+        -k "early or first_weight"
+    for q in none q4k gptq q8_0 fp8; do
+        for early in 0 1; do
+            CVLLM_GEMV_EARLY_WEIGHTS=$early run latency-$q-early$early 100 python3 bench/latency.py --skip-hf \
+                --contexts 1024 --decode-tokens 128 $([ $q = none ] || echo --isq $q) \
+                --json "$out/$day-h200-latency-$q-early$early-$commit.json"
+        done
+    done
+    python3 bench/latency_table.py "$out"/$day-h200-latency-*-early*-$commit.json ;;
 fp8gemv)
     # issue 18: the FP8 weights' batch-1 GEMV (kernels/gemv.py with row scales: --isq fp8, FP8 checkpoints) has only
     # run bf16's default tile (4, 1024, 2, 3), a K step of 1 KB a row where bf16's tuned tiles read 4 KB: batch-1

@@ -105,3 +105,14 @@ def resource_usage(kernel) -> dict[str, int]:
 def registers(kernel) -> int:
     """Registers a thread of a compiled kernel uses."""
     return resource_usage(kernel)["REG"]
+
+
+def sass(kernel) -> list[str]:
+    """A compiled kernel's SASS instructions in order (opcode and operands, as cuobjdump prints them)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        dump = subprocess.run([tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+    return [line.split("*/", 1)[1].split(";")[0].strip() for line in dump.splitlines()
+            if re.match(r"\s*/\*[0-9a-f]{4}\*/", line)]

@@ -293,6 +293,24 @@ def test_a_chain_of_dependent_kernels_in_a_graph_is_the_same_with_and_without_pd
     assert torch.isfinite(without).all() and torch.equal(with_pdl, without)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("n,k,bias", [(64, 128, False), (40, 100, True)])
+def test_gemv_first_weight_tile_read_before_the_wait_changes_no_bit(generator, monkeypatch, fp8, n, k, bias):
+    """CVLLM_GEMV_EARLY_WEIGHTS (quant_tiles.EARLY_WEIGHTS): the first K step's weights read before the PDL wait,
+    in bounds or masked, bf16 or FP8 rows with their scales: the same bits as without."""
+    from cvllm_cuda.kernels import quant_tiles
+    x, weight, b = make(generator, n, k, torch.float32, bias)
+    scale = None
+    if fp8:
+        scale = weight.abs().amax(dim=1).float() / 448
+        weight = (weight / scale[:, None]).to(torch.float8_e4m3fn)
+    outs = []
+    for early in (False, True):
+        monkeypatch.setattr(quant_tiles, "EARLY_WEIGHTS", early)
+        outs.append(gemv(x, weight, b, config=SMALL, scale=scale))
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_tune_matmul_write_replaces_only_the_swept_entries():
     """bench/tune_matmul.py --write: the swept GPU's swept keys change; other GPUs' entries, a table not swept and
     the file's other tables (the low-bit GEMV's) stay (it once wrote a file without TUNED_QUANT_GEMV)."""

@@ -105,3 +105,80 @@ def test_sass_stats_compiles_every_kind(kind, layout, config, rows):
     stages = config[3] if kind.startswith("gemm") else None
     kernel = sass_stats.compile_sm90(*sass_stats.kernel_spec(kind, sass_stats.LAYOUTS[layout], config, rows), stages)
     assert sm90.registers(kernel) > 0
+
+
+@compiles
+@pytest.mark.parametrize("name", ["q4_k", "q6_k", "q8_0", "q3_k"])
+def test_early_weights_are_read_before_the_pdl_wait(monkeypatch, name):
+    """CVLLM_GEMV_EARLY_WEIGHTS: with PDL the int8 GEMV's first weight loads come before ``griddepcontrol.wait``
+    (SASS ACQBULK) and every read of x after it; without it no load precedes the wait. MAX_ROWS rows, no spills."""
+    from test_quant_matmul import LAYOUTS, random_weight
+    quant_gemv_int8 = importlib.import_module("cvllm_cuda.kernels.quant_gemv_int8")
+    quant_tiles = importlib.import_module("cvllm_cuda.kernels.quant_tiles")
+    int8_activations = importlib.import_module("cvllm_cuda.kernels.int8_activations")
+    monkeypatch.setattr(int8_activations, "_quantize_kernel", sm90.LaunchRecorder(int8_activations._quantize_kernel))
+    monkeypatch.setattr(quant_gemv_int8, "pdl_options", lambda device: {"USE_PDL": True, "launch_pdl": True})
+    layout = dataclasses.replace(LAYOUTS[name], int8_activations=True)
+    weight = random_weight(layout, 4096, 4096, "cpu")
+    rows = quant_gemv_int8.MAX_ROWS
+    x, out = torch.zeros(rows, 4096, dtype=torch.bfloat16), torch.empty(rows, 4096, dtype=torch.bfloat16)
+    loads_before_wait, kernel_fn = {}, quant_gemv_int8._gemv_int8_kernel
+    for early in (False, True):
+        monkeypatch.setattr(quant_tiles, "EARLY_WEIGHTS", early)
+        monkeypatch.setattr(quant_gemv_int8, "_gemv_int8_kernel", kernel_fn)   # (not the last loop's recorder)
+        [kernel] = compiled_launches(monkeypatch, quant_gemv_int8, "_gemv_int8_kernel",
+                                     lambda: quant_gemv_int8.quant_gemv_int8(x, weight, out, splits=1))
+        assert sm90.resource_usage(kernel)["STACK"] == 0, "spilled to local memory"
+        lines = sm90.sass(kernel)
+        wait = [i for i, line in enumerate(lines) if line.startswith("ACQBULK")]
+        assert len(wait) == 1
+        loads_before_wait[early] = sum(line.startswith("LDG") for line in lines[:wait[0]])
+    assert loads_before_wait[False] == 0
+    assert loads_before_wait[True] >= 2   # the tile's words and its factors
+
+
+@compiles
+@pytest.mark.parametrize("name", ["gptq4_g128", "q6_k"])
+def test_the_float_gemvs_early_weights_are_read_before_the_pdl_wait(monkeypatch, name):
+    """The float-activation GEMV (GPTQ's W4A16) with CVLLM_GEMV_EARLY_WEIGHTS: weight loads before ACQBULK, none
+    without."""
+    from test_quant_matmul import LAYOUTS, random_weight
+    quant_gemv = importlib.import_module("cvllm_cuda.kernels.quant_gemv")
+    quant_tiles = importlib.import_module("cvllm_cuda.kernels.quant_tiles")
+    monkeypatch.setattr(quant_gemv, "pdl_options", lambda device: {"USE_PDL": True, "launch_pdl": True})
+    weight = random_weight(LAYOUTS[name], 4096, 4096, "cpu")
+    x, out = torch.zeros(1, 4096, dtype=torch.bfloat16), torch.empty(1, 4096, dtype=torch.bfloat16)
+    loads_before_wait, kernel_fn = {}, quant_gemv._gemv_kernel
+    for early in (False, True):
+        monkeypatch.setattr(quant_tiles, "EARLY_WEIGHTS", early)
+        monkeypatch.setattr(quant_gemv, "_gemv_kernel", kernel_fn)
+        [kernel] = compiled_launches(monkeypatch, quant_gemv, "_gemv_kernel",
+                                     lambda: quant_gemv.quant_gemv(x, weight, out, splits=1))
+        assert sm90.resource_usage(kernel)["STACK"] == 0, "spilled to local memory"
+        lines = sm90.sass(kernel)
+        [wait] = [i for i, line in enumerate(lines) if line.startswith("ACQBULK")]
+        loads_before_wait[early] = sum(line.startswith("LDG") for line in lines[:wait])
+    assert loads_before_wait[False] == 0 and loads_before_wait[True] >= 2
+
+
+@compiles
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_16_bit_and_fp8_gemvs_early_weights_are_read_before_the_pdl_wait(monkeypatch, fp8):
+    """kernels/gemv.py (bf16 rows; FP8 rows with their scales: --isq fp8) with CVLLM_GEMV_EARLY_WEIGHTS: the first
+    weight tile's loads before ACQBULK, none without."""
+    gemv = importlib.import_module("cvllm_cuda.kernels.gemv")
+    quant_tiles = importlib.import_module("cvllm_cuda.kernels.quant_tiles")
+    monkeypatch.setattr(gemv.pdl, "options", lambda device: {"USE_PDL": True, "launch_pdl": True})
+    weight = torch.zeros(4096, 4096, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
+    scale = torch.ones(4096) if fp8 else None
+    x = torch.zeros(1, 4096, dtype=torch.bfloat16)
+    loads_before_wait, kernel_fn = {}, gemv._gemv_kernel
+    for early in (False, True):
+        monkeypatch.setattr(quant_tiles, "EARLY_WEIGHTS", early)
+        monkeypatch.setattr(gemv, "_gemv_kernel", kernel_fn)
+        [kernel] = compiled_launches(monkeypatch, gemv, "_gemv_kernel", lambda: gemv.gemv(x, weight, scale=scale))
+        assert sm90.resource_usage(kernel)["STACK"] == 0, "spilled to local memory"
+        lines = sm90.sass(kernel)
+        [wait] = [i for i, line in enumerate(lines) if line.startswith("ACQBULK")]
+        loads_before_wait[early] = sum(line.startswith("LDG") for line in lines[:wait])
+    assert loads_before_wait[False] == 0 and loads_before_wait[True] >= 1

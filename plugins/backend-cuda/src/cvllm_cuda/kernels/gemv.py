@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cvllm_cuda.kernels import gpu, pdl
+from cvllm_cuda.kernels import gpu, pdl, quant_tiles
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.sizes import cdiv
 from cvllm_cuda.kernels.tuned_matmul import TUNED_GEMV
@@ -41,27 +41,45 @@ DEFAULT_CONFIG = MatmulTile(block_n=4, block_k=1024, num_warps=2, num_stages=3)
 
 
 @triton.jit
+def _weight_step(w_ptrs, k, cols, row_ok, K, EVEN: tl.constexpr):
+    """The weight tile of the K step at ``k`` (read once a step: evict-first)."""
+    if EVEN:
+        return tl.load(w_ptrs, eviction_policy="evict_first")
+    else:
+        k_ok = k + cols < K
+        return tl.load(w_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _step(acc, w, x_ptr, k, cols, K, EVEN: tl.constexpr):
+    """``acc`` plus the K step at ``k``: its weights ``w`` times x's slice."""
+    if EVEN:
+        x = tl.load(x_ptr + k + cols)
+    else:
+        x = tl.load(x_ptr + k + cols, mask=k + cols < K, other=0.0)
+    return acc + w.to(tl.float32) * x.to(tl.float32)[None, :]
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr,
     N, K, stride_wn,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, EARLY: tl.constexpr = False,
 ):
-    wait_for_previous_kernel(USE_PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     row_ok = rows < N
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        if EVEN:
-            w = tl.load(w_ptrs, eviction_policy="evict_first")
-            x = tl.load(x_ptr + k + cols)
-        else:
-            k_ok = k + cols < K
-            w = tl.load(w_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptr + k + cols, mask=k_ok, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    if EARLY:   # the first K step's weights read before the PDL wait (quant_tiles.EARLY_WEIGHTS)
+        w = _weight_step(w_ptrs, 0, cols, row_ok, K, EVEN)
+    wait_for_previous_kernel(USE_PDL)
+    if EARLY:
+        acc = _step(acc, w, x_ptr, 0, cols, K, EVEN)
+        w_ptrs += BLOCK_K
+    for k in range(BLOCK_K * EARLY, K, BLOCK_K):
+        acc = _step(acc, _weight_step(w_ptrs, k, cols, row_ok, K, EVEN), x_ptr, k, cols, K, EVEN)
         w_ptrs += BLOCK_K
     y = tl.sum(acc, axis=1)
     if HAS_SCALE:   # FP8 weights: one float32 scale per output row
@@ -103,7 +121,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, scale if scale is not None else weight, out, n, k,
         weight.stride(0), HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, EVEN=even, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
+        BLOCK_K=cfg.block_k, EARLY=quant_tiles.EARLY_WEIGHTS,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.options(x.device),
     )
     return out

@@ -49,6 +49,54 @@ def _row_step(acc, wbytes, scale, offset, pack_ptrs, xd_ptr, xsum_ptr, xblock_su
     return acc
 
 
+@triton.jit
+def _weight_tile(w0, low_ptrs, high_ptrs, d_ptr, m_ptr, a_ptr, b_ptr, tile_words, group_first, cols3, col_ok3,
+                 num_words, N, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
+                 SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
+                 HAS_M: tl.constexpr, HIGH_PER_GROUP: tl.constexpr, EVEN: tl.constexpr):
+    """The weight side of the K step at word ``w0``: its low words (and high-plane words) [GROUPS, GROUP_WORDS,
+    BLOCK_N] and its factors [GROUPS, 1, BLOCK_N]. Nothing of x."""
+    PER_WORD: tl.constexpr = 32 // LOW_BITS
+    gwords = (w0 + group_first)[:, None, None]
+    if EVEN:
+        ok = None
+        group_ok = None
+    else:
+        ok = ((w0 + tile_words) < num_words) & col_ok3
+        group_ok = (gwords < num_words) & col_ok3
+    low = load_masked(low_ptrs, ok, 0)
+    high = low
+    if HIGH_BITS > 0:
+        high = load_masked(high_ptrs, group_ok if HIGH_PER_GROUP else ok, 0)
+    # the factors loaded as [GROUPS, 1, BLOCK_N], in the tile's own layout: loaded [GROUPS, BLOCK_N] they would
+    # be moved through shared memory every step, a barrier that stalls all the program's warps
+    scale, offset = word_factors(d_ptr, m_ptr, a_ptr, b_ptr, gwords * PER_WORD, cols3, group_ok, N, SCALE_GROUP,
+                                  SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
+    return low, high, scale, offset
+
+
+@triton.jit
+def _tile_step(accs, low, high, scale, offset, part, pack_ptrs, xd_ptr, xsum_ptr, xblock_sum_ptr, row_offsets, w0,
+               tile_words, group_first, num_words, K, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr,
+               GROUP_WORDS: tl.constexpr, ONE_BLOCK: tl.constexpr, EVEN: tl.constexpr, INTERPRET: tl.constexpr,
+               ROWS: tl.constexpr):
+    """Every row's accumulator after the K step at word ``w0`` (its weights from _weight_tile): the words' bytes
+    made once for all the rows (weight_bytes), then each row's products (_row_step)."""
+    PER_WORD: tl.constexpr = 32 // LOW_BITS
+    words = w0 + tile_words
+    gwords = (w0 + group_first)[:, None, None]
+    word_ok = None if EVEN else words < num_words
+    wbytes = weight_bytes(low, high, part, LOW_BITS, HIGH_BITS, INTERPRET)
+    stepped = ()
+    for r in tl.static_range(ROWS):
+        at = row_offsets[r]
+        stepped = stepped + (_row_step(accs[r], wbytes, scale, offset, pack_ptrs + at * (K // 4),
+                                       xd_ptr + at * (K // 32), xsum_ptr + at * (K // PER_WORD),
+                                       xblock_sum_ptr + at * (K // 32), words, gwords, word_ok, num_words,
+                                       LOW_BITS, GROUP_WORDS, ONE_BLOCK, EVEN, INTERPRET),)
+    return stepped
+
+
 @triton.jit(do_not_specialize=["T", "stride_ot"])
 def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, partial_ptr, low_ptr, high_ptr,
                       d_ptr, m_ptr, a_ptr, b_ptr, N, K, SPLIT_WORDS, T, stride_ot,
@@ -57,7 +105,7 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, part
                       HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                       GROUP_WORDS: tl.constexpr, GROUP_SUM: tl.constexpr, STAGES: tl.constexpr,
                       EVEN: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr,
-                      ROWS: tl.constexpr = 1):
+                      ROWS: tl.constexpr = 1, EARLY: tl.constexpr = False):
     """The float GEMV's tiling and splits (quant_matmul._gemv_kernel), integer dot products per word. Where a factor
     group is one activation block (32 inputs: Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0), the group's word products
     are added as integers and turned into a float once per group and column, not once per word. A high plane's
@@ -68,13 +116,13 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, part
     (_row_step), so a row's output does not depend on the others or on ROWS; the tiles and K splits depend on the
     weight only. A last program with fewer rows computes its last row again in their place and stores nothing for
     them. Out row t at ``t * stride_ot``; with K splits, split j's partial sums of row t at ``partial_ptr + (j * T +
-    t) * N`` (float32), added by sum_splits_kernel."""
+    t) * N`` (float32), added by sum_splits_kernel. EARLY: the first K step's weights are read before the PDL wait
+    (the same operations in the same order: the same bits)."""
     PER_WORD: tl.constexpr = 32 // LOW_BITS
     PHASES: tl.constexpr = 8 // LOW_BITS
     GROUPS: tl.constexpr = BLOCK_W // GROUP_WORDS
     start = tl.program_id(2) * SPLIT_WORDS
     num_words = tl.minimum(K // PER_WORD, start + SPLIT_WORDS)
-    wait_for_previous_kernel(USE_PDL)
     first_row = tl.program_id(0) * ROWS
     packs_ptr += first_row * (K // 4)
     xd_ptr += first_row * (K // 32)
@@ -105,44 +153,43 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, part
     WORDS_PER_HIGH: tl.constexpr = LOW_BITS // HIGH_BITS if HIGH_BITS > 0 else 1
     HIGH_PER_GROUP: tl.constexpr = GROUP_WORDS == WORDS_PER_HIGH
     part = tile_words % WORDS_PER_HIGH
+    high_ptrs = low_ptrs   # (no high plane: unused)
     if HIGH_BITS > 0:
         tl.static_assert(BLOCK_W % WORDS_PER_HIGH == 0, "a tile must hold whole high-plane words")
         if HIGH_PER_GROUP:
             high_ptrs = high_ptr + ((start + group_first) // WORDS_PER_HIGH)[:, None, None] * N + cols3
         else:
             high_ptrs = high_ptr + (start + tile_words) // WORDS_PER_HIGH * N + cols3
-    # STAGES > 1: the next tiles' loads are issued while this one computes
-    for w0 in tl.range(start, num_words, BLOCK_W, num_stages=STAGES):
-        words = w0 + tile_words
-        gwords = (w0 + group_first)[:, None, None]
-        if EVEN:
-            word_ok = None
-            ok = None
-            group_ok = None
-        else:
-            word_ok = words < num_words
-            ok = word_ok & col_ok3
-            group_ok = (gwords < num_words) & col_ok3
-        low = load_masked(low_ptrs, ok, 0)
-        high = low
-        if HIGH_BITS > 0:
-            high = load_masked(high_ptrs, group_ok if HIGH_PER_GROUP else ok, 0)
-            high_ptrs += BLOCK_W // WORDS_PER_HIGH * N
-        wbytes = weight_bytes(low, high, part, LOW_BITS, HIGH_BITS, INTERPRET)
-        # the factors loaded as [GROUPS, 1, BLOCK_N], in the tile's own layout: loaded [GROUPS, BLOCK_N] they would
-        # be moved through shared memory every step, a barrier that stalls all the program's warps
-        scale, offset = word_factors(d_ptr, m_ptr, a_ptr, b_ptr, gwords * PER_WORD, cols3, group_ok, N, SCALE_GROUP,
-                                      SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
-        stepped = ()
-        for r in tl.static_range(ROWS):
-            at = row_offsets[r]
-            stepped = stepped + (_row_step(accs[r], wbytes, scale, offset, pack_ptrs + at * (K // 4),
-                                           xd_ptr + at * (K // 32), xsum_ptr + at * (K // PER_WORD),
-                                           xblock_sum_ptr + at * (K // 32), words, gwords, word_ok, num_words,
-                                           LOW_BITS, GROUP_WORDS, ONE_BLOCK, EVEN, INTERPRET),)
-        accs = stepped
+    if EARLY:
+        # the first tile's words and factors (weights: no kernel writes them) read before waiting for the previous
+        # kernel, so that their memory latency passes while it finishes (PDL: this grid's programs are already on
+        # the SMs); x is read only after the wait
+        low, high, scale, offset = _weight_tile(start, low_ptrs, high_ptrs, d_ptr, m_ptr, a_ptr, b_ptr, tile_words,
+                                                group_first, cols3, col_ok3, num_words, N, LOW_BITS, HIGH_BITS,
+                                                SCALE_GROUP, SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M,
+                                                HIGH_PER_GROUP, EVEN)
+    wait_for_previous_kernel(USE_PDL)
+    if EARLY:
+        accs = _tile_step(accs, low, high, scale, offset, part, pack_ptrs, xd_ptr, xsum_ptr, xblock_sum_ptr,
+                          row_offsets, start, tile_words, group_first, num_words, K, LOW_BITS, HIGH_BITS, GROUP_WORDS,
+                          ONE_BLOCK, EVEN, INTERPRET, ROWS)
         low_ptrs += BLOCK_W * N
         pack_ptrs += BLOCK_W * PHASES
+        if HIGH_BITS > 0:
+            high_ptrs += BLOCK_W // WORDS_PER_HIGH * N
+    # STAGES > 1: the next tiles' loads are issued while this one computes
+    for w0 in tl.range(start + BLOCK_W * EARLY, num_words, BLOCK_W, num_stages=STAGES):
+        low, high, scale, offset = _weight_tile(w0, low_ptrs, high_ptrs, d_ptr, m_ptr, a_ptr, b_ptr, tile_words,
+                                                group_first, cols3, col_ok3, num_words, N, LOW_BITS, HIGH_BITS,
+                                                SCALE_GROUP, SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M,
+                                                HIGH_PER_GROUP, EVEN)
+        accs = _tile_step(accs, low, high, scale, offset, part, pack_ptrs, xd_ptr, xsum_ptr, xblock_sum_ptr,
+                          row_offsets, w0, tile_words, group_first, num_words, K, LOW_BITS, HIGH_BITS, GROUP_WORDS,
+                          ONE_BLOCK, EVEN, INTERPRET, ROWS)
+        low_ptrs += BLOCK_W * N
+        pack_ptrs += BLOCK_W * PHASES
+        if HIGH_BITS > 0:
+            high_ptrs += BLOCK_W // WORDS_PER_HIGH * N
     splits = tl.num_programs(2)
     for r in tl.static_range(ROWS):
         row = first_row + r

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cvllm_cuda.kernels import gpu
+from cvllm_cuda.kernels import gpu, quant_tiles
 from cvllm_cuda.kernels.pdl import options as pdl_options
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.quant_tiles import (
@@ -83,13 +83,68 @@ def _unit(low, high_at, S: tl.constexpr, LOW_BITS: tl.constexpr, HIGH_BITS: tl.c
 
 
 @triton.jit
+def _float_weight_tile(w0, low_ptrs, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, tile_words, group_first, cols3,
+                       num_words, N, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
+                       SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
+                       HAS_M: tl.constexpr, EVEN: tl.constexpr):
+    """The weight side of _gemv_kernel's K step at word ``w0``: its low words, the high plane's bits for them (or
+    the low words again), and its groups' factors [GROUPS, 1, BLOCK_N]. Nothing of x."""
+    PER_WORD: tl.constexpr = 32 // LOW_BITS
+    words = w0 + tile_words
+    gwords = (w0 + group_first)[:, None, None]
+    if EVEN:
+        ok = None
+        group_ok = None
+    else:
+        ok = (words < num_words) & (cols3 < N)
+        group_ok = (gwords < num_words) & (cols3 < N)
+    low = load_masked(low_ptrs, ok, 0)
+    high_at = low
+    if HIGH_BITS > 0:
+        first = words * PER_WORD
+        high = load_masked(high_ptr + first // (32 // HIGH_BITS) * N + cols3, ok, 0)
+        high_at = high >> (first % (32 // HIGH_BITS) * HIGH_BITS)
+    # each group's factors, at its first word (a word never straddles a scale group), loaded [GROUPS, 1, BLOCK_N]
+    # in the tile's layout (no shared-memory round trip)
+    scale, offset = word_factors(d_ptr, m_ptr, a_ptr, b_ptr, gwords * PER_WORD, cols3, group_ok, N, SCALE_GROUP,
+                                  SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
+    return low, high_at, scale, offset
+
+
+@triton.jit
+def _float_tile_step(acc, low, high_at, scale, offset, x_ptrs, w0, tile_words, num_words, one_bits,
+                     LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, FLOAT8: tl.constexpr, GROUP_SUM: tl.constexpr,
+                     EVEN: tl.constexpr, INTERPRET: tl.constexpr):
+    """``acc`` plus the K step at word ``w0`` (its weights from _float_weight_tile) times x."""
+    PER_WORD: tl.constexpr = 32 // LOW_BITS
+    UNIT: tl.constexpr = 1.0 if FLOAT8 else float(1 << (LOW_BITS + HIGH_BITS))
+    word_ok = None if EVEN else (w0 + tile_words) < num_words
+    part = tl.zeros(low.shape, dtype=tl.float32)
+    x_sum = tl.zeros((low.shape[0], low.shape[1], 1), dtype=tl.float32)
+    for S in tl.static_range(PER_WORD):
+        x = load_masked(x_ptrs + S, word_ok, 0.0).to(tl.float32)
+        part += _unit(low, high_at, S, LOW_BITS, HIGH_BITS, FLOAT8, INTERPRET, one_bits) * x
+        x_sum += x
+    # part = sum(x) + sum(q x) / UNIT per word (FP8: sum(q x)), summed over the group's words
+    if GROUP_SUM:
+        part = tl.sum(part, axis=1, keep_dims=True)
+        x_sum = tl.sum(x_sum, axis=1, keep_dims=True)
+    scaled = scale * UNIT
+    if FLOAT8:
+        acc += part * scaled + offset * x_sum
+    else:
+        acc += part * scaled + (offset - scaled) * x_sum
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, out_ptr, partial_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K,
                  SPLIT_WORDS, one_bits,
                  LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
                  SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
                  HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                  GROUP_WORDS: tl.constexpr, GROUP_SUM: tl.constexpr, STAGES: tl.constexpr, EVEN: tl.constexpr,
-                 INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
+                 INTERPRET: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr = False):
     """Program (i, j) sums words j * SPLIT_WORDS .. (j + 1) * SPLIT_WORDS of output features i * BLOCK_N ...; with
     more than one split, each stores its partial sums in the float32 [splits, N] at ``partial_ptr``, added by
     ``sum_splits_kernel``.
@@ -97,13 +152,12 @@ def _gemv_kernel(x_ptr, out_ptr, partial_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a
     A tile is [BLOCK_W // GROUP_WORDS, GROUP_WORDS, BLOCK_N] words: GROUP_WORDS words share their factors (one
     scale group, or a part of one), loaded once per group and column. Per element: a shift, an or and a fused
     multiply-add of ``1 + q / 2**bits`` with x; per word, ``sum (1 + q/2**bits) x = sum x + sum(q x) / 2**bits``
-    turns into the weights' sum with one more multiply-add: ``scale * sum(q x) + offset * sum(x)``."""
+    turns into the weights' sum with one more multiply-add: ``scale * sum(q x) + offset * sum(x)``. EARLY: the first
+    K step's weights are read before the PDL wait (the same operations: the same bits)."""
     PER_WORD: tl.constexpr = 32 // LOW_BITS
     GROUPS: tl.constexpr = BLOCK_W // GROUP_WORDS
-    UNIT: tl.constexpr = 1.0 if FLOAT8 else float(1 << (LOW_BITS + HIGH_BITS))
     start = tl.program_id(1) * SPLIT_WORDS
     num_words = tl.minimum(K // PER_WORD, start + SPLIT_WORDS)
-    wait_for_previous_kernel(USE_PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols3 = cols[None, None, :]
     group_first = tl.arange(0, GROUPS) * GROUP_WORDS                                 # [GROUPS]
@@ -114,43 +168,25 @@ def _gemv_kernel(x_ptr, out_ptr, partial_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a
     # pointers advanced a tile at a time; EVEN: every tile in bounds, no masks (as in quant_gemv_int8.py)
     low_ptrs = low_ptr + (start + tile_words) * N + cols3
     x_ptrs = x_ptr + (start + tile_words) * PER_WORD
+    if EARLY:   # the first K step's weights read before the PDL wait (quant_gemv_int8.EARLY_WEIGHTS)
+        low, high_at, scale, offset = _float_weight_tile(start, low_ptrs, high_ptr, d_ptr, m_ptr, a_ptr,
+                                                         b_ptr, tile_words, group_first, cols3, num_words, N,
+                                                         LOW_BITS, HIGH_BITS, SCALE_GROUP, SUPER_GROUP, A_MODE,
+                                                         B_MODE, B_CONST, HAS_M, EVEN)
+    wait_for_previous_kernel(USE_PDL)
+    if EARLY:
+        acc = _float_tile_step(acc, low, high_at, scale, offset, x_ptrs, start, tile_words, num_words, one_bits,
+                               LOW_BITS, HIGH_BITS, FLOAT8, GROUP_SUM, EVEN, INTERPRET)
+        low_ptrs += BLOCK_W * N
+        x_ptrs += BLOCK_W * PER_WORD
     # STAGES > 1: Triton's software pipelining issues the next tiles' loads while this one computes
-    for w0 in tl.range(start, num_words, BLOCK_W, num_stages=STAGES):
-        words = w0 + tile_words
-        gwords = (w0 + group_first)[:, None, None]
-        if EVEN:
-            word_ok = None
-            ok = None
-            group_ok = None
-        else:
-            word_ok = words < num_words
-            ok = word_ok & (cols3 < N)
-            group_ok = (gwords < num_words) & (cols3 < N)
-        low = load_masked(low_ptrs, ok, 0)
-        high_at = low
-        if HIGH_BITS > 0:
-            first = words * PER_WORD
-            high = load_masked(high_ptr + first // (32 // HIGH_BITS) * N + cols3, ok, 0)
-            high_at = high >> (first % (32 // HIGH_BITS) * HIGH_BITS)
-        # each group's factors, at its first word (a word never straddles a scale group), loaded [GROUPS, 1, BLOCK_N]
-        # in the tile's layout (no shared-memory round trip)
-        scale, offset = word_factors(d_ptr, m_ptr, a_ptr, b_ptr, gwords * PER_WORD, cols3, group_ok, N, SCALE_GROUP,
-                                      SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
-        part = tl.zeros((GROUPS, GROUP_WORDS, BLOCK_N), dtype=tl.float32)
-        x_sum = tl.zeros((GROUPS, GROUP_WORDS, 1), dtype=tl.float32)
-        for S in tl.static_range(PER_WORD):
-            x = load_masked(x_ptrs + S, word_ok, 0.0).to(tl.float32)
-            part += _unit(low, high_at, S, LOW_BITS, HIGH_BITS, FLOAT8, INTERPRET, one_bits) * x
-            x_sum += x
-        # part = sum(x) + sum(q x) / UNIT per word (FP8: sum(q x)), summed over the group's words
-        if GROUP_SUM:
-            part = tl.sum(part, axis=1, keep_dims=True)
-            x_sum = tl.sum(x_sum, axis=1, keep_dims=True)
-        scaled = scale * UNIT
-        if FLOAT8:
-            acc += part * scaled + offset * x_sum
-        else:
-            acc += part * scaled + (offset - scaled) * x_sum
+    for w0 in tl.range(start + BLOCK_W * EARLY, num_words, BLOCK_W, num_stages=STAGES):
+        low, high_at, scale, offset = _float_weight_tile(w0, low_ptrs, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr,
+                                                         tile_words, group_first, cols3, num_words, N, LOW_BITS,
+                                                         HIGH_BITS, SCALE_GROUP, SUPER_GROUP, A_MODE, B_MODE,
+                                                         B_CONST, HAS_M, EVEN)
+        acc = _float_tile_step(acc, low, high_at, scale, offset, x_ptrs, w0, tile_words, num_words, one_bits,
+                               LOW_BITS, HIGH_BITS, FLOAT8, GROUP_SUM, EVEN, INTERPRET)
         low_ptrs += BLOCK_W * N
         x_ptrs += BLOCK_W * PER_WORD
     total = tl.sum(tl.sum(acc, axis=1), axis=0)
@@ -177,6 +213,7 @@ def quant_gemv(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: 
         ONE_BITS, **lay.kernel_args(), BLOCK_N=block_n,
         BLOCK_W=block_w, GROUP_WORDS=gw, GROUP_SUM=groups_in_thread(block_n, block_w, gw, warps),
         STAGES=stages[0] if stages else 1, EVEN=even_tiles(n, k, lay.low_bits, block_n, split_words),
-        INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=warps, **pdl_options(x.device))
+        INTERPRET=bool(triton.knobs.runtime.interpret), EARLY=quant_tiles.EARLY_WEIGHTS, num_warps=warps,
+        **pdl_options(x.device))
     if splits > 1:
         add_splits(partials, out, splits, n)

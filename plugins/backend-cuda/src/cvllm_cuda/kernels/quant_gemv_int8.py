@@ -39,7 +39,7 @@ import os
 import torch
 import triton
 
-from cvllm_cuda.kernels import gpu
+from cvllm_cuda.kernels import gpu, quant_tiles
 from cvllm_cuda.kernels.int8_activations import (
     BLOCK,
     buffers,
@@ -230,6 +230,7 @@ def _launch(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, tiles: tupl
         n, k, split_words, t, out.stride(0), **lay.kernel_args(), BLOCK_N=block_n,
         BLOCK_W=block_w, GROUP_WORDS=gw, STAGES=stages, GROUP_SUM=groups_in_thread(block_n, block_w, gw, warps),
         EVEN=even_tiles(n, k, lay.low_bits, block_n, split_words),
-        INTERPRET=bool(triton.knobs.runtime.interpret), ROWS=rows, num_warps=warps, **pdl_options(x.device))
+        INTERPRET=bool(triton.knobs.runtime.interpret), ROWS=rows, EARLY=quant_tiles.EARLY_WEIGHTS, num_warps=warps,
+        **pdl_options(x.device))
     if splits > 1:
         add_splits(partials, out, splits, n)
