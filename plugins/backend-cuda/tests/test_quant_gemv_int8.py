@@ -271,27 +271,34 @@ def test_tuned_tiles_are_keyed_by_the_kernel_that_runs():
     assert quant_gemv_key(4096, 4096, q4_k, False) not in h200
 
 
-@pytest.mark.parametrize("name,config,n,k,splits", [
-    ("q4_k", None, 24, 1024, None),          # the default tiles, K in 2 parts
-    ("q4_k", (16, 8, 4), 48, 512, 1),        # every tile in bounds (EVEN)
-    ("q8_0", (16, 8, 4), 13, 768, 3),        # N tail, K in 3 parts
-    ("q2_k", (16, 64, 4), 16, 768, 1),       # K tail: one step, part of it past the weight
-    ("Q6_K", None, 21, 1024, None),          # a high plane a group
-    ("Q3_K", (16, 8, 4), 13, 768, 3),        # a high word a low word
+@pytest.mark.parametrize("kernel,name,config,n,k,splits", [
+    ("int8", "q4_k", None, 24, 1024, None),          # the default tiles, K in 2 parts
+    ("int8", "q4_k", (16, 8, 4), 48, 512, 1),        # every tile in bounds (EVEN)
+    ("int8", "q8_0", (16, 8, 4), 13, 768, 3),        # N tail, K in 3 parts
+    ("int8", "q2_k", (16, 64, 4), 16, 768, 1),       # K tail: one step, part of it past the weight
+    ("int8", "Q6_K", None, 21, 1024, None),          # a high plane a group
+    ("int8", "Q3_K", (16, 8, 4), 13, 768, 3),        # a high word a low word
+    ("float", "gptq4_g128", None, 24, 1024, None),   # GPTQ's W4A16 GEMV, the default tiles and split
+    ("float", "q4_k", (16, 8, 4), 48, 512, 1),
+    ("float", "q6_k", (16, 8, 4), 13, 768, 3),       # a high plane; N tail, K in 3 parts
 ])
-def test_the_first_weight_tile_read_before_the_wait_changes_no_bit(monkeypatch, name, config, n, k, splits):
-    """CVLLM_GEMV_EARLY_WEIGHTS (the kernel's EARLY): the first K step's weights read before the PDL wait, the
-    step itself after it: every row's output the same bits as without, whatever the tiles, masks and splits."""
+def test_the_first_weight_tile_read_before_the_wait_changes_no_bit(monkeypatch, kernel, name, config, n, k, splits):
+    """CVLLM_GEMV_EARLY_WEIGHTS (the kernels' EARLY): the first K step's weights read before the PDL wait, the
+    step itself after it: every row's output the same bits as without, whatever the tiles, masks and splits, in
+    the int8 GEMV (3 rows) and the float one (quant_gemv.py, 1 row)."""
     if name.isupper():
         weight, _ = gguf_weight(name, n, k, seed=23)
     else:
-        weight = random_weight(dataclasses.replace(LAYOUTS[name], int8_activations=True), n, k, DEVICE, seed=23)
-    x = torch.randn(3, k, generator=torch.Generator().manual_seed(23)).to(DEVICE)
+        layout = LAYOUTS[name]
+        weight = random_weight(dataclasses.replace(layout, int8_activations=kernel == "int8"), n, k, DEVICE, seed=23)
+    rows = 3 if kernel == "int8" else 1
+    gemv = quant_gemv_int8.quant_gemv_int8 if kernel == "int8" else quant_gemv.quant_gemv
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(23)).to(DEVICE)
     outs = []
     for early in (False, True):
         monkeypatch.setattr(quant_tiles, "EARLY_WEIGHTS", early)
-        outs.append(torch.full((3, n), float("nan"), device=DEVICE))
-        quant_gemv_int8.quant_gemv_int8(x, weight, outs[-1], config, splits=splits)
+        outs.append(torch.full((rows, n), float("nan"), device=DEVICE))
+        gemv(x, weight, outs[-1], config, splits=splits)
     assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
 
 
@@ -313,21 +320,3 @@ def test_gpu_early_weights_change_no_bit(monkeypatch, name):
             outs.append(torch.empty(rows, 4096, device=DEVICE, dtype=torch.bfloat16))
             quant_gemv_int8.quant_gemv_int8(x, weight, outs[-1])
     assert all(torch.equal(outs[0], out) for out in outs[1:])
-
-
-@pytest.mark.parametrize("name,config,n,k,splits", [
-    ("gptq4_g128", None, 24, 1024, None),    # GPTQ's W4A16 GEMV, the default tiles and split
-    ("q4_k", (16, 8, 4), 48, 512, 1),        # every tile in bounds (EVEN)
-    ("q6_k", (16, 8, 4), 13, 768, 3),        # a high plane; N tail, K in 3 parts
-])
-def test_the_float_gemvs_first_weight_tile_read_before_the_wait_changes_no_bit(monkeypatch, name, config, n, k,
-                                                                                splits):
-    """The float-activation GEMV (quant_gemv.py) with EARLY: the same bits as without."""
-    weight = random_weight(LAYOUTS[name], n, k, DEVICE, seed=31)
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(31)).to(DEVICE)
-    outs = []
-    for early in (False, True):
-        monkeypatch.setattr(quant_tiles, "EARLY_WEIGHTS", early)
-        outs.append(torch.full((1, n), float("nan"), device=DEVICE))
-        quant_gemv.quant_gemv(x, weight, outs[-1], config, splits=splits)
-    assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
