@@ -30,7 +30,8 @@
 # "gemvfusions" (issue 18): GPTQ on int8 activations in the stack of layers, the swapped GEMM's operand lanes (~3 min);
 # "fp8gemv" (issue 18): the FP8 weights' batch-1 GEMV tiles swept, --isq fp8 batch 1 before and after (~7 min);
 # "fusionslatency": the batch-1 standing of every --isq type beside bf16, with a Q6_K head and GPTQ W4A8 (~5 min).
-# "earlyweights" (issue 18): the GEMVs' first weight tile read before the PDL wait, off and on, every type (~5 min).
+# "earlyweights" (issue 18): the GEMVs' first weight tile read before the PDL wait, off and on, every type, and a q4k
+# profile with it (~6 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
 # NVLink multicast stays off on the shared multi-GPU hosts (h200_setup.sh sets these too; the benchmarks pass them on)
@@ -309,7 +310,10 @@ earlyweights)
                 --json "$out/$day-h200-latency-$q-early$early-$commit.json"
         done
     done
-    python3 bench/latency_table.py "$out"/$day-h200-latency-*-early*-$commit.json ;;
+    python3 bench/latency_table.py "$out"/$day-h200-latency-*-early*-$commit.json
+    # where the q4k step goes with it (compare session 35's profile, docs/benchmarks.md)
+    CVLLM_GEMV_EARLY_WEIGHTS=1 run profile-b1-q4k-early1 120 python3 bench/profile_decode.py --batch 1 \
+        --context 1024 --steps 10 --isq q4k ;;
 fp8gemv)
     # issue 18: the FP8 weights' batch-1 GEMV (kernels/gemv.py with row scales: --isq fp8, FP8 checkpoints) has only
     # run bf16's default tile (4, 1024, 2, 3), a K step of 1 KB a row where bf16's tuned tiles read 4 KB: batch-1
