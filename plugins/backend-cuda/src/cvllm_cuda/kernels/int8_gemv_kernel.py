@@ -50,43 +50,45 @@ def _row_step(acc, wbytes, scale, offset, pack_ptrs, xd_ptr, xsum_ptr, xblock_su
 
 
 @triton.jit
-def _weight_tile(w0, low_ptrs, high_ptrs, d_ptr, m_ptr, a_ptr, b_ptr, tile_words, group_first, cols3, col_ok3,
-                 num_words, N, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr,
-                 SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
-                 HAS_M: tl.constexpr, HIGH_PER_GROUP: tl.constexpr, EVEN: tl.constexpr):
-    """The weight side of the K step at word ``w0``: its low words (and high-plane words) [GROUPS, GROUP_WORDS,
-    BLOCK_N] and its factors [GROUPS, 1, BLOCK_N]. Nothing of x."""
-    PER_WORD: tl.constexpr = 32 // LOW_BITS
-    gwords = (w0 + group_first)[:, None, None]
+def _weight_words(w0, low_ptrs, high_ptrs, tile_words, group_first, col_ok3, num_words, HIGH_BITS: tl.constexpr,
+                  HIGH_PER_GROUP: tl.constexpr, EVEN: tl.constexpr):
+    """The K step at word ``w0``'s low words (and high-plane words) [GROUPS, GROUP_WORDS, BLOCK_N]."""
     if EVEN:
         ok = None
         group_ok = None
     else:
         ok = ((w0 + tile_words) < num_words) & col_ok3
-        group_ok = (gwords < num_words) & col_ok3
+        group_ok = ((w0 + group_first)[:, None, None] < num_words) & col_ok3
     low = load_masked(low_ptrs, ok, 0)
     high = low
     if HIGH_BITS > 0:
         high = load_masked(high_ptrs, group_ok if HIGH_PER_GROUP else ok, 0)
-    # the factors loaded as [GROUPS, 1, BLOCK_N], in the tile's own layout: loaded [GROUPS, BLOCK_N] they would
-    # be moved through shared memory every step, a barrier that stalls all the program's warps
-    scale, offset = word_factors(d_ptr, m_ptr, a_ptr, b_ptr, gwords * PER_WORD, cols3, group_ok, N, SCALE_GROUP,
-                                  SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
-    return low, high, scale, offset
+    return low, high
 
 
 @triton.jit
-def _tile_step(accs, low, high, scale, offset, part, pack_ptrs, xd_ptr, xsum_ptr, xblock_sum_ptr, row_offsets, w0,
-               tile_words, group_first, num_words, K, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr,
-               GROUP_WORDS: tl.constexpr, ONE_BLOCK: tl.constexpr, EVEN: tl.constexpr, INTERPRET: tl.constexpr,
-               ROWS: tl.constexpr):
-    """Every row's accumulator after the K step at word ``w0`` (its weights from _weight_tile): the words' bytes
-    made once for all the rows (weight_bytes), then each row's products (_row_step)."""
+def _weight_factors(w0, d_ptr, m_ptr, a_ptr, b_ptr, group_first, cols3, col_ok3, num_words, N,
+                    LOW_BITS: tl.constexpr, SCALE_GROUP: tl.constexpr, SUPER_GROUP: tl.constexpr,
+                    A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr, HAS_M: tl.constexpr,
+                    EVEN: tl.constexpr):
+    """The K step at word ``w0``'s factors, loaded as [GROUPS, 1, BLOCK_N] in the tile's own layout (loaded [GROUPS,
+    BLOCK_N] they would be moved through shared memory every step, a barrier that stalls all the program's warps)."""
+    gwords = (w0 + group_first)[:, None, None]
+    group_ok = None if EVEN else (gwords < num_words) & col_ok3
+    return word_factors(d_ptr, m_ptr, a_ptr, b_ptr, gwords * (32 // LOW_BITS), cols3, group_ok, N, SCALE_GROUP,
+                        SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
+
+
+@triton.jit
+def _tile_step(accs, wbytes, scale, offset, pack_ptrs, xd_ptr, xsum_ptr, xblock_sum_ptr, row_offsets, w0,
+               tile_words, group_first, num_words, K, LOW_BITS: tl.constexpr, GROUP_WORDS: tl.constexpr,
+               ONE_BLOCK: tl.constexpr, EVEN: tl.constexpr, INTERPRET: tl.constexpr, ROWS: tl.constexpr):
+    """Every row's accumulator after the K step at word ``w0``: its words' bytes (weight_bytes, made once for all
+    the rows) and factors times each row's int8 packs (_row_step)."""
     PER_WORD: tl.constexpr = 32 // LOW_BITS
     words = w0 + tile_words
     gwords = (w0 + group_first)[:, None, None]
     word_ok = None if EVEN else words < num_words
-    wbytes = weight_bytes(low, high, part, LOW_BITS, HIGH_BITS, INTERPRET)
     stepped = ()
     for r in tl.static_range(ROWS):
         at = row_offsets[r]
@@ -164,32 +166,34 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, part
         # the first tile's words and factors (weights: no kernel writes them) read before waiting for the previous
         # kernel, so that their memory latency passes while it finishes (PDL: this grid's programs are already on
         # the SMs); x is read only after the wait
-        low, high, scale, offset = _weight_tile(start, low_ptrs, high_ptrs, d_ptr, m_ptr, a_ptr, b_ptr, tile_words,
-                                                group_first, cols3, col_ok3, num_words, N, LOW_BITS, HIGH_BITS,
-                                                SCALE_GROUP, SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M,
-                                                HIGH_PER_GROUP, EVEN)
+        low, high = _weight_words(start, low_ptrs, high_ptrs, tile_words, group_first, col_ok3, num_words,
+                                  HIGH_BITS, HIGH_PER_GROUP, EVEN)
+        scale, offset = _weight_factors(start, d_ptr, m_ptr, a_ptr, b_ptr, group_first, cols3, col_ok3, num_words,
+                                        N, LOW_BITS, SCALE_GROUP, SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M, EVEN)
     wait_for_previous_kernel(USE_PDL)
     if EARLY:
-        accs = _tile_step(accs, low, high, scale, offset, part, pack_ptrs, xd_ptr, xsum_ptr, xblock_sum_ptr,
-                          row_offsets, start, tile_words, group_first, num_words, K, LOW_BITS, HIGH_BITS, GROUP_WORDS,
-                          ONE_BLOCK, EVEN, INTERPRET, ROWS)
+        wbytes = weight_bytes(low, high, part, LOW_BITS, HIGH_BITS, INTERPRET)
+        accs = _tile_step(accs, wbytes, scale, offset, pack_ptrs, xd_ptr, xsum_ptr, xblock_sum_ptr, row_offsets,
+                          start, tile_words, group_first, num_words, K, LOW_BITS, GROUP_WORDS, ONE_BLOCK, EVEN,
+                          INTERPRET, ROWS)
         low_ptrs += BLOCK_W * N
         pack_ptrs += BLOCK_W * PHASES
         if HIGH_BITS > 0:
             high_ptrs += BLOCK_W // WORDS_PER_HIGH * N
     # STAGES > 1: the next tiles' loads are issued while this one computes
     for w0 in tl.range(start + BLOCK_W * EARLY, num_words, BLOCK_W, num_stages=STAGES):
-        low, high, scale, offset = _weight_tile(w0, low_ptrs, high_ptrs, d_ptr, m_ptr, a_ptr, b_ptr, tile_words,
-                                                group_first, cols3, col_ok3, num_words, N, LOW_BITS, HIGH_BITS,
-                                                SCALE_GROUP, SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M,
-                                                HIGH_PER_GROUP, EVEN)
-        accs = _tile_step(accs, low, high, scale, offset, part, pack_ptrs, xd_ptr, xsum_ptr, xblock_sum_ptr,
-                          row_offsets, w0, tile_words, group_first, num_words, K, LOW_BITS, HIGH_BITS, GROUP_WORDS,
-                          ONE_BLOCK, EVEN, INTERPRET, ROWS)
-        low_ptrs += BLOCK_W * N
-        pack_ptrs += BLOCK_W * PHASES
+        low, high = _weight_words(w0, low_ptrs, high_ptrs, tile_words, group_first, col_ok3, num_words, HIGH_BITS,
+                                  HIGH_PER_GROUP, EVEN)
         if HIGH_BITS > 0:
             high_ptrs += BLOCK_W // WORDS_PER_HIGH * N
+        wbytes = weight_bytes(low, high, part, LOW_BITS, HIGH_BITS, INTERPRET)
+        scale, offset = _weight_factors(w0, d_ptr, m_ptr, a_ptr, b_ptr, group_first, cols3, col_ok3, num_words, N,
+                                        LOW_BITS, SCALE_GROUP, SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M, EVEN)
+        accs = _tile_step(accs, wbytes, scale, offset, pack_ptrs, xd_ptr, xsum_ptr, xblock_sum_ptr, row_offsets,
+                          w0, tile_words, group_first, num_words, K, LOW_BITS, GROUP_WORDS, ONE_BLOCK, EVEN,
+                          INTERPRET, ROWS)
+        low_ptrs += BLOCK_W * N
+        pack_ptrs += BLOCK_W * PHASES
     splits = tl.num_programs(2)
     for r in tl.static_range(ROWS):
         row = first_row + r
