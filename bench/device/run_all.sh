@@ -251,7 +251,8 @@ swapped)
 producers)
     # issue 18: the int8 activations made by the kernels that feed the GEMVs (f154aeb, 7d297fe;
     # CVLLM_QUANT_PRODUCER_ACTIVATIONS) and an --isq LM head in low bits (CVLLM_ISQ_LM_HEAD): the GPU tests, then
-    # batch-1 decode of bf16, --isq q4k and q8_0 with the producers off and on, and on with the head quantized (~8 min)
+    # batch-1 decode of bf16, --isq q4k and q8_0 with the producers off and on (a float head), and on with the head
+    # quantized (the default since session 35) (~8 min)
     t=plugins/backend-cuda/tests
     # (test_int8_activations.py's tests are the interpreter's, compiled here: not marked gpu)
     run gpu-tests-producers-compiled 120 python3 -m pytest -p no:cacheprovider -q $t/test_int8_activations.py
@@ -264,7 +265,7 @@ producers)
         head=$([ $q = q4k ] && echo q6k || echo q8_0)
         for case in producers0 producers1 producers1-head; do
             on=$([ $case = producers0 ] && echo 0 || echo 1)
-            CVLLM_QUANT_PRODUCER_ACTIVATIONS=$on CVLLM_ISQ_LM_HEAD=$([ $case = producers1-head ] && echo $head) \
+            CVLLM_QUANT_PRODUCER_ACTIVATIONS=$on CVLLM_ISQ_LM_HEAD=$([ $case = producers1-head ] && echo $head || echo float) \
                 run latency-$q-$case 120 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
                 --isq $q --json "$out/$day-$card-latency-isq-$q-$case-$commit.json"
         done
