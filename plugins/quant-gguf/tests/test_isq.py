@@ -246,7 +246,7 @@ def test_rows_without_super_blocks_fall_back_like_llama_cpp(tmp_path, caplog):
     assert fallbacks == [f"isq: layer 'model.layers.{i}.mlp.down_proj' has 320 inputs, not a multiple of 256: "
                          f"Q5_0 instead of Q4_K" for i in range(len(layers))]
     summary = [r.getMessage() for r in caplog.records if r.getMessage().startswith("quantized ")]
-    assert len(summary) == 1 and summary[0].startswith("quantized 9 linear layers to Q4_K, ")   # and the head
+    assert len(summary) == 1 and summary[0].startswith("quantized 9 linear layers to Q4_K (the LM head to Q6_K), ")
     assert "(2 fell back)" in summary[0]
     reference = own_reference(model, lambda in_features: GGMLType.Q5_0 if in_features == 320 else GGMLType.Q4_K)
     assert greedy(llm) == hf_greedy(reference, PROMPTS, NEW_TOKENS)
@@ -281,7 +281,7 @@ def test_a_logged_load_has_one_line_per_phase_and_no_bars(checkpoint):
     assert phase("INFO cvllm.engine.model_runner: loaded ").startswith(
         f"INFO cvllm.engine.model_runner: loaded {tensors} weights (")
     assert phase("INFO cvllm_gguf.isq: quantized ").startswith(
-        "INFO cvllm_gguf.isq: quantized 9 linear layers to Q8_0, ")
+        "INFO cvllm_gguf.isq: quantized 9 linear layers to Q8_0 (the LM head to Q8_0), ")
     assert phase("INFO cvllm.engine.model_runner: prepared ").startswith(
         "INFO cvllm.engine.model_runner: prepared 9 quantized layers in ")
 

@@ -95,6 +95,7 @@ class ISQProgress:
     bytes_before: int = 0  # the quantized layers' weights at the engine dtype
     bytes_after: int = 0
     fallbacks: dict[str, GGMLType] = field(default_factory=dict)
+    head: GGMLType | None = None   # the LM head's type, where it is quantized too (counted with the layers)
     phase: Progress | None = None
 
     def shard_started(self) -> None:
@@ -107,7 +108,8 @@ class ISQProgress:
         self.phase.update()
         if self.phase.count == self.layers:
             fell_back = f" ({len(self.fallbacks)} fell back)" if self.fallbacks else ""
-            self.phase.finish(f" to {self.requested.name}, {self.bytes_before / 2**20:.1f} MiB -> "
+            head = f" (the LM head to {self.head.name})" if self.head else ""
+            self.phase.finish(f" to {self.requested.name}{head}, {self.bytes_before / 2**20:.1f} MiB -> "
                               f"{self.bytes_after / 2**20:.1f} MiB{fell_back}")
 
 
@@ -180,6 +182,7 @@ class ISQTableMethod(ISQLinearMethod, GGUFTableMethod):
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, dtype: torch.dtype) -> None:
         super().create_weights(layer, input_size, output_size, dtype)
         layer.table_dtype = dtype
+        self.progress.head = self.qtype
 
 
 def quantized_lazily(floats: LazyTensor, qtype: GGMLType, device: torch.device) -> LazyTensor:
