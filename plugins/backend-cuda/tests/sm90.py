@@ -116,3 +116,11 @@ def sass(kernel) -> list[str]:
                               check=True).stdout
     return [line.split("*/", 1)[1].split(";")[0].strip() for line in dump.splitlines()
             if re.match(r"\s*/\*[0-9a-f]{4}\*/", line)]
+
+
+def loads_before_wait(kernel) -> int:
+    """Global loads (LDG) a compiled kernel issues before its one ``griddepcontrol.wait`` (SASS ACQBULK), the PDL
+    wait: what it reads while the previous kernel may still be running."""
+    lines = sass(kernel)
+    [wait] = [i for i, line in enumerate(lines) if line.startswith("ACQBULK")]
+    return sum(line.startswith("LDG") for line in lines[:wait])
