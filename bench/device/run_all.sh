@@ -32,6 +32,7 @@
 # "fusionslatency": the batch-1 standing of every --isq type beside bf16, with a Q6_K head and GPTQ W4A8 (~5 min).
 # "earlyweights" (issue 18): the GEMVs' first weight tile read before the PDL wait, off and on, every type, and a q4k
 # profile with it (~6 min).
+# "tma" (issue 18): the int8 GEMV's low plane through TMA: a load-only probe, its tiles, batch-1 q4k and q8_0 (~7 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
 # NVLink multicast stays off on the shared multi-GPU hosts (h200_setup.sh sets these too; the benchmarks pass them on)
@@ -319,6 +320,25 @@ earlyweights)
     # where the q4k step goes with it (compare session 35's profile, docs/benchmarks.md)
     CVLLM_GEMV_EARLY_WEIGHTS=1 run profile-b1-q4k-early1 120 python3 bench/profile_decode.py --batch 1 \
         --context 1024 --steps 10 --isq q4k ;;
+tma)
+    # issue 18: the int8 GEMV's low plane through TMA (CVLLM_GEMV_TMA; quant_gemv_int8.py): the load-only probe of
+    # pointer and TMA loads, the GPU tests, the stack of layers' Q4_K tiles with TMA (deeper pipelines), then batch-1
+    # q4k and q8_0 with it off, on, and on 6 stages deep, beside bf16 (~7 min)
+    t=plugins/backend-cuda/tests
+    run tma-probe 150 python3 bench/tma_stream_probe.py --json "$out/$day-$card-tma_stream_probe-$commit.json"
+    run gpu-tests-tma 150 python3 -m pytest -p no:cacheprovider -q $t/test_quant_gemv_int8.py -k tma
+    CVLLM_GEMV_TMA=1 run tune-tma-q4_k 150 python3 bench/tune_quant_gemv.py --layouts q4_k --budget-s 110 --pps 1,2 \
+        --configs "32,64,4,3;32,64,4,5;32,64,4,8;32,128,4,4;32,128,8,4;64,64,4,4" \
+        --json "$out/$day-$card-tune_quant_gemv-tma-q4_k-$commit.json"
+    for q in none q4k q8_0; do
+        for tma in 0 1 6; do
+            [ $q = none ] && [ $tma != 0 ] && continue
+            CVLLM_GEMV_TMA=$([ $tma = 0 ] && echo 0 || echo 1) CVLLM_GEMV_TMA_STAGES=$([ $tma = 6 ] && echo 6 || echo 0) \
+                run latency-$q-tma$tma 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
+                $([ $q = none ] || echo --isq $q) --json "$out/$day-$card-latency-$q-tma$tma-$commit.json"
+        done
+    done
+    python3 bench/latency_table.py "$out"/$day-$card-latency-*-tma*-$commit.json ;;
 fp8gemv)
     # issue 18: the FP8 weights' batch-1 GEMV (kernels/gemv.py with row scales: --isq fp8, FP8 checkpoints) has only
     # run bf16's default tile (4, 1024, 2, 3), a K step of 1 KB a row where bf16's tuned tiles read 4 KB: batch-1

@@ -15,6 +15,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 def compile_sm90(fn, signature: dict, constexprs: dict, warps: int, stages: int | None = None,
@@ -72,7 +73,12 @@ def compile_launch(fn, args: tuple, kwargs: dict):
             constexprs[name] = values[name] if name in values else param.default
             continue
         value = values[name]
-        if isinstance(value, torch.Tensor):
+        if value is None:   # (Triton's launcher makes a None argument a constant)
+            constexprs[name] = None
+        elif isinstance(value, TensorDescriptor):
+            signature[name] = f"tensordesc<{TYPES[value.base.dtype]}" \
+                              f"[{', '.join(map(str, value.block_shape))}]>"
+        elif isinstance(value, torch.Tensor):
             signature[name] = "*" + TYPES[value.dtype]
         elif isinstance(value, float):
             signature[name] = "fp32"

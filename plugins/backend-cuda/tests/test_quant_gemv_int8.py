@@ -320,3 +320,53 @@ def test_gpu_early_weights_change_no_bit(monkeypatch, name):
             outs.append(torch.empty(rows, 4096, device=DEVICE, dtype=torch.bfloat16))
             quant_gemv_int8.quant_gemv_int8(x, weight, outs[-1])
     assert all(torch.equal(outs[0], out) for out in outs[1:])
+
+
+@pytest.mark.parametrize("name,config,n,k,splits,early", [
+    ("q4_k", None, 24, 1024, None, False),          # the default tiles, K in 2 parts
+    ("q4_k", (16, 8, 4), 48, 512, 1, True),         # every tile in bounds (EVEN), the first tile before the wait
+    ("q8_0", (16, 8, 4), 20, 768, 3, False),        # N tail (TMA's zero fill past the plane), K in 3 parts
+    ("q8_0", (16, 8, 4), 13, 768, 3, False),        # rows 52 bytes apart: no descriptor, the pointer loads
+    ("q2_k", (16, 64, 4), 16, 768, 1, True),        # K tail: one step, part of it past the weight
+    ("Q6_K", None, 21, 1024, None, False),          # a high plane a group (its words by pointer)
+    ("Q3_K", (16, 8, 4), 20, 768, 3, True),         # a high word a low word
+])
+def test_low_words_through_a_tma_descriptor_change_no_bit(monkeypatch, name, config, n, k, splits, early):
+    """CVLLM_GEMV_TMA (the kernel's TMA): the low plane's tiles read through a tensor descriptor give every row's
+    output the bits of the pointer loads, whatever the tiles, tails, splits and high planes."""
+    if name.isupper():
+        weight, _ = gguf_weight(name, n, k, seed=31)
+    else:
+        weight = random_weight(dataclasses.replace(LAYOUTS[name], int8_activations=True), n, k, DEVICE, seed=31)
+    monkeypatch.setattr(quant_tiles, "EARLY_WEIGHTS", early)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(31)).to(DEVICE)
+    outs = []
+    for tma in (False, True):
+        outs.append(torch.full((3, n), float("nan"), device=DEVICE))
+        quant_gemv_int8.quant_gemv_int8(x, weight, outs[-1], config, splits=splits, tma=tma)
+    assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
+    # TMA ran (the interpreter reads descriptors too) where the plane's rows are a multiple of 16 bytes apart
+    assert bool(weight.descriptors) == (n % 4 == 0) or DEVICE == "cuda"
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["q4_k", "q8_0", "q6_k", "q3_k"])
+@pytest.mark.parametrize("early", [False, True])
+def test_gpu_tma_changes_no_bit(monkeypatch, name, early):
+    """Compiled (TMA copies on Hopper, PDL), Llama-shaped, the default tiles and split and a 3-way split:
+    CVLLM_GEMV_TMA gives the bits of the pointer loads, each launch right after a kernel that writes x."""
+    layout = dataclasses.replace(LAYOUTS[name], int8_activations=True)
+    weight = random_weight(layout, 4096, 4096, DEVICE, seed=37)
+    monkeypatch.setattr(quant_tiles, "EARLY_WEIGHTS", early)
+    rows = quant_gemv_int8.MAX_ROWS
+    source = torch.randn(rows, 4096, device=DEVICE, dtype=torch.bfloat16)
+    for splits in (None, 3):
+        outs = []
+        for tma in (False, True, True):
+            x = source * 1.0   # written by the kernel just before
+            outs.append(torch.empty(rows, 4096, device=DEVICE, dtype=torch.bfloat16))
+            quant_gemv_int8.quant_gemv_int8(x, weight, outs[-1], splits=splits, tma=tma)
+        assert all(torch.equal(outs[0], out) for out in outs[1:]), splits
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert weight.descriptors
