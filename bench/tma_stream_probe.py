@@ -95,13 +95,19 @@ def main() -> None:
     planes = [{s: torch.randint(-(1 << 31), 1 << 31, (k * LOW_BITS // 32, n), dtype=torch.int32, device="cuda")
                for s, (n, k) in SHAPES.items()} for _ in range(args.layers)]
     results: dict = {"gpu": torch.cuda.get_device_name(), "sms": sms, "shapes": {}}
-    for s, (n, k) in SHAPES.items():
+    for s, (n, _) in SHAPES.items():
         layer_planes = [layer[s] for layer in planes]
         nbytes = layer_planes[0].numel() * 4
+
         copies = [torch.empty_like(p) for p in layer_planes]
-        copy_us = captured_us(lambda: [c.copy_(p) for c, p in zip(copies, layer_planes)], args.layers)
-        del copies
-        # a copy reads and writes: its read rate is half its traffic's
+
+        def copy(sources=layer_planes, targets=copies):
+            for target, source in zip(targets, sources):
+                target.copy_(source)
+
+        copy_us = captured_us(copy, args.layers)
+        del copy, copies
+        # a copy reads and writes its bytes: TB/s of its traffic is twice its read rate
         row = {"bytes": nbytes, "copy_us": copy_us, "copy_read_tb_s": nbytes / copy_us / 1e6, "runs": {}}
         print(f"{s:8s} {nbytes / 1e6:6.1f} MB a layer; torch copy {copy_us:6.1f} us ({2 * nbytes / copy_us / 1e6:.2f} "
               f"TB/s read + written)", flush=True)
@@ -116,8 +122,9 @@ def main() -> None:
                     descriptors = [TensorDescriptor.from_tensor(p, [block_w, block_n]) if tma else None
                                    for p in layer_planes]
 
-                    def run(outs=outs, descriptors=descriptors, config=config, splits=splits, tma=tma):
-                        for p, o, d in zip(layer_planes, outs, descriptors):
+                    def run(planes=layer_planes, outs=outs, descriptors=descriptors, config=config, splits=splits,
+                            tma=tma):
+                        for p, o, d in zip(planes, outs, descriptors):
                             stream(p, o, config, splits, tma, d)
 
                     try:
