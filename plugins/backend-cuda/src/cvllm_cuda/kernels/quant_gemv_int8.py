@@ -174,7 +174,7 @@ def low_descriptor(weight: QuantWeight, block_w: int, block_n: int, group_words:
         return None
     if low.data_ptr() % 16 or low.stride() != (n, 1) or n % 4 or block_n < 4 or words % group_words:
         return None
-    key = (block_w, block_n, group_words)
+    key = (low.data_ptr(), block_w, block_n, group_words)   # (the plane's address: a descriptor holds it)
     if key not in weight.descriptors:
         weight.descriptors[key] = TensorDescriptor(low, [words // group_words, group_words, n],
                                                    [group_words * n, n, 1], [block_w // group_words, group_words,
