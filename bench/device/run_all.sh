@@ -326,7 +326,7 @@ tma)
     # q4k and q8_0 with it off, on, on 6 stages deep and on with the early weights, beside bf16 (~8 min; past one
     # call's 10 minutes with a cold start: ONLY="..." splits it)
     t=plugins/backend-cuda/tests
-    run tma-probe 150 python3 bench/tma_stream_probe.py --json "$out/$day-$card-tma_stream_probe-$commit.json"
+    run tma-probe 200 python3 bench/tma_stream_probe.py --json "$out/$day-$card-tma_stream_probe-$commit.json"
     run gpu-tests-tma 150 python3 -m pytest -p no:cacheprovider -q $t/test_quant_gemv_int8.py -k tma
     CVLLM_GEMV_TMA=1 run tune-tma-q4_k 150 python3 bench/tune_quant_gemv.py --layouts q4_k --budget-s 110 --pps 1,2 \
         --configs "32,64,4,3;32,64,4,5;32,64,4,8;32,128,4,4;32,128,8,4;64,64,4,4" \
