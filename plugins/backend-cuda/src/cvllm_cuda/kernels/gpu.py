@@ -1,5 +1,5 @@
 """What the kernel wrappers ask of the GPU they launch on, asked once per device: its name (the key of the
-committed tuned tables), its SM count, and a tuned table's entry for it."""
+committed tuned tables), its SM count, its compute capability, and a tuned table's entry for it."""
 
 from __future__ import annotations
 
@@ -21,6 +21,11 @@ def device_name(index: int) -> str:
 @functools.cache
 def num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
+def capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def tuned_entry(table: dict[str, dict[Any, Any]], device: torch.device, key: Any) -> Any:

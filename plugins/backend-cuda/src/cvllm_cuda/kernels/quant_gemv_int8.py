@@ -160,7 +160,7 @@ def tma_device(device: torch.device) -> bool:
     """Whether kernels on ``device`` can read through TMA descriptors: Hopper and later, or Triton's interpreter."""
     if triton.knobs.runtime.interpret:
         return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cuda" and gpu.capability(gpu.device_index(device))[0] >= 9
 
 
 def low_descriptor(weight: QuantWeight, block_w: int, block_n: int, group_words: int) -> TensorDescriptor | None:
