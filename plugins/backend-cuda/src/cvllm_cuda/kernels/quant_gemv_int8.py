@@ -167,18 +167,20 @@ def low_descriptor(weight: QuantWeight, block_w: int, block_n: int, group_words:
     """A TMA descriptor of ``weight``'s low plane [words, N] seen as [words / group_words, group_words, N], in boxes
     of the kernel's tile [block_w / group_words, group_words, block_n] (made once a weight and box), or None where
     TMA cannot read it: before Hopper, a plane not 16-byte aligned, rows not a multiple of 16 bytes apart, a box row
-    under 16 bytes, words not whole groups. Triton's interpreter reads descriptors too (the tests)."""
+    under 16 bytes or a side not a power of two, words not whole groups. Triton's interpreter reads descriptors too
+    (the tests)."""
     low = weight.low
     words, n = low.shape
     if not tma_device(low.device):
         return None
-    if low.data_ptr() % 16 or low.stride() != (n, 1) or n % 4 or block_n < 4 or words % group_words:
+    box = [block_w // group_words, group_words, block_n]
+    if (low.data_ptr() % 16 or low.stride() != (n, 1) or n % 4 or block_n < 4 or words % group_words
+            or any(d & (d - 1) for d in box)):   # (a box's sides are powers of two)
         return None
     key = (low.data_ptr(), block_w, block_n, group_words)   # (the plane's address: a descriptor holds it)
     if key not in weight.descriptors:
         weight.descriptors[key] = TensorDescriptor(low, [words // group_words, group_words, n],
-                                                   [group_words * n, n, 1], [block_w // group_words, group_words,
-                                                                             block_n])
+                                                   [group_words * n, n, 1], box)
     return weight.descriptors[key]
 
 
