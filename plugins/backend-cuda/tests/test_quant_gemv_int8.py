@@ -370,3 +370,14 @@ def test_gpu_tma_changes_no_bit(monkeypatch, name, early):
         assert all(torch.equal(outs[0], out) for out in outs[1:]), splits
     if torch.cuda.get_device_capability()[0] >= 9:
         assert weight.descriptors
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the probe's own check runs in the interpreter")
+def test_tma_stream_probe_reads_what_it_times():
+    """bench/tma_stream_probe.py's kernel, both load paths, words alone and with the small loads: the XOR and sums
+    of every split (what the device run times is the kernel this checks)."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "bench"))
+    import tma_stream_probe
+    tma_stream_probe.check()
