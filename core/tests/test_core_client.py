@@ -34,6 +34,7 @@ from cvllm.engine_process.messages import (
 from cvllm.engine_process.process import CoreChannel, EngineCore, describe, is_device_error
 from cvllm.outputs import Logprob
 from cvllm.sampling_params import SamplingParams
+from cvllm.testing.fakes import ScriptedChannel
 from cvllm.testing.plugins import registers
 
 
@@ -162,26 +163,6 @@ def test_a_failed_stream_hands_out_what_arrived_then_raises_and_a_stopped_one_dr
             await stopped.__anext__()
 
     asyncio.run(scenario())
-
-
-class ScriptedChannel:
-    """The core's pipes as lists: commands to hand out, messages sent; EOF when the script runs out."""
-
-    def __init__(self, commands):
-        self.commands, self.sent = list(commands), []
-
-    def recv(self):
-        if not self.commands:
-            raise EOFError
-        return self.commands.pop(0)
-
-    def pending(self) -> bool:
-        return bool(self.commands)
-
-    def send(self, message) -> None:
-        self.sent.append(message)
-
-    send_quietly = send
 
 
 class EngineWhoseStepRaises:

@@ -20,6 +20,7 @@ from cvllm.engine_process.messages import AddRequest, Embeddings, EmbedRequest, 
 from cvllm.engine_process.process import EngineCore
 from cvllm.pooling import PoolingConfig
 from cvllm.testing import make_checkpoint
+from cvllm.testing.fakes import ScriptedChannel
 from cvllm.testing.server import LiveServer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -207,9 +208,9 @@ def test_bad_requests_are_400s_naming_the_field(server, body, param, words):
 
 def test_generation_runs_alongside_embeddings(server, client, llm):
     """A generation and a stream of chunked embedding requests at once on a live server: both come out as they
-    would alone. (That the core answers embeddings between generation steps rather than after them is timing on a
-    live server, a busy 2-core CI machine can run the whole tiny generation before one HTTP round trip: the core
-    test below shows it by the order of the core's messages.)"""
+    would alone. Whether the core answers the embeddings between generation steps rather than after them is a
+    matter of timing here (a busy 2-core CI machine ran the whole tiny generation within one HTTP round trip), so
+    the core test below checks that by the order of the core's messages."""
     expected = vectors(llm.embed([{"prompt_token_ids": ids} for ids in PROMPTS]))
     started, result = threading.Event(), {"ids": []}
 
@@ -234,26 +235,6 @@ def test_generation_runs_alongside_embeddings(server, client, llm):
     want = llm.generate("once upon a time", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))[0]
     assert result["ids"] == want.outputs[0].token_ids
     assert server.health() == 200
-
-
-class ScriptedChannel:
-    """The engine core's pipes as lists: the commands handed out in order, the messages it sent; EOF after them."""
-
-    def __init__(self, commands):
-        self.commands, self.sent = list(commands), []
-
-    def recv(self):
-        if not self.commands:
-            raise EOFError
-        return self.commands.pop(0)
-
-    def pending(self) -> bool:
-        return bool(self.commands)
-
-    def send(self, message) -> None:
-        self.sent.append(message)
-
-    send_quietly = send
 
 
 def test_the_core_answers_embeddings_between_generation_steps(checkpoint):

@@ -1,8 +1,10 @@
-"""For tests only: the server's HTTP app without a model or an engine core.
+"""For tests only: the server's HTTP app without a model or an engine core, and the engine core without the API.
 
 ``FakeClient`` stands in for the engine-core client and plays back scripted token ids, so a test can send a
 request through the real app (httpx's ASGI transport, no threads, no sockets) and check the exact text, SSE
-chunks and prompt the server produced. Shared here because test packages never import each other's tests.
+chunks and prompt the server produced. ``ScriptedChannel`` stands in for the core's pipes, so a test can drive
+``EngineCore.run`` with a list of commands and read what it sent. Shared here because test packages never import
+each other's tests.
 """
 
 from __future__ import annotations
@@ -108,3 +110,24 @@ def sse_chunks(response: httpx.Response) -> list[dict]:
     events = [e for e in response.text.split("\n\n") if e]
     assert events[-1] == "data: [DONE]" and events.count("data: [DONE]") == 1
     return [json.loads(e[len("data: "):]) for e in events[:-1]]
+
+
+class ScriptedChannel:
+    """The engine core's pipes (engine_process.CoreChannel) as lists: the commands handed out in order, the messages
+    it sent; EOF once the commands run out (as when the API process goes away)."""
+
+    def __init__(self, commands):
+        self.commands, self.sent = list(commands), []
+
+    def recv(self):
+        if not self.commands:
+            raise EOFError
+        return self.commands.pop(0)
+
+    def pending(self) -> bool:
+        return bool(self.commands)
+
+    def send(self, message) -> None:
+        self.sent.append(message)
+
+    send_quietly = send
