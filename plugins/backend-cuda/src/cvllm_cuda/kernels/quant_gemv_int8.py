@@ -88,10 +88,10 @@ INT8_HIGH_PLANE_CONFIGS = {(4, 2): ((32, 64, 8, 3), 1), (4, 1): (INT8_GEMV_CONFI
 ENV = "CVLLM_QUANT_INT8_ACTIVATIONS"
 # CVLLM_GEMV_TMA=1: the low plane's words reach the GEMV through the tensor memory accelerator (Hopper's TMA: one
 # instruction a tile, any number of tiles in flight as the pipeline's stages allow) instead of each thread's 16-byte
-# cp.async copies. Why try: at one program an SM the GEMV streams ~22 GB/s an SM (~2.9 TB/s over 132 SMs) on the
-# H200, whose copy rate needs ~31; the load-only probe of its tiling reached ~2.5 TB/s (docs/benchmarks.md), and
-# deeper cp.async pipelines did not help (the 4ae0d84 stack sweep). Off until timed (bench/tma_stream_probe.py, then
-# run_all.sh tma)
+# cp.async copies. Why try: on the H200 a program streams ~10 GB/s (qkv's and o's 75 KB Q4_K tiles in ~8 us) and an
+# SM ~22 where several share it (gate_up, 2.95 TB/s), against ~31 an SM at the copy rate; the load-only probe of its
+# tiling reached ~2.5 TB/s, and deeper cp.async pipelines did not help (the 4ae0d84 stack sweep; docs/benchmarks.md,
+# session 36). Off until timed (bench/tma_stream_probe.py, then run_all.sh tma)
 TMA = os.environ.get("CVLLM_GEMV_TMA", "0") == "1"
 # CVLLM_GEMV_TMA_STAGES=N: with TMA, pipelines N stages deep whatever the tile's own (the committed tiles were tuned
 # for cp.async, whose deeper pipelines cost registers; TMA's cost only shared memory); for timing
