@@ -142,7 +142,8 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, part
     for r in tl.static_range(1, ROWS):
         row_offsets = row_offsets + (tl.minimum(first_row + r, T - 1) - first_row,)
     # the tile's weight columns (output features) and which lie inside the weight
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col0 = tl.program_id(1) * BLOCK_N
+    cols = col0 + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     cols3 = cols[None, None, :]
     col_ok3 = col_ok[None, None, :]
@@ -173,8 +174,8 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, part
         # the first tile's words and factors (weights: no kernel writes them) read before waiting for the previous
         # kernel, so that their memory latency passes while it finishes (PDL: this grid's programs are already on
         # the SMs); x is read only after the wait
-        low, high = _weight_words(start, low_ptrs, high_ptrs, tile_words, group_first, col_ok3, num_words, low_desc,
-                                  tl.program_id(1) * BLOCK_N, HIGH_BITS, HIGH_PER_GROUP, EVEN, TMA)
+        low, high = _weight_words(start, low_ptrs, high_ptrs, tile_words, group_first, col_ok3, num_words,
+                                  low_desc, col0, HIGH_BITS, HIGH_PER_GROUP, EVEN, TMA)
         scale, offset = _weight_factors(start, d_ptr, m_ptr, a_ptr, b_ptr, group_first, cols3, col_ok3, num_words,
                                         N, LOW_BITS, SCALE_GROUP, SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M, EVEN)
     wait_for_previous_kernel(USE_PDL)
@@ -183,14 +184,15 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, part
         accs = _tile_step(accs, wbytes, scale, offset, pack_ptrs, xd_ptr, xsum_ptr, xblock_sum_ptr, row_offsets,
                           start, tile_words, group_first, num_words, K, LOW_BITS, GROUP_WORDS, ONE_BLOCK, EVEN,
                           INTERPRET, ROWS)
-        low_ptrs += BLOCK_W * N
+        if not TMA:   # (with TMA the words' position is the descriptor's coordinate)
+            low_ptrs += BLOCK_W * N
         pack_ptrs += BLOCK_W * PHASES
         if HIGH_BITS > 0:
             high_ptrs += BLOCK_W // WORDS_PER_HIGH * N
     # STAGES > 1: the next tiles' loads are issued while this one computes
     for w0 in tl.range(start + BLOCK_W * EARLY, num_words, BLOCK_W, num_stages=STAGES):
         low, high = _weight_words(w0, low_ptrs, high_ptrs, tile_words, group_first, col_ok3, num_words, low_desc,
-                                  tl.program_id(1) * BLOCK_N, HIGH_BITS, HIGH_PER_GROUP, EVEN, TMA)
+                                  col0, HIGH_BITS, HIGH_PER_GROUP, EVEN, TMA)
         if HIGH_BITS > 0:
             high_ptrs += BLOCK_W // WORDS_PER_HIGH * N
         wbytes = weight_bytes(low, high, part, LOW_BITS, HIGH_BITS, INTERPRET)
@@ -199,7 +201,8 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, part
         accs = _tile_step(accs, wbytes, scale, offset, pack_ptrs, xd_ptr, xsum_ptr, xblock_sum_ptr, row_offsets,
                           w0, tile_words, group_first, num_words, K, LOW_BITS, GROUP_WORDS, ONE_BLOCK, EVEN,
                           INTERPRET, ROWS)
-        low_ptrs += BLOCK_W * N
+        if not TMA:
+            low_ptrs += BLOCK_W * N
         pack_ptrs += BLOCK_W * PHASES
     splits = tl.num_programs(2)
     for r in tl.static_range(ROWS):

@@ -168,7 +168,7 @@ def _gemv_kernel(x_ptr, out_ptr, partial_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a
     # pointers advanced a tile at a time; EVEN: every tile in bounds, no masks (as in quant_gemv_int8.py)
     low_ptrs = low_ptr + (start + tile_words) * N + cols3
     x_ptrs = x_ptr + (start + tile_words) * PER_WORD
-    if EARLY:   # the first K step's weights read before the PDL wait (quant_gemv_int8.EARLY_WEIGHTS)
+    if EARLY:   # the first K step's weights read before the PDL wait (quant_tiles.EARLY_WEIGHTS)
         low, high_at, scale, offset = _float_weight_tile(start, low_ptrs, high_ptr, d_ptr, m_ptr, a_ptr,
                                                          b_ptr, tile_words, group_first, cols3, num_words, N,
                                                          LOW_BITS, HIGH_BITS, SCALE_GROUP, SUPER_GROUP, A_MODE,
