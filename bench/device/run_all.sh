@@ -327,17 +327,20 @@ tma)
     # call's 10 minutes with a cold start: ONLY="..." splits it)
     t=plugins/backend-cuda/tests
     run tma-probe 200 python3 bench/tma_stream_probe.py --json "$out/$day-$card-tma_stream_probe-$commit.json"
-    run gpu-tests-tma 150 python3 -m pytest -p no:cacheprovider -q $t/test_quant_gemv_int8.py -k tma
+    run gpu-tests-tma 150 python3 -m pytest -p no:cacheprovider -q $t/test_quant_gemv_int8.py -k "tma or combined or counters" \
+        $t/test_attention_fused_combine.py
     CVLLM_GEMV_TMA=1 run tune-tma-q4_k 150 python3 bench/tune_quant_gemv.py --layouts q4_k --budget-s 110 --pps 1,2 \
         --configs "32,64,4,3;32,64,4,5;32,64,4,8;32,128,4,4;32,128,8,4;64,64,4,4" \
         --json "$out/$day-$card-tune_quant_gemv-tma-q4_k-$commit.json"
     # cases: TMA off / on / on 6 stages deep / on with the early weights (CVLLM_GEMV_EARLY_WEIGHTS) / off with them
-    # (TMA_CASES="none:tma0 q4k:tma0 q4k:tma0early ..." picks some)
+    # (TMA_CASES="none:tma0 q4k:tma0 q4k:tma0early q4k:tma0fused ..." picks some; "fused": the attention's splits
+    # combined in its launch, CVLLM_ATTENTION_FUSED_COMBINE)
     for case in ${TMA_CASES:-none:tma0 q4k:tma0 q4k:tma1 q4k:tma6 q4k:tma1early q8_0:tma0 q8_0:tma1 q8_0:tma6 \
                 q8_0:tma1early}; do
         q=${case%%:*} v=${case#*:}
         CVLLM_GEMV_TMA=$([[ $v = tma0* ]] && echo 0 || echo 1) CVLLM_GEMV_TMA_STAGES=$([ $v = tma6 ] && echo 6 || echo 0) \
             CVLLM_GEMV_EARLY_WEIGHTS=$([[ $v = *early ]] && echo 1 || echo 0) \
+            CVLLM_ATTENTION_FUSED_COMBINE=$([[ $v = *fused ]] && echo 1 || echo 0) \
             run latency-$q-$v 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
             $([ $q = none ] || echo --isq $q) --json "$out/$day-$card-latency-$q-$v-$commit.json"
     done
