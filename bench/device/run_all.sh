@@ -33,6 +33,8 @@
 # "earlyweights" (issue 18): the GEMVs' first weight tile read before the PDL wait, off and on, every type, and a q4k
 # profile with it (~6 min).
 # "tma" (issue 18): the int8 GEMV's low plane through TMA: a load-only probe, its tiles, batch-1 q4k and q8_0 (~7 min).
+# "pending" (issue 18): what sessions 35-37 wrote and no device has timed (TMA, early weights, the attention's
+# in-launch combination): their GPU tests, the load-only probe, batch-1 bf16 and q4k with each switch (~8 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
 # NVLink multicast stays off on the shared multi-GPU hosts (h200_setup.sh sets these too; the benchmarks pass them on)
@@ -54,6 +56,17 @@ run() {   # name, limit in seconds, command...
     timeout -k 75 "$limit" "$@" > "$out/$name.log" 2>&1   # SIGKILL 75 s after the SIGTERM, if still there
     echo "--- $name: exit $?"
     tail -n 14 "$out/$name.log"
+}
+latency_case() {   # "isq:variant", e.g. q4k:tma0early: batch-1 decode (Llama-3-8B shape) with the variant's switches
+    # variant: tma0 / tma1 (CVLLM_GEMV_TMA) / tma6 (on, 6 stages deep), then any of "early" (the GEMVs' first weight
+    # tile before the PDL wait, CVLLM_GEMV_EARLY_WEIGHTS) and "fused" (the attention's splits combined in its
+    # launch, CVLLM_ATTENTION_FUSED_COMBINE); isq "none" is bf16
+    local q=${1%%:*} v=${1#*:}
+    CVLLM_GEMV_TMA=$([[ $v = tma0* ]] && echo 0 || echo 1) CVLLM_GEMV_TMA_STAGES=$([[ $v = tma6* ]] && echo 6 || echo 0) \
+        CVLLM_GEMV_EARLY_WEIGHTS=$([[ $v = *early* ]] && echo 1 || echo 0) \
+        CVLLM_ATTENTION_FUSED_COMBINE=$([[ $v = *fused* ]] && echo 1 || echo 0) \
+        run latency-$q-$v 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
+        $([ $q = none ] || echo --isq $q) --json "$out/$day-$card-latency-$q-$v-$commit.json"
 }
 case $what in
 tests)
@@ -332,17 +345,24 @@ tma)
     CVLLM_GEMV_TMA=1 run tune-tma-q4_k 150 python3 bench/tune_quant_gemv.py --layouts q4_k --budget-s 110 --pps 1,2 \
         --configs "32,64,4,3;32,64,4,5;32,64,4,8;32,128,4,4;32,128,8,4;64,64,4,4" \
         --json "$out/$day-$card-tune_quant_gemv-tma-q4_k-$commit.json"
-    # cases: TMA off / on / on 6 stages deep / on with the early weights (CVLLM_GEMV_EARLY_WEIGHTS) / off with them
-    # (TMA_CASES="none:tma0 q4k:tma0 q4k:tma0early q4k:tma0fused ..." picks some; "fused": the attention's splits
-    # combined in its launch, CVLLM_ATTENTION_FUSED_COMBINE)
+    # cases: TMA off / on / on 6 stages deep / on with the early weights (TMA_CASES="none:tma0 q4k:tma0 ..." picks
+    # some; latency_case above)
     for case in ${TMA_CASES:-none:tma0 q4k:tma0 q4k:tma1 q4k:tma6 q4k:tma1early q8_0:tma0 q8_0:tma1 q8_0:tma6 \
                 q8_0:tma1early}; do
-        q=${case%%:*} v=${case#*:}
-        CVLLM_GEMV_TMA=$([[ $v = tma0* ]] && echo 0 || echo 1) CVLLM_GEMV_TMA_STAGES=$([ $v = tma6 ] && echo 6 || echo 0) \
-            CVLLM_GEMV_EARLY_WEIGHTS=$([[ $v = *early ]] && echo 1 || echo 0) \
-            CVLLM_ATTENTION_FUSED_COMBINE=$([[ $v = *fused ]] && echo 1 || echo 0) \
-            run latency-$q-$v 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
-            $([ $q = none ] || echo --isq $q) --json "$out/$day-$card-latency-$q-$v-$commit.json"
+        latency_case $case
+    done
+    python3 bench/latency_table.py "$out"/$day-$card-latency-*-tma*-$commit.json ;;
+pending)
+    # issue 18: everything written since session 35 and never timed, in one call (~8 min): the GPU tests of the
+    # int8 GEMV's TMA path, the early weights and the attention's in-launch combination; the load-only probe
+    # (pointer and TMA loads, words alone and with the step's small loads: which limits the int8 GEMV); then batch-1
+    # bf16 and q4k with each switch and with the early weights and the combination together (latency_case)
+    t=plugins/backend-cuda/tests
+    run gpu-tests-pending 150 python3 -m pytest -p no:cacheprovider -q $t/test_quant_gemv_int8.py $t/test_matmul.py \
+        $t/test_attention_fused_combine.py -k "tma or early or first_weight or combined or counters"
+    run tma-probe 120 python3 bench/tma_stream_probe.py --pps 1 --json "$out/$day-$card-tma_stream_probe-$commit.json"
+    for case in ${PENDING_CASES:-none:tma0 q4k:tma0 q4k:tma1 q4k:tma0early q4k:tma0fused q4k:tma0earlyfused}; do
+        latency_case $case
     done
     python3 bench/latency_table.py "$out"/$day-$card-latency-*-tma*-$commit.json ;;
 fp8gemv)
@@ -429,6 +449,12 @@ kvfp8)
             --kv-cache-dtype $kv --json "$out/$day-$card-serving-kv_$kv-$commit.json"
     done ;;
 *)
-    echo "usage: run_all.sh tests|bench|fp8gemv|tp|tp70b|quant|ggufmix|ggufhigh|prefillhost|kvfp8|fp8attn|moe|spec|specsteps|specstaging|quant64|quantgemm|swapped|swappedsplits|gemvrows|swappedwide|smallgemv|producers|swappedstages|gemvfusions|fusionslatency" >&2
+    echo "usage: run_all.sh pending|tma|earlyweights|tests|bench|fp8gemv|tp|tp70b|quant|ggufmix|ggufhigh|prefillhost|kvfp8|fp8attn|moe|spec|specsteps|specstaging|quant64|quantgemm|swapped|swappedsplits|gemvrows|swappedwide|smallgemv|producers|swappedstages|gemvfusions|fusionslatency" >&2
     exit 2 ;;
 esac
+# a call brings back at most 8 files from $OUT: past that, this run's logs and results go back packed in one archive
+# (earlier archives, of an earlier run_all.sh in the same call, stay as they are)
+if [ "$(find "$out" -maxdepth 1 -type f | wc -l)" -gt 8 ]; then
+    (cd "$out" && find . -maxdepth 1 -type f ! -name '*.tgz' -printf '%P\n' \
+        | tar czf "$what-$(date +%H%M%S)-$commit.tgz" --remove-files -T -)
+fi
