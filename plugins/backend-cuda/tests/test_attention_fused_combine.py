@@ -53,6 +53,19 @@ def test_attention_splits_combined_in_its_launch(monkeypatch, make_attention_cas
     assert counters_are_zero()
 
 
+@pytest.mark.parametrize("sliding_window", [None, 24])
+def test_mixed_batch_and_window_combined_in_its_launch(monkeypatch, make_attention_case, check_attention,
+                                                       sliding_window):
+    """Prefill chunks beside decodes (tiles of several queries, each row its own heads' splits) and a sliding
+    window (slices that see no key): the oracle's output, the counters zero again."""
+    case = make_attention_case(query_lens=[5, 1, 3], context_lens=[40, 90, 0], num_heads=8, num_kv_heads=2,
+                               head_dim=64, block_size=16, dtype=torch.float32, device=DEVICE)
+    fused(monkeypatch, True)
+    without_combining_kernel(monkeypatch)
+    check_attention(case, sliding_window=sliding_window, num_splits=4)
+    assert counters_are_zero()
+
+
 @pytest.mark.parametrize("head_dim", [64, 96])   # 96: 128 lanes, the last block masked
 @pytest.mark.parametrize("low_bits", [4, 8])
 def test_attention_combined_in_its_launch_makes_the_quantizers_bits(monkeypatch, make_attention_case, head_dim,
