@@ -1,8 +1,9 @@
 """The split-KV decode attention with its splits combined by the last of a tile's programs, in its own launch
-(attention_splits.FUSED_COMBINE_ENV, off by default): the oracle's output, the combining kernel's within float32
-rounding, the int8 form it makes for the output projection, the ticket counters zero again after every launch. In
-Triton's interpreter (programs run one after another: the last split is the last program), compiled for sm_90
-(test_sm90_compile.py) and on a GPU where one is (50 launches: a race between the splits would show)."""
+(CVLLM_ATTENTION_FUSED_COMBINE=1, attention_splits.FUSED_COMBINE; off by default): the oracle's output, the combining
+kernel's within float32 rounding, the int8 form it makes for the output projection, the ticket counters zero again
+after every launch. In Triton's interpreter (programs run one after another: the last split is the last program),
+compiled for sm_90 (test_sm90_compile.py) and on a GPU where one is (50 launches: a race between the splits would
+show)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
 
 
 def fused(monkeypatch, on: bool) -> None:
-    monkeypatch.setenv(attention_splits.FUSED_COMBINE_ENV, "1" if on else "0")
+    monkeypatch.setattr(attention_splits, "FUSED_COMBINE", on)
 
 
 def without_combining_kernel(monkeypatch) -> None:

@@ -44,7 +44,8 @@ def quantize_heads(o, heads, row_ok, packs_ptr, xd_ptr, sums_ptr, block_sums_ptr
 # GPU scope: the earlier splits' stores are visible to the split that draws the last ticket, which reads them
 # through L2), and the last combines them and puts the counter back to zero: zero between kernels (a kernel launched
 # with PDL touches them only after waiting for the one before).
-FUSED_COMBINE_ENV = "CVLLM_ATTENTION_FUSED_COMBINE"
+# (read once, as the GEMVs' switches are: not on every launch)
+FUSED_COMBINE = os.environ.get("CVLLM_ATTENTION_FUSED_COMBINE", "0") == "1"
 COUNTER_SLOTS = 1 << 16   # tiles x KV heads a launch may have
 _counters: dict[torch.device, torch.Tensor] = {}
 
@@ -53,7 +54,7 @@ def split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
     """The zeroed int32 ticket counters of ``device`` for a split attention of ``tiles`` (tile, KV head) pairs, or
     None: the switch off, too many tiles, or none allocated yet while a CUDA graph is being captured (the engine
     runs each shape eagerly before capturing it, which allocates them)."""
-    if os.environ.get(FUSED_COMBINE_ENV, "0") != "1" or tiles > COUNTER_SLOTS:
+    if not FUSED_COMBINE or tiles > COUNTER_SLOTS:
         return None
     counters = _counters.get(device)
     if counters is None:

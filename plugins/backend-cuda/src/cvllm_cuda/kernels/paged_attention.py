@@ -328,7 +328,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     launch = pdl.options(q.device)
     combined_int8 = splits > 1 and head_dim % 32 == 0 and out.is_contiguous()
     int8_bits, made = quant_gemv_int8.output_form(out, feeds if combined_int8 else None, num_tokens)
-    # the splits combined by the last of them, in this launch (attention_splits.FUSED_COMBINE_ENV: off until timed)
+    # the splits combined by the last of them, in this launch (attention_splits.FUSED_COMBINE: off until timed)
     counters = split_counters(q.device, tiles * num_kv_heads) if splits > 1 else None
     _attention_kernel[(tiles, num_kv_heads, splits)](
         q, k_cache, v_cache, out, part_max, part_sum, part_acc,

@@ -29,7 +29,7 @@ from cvllm_cuda.kernels import gpu
 def _enabled(device_index: int) -> bool:
     if triton.knobs.runtime.interpret or os.environ.get("CVLLM_PDL", "1") == "0":
         return False
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+    return gpu.capability(device_index)[0] >= 9
 
 
 _ON, _OFF = {"USE_PDL": True, "launch_pdl": True}, {"USE_PDL": False}
