@@ -4,6 +4,7 @@ for sm_90 on any machine (ptxas and nvdisasm ship with it); device time is then 
 
     python bench/sass_stats.py int8-gemv --layout q4_k --config 32,64,4,3 [--block-m ROWS] [--tma]
     python bench/sass_stats.py float-gemv --layout gptq4_g128 --config 32,32,4,3 --dump /tmp/sass
+    python bench/sass_stats.py mma-gemv --layout gptq4_g128 --config 4,3       # warps, stages (32 features a warp)
     python bench/sass_stats.py gemm --layout q6_k --config 128,8,4,4 --block-m 64
     python bench/sass_stats.py gemm --table     # the GEMM's default tiles: every layout, every row tile
     python bench/sass_stats.py gemm-swapped --layout q4_k --config 64,8,4,4 --block-m 64
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from cvllm_cuda.kernels import quant_gemm_swapped, quant_gemv, quant_gemv_int8, quant_matmul
+from cvllm_cuda.kernels import quant_gemm_swapped, quant_gemv, quant_gemv_int8, quant_gemv_mma, quant_matmul
 from cvllm_cuda.kernels.quant_tiles import group_words, groups_in_thread
 from cvllm_cuda.quant_planes import QuantLayout
 
@@ -38,12 +39,21 @@ LAYOUTS = {**{qtype.name.lower(): layout for qtype, layout in GGUF_LAYOUTS.items
 
 SHARED_LIMIT = 232448   # bytes of shared memory a block may have on the H200 (sm_90)
 PLANES = {"low_ptr": "*i32", "high_ptr": "*i32", "d_ptr": "*fp16", "m_ptr": "*fp16", "a_ptr": "*u8", "b_ptr": "*u8"}
-DIVISIBLE = {"N", "K", "SPLIT_WORDS", "one_bits", "stride_xt", "stride_ot"}
+DIVISIBLE = {"N", "K", "SPLIT_WORDS", "one_bits", "stride_xt", "stride_ot"}   # (T: not divisible)
 
 
 def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m: int = 16, tma: bool = False):
     """(jit function, signature, constexprs, num_warps) of one GEMV (or GEMM: ``block_m``, the rows' tile; the int8
     GEMV: the rows of x a program takes; ``tma``: its low plane through a TMA descriptor) configuration."""
+    if kind == "mma-gemv":   # quant_gemv_mma._gemv_mma_kernel: (warps, stages); BLOCK_N 32 a warp
+        warps, stages = config[0], config[1] if len(config) > 1 else 3
+        signature = {"x_ptr": "*i32", "out_ptr": "*bf16", "partial_ptr": "*fp32", **PLANES,
+                     "N": "i32", "K": "i32", "T": "i32", "SPLIT_WORDS": "i32"}
+        args = layout.kernel_args()
+        mma = {name: args[name] for name in ("SCALE_GROUP", "SUPER_GROUP", "A_MODE", "B_MODE", "B_CONST", "HAS_M")}
+        mma.update(KU=quant_gemv_mma.group_units(layout), W=warps, STAGES=stages, EVEN_N=True, INTERPRET=False,
+                   USE_PDL=False)
+        return quant_gemv_mma._gemv_mma_kernel, signature, mma, warps
     block_n, block_w, warps, *stages = config
     gw = quant_gemv_int8.int8_group_words(layout, block_w) if kind == "int8-gemv" else group_words(layout, block_w)
     common = {**layout.kernel_args(), "BLOCK_N": block_n, "BLOCK_W": block_w, "GROUP_WORDS": gw,
@@ -113,12 +123,13 @@ def main_loop(lines: list[str]) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kind", choices=["int8-gemv", "float-gemv", "gemm", "gemm-per-position", "gemm-swapped"])
+    ap.add_argument("kind", choices=["int8-gemv", "float-gemv", "mma-gemv", "gemm", "gemm-per-position",
+                                         "gemm-swapped"])
     ap.add_argument("--block-m", type=int, help="the GEMMs' row tile (default 16); int8-gemv: rows a program "
                     "takes (default 1)")
     ap.add_argument("--table", action="store_true", help="gemm: the default tiles, every layout and row tile")
     ap.add_argument("--layout", default="q4_k", choices=sorted(LAYOUTS))
-    ap.add_argument("--config", default="32,64,4,3", help="BLOCK_N,BLOCK_W,WARPS[,STAGES]")
+    ap.add_argument("--config", default="32,64,4,3", help="BLOCK_N,BLOCK_W,WARPS[,STAGES] (mma-gemv: WARPS,STAGES)")
     ap.add_argument("--dump", type=Path, help="write the TTGIR, PTX and SASS here")
     ap.add_argument("--tma", action="store_true", help="int8-gemv: the low plane through a TMA descriptor "
                     "(CVLLM_GEMV_TMA)")

@@ -319,7 +319,13 @@ def test_gpu_early_weights_change_no_bit(monkeypatch, name):
             x = source * 1.0   # written by the kernel just before
             outs.append(torch.empty(rows, 4096, device=DEVICE, dtype=torch.bfloat16))
             quant_gemv_int8.quant_gemv_int8(x, weight, outs[-1])
-    assert all(torch.equal(outs[0], out) for out in outs[1:])
+    # each way the same bits every launch (a race on x would not be), then the same bits both ways (the H200 at
+    # 7f7442b: q3_k differed, which of these two is not yet known)
+    assert all(torch.equal(outs[0], out) for out in outs[1:3]), "plain launches differ"
+    assert all(torch.equal(outs[3], out) for out in outs[4:]), "launches with the early weights differ"
+    assert torch.equal(outs[0], outs[3]), (
+        f"early weights change {(outs[0] != outs[3]).sum().item()} outputs, by up to "
+        f"{(outs[0].float() - outs[3].float()).abs().max().item():.3g}")
 
 
 @pytest.mark.parametrize("name,config,n,k,splits,early", [

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import re
 import sys
 
 import pytest
@@ -206,3 +207,26 @@ def test_the_16_bit_and_fp8_gemvs_early_weights_are_read_before_the_pdl_wait(mon
         assert sm90.resource_usage(kernel)["STACK"] == 0, "spilled to local memory"
         loads_before_wait[early] = sm90.loads_before_wait(kernel)
     assert loads_before_wait[False] == 0 and loads_before_wait[True] >= 1
+
+
+@compiles
+@pytest.mark.parametrize("name,rows", [("gptq4_g128", 1), ("gptq4_g128", 8), ("q4_k", 1), ("q4_1", 3)])
+def test_mma_gemv_keeps_one_element_a_lane(monkeypatch, name, rows):
+    """quant_gemv_mma's MMAs read each lane's registers as their fragments: every tensor of the kernel must keep
+    Triton's 1-D layout of one element a thread in lane order (no other layout, no conversion), and its loop holds
+    the MMAs and no spills."""
+    from test_quant_gemv_mma import MMA_LAYOUTS
+    from test_quant_matmul import random_weight
+    quant_gemv_mma = importlib.import_module("cvllm_cuda.kernels.quant_gemv_mma")
+    weight = random_weight(MMA_LAYOUTS[name], 512, 1024, "cpu")
+    x, out = torch.zeros(rows, 1024, dtype=torch.bfloat16), torch.empty(rows, 512, dtype=torch.bfloat16)
+    [kernel] = compiled_launches(monkeypatch, quant_gemv_mma, "_gemv_mma_kernel",
+                                 lambda: quant_gemv_mma.quant_gemv_mma(x, weight, out, splits=1))
+    ttgir = kernel.asm["ttgir"]
+    layouts = set(re.findall(r"#ttg\.blocked<\{[^}]*\}>", ttgir))
+    assert layouts == {"#ttg.blocked<{sizePerThread = [1], threadsPerWarp = [32], warpsPerCTA = "
+                       f"[{quant_gemv_mma.TILES.get(rows, quant_gemv_mma.TILES_MORE_ROWS)[0]}], order = [0]}}>"}, layouts
+    assert "convert_layout" not in ttgir and "elementwise_inline_asm" in ttgir
+    assert sm90.resource_usage(kernel)["STACK"] == 0, "spilled to local memory"
+    assert sum("HMMA.16816.F32.BF16" in line for line in sm90.sass(kernel)) == 10 * quant_gemv_mma.group_units(
+        weight.layout)

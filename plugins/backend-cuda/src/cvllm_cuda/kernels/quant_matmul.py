@@ -231,9 +231,12 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor | None 
         out = torch.empty((t, weight.out_features), dtype=x.dtype, device=x.device)
     if t == 0 or weight.out_features == 0:
         return out
-    from cvllm_cuda.kernels import quant_gemv_int8  # (it builds on this module)
+    from cvllm_cuda.kernels import quant_gemv_int8, quant_gemv_mma  # (they build on this module)
     if t <= quant_gemv_int8.MAX_ROWS and quant_gemv_int8.applies(weight.layout, weight.in_features):
         quant_gemv_int8.quant_gemv_int8(x, weight, out)
+    elif (quant_gemv_mma.ENABLED and t <= quant_gemv_mma.MAX_ROWS
+          and quant_gemv_mma.applies(weight.layout, x.dtype, weight.in_features)):
+        quant_gemv_mma.quant_gemv_mma(x, weight, out)
     elif t == 1:
         quant_gemv(x, weight, out)
     elif t <= GEMM_MAX_ROWS:

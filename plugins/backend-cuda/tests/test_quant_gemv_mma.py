@@ -1,0 +1,151 @@
+"""The tensor-core W4A16 GEMV (kernels/quant_gemv_mma.py) against dequantize-then-matmul in float32: GPTQ/AWQ group
+sizes, Q4_0 / Q4_1 / Q4_K, 1-8 rows, K splits, masked feature tails. In Triton's interpreter the MMAs are computed
+from the lanes' registers by broadcasting, which checks the lanes' bookkeeping (which words, which x, which
+features); compiled on a GPU, the PTX itself."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from cvllm.testing.requirements import import_or_skip
+
+import_or_skip("triton")
+
+from test_quant_matmul import LAYOUTS, random_weight  # noqa: E402
+
+from cvllm_cuda.kernels.quant_gemv_mma import applies, group_units, quant_gemv_mma  # noqa: E402
+from cvllm_cuda.quant_planes import QuantLayout, dequantize_planes  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+needs_device = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
+                                  reason="needs Triton's interpreter or a CUDA GPU")
+needs_gpu = pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+MMA_LAYOUTS = {
+    "gptq4_g128": LAYOUTS["gptq4_g128"],
+    "gptq4_g32": QuantLayout(4, 0, 32, 32, b_mode=2, b_const=-1),
+    "gptq4_g64": QuantLayout(4, 0, 64, 64, b_mode=2, b_const=-1),
+    "gptq4_per_channel": QuantLayout(4, 0, 512, 512, b_mode=2, b_const=-1),
+    "q4_0": QuantLayout(4, 0, 32, 32, b_const=-8),
+    "q4_1": LAYOUTS["q4_1"],
+    "q4_k": LAYOUTS["q4_k"],
+}
+
+
+def relative_error(weight, t: int, seed: int = 0, **kwargs) -> float:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, weight.in_features, generator=gen).to(torch.bfloat16).to(weight.low.device)
+    ref = x.float() @ dequantize_planes(weight).T
+    out = torch.full((t, weight.out_features), float("nan"), dtype=torch.bfloat16, device=weight.low.device)
+    quant_gemv_mma(x, weight, out, **kwargs)
+    return ((out.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+def test_which_layouts_it_takes():
+    assert applies(LAYOUTS["gptq4_g128"], torch.bfloat16, 4096)
+    assert applies(LAYOUTS["q4_k"], torch.bfloat16, 256)
+    assert not applies(LAYOUTS["gptq4_g128"], torch.float16, 4096)     # the MMA's operands are bf16
+    assert not applies(LAYOUTS["q6_k"], torch.bfloat16, 4096)          # a high plane
+    assert not applies(LAYOUTS["q8_0"], torch.bfloat16, 4096)
+    assert not applies(QuantLayout(4, 0, 48, 96, b_mode=2, b_const=-1), torch.bfloat16, 4800)   # 48-input groups
+    assert not applies(LAYOUTS["gptq4_g128"], torch.bfloat16, 4160)    # K not whole K steps
+    assert group_units(LAYOUTS["gptq4_g128"]) == 4 and group_units(LAYOUTS["q4_k"]) == 1
+    assert group_units(MMA_LAYOUTS["gptq4_g64"]) == 2 and group_units(MMA_LAYOUTS["gptq4_per_channel"]) == 4
+
+
+@needs_device
+@pytest.mark.parametrize("name", sorted(MMA_LAYOUTS))
+@pytest.mark.parametrize("t", [1, 3, 8])
+def test_matches_dequantize_then_matmul(name, t):
+    weight = random_weight(MMA_LAYOUTS[name], 128, 512, DEVICE, seed=t)
+    # bf16 output of float32 sums: one rounding
+    assert relative_error(weight, t, warps=2, splits=1) < 1e-2
+
+
+@needs_device
+@pytest.mark.parametrize("splits", [2, 4])
+def test_k_splits_add_up(splits):
+    weight = random_weight(MMA_LAYOUTS["gptq4_g128"], 64, 1024, DEVICE, seed=splits)
+    assert relative_error(weight, 2, warps=2, splits=splits) < 1e-2
+
+
+@needs_device
+@pytest.mark.parametrize("n", [9, 40, 100])
+def test_feature_tails_are_masked(n):
+    weight = random_weight(MMA_LAYOUTS["gptq4_g32"], n, 256, DEVICE, seed=n)
+    assert relative_error(weight, 5, warps=4, splits=1) < 1e-2
+
+
+@needs_device
+def test_nothing_past_the_output_is_written():
+    weight = random_weight(MMA_LAYOUTS["gptq4_g128"], 40, 256, DEVICE)
+    x = torch.randn(3, 256).to(torch.bfloat16).to(DEVICE)
+    buffer = torch.full((3 * 40 + 64,), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    quant_gemv_mma(x, weight, buffer[:120].view(3, 40), warps=2, splits=1)
+    assert (buffer[120:] == 7).all() and not (buffer[:120] == 7).all()
+
+
+def test_rejects_what_it_cannot_take():
+    weight = random_weight(LAYOUTS["q6_k"], 32, 256, "cpu")
+    with pytest.raises(ValueError, match="4-bit"):
+        quant_gemv_mma(torch.zeros(1, 256, dtype=torch.bfloat16), weight, torch.empty(1, 32, dtype=torch.bfloat16))
+    weight = random_weight(LAYOUTS["gptq4_g128"], 32, 256, "cpu")
+    with pytest.raises(ValueError, match="rows"):
+        quant_gemv_mma(torch.zeros(9, 256, dtype=torch.bfloat16), weight, torch.empty(9, 32, dtype=torch.bfloat16))
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["gptq4_g128", "gptq4_g32", "q4_1", "q4_k"])
+@pytest.mark.parametrize("t", [1, 2, 5, 8])
+def test_gpu_mma_gemv_on_llama_shapes(name, t):
+    for n, k in ((6144, 4096), (4096, 14336), (1000, 512)):
+        weight = random_weight(MMA_LAYOUTS[name], n, k, "cuda", seed=n + t)
+        assert relative_error(weight, t) < 1e-2, (name, t, n, k)
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_gpu_mma_gemv_is_deterministic_and_graph_safe():
+    weight = random_weight(MMA_LAYOUTS["gptq4_g128"], 4096, 4096, "cuda")
+    x = torch.randn(1, 4096, device="cuda").to(torch.bfloat16)
+    out = torch.empty(1, 4096, dtype=torch.bfloat16, device="cuda")
+    quant_gemv_mma(x, weight, out)
+    first = out.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        quant_gemv_mma(x, weight, out)
+    for _ in range(5):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, first)
+
+
+@needs_device
+def test_quant_matmul_takes_it_when_switched_on(monkeypatch):
+    """CVLLM_GEMV_MMA=1 (quant_gemv_mma.ENABLED): quant_matmul's 1-8 rows of a GPTQ weight go through it, into an
+    output of any row stride; GGUF layouts keep the int8-activation GEMV; more rows keep the GEMM."""
+    import cvllm_cuda.kernels.quant_gemv_mma as mma
+    from cvllm_cuda.kernels.quant_matmul import quant_matmul
+    calls = []
+    real = mma.quant_gemv_mma
+    monkeypatch.setattr(mma, "ENABLED", True)
+    monkeypatch.setattr(mma, "quant_gemv_mma", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    weight = random_weight(MMA_LAYOUTS["gptq4_g128"], 64, 256, DEVICE, seed=3)
+    x = torch.randn(8, 256).to(torch.bfloat16).to(DEVICE)
+    ref = x.float() @ dequantize_planes(weight).T
+    for t in (1, 5):
+        out = quant_matmul(x[:t], weight)
+        assert ((out.float() - ref[:t]).abs().max() / ref[:t].abs().max()).item() < 1e-2
+    wide = torch.zeros(2, 100, dtype=torch.bfloat16, device=DEVICE)
+    quant_matmul(x[:2], weight, wide[:, 10:74])
+    assert ((wide[:, 10:74].float() - ref[:2]).abs().max() / ref[:2].abs().max()).item() < 1e-2
+    assert (wide[:, :10] == 0).all() and (wide[:, 74:] == 0).all()
+    assert calls == [1, 5, 2]
+    quant_matmul(torch.randn(9, 256).to(torch.bfloat16).to(DEVICE), weight)
+    assert calls == [1, 5, 2]
