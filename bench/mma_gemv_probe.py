@@ -4,7 +4,7 @@ Llama-3-8B's projection shapes. Each kernel's output is checked against float32 
 products is captured in one CUDA graph per kernel and timed (us a layer; the weights come from HBM).
 
     python bench/mma_gemv_probe.py --json $OUT/mma_gemv_probe.json        # on the H200 (~1 min)
-    python bench/mma_gemv_probe.py --rows 1,8 --configs "4,32;1,16;2,32"   # other tiles beside the defaults
+    python bench/mma_gemv_probe.py --rows 1,8 --configs "4,32;1,16,3;2,8,3"   # other tiles beside the defaults
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ def main() -> None:
     ap.add_argument("--layouts", default="gptq4_g128")
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--configs", default="", help='also "WARPS,WARPS_PER_SM;..." of the MMA GEMV beside its '
-                    "defaults (quant_gemv_mma.TILES)")
+    ap.add_argument("--configs", default="", help='also "WARPS,WARPS_PER_SM[,STAGES];..." of the MMA GEMV beside '
+                    "its defaults (quant_gemv_mma.TILES; one stage)")
     ap.add_argument("--json")
     args = ap.parse_args()
     results = []
@@ -64,13 +64,13 @@ def main() -> None:
                    "baseline_us": stack_us(layers, xs, outs, quant_gemv if t == 1 else quant_gemm),
                    "mma_us": stack_us(layers, xs, outs, quant_gemv_mma)}
             for spec in (c for c in args.configs.split(";") if c):
-                warps, per_sm = (int(v) for v in spec.split(","))
+                warps, per_sm, stages = (*(int(v) for v in spec.split(",")), 1)[:3]
 
-                def gemv(x, weight, out, warps=warps, per_sm=per_sm):
+                def gemv(x, weight, out, warps=warps, per_sm=per_sm, stages=stages):
                     splits = split_count(weight.out_features, weight.in_features, group_units(weight.layout), warps,
                                          per_sm, x.device)
-                    quant_gemv_mma(x, weight, out, warps=warps, splits=splits)
-                row[f"mma {warps} warps, {per_sm} warps/SM"] = stack_us(layers, xs, outs, gemv)
+                    quant_gemv_mma(x, weight, out, warps=warps, splits=splits, stages=stages)
+                row[f"mma {warps} warps, {per_sm} warps/SM, {stages} stages"] = stack_us(layers, xs, outs, gemv)
             print(json.dumps(row), flush=True)
             results.append(row)
     if args.json:

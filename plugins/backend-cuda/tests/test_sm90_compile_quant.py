@@ -212,9 +212,9 @@ def test_the_16_bit_and_fp8_gemvs_early_weights_are_read_before_the_pdl_wait(mon
 @compiles
 @pytest.mark.parametrize("name,rows", [("gptq4_g128", 1), ("gptq4_g128", 8), ("q4_k", 1), ("q4_1", 3)])
 def test_mma_gemv_keeps_one_element_a_lane(monkeypatch, name, rows):
-    """quant_gemv_mma's MMAs read each lane's registers as their fragments: every tensor of the kernel must keep
-    Triton's 1-D layout of one element a thread in lane order (no other layout, no conversion), and its loop holds
-    the MMAs and no spills."""
+    """quant_gemv_mma's MMAs read each lane's registers as their fragments: every tensor of the kernel must keep its
+    rows (dimension 0) one a thread in lane order, a row's registers in its thread (Triton's 1-D layout, and the
+    16-byte loads' [rows, 4]), with no layout conversion; its loop holds the MMAs and no spills."""
     from test_quant_gemv_mma import MMA_LAYOUTS
     from test_quant_matmul import random_weight
     quant_gemv_mma = importlib.import_module("cvllm_cuda.kernels.quant_gemv_mma")
@@ -223,9 +223,15 @@ def test_mma_gemv_keeps_one_element_a_lane(monkeypatch, name, rows):
     [kernel] = compiled_launches(monkeypatch, quant_gemv_mma, "_gemv_mma_kernel",
                                  lambda: quant_gemv_mma.quant_gemv_mma(x, weight, out, splits=1))
     ttgir = kernel.asm["ttgir"]
-    layouts = set(re.findall(r"#ttg\.blocked<\{[^}]*\}>", ttgir))
-    assert layouts == {"#ttg.blocked<{sizePerThread = [1], threadsPerWarp = [32], warpsPerCTA = "
-                       f"[{quant_gemv_mma.TILES.get(rows, quant_gemv_mma.TILES_MORE_ROWS)[0]}], order = [0]}}>"}, layouts
+    warps = quant_gemv_mma.TILES.get(rows, quant_gemv_mma.TILES_MORE_ROWS)[0]
+    layouts = re.findall(r"#ttg\.blocked<\{sizePerThread = \[([\d, ]+)\], threadsPerWarp = \[([\d, ]+)\], "
+                         r"warpsPerCTA = \[([\d, ]+)\]", ttgir)
+    assert layouts
+    for per_thread, threads, warps_per_cta in layouts:   # rows in lane order, a row's registers in its thread
+        rank = len(threads.split(","))
+        assert threads == ", ".join(["32"] + ["1"] * (rank - 1)), threads
+        assert warps_per_cta == ", ".join([str(warps)] + ["1"] * (rank - 1)), warps_per_cta
+        assert per_thread.startswith("1"), per_thread
     assert "convert_layout" not in ttgir and "elementwise_inline_asm" in ttgir
     assert sm90.resource_usage(kernel)["STACK"] == 0, "spilled to local memory"
     assert sum("HMMA.16816.F32.BF16" in line for line in sm90.sass(kernel)) == 10 * quant_gemv_mma.group_units(

@@ -172,7 +172,7 @@ def _gemv_mma_kernel(x_ptr, out_ptr, partial_ptr, low_ptr, high_ptr, d_ptr, m_pt
                      SPLIT_WORDS, SCALE_GROUP: tl.constexpr, SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr,
                      B_MODE: tl.constexpr, B_CONST: tl.constexpr, HAS_M: tl.constexpr, KU: tl.constexpr,
                      W: tl.constexpr, STAGES: tl.constexpr, EVEN_N: tl.constexpr, INTERPRET: tl.constexpr,
-                     USE_PDL: tl.constexpr):
+                     USE_PDL: tl.constexpr, WIDE: tl.constexpr = True):
     """Program (i, s): output features i * 64 W ... over words s * SPLIT_WORDS ...: a warp 64 features (4 blocks of
     16), KU units a K step (within one scale group). x is read as int32 bf16 pairs [T, K / 2] at ``x_ptr``. With
     more than one split, each stores float32 partial sums [splits, T, N], added by sum_splits_kernel.
@@ -186,11 +186,13 @@ def _gemv_mma_kernel(x_ptr, out_ptr, partial_ptr, low_ptr, high_ptr, d_ptr, m_pt
     n0 = tl.program_id(0) * (64 * W) + (e // 32) * 64
     start = tl.program_id(1) * SPLIT_WORDS
     end = tl.minimum(K // 8, start + SPLIT_WORDS)
-    # block b's rows g and g + 8 are features n0 + 16 b + g (+ 8): lane (g, j) reads their words k0 / 8 + j
-    low_ptrs = low_ptr + (start + j) * N + n0 + g
+    # lane (g, j) reads word k0 / 8 + j of its 8 features; block b's rows g and g + 8 are its features 2 b, 2 b + 1
+    # (_feature: WIDE, n0 + 8 g + h, two 16-byte loads a row; else n0 + 8 h + g, eight 4-byte loads)
+    low_ptrs = low_ptr + (start + j) * N + _feature(n0, g, 0, WIDE)
     # x's pairs: token g's inputs k0 + 8 j + 2 p, + 1 at int32 (k0 + 8 j) / 2 + p
     x_ptrs = x_ptr + g * (K // 2) + start * 4 + 4 * j
     x_ok = g < T
+    four = tl.arange(0, 4)[None, :]
     zero = tl.zeros((W * 32,), dtype=tl.float32)
     y = _zeros(zero, 16)
     wait_for_previous_kernel(USE_PDL)
@@ -198,19 +200,29 @@ def _gemv_mma_kernel(x_ptr, out_ptr, partial_ptr, low_ptr, high_ptr, d_ptr, m_pt
         acc = _zeros(zero, 18)
         for u in tl.static_range(KU):
             rows = low_ptrs + u * 4 * N
-            words = ()
-            for h in tl.static_range(8):   # block h // 2, features + 8 (h % 2)
+            if WIDE:   # [W * 32, 4] tensors: Triton's layout keeps a row in a thread (16 bytes), rows in lane order
+                first = rows[:, None] + four
                 if EVEN_N:
-                    words = words + (tl.load(rows + 8 * h),)
+                    words = _unstack4(tl.load(first)) + _unstack4(tl.load(first + 4))
                 else:
-                    words = words + (tl.load(rows + 8 * h, mask=n0 + 8 * h + g < N, other=0),)
-            xu = x_ptrs + u * 16
-            xw = (tl.load(xu, mask=x_ok, other=0), tl.load(xu + 1, mask=x_ok, other=0),
-                  tl.load(xu + 2, mask=x_ok, other=0), tl.load(xu + 3, mask=x_ok, other=0))
+                    f4 = n0[:, None] + 8 * g[:, None] + four
+                    words = (_unstack4(tl.load(first, mask=f4 < N, other=0))
+                             + _unstack4(tl.load(first + 4, mask=f4 + 4 < N, other=0)))
+                xw = _unstack4(tl.load(x_ptrs[:, None] + u * 16 + four, mask=x_ok[:, None], other=0))
+            else:
+                words = ()
+                for h in tl.static_range(8):
+                    if EVEN_N:
+                        words = words + (tl.load(rows + 8 * h),)
+                    else:
+                        words = words + (tl.load(rows + 8 * h, mask=n0 + 8 * h + g < N, other=0),)
+                xu = x_ptrs + u * 16
+                xw = (tl.load(xu, mask=x_ok, other=0), tl.load(xu + 1, mask=x_ok, other=0),
+                      tl.load(xu + 2, mask=x_ok, other=0), tl.load(xu + 3, mask=x_ok, other=0))
             acc = _unit_mma(words, xw, acc, INTERPRET)
         new_y = ()
         for h in tl.static_range(8):   # lane (g, j)'s c0, c1 (feature row g) and c2, c3 (g + 8) of block h // 2
-            f = n0 + 8 * h + g
+            f = _feature(n0, g, h, WIDE)
             scale, offset = word_factors(d_ptr, m_ptr, a_ptr, b_ptr, w0 * 8, f, None if EVEN_N else f < N, N,
                                          SCALE_GROUP, SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
             base = offset - 128.0 * scale
@@ -224,9 +236,27 @@ def _gemv_mma_kernel(x_ptr, out_ptr, partial_ptr, low_ptr, high_ptr, d_ptr, m_pt
     split = tl.program_id(1)
     splits = tl.num_programs(1)
     for h in tl.static_range(8):
-        f = n0 + 8 * h + g
+        f = _feature(n0, g, h, WIDE)
         _store(out_ptr, partial_ptr, y[2 * h], 2 * j, f, split, splits, T, N)
         _store(out_ptr, partial_ptr, y[2 * h + 1], 2 * j + 1, f, split, splits, T, N)
+
+
+@triton.jit
+def _feature(n0, g, h, WIDE: tl.constexpr):
+    """The output feature of lane row g's word h (block h // 2, row g + 8 (h % 2))."""
+    if WIDE:
+        return n0 + 8 * g + h
+    else:
+        return n0 + 8 * h + g
+
+
+@triton.jit
+def _unstack4(t):
+    """The columns of ``t`` [M, 4] (a thread's four registers), each [M]."""
+    even, odd = tl.split(tl.reshape(t, (t.shape[0], 2, 2)))
+    c0, c2 = tl.split(even)
+    c1, c3 = tl.split(odd)
+    return c0, c1, c2, c3
 
 
 @triton.jit
