@@ -86,6 +86,11 @@ def _stream_kernel(low_ptr, d_ptr, m_ptr, a_ptr, b_ptr, packs_ptr, xd_ptr, xsum_
         tl.store(sums_ptr + tl.program_id(1) * N + cols, fsum + tl.sum(xsums, 0) + tl.xor_sum(psum, 0).to(tl.float32))
 
 
+# where check() runs the kernel: Triton's interpreter reads CPU tensors, a compiled kernel the GPU's (the H200 at
+# 7f7442b: "cannot be accessed from Triton (cpu tensor?)")
+DEVICE = "cpu" if triton.knobs.runtime.interpret or not torch.cuda.is_available() else "cuda"
+
+
 class Planes:
     """A Q4_K weight's planes and factors as the int8 GEMV reads them (random), and x's int8 form."""
 
@@ -146,9 +151,12 @@ def check() -> None:
             small.append(f + x + float(p))
         for tma in (False, True):
             out, sums = torch.zeros(splits, 96, dtype=torch.int32), torch.zeros(splits, 96)
-            stream(planes, out, sums, (32, 64, 4, 3), splits, tma, small=True)
-            assert torch.equal(out, want), (splits, tma)
-            torch.testing.assert_close(sums, torch.stack(small), rtol=1e-5, atol=1e-2)
+            on_device = Planes.__new__(Planes)   # the same planes where the kernel runs (the GPU, unless interpreted)
+            on_device.__dict__.update({name: t.to(DEVICE) for name, t in vars(planes).items()})
+            out, sums = out.to(DEVICE), sums.to(DEVICE)
+            stream(on_device, out, sums, (32, 64, 4, 3), splits, tma, small=True)
+            assert torch.equal(out.cpu(), want), (splits, tma)
+            torch.testing.assert_close(sums.cpu(), torch.stack(small), rtol=1e-5, atol=1e-2)
     print("the probe's kernel: both load paths give the words' XOR and the small loads' sums of every split")
 
 

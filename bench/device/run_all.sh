@@ -33,8 +33,8 @@
 # "earlyweights" (issue 18): the GEMVs' first weight tile read before the PDL wait, off and on, every type, and a q4k
 # profile with it (~6 min).
 # "tma" (issue 18): the int8 GEMV's low plane through TMA: a load-only probe, its tiles, batch-1 q4k and q8_0 (~7 min).
-# "pending" (issue 18): what sessions 35-37 wrote and no device has timed (TMA, early weights, the attention's
-# in-launch combination): their GPU tests, the load-only probe, batch-1 bf16 and q4k with each switch (~8 min).
+# "pending" (issue 18): what is written and not yet decided (the early weights, TMA with them, the MMA GEMV): their
+# GPU tests, the MMA GEMV's probe, batch-1 bf16, q4k and gptq with each switch (~7 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
 # NVLink multicast stays off on the shared multi-GPU hosts (h200_setup.sh sets these too; the benchmarks pass them on)
@@ -59,12 +59,12 @@ run() {   # name, limit in seconds, command...
 }
 latency_case() {   # "isq:variant", e.g. q4k:tma0early: batch-1 decode (Llama-3-8B shape) with the variant's switches
     # variant: tma0 / tma1 (CVLLM_GEMV_TMA) / tma6 (on, 6 stages deep), then any of "early" (the GEMVs' first weight
-    # tile before the PDL wait, CVLLM_GEMV_EARLY_WEIGHTS) and "fused" (the attention's splits combined in its
-    # launch, CVLLM_ATTENTION_FUSED_COMBINE); isq "none" is bf16
+    # tile before the PDL wait, CVLLM_GEMV_EARLY_WEIGHTS) and "mma" (GPTQ/AWQ's W4A16 GEMV on tensor cores,
+    # CVLLM_GEMV_MMA); isq "none" is bf16
     local q=${1%%:*} v=${1#*:}
     CVLLM_GEMV_TMA=$([[ $v = tma0* ]] && echo 0 || echo 1) CVLLM_GEMV_TMA_STAGES=$([[ $v = tma6* ]] && echo 6 || echo 0) \
         CVLLM_GEMV_EARLY_WEIGHTS=$([[ $v = *early* ]] && echo 1 || echo 0) \
-        CVLLM_ATTENTION_FUSED_COMBINE=$([[ $v = *fused* ]] && echo 1 || echo 0) \
+        CVLLM_GEMV_MMA=$([[ $v = *mma* ]] && echo 1 || echo 0) \
         run latency-$q-$v 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
         $([ $q = none ] || echo --isq $q) --json "$out/$day-$card-latency-$q-$v-$commit.json"
 }
@@ -340,8 +340,7 @@ tma)
     # call's 10 minutes with a cold start: ONLY="..." splits it)
     t=plugins/backend-cuda/tests
     run tma-probe 200 python3 bench/tma_stream_probe.py --json "$out/$day-$card-tma_stream_probe-$commit.json"
-    run gpu-tests-tma 150 python3 -m pytest -p no:cacheprovider -q $t/test_quant_gemv_int8.py -k "tma or combined or counters" \
-        $t/test_attention_fused_combine.py
+    run gpu-tests-tma 150 python3 -m pytest -p no:cacheprovider -q $t/test_quant_gemv_int8.py -k "tma"
     CVLLM_GEMV_TMA=1 run tune-tma-q4_k 150 python3 bench/tune_quant_gemv.py --layouts q4_k --budget-s 110 --pps 1,2 \
         --configs "32,64,4,3;32,64,4,5;32,64,4,8;32,128,4,4;32,128,8,4;64,64,4,4" \
         --json "$out/$day-$card-tune_quant_gemv-tma-q4_k-$commit.json"
@@ -353,15 +352,17 @@ tma)
     done
     python3 bench/latency_table.py "$out"/$day-$card-latency-*-tma*-$commit.json ;;
 pending)
-    # issue 18: everything written since session 35 and never timed, in one call (~8 min): the GPU tests of the
-    # int8 GEMV's TMA path, the early weights and the attention's in-launch combination; the load-only probe
-    # (pointer and TMA loads, words alone and with the step's small loads: which limits the int8 GEMV); then batch-1
-    # bf16 and q4k with each switch and with the early weights and the combination together (latency_case)
+    # issue 18: what is written and not yet timed or decided, in one call (~7 min): the GPU tests of the MMA GEMV and
+    # of the early weights (q3_k's bits differed with them on the H200 at 7f7442b: the test now says which way); the
+    # MMA GEMV's probe (GPTQ, 1-8 rows, its defaults and other tiles); batch-1 bf16, q4k with the early weights off
+    # and on (and with TMA), gptq with the MMA GEMV off and on, and with the early weights (latency_case)
     t=plugins/backend-cuda/tests
-    run gpu-tests-pending 150 python3 -m pytest -p no:cacheprovider -q $t/test_quant_gemv_int8.py $t/test_matmul.py \
-        $t/test_attention_fused_combine.py -k "tma or early or first_weight or combined or counters"
-    run tma-probe 120 python3 bench/tma_stream_probe.py --pps 1 --json "$out/$day-$card-tma_stream_probe-$commit.json"
-    for case in ${PENDING_CASES:-none:tma0 q4k:tma0 q4k:tma1 q4k:tma0early q4k:tma0fused q4k:tma0earlyfused}; do
+    run gpu-tests-pending 150 python3 -m pytest -p no:cacheprovider -q -rf --tb=short $t/test_quant_gemv_int8.py \
+        $t/test_matmul.py $t/test_quant_gemv_mma.py -k "early or first_weight or mma"
+    run mma-probe 150 python3 bench/mma_gemv_probe.py --rows 1,2,4,8 \
+        --configs "4,16,2;4,8,3;4,16,3;1,16,1;1,8,3;2,8,2" --json "$out/$day-$card-mma_gemv_probe-$commit.json"
+    for case in ${PENDING_CASES:-none:tma0 q4k:tma0 q4k:tma0early q4k:tma1early gptq:tma0 gptq:tma0mma \
+                gptq:tma0earlymma}; do
         latency_case $case
     done
     python3 bench/latency_table.py "$out"/$day-$card-latency-*-tma*-$commit.json ;;

@@ -141,38 +141,6 @@ def test_fp8_decode_attention_reads_values_by_key_without_byte_loads(monkeypatch
 
 
 @compiles
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
-def test_decode_attention_combining_its_splits_compiles(monkeypatch, cache_dtype):
-    """The split-KV decode attention at its default decode tiles, 128-wide heads, its splits combined by the last
-    program of a tile (attention_splits.FUSED_COMBINE), without and with the output projection's int8 form (then
-    stored by the attention kernel itself: more global stores): one ticket a program, no combining launch, no
-    spills."""
-    from types import SimpleNamespace
-
-    from test_quant_matmul import LAYOUTS
-    attention_splits = importlib.import_module("cvllm_cuda.kernels.attention_splits")
-    monkeypatch.setattr(attention_splits, "FUSED_COMBINE", True)
-    monkeypatch.setattr(attention_splits, "_counters", {})
-    monkeypatch.setattr(paged_attention, "combine_splits", None)   # a call would fail
-    layout = dataclasses.replace(LAYOUTS["q4_k"], int8_activations=True)
-    feeds = SimpleNamespace(quant_weight=SimpleNamespace(layout=layout, in_features=Q_HEADS * DIM, handed=None))
-    q = torch.zeros(TOKENS, Q_HEADS, DIM, dtype=torch.bfloat16)
-    k_cache, v_cache = caches(cache_dtype)
-    stores = []
-    for to in (None, feeds):
-        attention = lambda to=to: paged_attention.paged_attention(   # noqa: E731
-            q, k_cache, v_cache, torch.arange(TOKENS + 1, dtype=torch.int32),
-            torch.full((TOKENS,), 40, dtype=torch.int32), torch.zeros(TOKENS, BLOCKS, dtype=torch.int32), 1,
-            DIM ** -0.5, None, None, num_splits=4, kv_scales=scales(cache_dtype), feeds=to)
-        with monkeypatch.context() as patch:
-            kernels = compiled_launches(patch, paged_attention, "_attention_kernel", attention)
-        assert len(kernels) == 1 and kernels[0].asm["ptx"].count("atom.global.gpu.acq_rel.add") == 1
-        assert sm90.resource_usage(kernels[0])["STACK"] == 0, "spilled to local memory"
-        stores.append(kernels[0].asm["ptx"].count("st.global"))
-    assert feeds.quant_weight.handed is not None and stores[1] > stores[0], stores
-
-
-@compiles
 @pytest.mark.parametrize("report", [False, True])
 def test_argmax_compiles(monkeypatch, report):
     """The sampler's argmax in bf16 logits, with and without the rows that are not finite reported."""

@@ -1,13 +1,10 @@
 """Split-KV attention's slices combined (paged_attention.py, mla_attention.py): each program of a split decode wrote an
 unnormalised partial (row max, row sum, accumulator) to a workspace [T, H, NUM_SPLITS] (and [.., D]); a small
-kernel adds them up a head at a time (``combine_splits``), or (CVLLM_ATTENTION_FUSED_COMBINE=1, off until timed)
-the last of a tile's programs does in the attention's own launch (``last_split``, ``combined``). Either may write the
-output's int8 form for the output projection's low-bit GEMV (``quantize_heads``, int8_activations.py).
+kernel adds them up a head at a time (``combine_splits``), and may write the output's int8 form for the output
+projection's low-bit GEMV (``quantize_heads``, int8_activations.py).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -34,68 +31,6 @@ def quantize_heads(o, heads, row_ok, packs_ptr, xd_ptr, sums_ptr, block_sums_ptr
         quantize_blocks(tl.reshape(o.to(tl.float32), (R * BLOCKS, 32)),
                         tl.reshape(first[:, None] + blocks[None, :], (R * BLOCKS,)), tl.reshape(ok, (R * BLOCKS,)),
                         packs_ptr, xd_ptr, sums_ptr, block_sums_ptr, INT8_BITS)
-
-
-# The combining launch folded into the attention's (CVLLM_ATTENTION_FUSED_COMBINE=1). At batch 1 it is 32 launches a
-# step, on the H200's q4k critical path 127 us of 2,294 (docs/benchmarks.md, session 35): ~4 us each for a kernel of
-# ~2 us of its own. Session 31 wrote this together with the GEMVs' fused split sums under one switch; timed together
-# (session 33, H100) they lost, but the attention's part was never timed alone. Each split stores its partial as
-# before, then takes a ticket on its tile's counter (a barrier: every thread's stores issued; one acq_rel atomic at
-# GPU scope: the earlier splits' stores are visible to the split that draws the last ticket, which reads them
-# through L2), and the last combines them and puts the counter back to zero: zero between kernels (a kernel launched
-# with PDL touches them only after waiting for the one before).
-# (read once, as the GEMVs' switches are: not on every launch)
-FUSED_COMBINE = os.environ.get("CVLLM_ATTENTION_FUSED_COMBINE", "0") == "1"
-COUNTER_SLOTS = 1 << 16   # tiles x KV heads a launch may have
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def split_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The zeroed int32 ticket counters of ``device`` for a split attention of ``tiles`` (tile, KV head) pairs, or
-    None: the switch off, too many tiles, or none allocated yet while a CUDA graph is being captured (the engine
-    runs each shape eagerly before capturing it, which allocates them)."""
-    if not FUSED_COMBINE or tiles > COUNTER_SLOTS:
-        return None
-    counters = _counters.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = _counters[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return counters
-
-
-@triton.jit
-def last_split(counters_ptr, tile, splits):
-    """Whether this program is the last of its tile's ``splits`` splits to have stored its partial (then the counter
-    is zero again). Call after the program's partial stores."""
-    tl.debug_barrier()
-    ticket = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    last = ticket == splits - 1
-    if last:
-        tl.atomic_xchg(counters_ptr + tile, 0, sem="relaxed", scope="gpu")
-    return last
-
-
-@triton.jit
-def combined(part_max_ptr, part_sum_ptr, part_acc_ptr, first_part, row_valid, out_mask, dims,
-             HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """float32 [BLOCK_M, BLOCK_D]: the rows' splits (workspace entries first_part ... + NUM_SPLITS) combined as
-    _combine_splits_kernel does (within float32 rounding: a split at a time, not its tree), read through L2 (other
-    programs wrote them)."""
-    m_all = tl.full(first_part.shape, float("-inf"), tl.float32)
-    for j in tl.static_range(NUM_SPLITS):
-        m_all = tl.maximum(m_all, tl.load(part_max_ptr + first_part + j, mask=row_valid, other=float("-inf"),
-                                          cache_modifier=".cg"))
-    m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
-    total = tl.zeros(first_part.shape, tl.float32)
-    acc = tl.zeros(out_mask.shape, tl.float32)
-    for j in tl.static_range(NUM_SPLITS):
-        m = tl.load(part_max_ptr + first_part + j, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
-        weight = tl.exp(m - m_ref)   # 0 for slices that saw no key
-        total += weight * tl.load(part_sum_ptr + first_part + j, mask=row_valid, other=0.0, cache_modifier=".cg")
-        acc += weight[:, None] * tl.load(part_acc_ptr + (first_part + j)[:, None] * HEAD_DIM + dims[None, :],
-                                         mask=out_mask, other=0.0, cache_modifier=".cg")
-    return acc / tl.where(total == 0.0, 1.0, total)[:, None]
 
 
 @triton.jit

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from cvllm_cuda.kernels import gpu, pdl, quant_gemv_int8
-from cvllm_cuda.kernels.attention_splits import combine_splits, combined, last_split, quantize_heads, split_counters
+from cvllm_cuda.kernels.attention_splits import combine_splits
 from cvllm_cuda.kernels.attention_step import attend_keys
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
@@ -148,7 +148,6 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
-    counters_ptr, packs_ptr, xd_ptr, sums_ptr, block_sums_ptr,
     num_seqs, scale, soft_cap, sliding_window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, stride_vd,
     stride_bt,
@@ -156,11 +155,8 @@ def _attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DECODE_ONLY: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr, USE_PDL: tl.constexpr, VALUES_BY_KEY: tl.constexpr = False,
-    FUSED_COMBINE: tl.constexpr = False, INT8_BITS: tl.constexpr = 0,
 ):
-    """VALUES_BY_KEY: V's keys contiguous within a page (kv_cache.empty_value_cache; attention_step.py).
-    FUSED_COMBINE: with splits, the last of a tile's splits to finish combines them (attention_splits.last_split)
-    and writes the output, with its int8 form where INT8_BITS is set, instead of attention_splits.combine_splits."""
+    """VALUES_BY_KEY: V's keys contiguous within a page (kv_cache.empty_value_cache; attention_step.py)."""
     wait_for_previous_kernel(USE_PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -252,14 +248,6 @@ def _attention_kernel(
         tl.store(part_max_ptr + part, m_i, mask=row_valid)
         tl.store(part_sum_ptr + part, l_i, mask=row_valid)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=out_mask)
-        if FUSED_COMBINE:
-            if last_split(counters_ptr, tile * tl.num_programs(1) + kv_head, NUM_SPLITS):
-                o = combined(part_max_ptr, part_sum_ptr, part_acc_ptr, part - split, row_valid, out_mask, dims,
-                             HEAD_DIM, NUM_SPLITS).to(out_ptr.dtype.element_ty)
-                tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :], o,
-                         mask=out_mask)
-                quantize_heads(o, token * (tl.num_programs(1) * G) + head, row_valid, packs_ptr, xd_ptr, sums_ptr,
-                               block_sums_ptr, HEAD_DIM, INT8_BITS)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
@@ -328,12 +316,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     launch = pdl.options(q.device)
     combined_int8 = splits > 1 and head_dim % 32 == 0 and out.is_contiguous()
     int8_bits, made = quant_gemv_int8.output_form(out, feeds if combined_int8 else None, num_tokens)
-    # the splits combined by the last of them, in this launch (attention_splits.FUSED_COMBINE: off until timed)
-    counters = split_counters(q.device, tiles * num_kv_heads) if splits > 1 else None
     _attention_kernel[(tiles, num_kv_heads, splits)](
         q, k_cache, v_cache, out, part_max, part_sum, part_acc,
         query_start_loc, seq_lens, block_tables, *(kv_scales or (seq_lens, seq_lens)),
-        seq_lens if counters is None else counters, *made,
         num_seqs, float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(2),
@@ -342,12 +327,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_N=config.block_n,
         NUM_SPLITS=splits, DECODE_ONLY=decode, USE_WINDOW=bool(sliding_window), USE_SOFT_CAP=bool(soft_cap),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8,
-        VALUES_BY_KEY=values_by_key, FUSED_COMBINE=counters is not None,
-        INT8_BITS=int8_bits if counters is not None else 0,
+        VALUES_BY_KEY=values_by_key,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch,
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )
-    if splits > 1 and counters is None:
+    if splits > 1:
         combine_splits(out, part_max, part_sum, part_acc, made, int8_bits)
     if int8_bits:
         quant_gemv_int8.hand_over(out, feeds, int8_bits, made)
