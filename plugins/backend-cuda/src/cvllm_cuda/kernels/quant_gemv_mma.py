@@ -60,111 +60,116 @@ TILES = {1: (4, 32)}
 TILES_MORE_ROWS = (1, 16)
 
 
-BLOCKS = 4   # 16-feature blocks a warp: 64 features
-
-
-def _unit_asm() -> str:
-    """PTX for one lane's unit, accumulating: outputs $0-$15 (block b's c0-c3 at $4b..), $16-$17 (X of tokens 2 j,
-    2 j + 1); inputs $18-$25 (block b's words of features g and g + 8 at $18+2b, $19+2b), $26-$29 (x's four bf16
-    pairs (x0, x1), (x2, x3), (x4, x5), (x6, x7)), $30-$47 (the accumulators going in, as the outputs)."""
-    mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
-    lines = [
-        "{",
-        ".reg .b32 mask, bias, one, t, a0, a1, a2, a3, xa, xb, xc, xd;",
-        ".reg .f32 s2, s3;",
-        "mov.b32 mask, 0x000F000F;", "mov.b32 bias, 0x43004300;", "mov.b32 one, 0x3F803F80;",
-        "prmt.b32 xa, $26, $28, 0x5410;",   # (x0, x4)
-        "prmt.b32 xb, $26, $28, 0x7632;",   # (x1, x5)
-        "prmt.b32 xc, $27, $29, 0x5410;",   # (x2, x6)
-        "prmt.b32 xd, $27, $29, 0x7632;",   # (x3, x7)
-    ]
-    for b in range(BLOCKS):
-        lo, hi = f"${18 + 2 * b}", f"${19 + 2 * b}"
-        d = ", ".join(f"${4 * b + i}" for i in range(4))
-        c = ", ".join(f"${30 + 4 * b + i}" for i in range(4))
-        lines += [   # nibbles (0, 4) and (1, 5) of features g and g + 8 -> 128 + q, then (2, 6) and (3, 7)
-            f"lop3.b32 a0, {lo}, mask, bias, 0xEA;", f"lop3.b32 a1, {hi}, mask, bias, 0xEA;",
-            f"shr.u32 t, {lo}, 4;", "lop3.b32 a2, t, mask, bias, 0xEA;",
-            f"shr.u32 t, {hi}, 4;", "lop3.b32 a3, t, mask, bias, 0xEA;",
-            f"{mma} {{{d}}}, {{a0, a1, a2, a3}}, {{xa, xb}}, {{{c}}};",
-            f"shr.u32 t, {lo}, 8;", "lop3.b32 a0, t, mask, bias, 0xEA;",
-            f"shr.u32 t, {hi}, 8;", "lop3.b32 a1, t, mask, bias, 0xEA;",
-            f"shr.u32 t, {lo}, 12;", "lop3.b32 a2, t, mask, bias, 0xEA;",
-            f"shr.u32 t, {hi}, 12;", "lop3.b32 a3, t, mask, bias, 0xEA;",
-            f"{mma} {{{d}}}, {{a0, a1, a2, a3}}, {{xc, xd}}, {{{d}}};",
-        ]
-    lines += [   # X: a first operand of ones
-        f"{mma} {{$16, $17, s2, s3}}, {{one, one, one, one}}, {{xa, xb}}, {{$46, $47, $46, $47}};",
-        f"{mma} {{$16, $17, s2, s3}}, {{one, one, one, one}}, {{xc, xd}}, {{$16, $17, s2, s3}};",
-        "}",
-    ]
-    return "\n".join(lines)
-
-
-UNIT_ASM = tl.constexpr(_unit_asm())
-UNIT_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 18 + ["r"] * 12 + ["f"] * 18))
+MMA = tl.constexpr("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, "
+                   "{$8, $9}, {$10, $11, $12, $13};")
+ONES = tl.constexpr(0x3F803F80)       # a bf16 pair of 1.0
+BIAS = tl.constexpr(0x43004300)       # a bf16 pair of 128.0: its mantissas' low 4 bits take a nibble each
 
 
 @triton.jit
-def _unit_mma(words, xw, acc, INTERPRET: tl.constexpr):
-    """``acc`` (18 float32 [W * 32]: block b's c0-c3, then X of tokens 2 j, 2 j + 1) plus one unit's MMAs: ``words``
-    (8 int32 [W * 32]: block b's words of features g, g + 8) and ``xw`` (x's 4 pairs), one element a thread (element
-    e is warp e // 32's lane e % 32)."""
+def _mma(a, b, c, INTERPRET: tl.constexpr):
+    """d = A B + C of one ``mma.sync.m16n8k16`` (bf16 in, float32 out) from the lanes' fragments: ``a`` 4 int32
+    (bf16 pairs), ``b`` 2, ``c`` 4 float32, each [W * 32] (element e is warp e // 32's lane e % 32). Lane (g, j) =
+    (e % 32 // 4, e % 4) holds A[g][2j, 2j+1] (a0), A[g+8][2j, 2j+1] (a1), A[g][2j+8, 2j+9] (a2), A[g+8][2j+8, 2j+9]
+    (a3), B[2j, 2j+1][g] (b0), B[2j+8, 2j+9][g] (b1), and C / D[g][2j, 2j+1] (c0, c1), [g+8][2j, 2j+1] (c2, c3)."""
     if INTERPRET:
-        return _unit_emulated(words, xw, acc)
+        return _mma_emulated(a, b, c)
     else:
-        return tl.inline_asm_elementwise(UNIT_ASM, UNIT_CONSTRAINTS, words + xw + acc,
-                                         dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.float32,
-                                                tl.float32, tl.float32, tl.float32, tl.float32, tl.float32,
-                                                tl.float32, tl.float32, tl.float32, tl.float32, tl.float32,
-                                                tl.float32, tl.float32, tl.float32),   # 18: no tuple repetition
-                                         is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(MMA, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", a + b + c,
+                                         dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True,
+                                         pack=1)
 
 
 @triton.jit
-def _lanes(t):
-    """[W * 32] -> [W, 8, 4]: (warp, g, j)."""
-    return tl.reshape(t, (t.shape[0] // 32, 8, 4))
+def _pair_values(p):
+    """The two bf16 of pairs ``p`` (int32 [W * 32]) as float32 [W, 8 (g), 4 (j), 2], low half first."""
+    low = (p << 16).to(tl.float32, bitcast=True)
+    high = (p & -65536).to(tl.float32, bitcast=True)
+    return tl.reshape(tl.join(low, high), (p.shape[0] // 32, 8, 4, 2))
 
 
 @triton.jit
-def _x_values(xw):
-    """Each lane's 8 x values, float32 [W, 8 (token g), 4 (j), 8 (input)], from its 4 bf16 pairs."""
-    x0, x1, x2, x3 = xw
-    pairs = tl.reshape(tl.join(tl.join(x0, x2), tl.join(x1, x3)), (x0.shape[0], 4))    # [W * 32, pair]
-    low = (pairs << 16).to(tl.float32, bitcast=True)
-    high = (pairs & -65536).to(tl.float32, bitcast=True)
-    return tl.reshape(tl.join(low, high), (x0.shape[0] // 32, 8, 4, 8))
+def _join_k(first, second):
+    """[W, 8, 4, 2] values at inputs (2j, 2j+1) and (2j+8, 2j+9) -> [W, 8, 4, 4] in that order."""
+    return tl.reshape(tl.permute(tl.join(first, second), (0, 1, 2, 4, 3)), (first.shape[0], 8, 4, 4))
 
 
 @triton.jit
-def _by_token_pairs(d):
-    """[W, 8 (feature g), 8 (token n)] -> the lanes' (token 2 j, token 2 j + 1) values, each [W * 32]."""
+def _mma_emulated(a, b, c):
+    """What ``_mma`` computes, from the same lanes' registers (Triton's interpreter; the sums in another order)."""
+    top = _join_k(_pair_values(a[0]), _pair_values(a[2]))        # A's row g:     [w, g, j, k]
+    bottom = _join_k(_pair_values(a[1]), _pair_values(a[3]))     # A's row g + 8
+    cols = _join_k(_pair_values(b[0]), _pair_values(b[1]))       # B's column g:  [w, g, j, k]
+    d_top = tl.sum(tl.sum(top[:, :, None, :, :] * cols[:, None, :, :, :], axis=4), axis=3)      # [w, row, column]
+    d_bottom = tl.sum(tl.sum(bottom[:, :, None, :, :] * cols[:, None, :, :, :], axis=4), axis=3)
+    c0, c1 = _by_column_pairs(d_top)
+    c2, c3 = _by_column_pairs(d_bottom)
+    return c[0] + c0, c[1] + c1, c[2] + c2, c[3] + c3
+
+
+@triton.jit
+def _by_column_pairs(d):
+    """[W, 8 (row g), 8 (column n)] -> the lanes' columns 2 j and 2 j + 1 of row g, each [W * 32]."""
     even, odd = tl.split(tl.reshape(d, (d.shape[0], 8, 4, 2)))
     return tl.reshape(even, (d.shape[0] * 32,)), tl.reshape(odd, (d.shape[0] * 32,))
 
 
 @triton.jit
-def _feature_sums(word, x):
-    """D[feature row][token] of one 8-feature half: sum over lanes j and inputs of (128 + q) x, [W, 8, 8]."""
-    shifts = (tl.arange(0, 8) * 4)[None, None, None, :]
-    v = (128 + ((_lanes(word)[:, :, :, None] >> shifts) & 15)).to(tl.float32)           # [w, g, j, i]
-    return tl.sum(tl.sum(v[:, :, None, :, :] * x[:, None, :, :, :], axis=4), axis=3)     # [w, g, n]
+def _nibble_pairs(word, SHIFT: tl.constexpr, INTERPRET: tl.constexpr):
+    """The bf16 pair 128 + q of nibbles SHIFT / 4 and SHIFT / 4 + 4 of ``word``: ``(word >> SHIFT) & 0x000F000F |
+    0x43004300``, exact (compiled: one ``lop3`` with both constants in registers, and the shift)."""
+    moved = word >> SHIFT if SHIFT else word       # arithmetic: the mask drops the copied sign bits
+    if INTERPRET:
+        return (moved & 0x000F000F) | BIAS
+    else:
+        return tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
+                                         [moved, tl.full(moved.shape, 0x000F000F, tl.int32),
+                                          tl.full(moved.shape, BIAS, tl.int32)],
+                                         dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit
-def _unit_emulated(words, xw, acc):
-    """What UNIT_ASM's MMAs add, from the same lanes' registers (the interpreter's path)."""
-    x = _x_values(xw)
+def _halves(a, b, HIGH: tl.constexpr, INTERPRET: tl.constexpr):
+    """The pair of ``a``'s and ``b``'s low (or HIGH) halves, ``a``'s first (compiled: one ``prmt``)."""
+    if INTERPRET:
+        if HIGH:
+            return ((a >> 16) & 0xFFFF) | (b & -65536)
+        else:
+            return (a & 0xFFFF) | (b << 16)
+    else:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x7632;" if HIGH else "prmt.b32 $0, $1, $2, 0x5410;",
+                                         "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _x_pairs(x0, x1, x2, x3, INTERPRET: tl.constexpr):
+    """x's pairs in the MMA's input order from a lane's (x0, x1), (x2, x3), (x4, x5), (x6, x7): (x0, x4), (x1, x5),
+    (x2, x6), (x3, x7)."""
+    return (_halves(x0, x2, False, INTERPRET), _halves(x0, x2, True, INTERPRET), _halves(x1, x3, False, INTERPRET),
+            _halves(x1, x3, True, INTERPRET))
+
+
+@triton.jit
+def _unit_mma(words, xw, acc, INTERPRET: tl.constexpr):
+    """``acc`` (18 float32 [W * 32]: block b's c0-c3, then X of tokens 2 j, 2 j + 1) plus one unit's MMAs: ``words``
+    (8 int32 [W * 32]: block b's words of features g, g + 8) and ``xw`` (x's 4 pairs as loaded). The first MMA of a
+    block takes nibbles (0, 4) as inputs (2 j, 2 j + 1) and (1, 5) as (2 j + 8, 2 j + 9), with x's pairs (x0, x4) and
+    (x1, x5); the second nibbles (2, 6), (3, 7) with (x2, x6), (x3, x7). X: two MMAs with a first operand of ones."""
+    xa, xb, xc, xd = _x_pairs(xw[0], xw[1], xw[2], xw[3], INTERPRET)
     out = ()
     for b in tl.static_range(4):
-        c0, c1 = _by_token_pairs(_feature_sums(words[2 * b], x))
-        c2, c3 = _by_token_pairs(_feature_sums(words[2 * b + 1], x))
-        out = out + (acc[4 * b] + c0, acc[4 * b + 1] + c1, acc[4 * b + 2] + c2, acc[4 * b + 3] + c3)
-    x_sum = tl.sum(tl.sum(x, axis=3), axis=2)                                            # [w, token]
-    x_sum = tl.broadcast_to(x_sum[:, None, :], (x.shape[0], 8, 8))
-    s0, s1 = _by_token_pairs(x_sum)
-    return out + (acc[16] + s0, acc[17] + s1)
+        lo = words[2 * b]
+        hi = words[2 * b + 1]
+        c = (acc[4 * b], acc[4 * b + 1], acc[4 * b + 2], acc[4 * b + 3])
+        c = _mma((_nibble_pairs(lo, 0, INTERPRET), _nibble_pairs(hi, 0, INTERPRET), _nibble_pairs(lo, 4, INTERPRET),
+                  _nibble_pairs(hi, 4, INTERPRET)), (xa, xb), c, INTERPRET)
+        c = _mma((_nibble_pairs(lo, 8, INTERPRET), _nibble_pairs(hi, 8, INTERPRET), _nibble_pairs(lo, 12, INTERPRET),
+                  _nibble_pairs(hi, 12, INTERPRET)), (xc, xd), c, INTERPRET)
+        out = out + c
+    ones = tl.full(xa.shape, ONES, tl.int32)
+    s = _mma((ones, ones, ones, ones), (xa, xb), (acc[16], acc[17], acc[16], acc[17]), INTERPRET)
+    s = _mma((ones, ones, ones, ones), (xc, xd), s, INTERPRET)
+    return out + (s[0], s[1])
 
 
 @triton.jit
