@@ -23,6 +23,7 @@ from quant_gemm_rows import SHAPES, planes_on_gpu  # noqa: E402
 
 from cvllm_cuda.kernels.quant_gemv import quant_gemv  # noqa: E402
 from cvllm_cuda.kernels.quant_gemv_mma import group_units, quant_gemv_mma, split_count  # noqa: E402
+from cvllm_cuda.kernels.quant_gemv_mma import tile as quant_gemv_mma_tile  # noqa: E402
 from cvllm_cuda.kernels.quant_matmul import quant_gemm  # noqa: E402
 from cvllm_cuda.quant_planes import QuantLayout, dequantize_planes  # noqa: E402
 
@@ -42,7 +43,7 @@ def stack_us(layers: list, xs: dict, outs: dict, gemv, **kwargs) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layouts", default="gptq4_g128")
-    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--configs", default="", help='also "WARPS,WARPS_PER_SM[,STAGES];..." of the MMA GEMV beside '
                     "its defaults (quant_gemv_mma.TILES; one stage)")
@@ -67,8 +68,9 @@ def main() -> None:
                 warps, per_sm, stages = (*(int(v) for v in spec.split(",")), 1)[:3]
 
                 def gemv(x, weight, out, warps=warps, per_sm=per_sm, stages=stages):
-                    splits = split_count(weight.out_features, weight.in_features, group_units(weight.layout), warps,
-                                         per_sm, x.device)
+                    features = 8 * quant_gemv_mma_tile(x.shape[0])[0] * warps
+                    splits = split_count(weight.out_features, weight.in_features, group_units(weight.layout),
+                                         features, warps, per_sm, x.device)
                     quant_gemv_mma(x, weight, out, warps=warps, splits=splits, stages=stages)
                 row[f"mma {warps} warps, {per_sm} warps/SM, {stages} stages"] = stack_us(layers, xs, outs, gemv)
             print(json.dumps(row), flush=True)

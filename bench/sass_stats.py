@@ -4,7 +4,7 @@ for sm_90 on any machine (ptxas and nvdisasm ship with it); device time is then 
 
     python bench/sass_stats.py int8-gemv --layout q4_k --config 32,64,4,3 [--block-m ROWS] [--tma]
     python bench/sass_stats.py float-gemv --layout gptq4_g128 --config 32,32,4,3 --dump /tmp/sass
-    python bench/sass_stats.py mma-gemv --layout gptq4_g128 --config 4,3       # warps, stages (32 features a warp)
+    python bench/sass_stats.py mma-gemv --layout gptq4_g128 --config 4,1 [--block-m ROWS]   # warps, stages[, words]
     python bench/sass_stats.py gemm --layout q6_k --config 128,8,4,4 --block-m 64
     python bench/sass_stats.py gemm --table     # the GEMM's default tiles: every layout, every row tile
     python bench/sass_stats.py gemm-swapped --layout q4_k --config 64,8,4,4 --block-m 64
@@ -45,14 +45,15 @@ DIVISIBLE = {"N", "K", "SPLIT_WORDS", "one_bits", "stride_xt", "stride_ot"}   # 
 def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m: int = 16, tma: bool = False):
     """(jit function, signature, constexprs, num_warps) of one GEMV (or GEMM: ``block_m``, the rows' tile; the int8
     GEMV: the rows of x a program takes; ``tma``: its low plane through a TMA descriptor) configuration."""
-    if kind == "mma-gemv":   # quant_gemv_mma._gemv_mma_kernel: (warps, stages); BLOCK_N 32 a warp
-        warps, stages = config[0], config[1] if len(config) > 1 else 3
+    if kind == "mma-gemv":   # quant_gemv_mma._gemv_mma_kernel: (warps, stages[, words a lane]); rows: up to 16
+        warps, stages, *words = config
         signature = {"x_ptr": "*i32", "out_ptr": "*bf16", "partial_ptr": "*fp32", **PLANES,
                      "N": "i32", "K": "i32", "T": "i32", "SPLIT_WORDS": "i32"}
         args = layout.kernel_args()
         mma = {name: args[name] for name in ("SCALE_GROUP", "SUPER_GROUP", "A_MODE", "B_MODE", "B_CONST", "HAS_M")}
-        mma.update(KU=quant_gemv_mma.group_units(layout), W=warps, STAGES=stages, EVEN_N=True, INTERPRET=False,
-                   USE_PDL=False)
+        mma.update(KU=quant_gemv_mma.group_units(layout), W=warps,
+                   FW=words[0] if words else quant_gemv_mma.tile(block_m)[0], TG=-(-block_m // 8), STAGES=stages,
+                   EVEN_N=True, INTERPRET=False, USE_PDL=False)
         return quant_gemv_mma._gemv_mma_kernel, signature, mma, warps
     block_n, block_w, warps, *stages = config
     gw = quant_gemv_int8.int8_group_words(layout, block_w) if kind == "int8-gemv" else group_words(layout, block_w)
@@ -139,7 +140,7 @@ def main() -> None:
         return
     config = tuple(int(v) for v in args.config.split(","))
     stages = config[3] if args.kind.startswith("gemm") and len(config) > 3 else None
-    block_m = args.block_m or (1 if args.kind == "int8-gemv" else 16)
+    block_m = args.block_m or (1 if args.kind in ("int8-gemv", "mma-gemv") else 16)
     kernel = compile_sm90(*kernel_spec(args.kind, LAYOUTS[args.layout], config, block_m, args.tma), stages)
     dump = args.dump or Path(f"/tmp/sass-{args.kind}")
     dump.mkdir(parents=True, exist_ok=True)

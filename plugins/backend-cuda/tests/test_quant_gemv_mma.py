@@ -1,5 +1,5 @@
 """The tensor-core W4A16 GEMV (kernels/quant_gemv_mma.py) against dequantize-then-matmul in float32: GPTQ/AWQ group
-sizes, Q4_0 / Q4_1 / Q4_K, 1-8 rows, K splits, masked feature tails. In Triton's interpreter the MMAs are computed
+sizes, Q4_0 / Q4_1 / Q4_K, 1-16 rows, K splits, masked feature tails. In Triton's interpreter the MMAs are computed
 from the lanes' registers by broadcasting, which checks the lanes' bookkeeping (which words, which x, which
 features); compiled on a GPU, the PTX itself."""
 
@@ -59,7 +59,7 @@ def test_which_layouts_it_takes():
 
 @needs_device
 @pytest.mark.parametrize("name", sorted(MMA_LAYOUTS))
-@pytest.mark.parametrize("t", [1, 3, 8])
+@pytest.mark.parametrize("t", [1, 3, 8, 13])
 def test_matches_dequantize_then_matmul(name, t):
     weight = random_weight(MMA_LAYOUTS[name], 128, 512, DEVICE, seed=t)
     # bf16 output of float32 sums: one rounding
@@ -95,13 +95,13 @@ def test_rejects_what_it_cannot_take():
         quant_gemv_mma(torch.zeros(1, 256, dtype=torch.bfloat16), weight, torch.empty(1, 32, dtype=torch.bfloat16))
     weight = random_weight(LAYOUTS["gptq4_g128"], 32, 256, "cpu")
     with pytest.raises(ValueError, match="rows"):
-        quant_gemv_mma(torch.zeros(9, 256, dtype=torch.bfloat16), weight, torch.empty(9, 32, dtype=torch.bfloat16))
+        quant_gemv_mma(torch.zeros(17, 256, dtype=torch.bfloat16), weight, torch.empty(17, 32, dtype=torch.bfloat16))
 
 
 @needs_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["gptq4_g128", "gptq4_g32", "q4_1", "q4_k"])
-@pytest.mark.parametrize("t", [1, 2, 5, 8])
+@pytest.mark.parametrize("t", [1, 2, 5, 8, 11, 16])
 def test_gpu_mma_gemv_on_llama_shapes(name, t):
     for n, k in ((6144, 4096), (4096, 14336), (1000, 512)):
         weight = random_weight(MMA_LAYOUTS[name], n, k, "cuda", seed=n + t)
@@ -128,8 +128,8 @@ def test_gpu_mma_gemv_is_deterministic_and_graph_safe():
 
 @needs_device
 def test_quant_matmul_takes_it_when_switched_on(monkeypatch):
-    """CVLLM_GEMV_MMA=1 (quant_gemv_mma.ENABLED): quant_matmul's 1-8 rows of a GPTQ weight go through it, into an
-    output of any row stride; GGUF layouts keep the int8-activation GEMV; more rows keep the GEMM."""
+    """CVLLM_GEMV_MMA=1 (quant_gemv_mma.ENABLED): quant_matmul's 1-16 rows of a GPTQ weight go through it, into an
+    output of any row stride; more rows keep the GEMM."""
     import cvllm_cuda.kernels.quant_gemv_mma as mma
     from cvllm_cuda.kernels.quant_matmul import quant_matmul
     calls = []
@@ -137,15 +137,15 @@ def test_quant_matmul_takes_it_when_switched_on(monkeypatch):
     monkeypatch.setattr(mma, "ENABLED", True)
     monkeypatch.setattr(mma, "quant_gemv_mma", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     weight = random_weight(MMA_LAYOUTS["gptq4_g128"], 64, 256, DEVICE, seed=3)
-    x = torch.randn(8, 256).to(torch.bfloat16).to(DEVICE)
+    x = torch.randn(16, 256).to(torch.bfloat16).to(DEVICE)
     ref = x.float() @ dequantize_planes(weight).T
-    for t in (1, 5):
+    for t in (1, 5, 16):
         out = quant_matmul(x[:t], weight)
         assert ((out.float() - ref[:t]).abs().max() / ref[:t].abs().max()).item() < 1e-2
     wide = torch.zeros(2, 100, dtype=torch.bfloat16, device=DEVICE)
     quant_matmul(x[:2], weight, wide[:, 10:74])
     assert ((wide[:, 10:74].float() - ref[:2]).abs().max() / ref[:2].abs().max()).item() < 1e-2
     assert (wide[:, :10] == 0).all() and (wide[:, 74:] == 0).all()
-    assert calls == [1, 5, 2]
-    quant_matmul(torch.randn(9, 256).to(torch.bfloat16).to(DEVICE), weight)
-    assert calls == [1, 5, 2]
+    assert calls == [1, 5, 16, 2]
+    quant_matmul(torch.randn(17, 256).to(torch.bfloat16).to(DEVICE), weight)
+    assert calls == [1, 5, 16, 2]

@@ -210,7 +210,8 @@ def test_the_16_bit_and_fp8_gemvs_early_weights_are_read_before_the_pdl_wait(mon
 
 
 @compiles
-@pytest.mark.parametrize("name,rows", [("gptq4_g128", 1), ("gptq4_g128", 8), ("q4_k", 1), ("q4_1", 3)])
+@pytest.mark.parametrize("name,rows", [("gptq4_g128", 1), ("gptq4_g128", 8), ("gptq4_g128", 16), ("q4_k", 1),
+                                       ("q4_1", 3)])
 def test_mma_gemv_keeps_one_element_a_lane(monkeypatch, name, rows):
     """quant_gemv_mma's MMAs read each lane's registers as their fragments: every tensor of the kernel must keep its
     rows (dimension 0) one a thread in lane order, a row's registers in its thread (Triton's 1-D layout, and the
@@ -223,7 +224,7 @@ def test_mma_gemv_keeps_one_element_a_lane(monkeypatch, name, rows):
     [kernel] = compiled_launches(monkeypatch, quant_gemv_mma, "_gemv_mma_kernel",
                                  lambda: quant_gemv_mma.quant_gemv_mma(x, weight, out, splits=1))
     ttgir = kernel.asm["ttgir"]
-    warps = quant_gemv_mma.TILES.get(rows, quant_gemv_mma.TILES_MORE_ROWS)[0]
+    words, warps, _ = quant_gemv_mma.tile(rows)
     layouts = re.findall(r"#ttg\.blocked<\{sizePerThread = \[([\d, ]+)\], threadsPerWarp = \[([\d, ]+)\], "
                          r"warpsPerCTA = \[([\d, ]+)\]", ttgir)
     assert layouts
@@ -234,5 +235,6 @@ def test_mma_gemv_keeps_one_element_a_lane(monkeypatch, name, rows):
         assert per_thread.startswith("1"), per_thread
     assert "convert_layout" not in ttgir and "elementwise_inline_asm" in ttgir
     assert sm90.resource_usage(kernel)["STACK"] == 0, "spilled to local memory"
-    assert sum("HMMA.16816.F32.BF16" in line for line in sm90.sass(kernel)) == 10 * quant_gemv_mma.group_units(
-        weight.layout)
+    groups = -(-rows // 8)   # MMAs a unit: two a block of two features a lane row and token group, two for X
+    assert sum("HMMA.16816.F32.BF16" in line for line in sm90.sass(kernel)) == (
+        (words + 2) * groups * quant_gemv_mma.group_units(weight.layout))
