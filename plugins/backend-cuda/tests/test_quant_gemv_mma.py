@@ -142,10 +142,13 @@ def test_quant_matmul_takes_it_when_switched_on(monkeypatch):
     for t in (1, 5, 16):
         out = quant_matmul(x[:t], weight)
         assert ((out.float() - ref[:t]).abs().max() / ref[:t].abs().max()).item() < 1e-2
+    odd = torch.cat([torch.zeros(1, dtype=torch.bfloat16, device=DEVICE), x[:3].flatten()])[1:].view(3, 256)
+    out = quant_matmul(odd, weight)   # x at an odd element: read as int32 pairs from a copy
+    assert ((out.float() - ref[:3]).abs().max() / ref[:3].abs().max()).item() < 1e-2
     wide = torch.zeros(2, 100, dtype=torch.bfloat16, device=DEVICE)
     quant_matmul(x[:2], weight, wide[:, 10:74])
     assert ((wide[:, 10:74].float() - ref[:2]).abs().max() / ref[:2].abs().max()).item() < 1e-2
     assert (wide[:, :10] == 0).all() and (wide[:, 74:] == 0).all()
-    assert calls == [1, 5, 16, 2]
+    assert calls == [1, 5, 16, 3, 2]
     quant_matmul(torch.randn(17, 256).to(torch.bfloat16).to(DEVICE), weight)
-    assert calls == [1, 5, 16, 2]
+    assert calls == [1, 5, 16, 3, 2]

@@ -210,17 +210,18 @@ def test_the_16_bit_and_fp8_gemvs_early_weights_are_read_before_the_pdl_wait(mon
 
 
 @compiles
-@pytest.mark.parametrize("name,rows", [("gptq4_g128", 1), ("gptq4_g128", 8), ("gptq4_g128", 16), ("q4_k", 1),
-                                       ("q4_1", 3)])
-def test_mma_gemv_keeps_one_element_a_lane(monkeypatch, name, rows):
+@pytest.mark.parametrize("name,rows,n", [("gptq4_g128", 1, 512), ("gptq4_g128", 8, 512), ("gptq4_g128", 16, 512),
+                                         ("q4_k", 1, 512), ("q4_1", 3, 512), ("gptq4_g128", 12, 1002)])
+def test_mma_gemv_keeps_one_element_a_lane(monkeypatch, name, rows, n):
     """quant_gemv_mma's MMAs read each lane's registers as their fragments: every tensor of the kernel must keep its
     rows (dimension 0) one a thread in lane order, a row's registers in its thread (Triton's 1-D layout, and the
-    16-byte loads' [rows, 4]), with no layout conversion; its loop holds the MMAs and no spills."""
+    16-byte loads' [rows, 4]), with no layout conversion, also where the plane's rows are not 16-byte aligned (N 1002:
+    then the word loads are narrower, the layout the same); its loop holds the MMAs and no spills."""
     from test_quant_gemv_mma import MMA_LAYOUTS
     from test_quant_matmul import random_weight
     quant_gemv_mma = importlib.import_module("cvllm_cuda.kernels.quant_gemv_mma")
-    weight = random_weight(MMA_LAYOUTS[name], 512, 1024, "cpu")
-    x, out = torch.zeros(rows, 1024, dtype=torch.bfloat16), torch.empty(rows, 512, dtype=torch.bfloat16)
+    weight = random_weight(MMA_LAYOUTS[name], n, 1024, "cpu")
+    x, out = torch.zeros(rows, 1024, dtype=torch.bfloat16), torch.empty(rows, n, dtype=torch.bfloat16)
     [kernel] = compiled_launches(monkeypatch, quant_gemv_mma, "_gemv_mma_kernel",
                                  lambda: quant_gemv_mma.quant_gemv_mma(x, weight, out, splits=1))
     ttgir = kernel.asm["ttgir"]

@@ -242,7 +242,8 @@ def quant_gemv_mma(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, warp
         splits = split_count(n, k, ku, block_n, warps, warps_per_sm, x.device)
     split_words = cdiv(k // (UNIT * ku), splits) * ku * 4
     splits = cdiv(k // 8, split_words)
-    x = x if x.is_contiguous() else x.contiguous()
+    if not x.is_contiguous() or x.storage_offset() % 2:   # read as int32 pairs
+        x = x.contiguous() if not x.is_contiguous() else x.clone()
     target = out if out.is_contiguous() else torch.empty((t, n), dtype=out.dtype, device=out.device)
     partials = target if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
     args = lay.kernel_args()
