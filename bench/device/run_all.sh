@@ -359,7 +359,7 @@ pending)
     t=plugins/backend-cuda/tests
     run gpu-tests-pending 150 python3 -m pytest -p no:cacheprovider -q -rf --tb=short $t/test_quant_gemv_int8.py \
         $t/test_matmul.py $t/test_quant_gemv_mma.py -k "early or first_weight or mma"
-    run mma-probe 150 python3 bench/mma_gemv_probe.py --rows 1,2,4,8,16 \
+    run mma-probe 200 python3 bench/mma_gemv_probe.py --layouts gptq4_g128,q4_k --rows 1,2,4,8,16 \
         --configs "4,16,2;4,8,3;4,16,3;1,16,1;1,8,3;2,8,2" --json "$out/$day-$card-mma_gemv_probe-$commit.json"
     for case in ${PENDING_CASES:-none:tma0 q4k:tma0 q4k:tma0early q4k:tma1early gptq:tma0 gptq:tma0mma \
                 gptq:tma0earlymma}; do
