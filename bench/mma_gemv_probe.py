@@ -1,7 +1,8 @@
-"""Probe (issue 18): the tensor-core W4A16 GEMV (cvllm_cuda/kernels/quant_gemv_mma.py) against the float GEMV that
-GPTQ/AWQ's batch 1 runs today (quant_gemv.py) and, for 2-8 rows, the swapped GEMM (quant_gemm_swapped.py), on
-Llama-3-8B's projection shapes. Each kernel's output is checked against float32 first; then a stack of layers' four
-products is captured in one CUDA graph per kernel and timed (us a layer; the weights come from HBM).
+"""Probe (issue 18): the tensor-core W4A16 GEMV (cvllm_cuda/kernels/quant_gemv_mma.py) against what quant_matmul
+runs without it (GPTQ/AWQ: the float GEMV at 1 row, the swapped GEMM at 2-16; Q4_K: the int8 GEMV up to 5 rows, then
+the swapped GEMM), on Llama-3-8B's projection shapes. The MMA GEMV's output is checked against float32 first; then a
+stack of layers' four products is captured in one CUDA graph per kernel and timed (us a layer; the weights come from
+HBM).
 
     python bench/mma_gemv_probe.py --json $OUT/mma_gemv_probe.json        # on the H200 (~1 min)
     python bench/mma_gemv_probe.py --rows 1,8 --configs "4,32;1,16,3;2,8,3"   # other tiles beside the defaults
@@ -21,14 +22,13 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "plugins/backend-cuda/test
 from common import captured_us  # noqa: E402
 from quant_gemm_rows import SHAPES, planes_on_gpu  # noqa: E402
 
-from cvllm_cuda.kernels.quant_gemv import quant_gemv  # noqa: E402
 from cvllm_cuda.kernels.quant_gemv_mma import group_units, quant_gemv_mma, split_count  # noqa: E402
 from cvllm_cuda.kernels.quant_gemv_mma import tile as quant_gemv_mma_tile  # noqa: E402
-from cvllm_cuda.kernels.quant_matmul import quant_gemm  # noqa: E402
+from cvllm_cuda.kernels.quant_matmul import quant_matmul  # noqa: E402
 from cvllm_cuda.quant_planes import QuantLayout, dequantize_planes  # noqa: E402
 
-LAYOUTS = {"gptq4_g128": QuantLayout(4, 0, 128, 128, b_mode=2, b_const=-1),
-           "q4_k": QuantLayout(4, 0, 32, 256, a_mode=2, b_mode=2, b_const=-1, has_m=True)}
+LAYOUTS = {"gptq4_g128": QuantLayout(4, 0, 128, 128, b_mode=2, b_const=-1),   # (Q4_K as GGUF files and --isq have it)
+           "q4_k": QuantLayout(4, 0, 32, 256, a_mode=2, b_mode=2, b_const=-1, has_m=True, int8_activations=True)}
 
 
 def stack_us(layers: list, xs: dict, outs: dict, gemv, **kwargs) -> float:
@@ -49,6 +49,8 @@ def main() -> None:
                     "its defaults (quant_gemv_mma.TILES; one stage)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    import cvllm_cuda.kernels.quant_gemv_mma as mma
+    mma.ENABLED = False   # the baseline is quant_matmul's kernel without it, whatever the environment says
     results = []
     for name in args.layouts.split(","):
         layout = LAYOUTS[name]
@@ -61,8 +63,8 @@ def main() -> None:
                 quant_gemv_mma(xs[s], layers[0][s], outs[s])
                 err = ((outs[s].float() - ref).abs().max() / ref.abs().max()).item()
                 print(f"{name} rows {t} {s}: relative error {err:.2e}" + ("" if err < 1e-2 else "  WRONG"), flush=True)
-            row = {"layout": name, "rows": t, "baseline": "float GEMV" if t == 1 else "default GEMM",
-                   "baseline_us": stack_us(layers, xs, outs, quant_gemv if t == 1 else quant_gemm),
+            row = {"layout": name, "rows": t, "baseline": "quant_matmul's kernel (CVLLM_GEMV_MMA off)",
+                   "baseline_us": stack_us(layers, xs, outs, quant_matmul),
                    "mma_us": stack_us(layers, xs, outs, quant_gemv_mma)}
             for spec in (c for c in args.configs.split(";") if c):
                 warps, per_sm, stages = (*(int(v) for v in spec.split(",")), 1)[:3]
