@@ -48,12 +48,10 @@ def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m
     if kind == "mma-gemv":   # quant_gemv_mma._gemv_mma_kernel: (warps, stages[, words a lane]); rows: up to 16
         warps, stages, *words = config
         signature = {"x_ptr": "*i32", "out_ptr": "*bf16", "partial_ptr": "*fp32", **PLANES,
-                     "N": "i32", "K": "i32", "T": "i32", "SPLIT_WORDS": "i32"}
-        args = layout.kernel_args()
-        mma = {name: args[name] for name in ("SCALE_GROUP", "SUPER_GROUP", "A_MODE", "B_MODE", "B_CONST", "HAS_M")}
-        mma.update(KU=quant_gemv_mma.group_units(layout), W=warps,
-                   FW=words[0] if words else quant_gemv_mma.tile(block_m)[0], TG=-(-block_m // 8), STAGES=stages,
-                   EVEN_N=True, INTERPRET=False, USE_PDL=False)
+                     "N": "i32", "K": "i32", "T": "i32", "stride_ot": "i32", "SPLIT_WORDS": "i32"}
+        mma = {**layout.kernel_args(), "KU": quant_gemv_mma.group_units(layout), "W": warps,
+               "FW": words[0] if words else quant_gemv_mma.tile(block_m)[0], "TG": -(-block_m // 8),
+               "STAGES": stages, "EVEN_N": True, "INTERPRET": False, "USE_PDL": False}
         return quant_gemv_mma._gemv_mma_kernel, signature, mma, warps
     block_n, block_w, warps, *stages = config
     gw = quant_gemv_int8.int8_group_words(layout, block_w) if kind == "int8-gemv" else group_words(layout, block_w)

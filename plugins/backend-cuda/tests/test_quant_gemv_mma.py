@@ -87,6 +87,10 @@ def test_nothing_past_the_output_is_written():
     buffer = torch.full((3 * 40 + 64,), 7.0, dtype=torch.bfloat16, device=DEVICE)
     quant_gemv_mma(x, weight, buffer[:120].view(3, 40), warps=2, splits=1)
     assert (buffer[120:] == 7).all() and not (buffer[:120] == 7).all()
+    wide = torch.full((3, 50), 7.0, dtype=torch.bfloat16, device=DEVICE)   # rows 50 apart, one split: stored directly
+    quant_gemv_mma(x, weight, wide[:, 5:45], warps=2, splits=1)
+    assert (wide[:, :5] == 7).all() and (wide[:, 45:] == 7).all()
+    assert torch.equal(wide[:, 5:45], buffer[:120].view(3, 40))
 
 
 def test_rejects_what_it_cannot_take():

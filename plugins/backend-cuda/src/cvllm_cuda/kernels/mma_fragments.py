@@ -14,6 +14,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from cvllm_cuda.kernels.int8_bytes import _byte_perm
+from cvllm_cuda.kernels.quant_gemv import _and_or
+
 MMA = tl.constexpr("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, "
                    "{$8, $9}, {$10, $11, $12, $13};")
 ONES = tl.constexpr(0x3F803F80)       # a bf16 pair of 1.0
@@ -69,33 +72,17 @@ def _by_column_pairs(d):
 @triton.jit
 def nibble_pairs(word, SHIFT: tl.constexpr, INTERPRET: tl.constexpr):
     """The bf16 pair 128 + q of nibbles SHIFT / 4 and SHIFT / 4 + 4 of ``word``: ``(word >> SHIFT) & 0x000F000F |
-    0x43004300``, exact (compiled: one ``lop3`` with both constants in registers, and the shift)."""
+    0x43004300``, exact (compiled: the shift and one ``lop3``, quant_gemv._and_or)."""
     moved = word >> SHIFT if SHIFT else word       # arithmetic: the mask drops the copied sign bits
     if INTERPRET:
         return (moved & 0x000F000F) | BIAS
     else:
-        return tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
-                                         [moved, tl.full(moved.shape, 0x000F000F, tl.int32),
-                                          tl.full(moved.shape, BIAS, tl.int32)],
-                                         dtype=tl.int32, is_pure=True, pack=1)
-
-
-@triton.jit
-def _halves(a, b, HIGH: tl.constexpr, INTERPRET: tl.constexpr):
-    """The pair of ``a``'s and ``b``'s low (or HIGH) halves, ``a``'s first (compiled: one ``prmt``)."""
-    if INTERPRET:
-        if HIGH:
-            return ((a >> 16) & 0xFFFF) | (b & -65536)
-        else:
-            return (a & 0xFFFF) | (b << 16)
-    else:
-        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x7632;" if HIGH else "prmt.b32 $0, $1, $2, 0x5410;",
-                                         "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
+        return _and_or(moved, 0x000F000F, BIAS)
 
 
 @triton.jit
 def x_pairs(x0, x1, x2, x3, INTERPRET: tl.constexpr):
     """x's pairs in the MMA's input order from a lane's (x0, x1), (x2, x3), (x4, x5), (x6, x7): (x0, x4), (x1, x5),
-    (x2, x6), (x3, x7)."""
-    return (_halves(x0, x2, False, INTERPRET), _halves(x0, x2, True, INTERPRET), _halves(x1, x3, False, INTERPRET),
-            _halves(x1, x3, True, INTERPRET))
+    (x2, x6), (x3, x7) (one ``prmt`` each: low halves 0x5410, high halves 0x7632)."""
+    return (_byte_perm(x0, x2, 0x5410, INTERPRET), _byte_perm(x0, x2, 0x7632, INTERPRET),
+            _byte_perm(x1, x3, 0x5410, INTERPRET), _byte_perm(x1, x3, 0x7632, INTERPRET))

@@ -114,15 +114,17 @@ def _load_words(rows, first_feature, N, FW: tl.constexpr, EVEN_N: tl.constexpr):
 
 @triton.jit
 def _gemv_mma_kernel(x_ptr, out_ptr, partial_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K, T,
-                     SPLIT_WORDS, SCALE_GROUP: tl.constexpr, SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr,
-                     B_MODE: tl.constexpr, B_CONST: tl.constexpr, HAS_M: tl.constexpr, KU: tl.constexpr,
-                     W: tl.constexpr, FW: tl.constexpr, TG: tl.constexpr, STAGES: tl.constexpr, EVEN_N: tl.constexpr,
-                     INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
+                     stride_ot, SPLIT_WORDS, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr,
+                     SCALE_GROUP: tl.constexpr, SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr,
+                     B_MODE: tl.constexpr, B_CONST: tl.constexpr, HAS_M: tl.constexpr, FLOAT8: tl.constexpr,
+                     KU: tl.constexpr, W: tl.constexpr, FW: tl.constexpr, TG: tl.constexpr, STAGES: tl.constexpr,
+                     EVEN_N: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (i, s): output features i * 8 FW W ... over words s * SPLIT_WORDS ...: a warp 8 FW features (lane row
     g's FW features n0 + FW g ...), KU units a K step (within one scale group), TG groups of 8 tokens. x is read as
-    int32 bf16 pairs [T, K / 2] at ``x_ptr``. With more than one split, each stores float32 partial sums [splits, T,
-    N], added by sum_splits_kernel. Every tensor is [W * 32] (or [W * 32, 4] rows) in lane order (mma_fragments.py;
-    a compile test holds the layouts)."""
+    int32 bf16 pairs [T, K / 2] at ``x_ptr``; out's rows are ``stride_ot`` apart. With more than one split, each
+    stores float32 partial sums [splits, T, N], added by sum_splits_kernel. (LOW_BITS, HIGH_BITS, FLOAT8: the
+    layout's, always 4, 0, False here: ``applies``.) Every tensor is [W * 32] (or [W * 32, 4] rows) in lane order
+    (mma_fragments.py; a compile test holds the layouts)."""
     BLOCKS: tl.constexpr = FW // 2
     e = tl.arange(0, W * 32)
     g = (e % 32) // 4
@@ -165,9 +167,10 @@ def _gemv_mma_kernel(x_ptr, out_ptr, partial_ptr, low_ptr, high_ptr, d_ptr, m_pt
     splits = tl.num_programs(1)
     for h in tl.static_range(FW):
         for t in tl.static_range(TG):
-            _store(out_ptr, partial_ptr, y[(h * TG + t) * 2], 8 * t + 2 * j, first_feature + h, split, splits, T, N)
+            _store(out_ptr, partial_ptr, y[(h * TG + t) * 2], 8 * t + 2 * j, first_feature + h, split, splits, T, N,
+                   stride_ot)
             _store(out_ptr, partial_ptr, y[(h * TG + t) * 2 + 1], 8 * t + 2 * j + 1, first_feature + h, split, splits,
-                   T, N)
+                   T, N, stride_ot)
 
 
 @triton.jit
@@ -192,12 +195,12 @@ def _zeros(zero, COUNT: tl.constexpr):
 
 
 @triton.jit
-def _store(out_ptr, partial_ptr, y, row, f, split, splits, T, N):
+def _store(out_ptr, partial_ptr, y, row, f, split, splits, T, N, stride_ot):
     ok = (row < T) & (f < N)
     if splits > 1:
         tl.store(partial_ptr + (split * T + row) * N + f, y, mask=ok)
     else:
-        tl.store(out_ptr + row * N + f, y.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out_ptr + row * stride_ot + f, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def group_units(layout: QuantLayout) -> int:
@@ -228,7 +231,7 @@ def split_count(n: int, k: int, ku: int, features: int, warps: int, warps_per_sm
 
 def quant_gemv_mma(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, warps: int | None = None,
                    splits: int | None = None, stages: int = 1, words: int | None = None) -> None:
-    """out = x @ W.T for x [T, K] bf16 (T <= MAX_ROWS) and out [T, N]."""
+    """out = x @ W.T for x [T, K] bf16 (T <= MAX_ROWS) and out [T, N] (rows of any stride)."""
     t, k = x.shape
     n = weight.out_features
     if t > MAX_ROWS or not applies(weight.layout, x.dtype, k):
@@ -243,18 +246,11 @@ def quant_gemv_mma(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, warp
     split_words = cdiv(k // (UNIT * ku), splits) * ku * 4
     splits = cdiv(k // 8, split_words)
     if not x.is_contiguous() or x.storage_offset() % 2:   # read as int32 pairs
-        x = x.contiguous() if not x.is_contiguous() else x.clone()
-    target = out if out.is_contiguous() else torch.empty((t, n), dtype=out.dtype, device=out.device)
-    partials = target if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
-    args = lay.kernel_args()
+        x = x.clone(memory_format=torch.contiguous_format)
+    partials = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
     _gemv_mma_kernel[(cdiv(n, block_n), splits)](
-        x.view(torch.int32), target, partials, *kernel_tensors(weight), n, k, t, split_words,
-        SCALE_GROUP=args["SCALE_GROUP"], SUPER_GROUP=args["SUPER_GROUP"], A_MODE=args["A_MODE"],
-        B_MODE=args["B_MODE"], B_CONST=args["B_CONST"], HAS_M=args["HAS_M"], KU=ku, W=warps, FW=fw,
-        TG=cdiv(t, 8), STAGES=stages,
-        EVEN_N=n % block_n == 0, INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=warps,
-        **pdl_options(x.device))
+        x.view(torch.int32), out, partials, *kernel_tensors(weight), n, k, t, out.stride(0), split_words,
+        **lay.kernel_args(), KU=ku, W=warps, FW=fw, TG=cdiv(t, 8), STAGES=stages, EVEN_N=n % block_n == 0,
+        INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=warps, **pdl_options(x.device))
     if splits > 1:
-        add_splits(partials, target, splits, n)
-    if target is not out:
-        out.copy_(target)
+        add_splits(partials, out, splits, n)
