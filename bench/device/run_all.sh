@@ -354,8 +354,8 @@ tma)
 pending)
     # issue 18: what is written and not yet timed or decided, in one call (~7 min): the GPU tests of the MMA GEMV and
     # of the early weights (q3_k's bits differed with them on the H200 at 7f7442b: the test now says which way); the
-    # MMA GEMV's probe (GPTQ, 1-8 rows, its defaults and other tiles); batch-1 bf16, q4k with the early weights off
-    # and on (and with TMA), gptq with the MMA GEMV off and on, and with the early weights (latency_case)
+    # MMA GEMV's probe (GPTQ and Q4_K, 1-16 rows, its defaults and other tiles); batch-1 bf16, q4k with the early
+    # weights off and on (and with TMA), gptq with the MMA GEMV off and on, and with the early weights (latency_case)
     t=plugins/backend-cuda/tests
     run gpu-tests-pending 150 python3 -m pytest -p no:cacheprovider -q -rf --tb=short $t/test_quant_gemv_int8.py \
         $t/test_matmul.py $t/test_quant_gemv_mma.py -k "early or first_weight or mma"

@@ -42,6 +42,7 @@ from cvllm_cuda.kernels import gpu
 from cvllm_cuda.kernels.mma_fragments import ONES, mma, nibble_pairs, x_pairs
 from cvllm_cuda.kernels.pdl import options as pdl_options
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
+from cvllm_cuda.kernels.quant_gemm_swapped import in_lanes
 from cvllm_cuda.kernels.quant_tiles import add_splits, kernel_tensors, word_factors
 from cvllm_cuda.kernels.sizes import cdiv
 from cvllm_cuda.quant_planes import QuantLayout, QuantWeight
@@ -214,8 +215,8 @@ def group_units(layout: QuantLayout) -> int:
 
 def applies(layout: QuantLayout, dtype: torch.dtype, in_features: int) -> bool:
     """Whether this GEMV can take a weight in ``layout`` times x of ``dtype``."""
-    return (layout.low_bits == 4 and not layout.high_bits and not layout.float8 and dtype == torch.bfloat16
-            and layout.scale_group % UNIT == 0 and in_features % (UNIT * group_units(layout)) == 0)
+    return (in_lanes(layout, dtype) and layout.scale_group % UNIT == 0
+            and in_features % (UNIT * group_units(layout)) == 0)
 
 
 def split_count(n: int, k: int, ku: int, features: int, warps: int, warps_per_sm: int,
