@@ -132,8 +132,8 @@ def test_gpu_mma_gemv_is_deterministic_and_graph_safe():
 
 @needs_device
 def test_quant_matmul_takes_it_when_switched_on(monkeypatch):
-    """CVLLM_GEMV_MMA=1 (quant_gemv_mma.ENABLED): quant_matmul's 1-16 rows of a GPTQ weight go through it, into an
-    output of any row stride; more rows keep the GEMM."""
+    """CVLLM_GEMV_MMA (quant_gemv_mma.ENABLED, on by default): quant_matmul's 1-ROUTED_ROWS rows of a GPTQ weight go
+    through it, into an output of any row stride; more rows keep the GEMM, and the switch off keeps them all."""
     import cvllm_cuda.kernels.quant_gemv_mma as mma
     from cvllm_cuda.kernels.quant_matmul import quant_matmul
     calls = []
@@ -143,6 +143,7 @@ def test_quant_matmul_takes_it_when_switched_on(monkeypatch):
     weight = random_weight(MMA_LAYOUTS["gptq4_g128"], 64, 256, DEVICE, seed=3)
     x = torch.randn(16, 256).to(torch.bfloat16).to(DEVICE)
     ref = x.float() @ dequantize_planes(weight).T
+    monkeypatch.setattr(mma, "ROUTED_ROWS", 16)
     for t in (1, 5, 16):
         out = quant_matmul(x[:t], weight)
         assert ((out.float() - ref[:t]).abs().max() / ref[:t].abs().max()).item() < 1e-2
@@ -155,4 +156,8 @@ def test_quant_matmul_takes_it_when_switched_on(monkeypatch):
     assert (wide[:, :10] == 0).all() and (wide[:, 74:] == 0).all()
     assert calls == [1, 5, 16, 3, 2]
     quant_matmul(torch.randn(17, 256).to(torch.bfloat16).to(DEVICE), weight)
+    monkeypatch.setattr(mma, "ROUTED_ROWS", 8)
+    quant_matmul(x[:9], weight)
+    monkeypatch.setattr(mma, "ENABLED", False)
+    quant_matmul(x[:1], weight)
     assert calls == [1, 5, 16, 3, 2]

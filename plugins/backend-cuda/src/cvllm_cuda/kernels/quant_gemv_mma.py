@@ -27,8 +27,8 @@ units are summed, then its factors apply in float32:
     y += scale * sum((128 + q) x) + (offset - 128 scale) * X,    the layout's value q * scale + offset.
 
 Layouts: 4-bit planes without a high plane whose scale groups are whole multiples of 32 inputs (GPTQ/AWQ at every
-group size, Q4_0, Q4_1, Q4_K), bf16 x (``applies``). Off by default (``CVLLM_GEMV_MMA=1``, read at import) until timed
-end to end on a GPU (docs/benchmarks.md, session 38).
+group size, Q4_0, Q4_1, Q4_K), bf16 x (``applies``). quant_matmul routes 1-ROUTED_ROWS rows of the layouts that take
+float activations (GPTQ/AWQ) here; ``CVLLM_GEMV_MMA=0`` (read at import) turns it off (docs/benchmarks.md, session 39).
 """
 from __future__ import annotations
 
@@ -47,8 +47,14 @@ from cvllm_cuda.kernels.quant_tiles import add_splits, kernel_tensors, word_fact
 from cvllm_cuda.kernels.sizes import cdiv
 from cvllm_cuda.quant_planes import QuantLayout, QuantWeight
 
-ENABLED = os.environ.get("CVLLM_GEMV_MMA", "0") == "1"
+ENABLED = os.environ.get("CVLLM_GEMV_MMA", "1") != "0"
 MAX_ROWS = 16           # rows of x: two groups of 8 tokens (the MMA's second operand's columns)
+# rows quant_matmul sends here: on the H100 (2026-12-06, bench/mma_gemv_probe.py, a Llama-3-8B layer's four products,
+# GPTQ-4bit g128) 1 row 65.2 us against the float GEMV's 69.9, 2 rows 72.0 against the swapped GEMM's 94.5, 4 rows 75.1
+# against 97.6, 8 rows 100.1 against 99.2, 16 rows 110.4 against 104.0; batch-1 --isq gptq 319.2 -> 335.2 tok/s. The
+# int8 GEMV's layouts (Q4_K, Q4_0, Q4_1) keep it: Q4_K 1 row 85.4 against its 66.0, 2 rows 84.4 against 79.4 (4 rows
+# 87.2 against 125.2, but 3-5 rows share the int8 producers' path)
+ROUTED_ROWS = 8
 UNIT = 32               # inputs a lane's words span in one word row (8 each, lanes j = 0..3): one unit
 MAX_GROUP_UNITS = 4     # units a K step takes at most (GPTQ g128: a scale group a step)
 # (words a lane reads a word row, i.e. features a lane row: a warp 8 FW features; warps a program; warps an SM the K

@@ -3,7 +3,8 @@ planes [K * bits / 32, N], factors [K / group, N]), dequantized in registers as 
 
 - One row of x (the batch-1 decode step): the GEMV, quant_gemv_int8.py where the layout allows llama.cpp's int8
   activations (up to its MAX_ROWS rows: each row's output then is what it would be alone, so a speculative verify
-  step's rows round as the plain steps do), else quant_gemv.py.
+  step's rows round as the plain steps do); else, up to quant_gemv_mma.ROUTED_ROWS rows of bf16 x times a 4-bit
+  weight without a high plane (GPTQ/AWQ), the tensor-core GEMV (quant_gemv_mma.py); else quant_gemv.py.
 - 2 to GEMM_MAX_ROWS rows (decode batches, speculative verify steps): a K step's words unpacked into one tile
   [BLOCK_K, BLOCK_N] in order, one ``tl.dot`` with a contiguous x tile, float32 accumulators, split over K like the
   GEMV. (The older per-position kernel, a ``tl.dot`` per element position S of the words with the x columns
@@ -234,7 +235,7 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor | None 
     from cvllm_cuda.kernels import quant_gemv_int8, quant_gemv_mma  # (they build on this module)
     if t <= quant_gemv_int8.MAX_ROWS and quant_gemv_int8.applies(weight.layout, weight.in_features):
         quant_gemv_int8.quant_gemv_int8(x, weight, out)
-    elif (quant_gemv_mma.ENABLED and t <= quant_gemv_mma.MAX_ROWS
+    elif (quant_gemv_mma.ENABLED and t <= quant_gemv_mma.ROUTED_ROWS
           and quant_gemv_mma.applies(weight.layout, x.dtype, weight.in_features)):
         quant_gemv_mma.quant_gemv_mma(x, weight, out)
     elif t == 1:
