@@ -32,8 +32,10 @@ logger = logging.getLogger(__name__)
 # still runs. Safe because no kernel launched with PDL writes weights: they change only while loading, by torch ops
 # and kernels launched without it, which a PDL launch cannot overtake. On the H200 a batch-1 Llama-3-8B GEMV takes
 # 5-7 us more than its bytes at the copy rate (the stack sweep, 4ae0d84), and the GEMVs are 1.61 of a q4k step's
-# 2.29 ms of critical path (session 35's profile). Off until timed.
-EARLY_WEIGHTS = os.environ.get("CVLLM_GEMV_EARLY_WEIGHTS", "0") == "1"
+# 2.29 ms of critical path (session 35's profile). On by default since session 39 (q4k batch 1 +6.5% on the H200,
+# +2.7% on an H100); the peeled first step may contract its float multiply-adds otherwise than the loop, so a few
+# outputs can differ from the plain kernel's by an ulp (Q3_K on the GPU), each launch still the same bits.
+EARLY_WEIGHTS = os.environ.get("CVLLM_GEMV_EARLY_WEIGHTS", "1") != "0"
 # the split kernels divide K until there are about this many programs per SM
 PROGRAMS_PER_SM = 4
 
