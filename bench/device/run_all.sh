@@ -60,13 +60,11 @@ run() {   # name, limit in seconds, command...
 latency_case() {   # "isq:variant", e.g. q4k:tma0early: batch-1 decode (Llama-3-8B shape) with the variant's switches
     # variant: tma0 / tma1 (CVLLM_GEMV_TMA) / tma6 (on, 6 stages deep), then any of "early" (the GEMVs' first weight
     # tile before the PDL wait, CVLLM_GEMV_EARLY_WEIGHTS) and "mma" (GPTQ/AWQ's W4A16 GEMV on tensor cores,
-    # CVLLM_GEMV_MMA) and "pfN" (the L2 asked for N tiles before the PDL wait, CVLLM_GEMV_PREFETCH); isq "none" is
-    # bf16
+    # CVLLM_GEMV_MMA); isq "none" is bf16
     local q=${1%%:*} v=${1#*:}
     CVLLM_GEMV_TMA=$([[ $v = tma0* ]] && echo 0 || echo 1) CVLLM_GEMV_TMA_STAGES=$([[ $v = tma6* ]] && echo 6 || echo 0) \
         CVLLM_GEMV_EARLY_WEIGHTS=$([[ $v = *early* ]] && echo 1 || echo 0) \
         CVLLM_GEMV_MMA=$([[ $v = *mma* ]] && echo 1 || echo 0) \
-        CVLLM_GEMV_PREFETCH=$([[ $v =~ pf([0-9]+) ]] && echo ${BASH_REMATCH[1]} || echo 0) \
         run latency-$q-$v 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
         $([ $q = none ] || echo --isq $q) --json "$out/$day-$card-latency-$q-$v-$commit.json"
 }
@@ -357,19 +355,18 @@ pending)
     # issue 18: what is written and not yet decided, in one call (~6 min): the early weights' bit test a few times
     # over (q3_k's bits differed with them on the H200 at 7f7442b and not on the H100 at c2d7aac: a race would not
     # repeat), the MMA GEMV's GPU tests and probe (GPTQ and Q4_K, 1-16 rows, its default tiles), batch-1 bf16, q4k with
-    # the early weights off and on and with the L2 prefetches (prefetch.py) of 4-16 tiles, gptq with the MMA GEMV off
-    # and on (its default since session 39), with the prefetches and the early weights (latency_case)
+    # the early weights off and on, gptq with the MMA GEMV off and on (its default since session 39) and with the early
+    # weights (latency_case)
     t=plugins/backend-cuda/tests
-    for i in $(seq ${EARLY_REPEATS:-4}); do
+    for i in $(seq ${EARLY_REPEATS:-6}); do
         run gpu-tests-early-$i 100 python3 -m pytest -p no:cacheprovider -q -rf --tb=line $t/test_quant_gemv_int8.py \
             -k early_weights_change_no_bit
     done
     run gpu-tests-mma 150 python3 -m pytest -p no:cacheprovider -q -rf --tb=short $t/test_matmul.py \
-        $t/test_quant_gemv_mma.py $t/test_prefetch.py -k "mma or gptq or prefetch"
+        $t/test_quant_gemv_mma.py -k "mma or gptq"
     run mma-probe 150 python3 bench/mma_gemv_probe.py --layouts gptq4_g128,q4_k --rows 1,2,4,8,16 \
         --json "$out/$day-$card-mma_gemv_probe-$commit.json"
-    for case in ${PENDING_CASES:-none:tma0 q4k:tma0 q4k:tma0early q4k:tma0pf4 q4k:tma0earlypf4 q4k:tma0earlypf8 \
-                q4k:tma0earlypf16 gptq:tma0 gptq:tma0mma gptq:tma0mmapf4 gptq:tma0earlymmapf4}; do
+    for case in ${PENDING_CASES:-none:tma0 q4k:tma0 q4k:tma0early gptq:tma0 gptq:tma0mma gptq:tma0earlymma}; do
         latency_case $case
     done
     python3 bench/latency_table.py "$out"/$day-$card-latency-*-tma*-$commit.json ;;

@@ -137,69 +137,6 @@ def test_early_weights_are_read_before_the_pdl_wait(monkeypatch, name):
 
 
 @compiles
-@pytest.mark.parametrize("name", ["q4_k", "q6_k", "q3_k"])
-def test_prefetches_come_before_the_pdl_wait(monkeypatch, name):
-    """CVLLM_GEMV_PREFETCH (prefetch.py): the int8 GEMV's L2 prefetches (SASS CCTL) of its next tiles' words,
-    high-plane words and factors all come before ``griddepcontrol.wait`` (ACQBULK), with and without the early
-    weights; none without the switch; the registers and spills as without it."""
-    from test_quant_matmul import LAYOUTS, random_weight
-    quant_gemv_int8 = importlib.import_module("cvllm_cuda.kernels.quant_gemv_int8")
-    quant_tiles = importlib.import_module("cvllm_cuda.kernels.quant_tiles")
-    prefetch = importlib.import_module("cvllm_cuda.kernels.prefetch")
-    int8_activations = importlib.import_module("cvllm_cuda.kernels.int8_activations")
-    monkeypatch.setattr(int8_activations, "_quantize_kernel", sm90.LaunchRecorder(int8_activations._quantize_kernel))
-    monkeypatch.setattr(quant_gemv_int8, "pdl_options", lambda device: {"USE_PDL": True, "launch_pdl": True})
-    weight = random_weight(dataclasses.replace(LAYOUTS[name], int8_activations=True), 4096, 4096, "cpu")
-    x, out = torch.zeros(1, 4096, dtype=torch.bfloat16), torch.empty(1, 4096, dtype=torch.bfloat16)
-    kernel_fn, found = quant_gemv_int8._gemv_int8_kernel, {}
-    for tiles, early in ((0, False), (4, False), (4, True)):
-        monkeypatch.setattr(prefetch, "PREFETCH_TILES", tiles)
-        monkeypatch.setattr(quant_tiles, "EARLY_WEIGHTS", early)
-        monkeypatch.setattr(quant_gemv_int8, "_gemv_int8_kernel", kernel_fn)
-        [kernel] = compiled_launches(monkeypatch, quant_gemv_int8, "_gemv_int8_kernel",
-                                     lambda: quant_gemv_int8.quant_gemv_int8(x, weight, out, splits=1))
-        lines = sm90.sass(kernel)
-        [wait] = [i for i, line in enumerate(lines) if line.startswith("ACQBULK")]
-        prefetches = [i for i, line in enumerate(lines) if line.startswith("CCTL")]
-        found[tiles, early] = (len(prefetches), all(i < wait for i in prefetches), sm90.resource_usage(kernel))
-    planes = {"q4_k": 5, "q6_k": 4, "q3_k": 4}[name]   # low, (high,) d, (m,) and the group factors' rows
-    assert found[0, False][0] == 0
-    for key in ((4, False), (4, True)):
-        count, before, usage = found[key]
-        assert before and count >= planes, (key, found[key])
-        assert usage["STACK"] == 0, "spilled to local memory"
-    assert found[4, False][2]["REG"] <= found[0, False][2]["REG"] + 8
-
-
-@compiles
-@pytest.mark.parametrize("rows", [1, 8])
-def test_mma_gemv_prefetches_before_the_pdl_wait(monkeypatch, rows):
-    """CVLLM_GEMV_PREFETCH in the MMA GEMV: its L2 prefetches (CCTL) all before ACQBULK, in lane-ordered tensors (no
-    layout conversion), no spills; none without the switch."""
-    from test_quant_gemv_mma import MMA_LAYOUTS
-    from test_quant_matmul import random_weight
-    quant_gemv_mma = importlib.import_module("cvllm_cuda.kernels.quant_gemv_mma")
-    prefetch = importlib.import_module("cvllm_cuda.kernels.prefetch")
-    monkeypatch.setattr(quant_gemv_mma, "pdl_options", lambda device: {"USE_PDL": True, "launch_pdl": True})
-    weight = random_weight(MMA_LAYOUTS["gptq4_g128"], 4096, 4096, "cpu")
-    x, out = torch.zeros(rows, 4096, dtype=torch.bfloat16), torch.empty(rows, 4096, dtype=torch.bfloat16)
-    kernel_fn, counts = quant_gemv_mma._gemv_mma_kernel, {}
-    for tiles in (0, 4):
-        monkeypatch.setattr(prefetch, "PREFETCH_TILES", tiles)
-        monkeypatch.setattr(quant_gemv_mma, "_gemv_mma_kernel", kernel_fn)
-        [kernel] = compiled_launches(monkeypatch, quant_gemv_mma, "_gemv_mma_kernel",
-                                     lambda: quant_gemv_mma.quant_gemv_mma(x, weight, out, splits=1))
-        lines = sm90.sass(kernel)
-        [wait] = [i for i, line in enumerate(lines) if line.startswith("ACQBULK")]
-        prefetches = [i for i, line in enumerate(lines) if line.startswith("CCTL")]
-        assert all(i < wait for i in prefetches)
-        assert "convert_layout" not in kernel.asm["ttgir"]
-        assert sm90.resource_usage(kernel)["STACK"] == 0, "spilled to local memory"
-        counts[tiles] = len(prefetches)
-    assert counts[0] == 0 and counts[4] >= 2, counts   # the words' lines and the scales' (and zeros')
-
-
-@compiles
 @pytest.mark.parametrize("name", ["q4_k", "q6_k", "q8_0", "q3_k"])
 @pytest.mark.parametrize("early", [False, True])
 def test_int8_gemv_low_words_through_tma_compile(monkeypatch, name, early):

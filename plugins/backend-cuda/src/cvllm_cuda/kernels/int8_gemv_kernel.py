@@ -8,7 +8,6 @@ import triton.language as tl
 
 from cvllm_cuda.kernels.int8_bytes import weight_bytes
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
-from cvllm_cuda.kernels.prefetch import prefetch_weights
 from cvllm_cuda.kernels.quant_tiles import load_masked, word_factors
 
 
@@ -114,8 +113,7 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, part
                       HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                       GROUP_WORDS: tl.constexpr, GROUP_SUM: tl.constexpr, STAGES: tl.constexpr,
                       EVEN: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr,
-                      ROWS: tl.constexpr = 1, EARLY: tl.constexpr = False, low_desc=None, TMA: tl.constexpr = False,
-                      PREFETCH: tl.constexpr = 0):
+                      ROWS: tl.constexpr = 1, EARLY: tl.constexpr = False, low_desc=None, TMA: tl.constexpr = False):
     """The float GEMV's tiling and splits (quant_matmul._gemv_kernel), integer dot products per word. Where a factor
     group is one activation block (32 inputs: Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0), the group's word products
     are added as integers and turned into a float once per group and column, not once per word. A high plane's
@@ -127,8 +125,7 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, part
     weight only. A last program with fewer rows computes its last row again in their place and stores nothing for
     them. Out row t at ``t * stride_ot``; with K splits, split j's partial sums of row t at ``partial_ptr + (j * T +
     t) * N`` (float32), added by sum_splits_kernel. EARLY: the first K step's weights are read before the PDL wait
-    (the same operations in the same order: the same bits); PREFETCH: the L2 asked for the next PREFETCH tiles'
-    words and factors before that wait too (prefetch.py; a hint). TMA: the low words come through ``low_desc``, a tensor
+    (the same operations in the same order: the same bits). TMA: the low words come through ``low_desc``, a tensor
     descriptor of the low plane (quant_gemv_int8.TMA; the same words, the same bits)."""
     PER_WORD: tl.constexpr = 32 // LOW_BITS
     PHASES: tl.constexpr = 8 // LOW_BITS
@@ -181,10 +178,6 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, part
                                   low_desc, col0, HIGH_BITS, HIGH_PER_GROUP, EVEN, TMA)
         scale, offset = _weight_factors(start, d_ptr, m_ptr, a_ptr, b_ptr, group_first, cols3, col_ok3, num_words,
                                         N, LOW_BITS, SCALE_GROUP, SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M, EVEN)
-    if PREFETCH > 0:
-        prefetch_weights(start + BLOCK_W * EARLY, num_words, col0, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N,
-                         0, PREFETCH * BLOCK_W, BLOCK_N, LOW_BITS, HIGH_BITS, SCALE_GROUP, SUPER_GROUP, A_MODE,
-                         B_MODE, HAS_M, 0, INTERPRET)
     wait_for_previous_kernel(USE_PDL)
     if EARLY:
         wbytes = weight_bytes(low, high, part, LOW_BITS, HIGH_BITS, INTERPRET)

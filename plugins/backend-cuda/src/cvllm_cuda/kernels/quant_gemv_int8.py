@@ -40,7 +40,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from cvllm_cuda.kernels import gpu, prefetch, quant_tiles
+from cvllm_cuda.kernels import gpu, quant_tiles
 from cvllm_cuda.kernels.int8_activations import (
     BLOCK,
     buffers,
@@ -277,7 +277,6 @@ def _launch(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, tiles: tupl
         BLOCK_W=block_w, GROUP_WORDS=gw, STAGES=stages, GROUP_SUM=groups_in_thread(block_n, block_w, gw, warps),
         EVEN=even_tiles(n, k, lay.low_bits, block_n, split_words),
         INTERPRET=bool(triton.knobs.runtime.interpret), ROWS=rows, EARLY=quant_tiles.EARLY_WEIGHTS,
-        low_desc=descriptor, TMA=descriptor is not None, PREFETCH=prefetch.PREFETCH_TILES, num_warps=warps,
-        **pdl_options(x.device))
+        low_desc=descriptor, TMA=descriptor is not None, num_warps=warps, **pdl_options(x.device))
     if splits > 1:
         add_splits(partials, out, splits, n)

@@ -38,11 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
-from cvllm_cuda.kernels import gpu, prefetch
+from cvllm_cuda.kernels import gpu
 from cvllm_cuda.kernels.mma_fragments import ONES, mma, nibble_pairs, x_pairs
 from cvllm_cuda.kernels.pdl import options as pdl_options
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
-from cvllm_cuda.kernels.prefetch import prefetch_weights
 from cvllm_cuda.kernels.quant_gemm_swapped import in_lanes
 from cvllm_cuda.kernels.quant_tiles import add_splits, kernel_tensors, word_factors
 from cvllm_cuda.kernels.sizes import cdiv
@@ -126,14 +125,12 @@ def _gemv_mma_kernel(x_ptr, out_ptr, partial_ptr, low_ptr, high_ptr, d_ptr, m_pt
                      SCALE_GROUP: tl.constexpr, SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr,
                      B_MODE: tl.constexpr, B_CONST: tl.constexpr, HAS_M: tl.constexpr, FLOAT8: tl.constexpr,
                      KU: tl.constexpr, W: tl.constexpr, FW: tl.constexpr, TG: tl.constexpr, STAGES: tl.constexpr,
-                     EVEN_N: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr,
-                     PREFETCH: tl.constexpr = 0):
+                     EVEN_N: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (i, s): output features i * 8 FW W ... over words s * SPLIT_WORDS ...: a warp 8 FW features (lane row
     g's FW features n0 + FW g ...), KU units a K step (within one scale group), TG groups of 8 tokens. x is read as
     int32 bf16 pairs [T, K / 2] at ``x_ptr``; out's rows are ``stride_ot`` apart. With more than one split, each
     stores float32 partial sums [splits, T, N], added by sum_splits_kernel. (LOW_BITS, HIGH_BITS, FLOAT8: the
-    layout's, always 4, 0, False here: ``applies``.) PREFETCH: the L2 asked for the first PREFETCH K steps' words
-    and factors before the PDL wait (prefetch.py). Every tensor is [W * 32] (or [W * 32, 4] rows) in lane order
+    layout's, always 4, 0, False here: ``applies``.) Every tensor is [W * 32] (or [W * 32, 4] rows) in lane order
     (mma_fragments.py; a compile test holds the layouts)."""
     BLOCKS: tl.constexpr = FW // 2
     e = tl.arange(0, W * 32)
@@ -147,10 +144,6 @@ def _gemv_mma_kernel(x_ptr, out_ptr, partial_ptr, low_ptr, high_ptr, d_ptr, m_pt
     x_ptrs = x_ptr + g[:, None] * (K // 2) + start * 4 + 4 * j[:, None] + tl.arange(0, 4)[None, :]
     zero = tl.zeros((W * 32,), dtype=tl.float32)
     y = _zeros(zero, FW * TG * 2)
-    if PREFETCH > 0:
-        prefetch_weights(start, end, tl.program_id(0) * (8 * FW * W), low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N,
-                         e, PREFETCH * KU * 4, 8 * FW * W, LOW_BITS, HIGH_BITS, SCALE_GROUP, SUPER_GROUP, A_MODE,
-                         B_MODE, HAS_M, W * 32, INTERPRET)
     wait_for_previous_kernel(USE_PDL)
     for w0 in tl.range(start, end, KU * 4, num_stages=STAGES):
         acc = _zeros(zero, BLOCKS * TG * 4 + TG * 2)
@@ -265,7 +258,6 @@ def quant_gemv_mma(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, warp
     _gemv_mma_kernel[(cdiv(n, block_n), splits)](
         x.view(torch.int32), out, partials, *kernel_tensors(weight), n, k, t, out.stride(0), split_words,
         **lay.kernel_args(), KU=ku, W=warps, FW=fw, TG=cdiv(t, 8), STAGES=stages, EVEN_N=n % block_n == 0,
-        INTERPRET=bool(triton.knobs.runtime.interpret), PREFETCH=prefetch.PREFETCH_TILES, num_warps=warps,
-        **pdl_options(x.device))
+        INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=warps, **pdl_options(x.device))
     if splits > 1:
         add_splits(partials, out, splits, n)
