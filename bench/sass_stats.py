@@ -2,7 +2,7 @@
 shared-memory round trip, a barrier if inside a loop) and the SASS instruction mix of its main loop. Triton compiles
 for sm_90 on any machine (ptxas and nvdisasm ship with it); device time is then spent only on what needs timing.
 
-    python bench/sass_stats.py int8-gemv --layout q4_k --config 32,64,4,3 [--block-m ROWS] [--tma]
+    python bench/sass_stats.py int8-gemv --layout q4_k --config 32,64,4,3 [--block-m ROWS]
     python bench/sass_stats.py float-gemv --layout gptq4_g128 --config 32,32,4,3 --dump /tmp/sass
     python bench/sass_stats.py mma-gemv --layout gptq4_g128 --config 4,1 [--block-m ROWS]   # warps, stages[, words]
     python bench/sass_stats.py gemm --layout q6_k --config 128,8,4,4 --block-m 64
@@ -42,9 +42,9 @@ PLANES = {"low_ptr": "*i32", "high_ptr": "*i32", "d_ptr": "*fp16", "m_ptr": "*fp
 DIVISIBLE = {"N", "K", "SPLIT_WORDS", "one_bits", "stride_xt", "stride_ot"}   # (T: not divisible)
 
 
-def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m: int = 16, tma: bool = False):
+def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m: int = 16):
     """(jit function, signature, constexprs, num_warps) of one GEMV (or GEMM: ``block_m``, the rows' tile; the int8
-    GEMV: the rows of x a program takes; ``tma``: its low plane through a TMA descriptor) configuration."""
+    GEMV: the rows of x a program takes) configuration."""
     if kind == "mma-gemv":   # quant_gemv_mma._gemv_mma_kernel: (warps, stages[, words a lane]); rows: up to 16
         warps, stages, *words = config
         signature = {"x_ptr": "*i32", "out_ptr": "*bf16", "partial_ptr": "*fp32", **PLANES,
@@ -62,11 +62,7 @@ def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m
         signature = {"packs_ptr": "*i32", "xd_ptr": "*fp32", "xsum_ptr": "*fp32", "xblock_sum_ptr": "*fp32",
                      "out_ptr": "*bf16", "partial_ptr": "*fp32", **PLANES,
                      "N": "i32", "K": "i32", "SPLIT_WORDS": "i32", "T": "i32", "stride_ot": "i32"}
-        int8 = {**common, "ROWS": block_m}
-        if tma:
-            signature["low_desc"] = f"tensordesc<i32[{block_w // gw}, {gw}, {block_n}]>"
-            int8["TMA"] = True
-        return quant_gemv_int8._gemv_int8_kernel, signature, int8, warps
+        return quant_gemv_int8._gemv_int8_kernel, signature, {**common, "ROWS": block_m}, warps
     if kind in ("gemm", "gemm-per-position"):   # quant_matmul._gemm_kernel: (BLOCK_N, BLOCK_W, warps, stages)
         signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", **PLANES, "T": "i32", "N": "i32", "K": "i32",
                      "stride_xt": "i32", "stride_ot": "i32", "SPLIT_WORDS": "i32"}
@@ -130,8 +126,6 @@ def main() -> None:
     ap.add_argument("--layout", default="q4_k", choices=sorted(LAYOUTS))
     ap.add_argument("--config", default="32,64,4,3", help="BLOCK_N,BLOCK_W,WARPS[,STAGES] (mma-gemv: WARPS,STAGES)")
     ap.add_argument("--dump", type=Path, help="write the TTGIR, PTX and SASS here")
-    ap.add_argument("--tma", action="store_true", help="int8-gemv: the low plane through a TMA descriptor "
-                    "(CVLLM_GEMV_TMA)")
     args = ap.parse_args()
     if args.table:
         gemm_table()
@@ -139,7 +133,7 @@ def main() -> None:
     config = tuple(int(v) for v in args.config.split(","))
     stages = config[3] if args.kind.startswith("gemm") and len(config) > 3 else None
     block_m = args.block_m or (1 if args.kind in ("int8-gemv", "mma-gemv") else 16)
-    kernel = compile_sm90(*kernel_spec(args.kind, LAYOUTS[args.layout], config, block_m, args.tma), stages)
+    kernel = compile_sm90(*kernel_spec(args.kind, LAYOUTS[args.layout], config, block_m), stages)
     dump = args.dump or Path(f"/tmp/sass-{args.kind}")
     dump.mkdir(parents=True, exist_ok=True)
     (dump / "kernel.cubin").write_bytes(kernel.asm["cubin"])

@@ -30,11 +30,8 @@
 # "gemvfusions" (issue 18): GPTQ on int8 activations in the stack of layers, the swapped GEMM's operand lanes (~3 min);
 # "fp8gemv" (issue 18): the FP8 weights' batch-1 GEMV tiles swept, --isq fp8 batch 1 before and after (~7 min);
 # "fusionslatency": the batch-1 standing of every --isq type beside bf16, with a Q6_K head and GPTQ W4A8 (~5 min).
-# "earlyweights" (issue 18): the GEMVs' first weight tile read before the PDL wait, off and on, every type, and a q4k
-# profile with it (~6 min).
-# "tma" (issue 18): the int8 GEMV's low plane through TMA: a load-only probe, its tiles, batch-1 q4k and q8_0 (~7 min).
-# "pending" (issue 18): what is written and not yet decided (the early weights, TMA with them, the MMA GEMV): their
-# GPU tests, the MMA GEMV's probe, batch-1 bf16, q4k and gptq with each switch (~7 min).
+# "pending" (issue 18): batch-1 standing with session 39's defaults (the early weights; GPTQ's MMA GEMV), each beside
+# its switch off, every 4/8-bit type and bf16, after the GPU tests of both (~6 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
 # NVLink multicast stays off on the shared multi-GPU hosts (h200_setup.sh sets these too; the benchmarks pass them on)
@@ -57,14 +54,12 @@ run() {   # name, limit in seconds, command...
     echo "--- $name: exit $?"
     tail -n 14 "$out/$name.log"
 }
-latency_case() {   # "isq:variant", e.g. q4k:tma0early: batch-1 decode (Llama-3-8B shape) with the variant's switches
-    # variant: tma0 / tma1 (CVLLM_GEMV_TMA) / tma6 (on, 6 stages deep), then any of "early" (the GEMVs' first weight
-    # tile before the PDL wait, CVLLM_GEMV_EARLY_WEIGHTS) and "mma" (GPTQ/AWQ's W4A16 GEMV on tensor cores,
-    # CVLLM_GEMV_MMA); isq "none" is bf16
+latency_case() {   # "isq:variant", e.g. q4k:noearly: batch-1 decode (Llama-3-8B shape) with the variant's switches
+    # variant: "default", or any of "noearly" (CVLLM_GEMV_EARLY_WEIGHTS=0: the GEMVs wait before their first weight
+    # tile) and "nomma" (CVLLM_GEMV_MMA=0: GPTQ/AWQ's 1-8 rows off tensor cores); isq "none" is bf16
     local q=${1%%:*} v=${1#*:}
-    CVLLM_GEMV_TMA=$([[ $v = tma0* ]] && echo 0 || echo 1) CVLLM_GEMV_TMA_STAGES=$([[ $v = tma6* ]] && echo 6 || echo 0) \
-        CVLLM_GEMV_EARLY_WEIGHTS=$([[ $v = *early* ]] && echo 1 || echo 0) \
-        CVLLM_GEMV_MMA=$([[ $v = *mma* ]] && echo 1 || echo 0) \
+    CVLLM_GEMV_EARLY_WEIGHTS=$([[ $v = *noearly* ]] && echo 0 || echo 1) \
+        CVLLM_GEMV_MMA=$([[ $v = *nomma* ]] && echo 0 || echo 1) \
         run latency-$q-$v 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
         $([ $q = none ] || echo --isq $q) --json "$out/$day-$card-latency-$q-$v-$commit.json"
 }
@@ -316,60 +311,17 @@ fusionslatency)
         run int8-activations-error 90 python3 bench/int8_activations_error.py --backend cuda --dtype bfloat16 \
             --json "$out/$day-$card-int8_activations_error-$commit.json"
     fi ;;
-earlyweights)
-    # issue 18: the GEMVs' first weight tile read before the PDL wait (CVLLM_GEMV_EARLY_WEIGHTS; quant_tiles.py): its
-    # GPU tests, then batch-1 decode of bf16, q4k, GPTQ (W4A16), Q8_0 and FP8 with it off and on (~5 min)
-    t=plugins/backend-cuda/tests
-    run gpu-tests-early 150 python3 -m pytest -p no:cacheprovider -q $t/test_quant_gemv_int8.py $t/test_matmul.py \
-        -k "early or first_weight"
-    for q in none q4k gptq q8_0 fp8; do
-        for early in 0 1; do
-            CVLLM_GEMV_EARLY_WEIGHTS=$early run latency-$q-early$early 100 python3 bench/latency.py --skip-hf \
-                --contexts 1024 --decode-tokens 128 $([ $q = none ] || echo --isq $q) \
-                --json "$out/$day-$card-latency-$q-early$early-$commit.json"
-        done
-    done
-    python3 bench/latency_table.py "$out"/$day-$card-latency-*-early*-$commit.json
-    # where the q4k step goes with it (compare session 35's profile, docs/benchmarks.md)
-    CVLLM_GEMV_EARLY_WEIGHTS=1 run profile-b1-q4k-early1 120 python3 bench/profile_decode.py --batch 1 \
-        --context 1024 --steps 10 --isq q4k ;;
-tma)
-    # issue 18: the int8 GEMV's low plane through TMA (CVLLM_GEMV_TMA; quant_gemv_int8.py): the load-only probe of
-    # pointer and TMA loads, the GPU tests, the stack of layers' Q4_K tiles with TMA (deeper pipelines), then batch-1
-    # q4k and q8_0 with it off, on, on 6 stages deep and on with the early weights, beside bf16 (~8 min; past one
-    # call's 10 minutes with a cold start: ONLY="..." splits it)
-    t=plugins/backend-cuda/tests
-    run tma-probe 200 python3 bench/tma_stream_probe.py --json "$out/$day-$card-tma_stream_probe-$commit.json"
-    run gpu-tests-tma 150 python3 -m pytest -p no:cacheprovider -q $t/test_quant_gemv_int8.py -k "tma"
-    CVLLM_GEMV_TMA=1 run tune-tma-q4_k 150 python3 bench/tune_quant_gemv.py --layouts q4_k --budget-s 110 --pps 1,2 \
-        --configs "32,64,4,3;32,64,4,5;32,64,4,8;32,128,4,4;32,128,8,4;64,64,4,4" \
-        --json "$out/$day-$card-tune_quant_gemv-tma-q4_k-$commit.json"
-    # cases: TMA off / on / on 6 stages deep / on with the early weights (TMA_CASES="none:tma0 q4k:tma0 ..." picks
-    # some; latency_case above)
-    for case in ${TMA_CASES:-none:tma0 q4k:tma0 q4k:tma1 q4k:tma6 q4k:tma1early q8_0:tma0 q8_0:tma1 q8_0:tma6 \
-                q8_0:tma1early}; do
-        latency_case $case
-    done
-    python3 bench/latency_table.py "$out"/$day-$card-latency-*-tma*-$commit.json ;;
 pending)
-    # issue 18: what is written and not yet decided, in one call (~6 min): the early weights' bit test a few times
-    # over (q3_k's bits differed with them on the H200 at 7f7442b and not on the H100 at c2d7aac: a race would not
-    # repeat), the MMA GEMV's GPU tests and probe (GPTQ and Q4_K, 1-16 rows, its default tiles), batch-1 bf16, q4k with
-    # the early weights off and on, gptq with the MMA GEMV off and on (its default since session 39) and with the early
-    # weights (latency_case)
+    # issue 18: batch-1 standing with session 39's defaults, each beside its switch off (latency_case), after the GPU
+    # tests of both (the early weights' bit test: repeats equal, the plain kernel within an ulp) (~6 min)
     t=plugins/backend-cuda/tests
-    for i in $(seq ${EARLY_REPEATS:-6}); do
-        run gpu-tests-early-$i 100 python3 -m pytest -p no:cacheprovider -q -rf --tb=line $t/test_quant_gemv_int8.py \
-            -k early_weights_change_no_bit
-    done
-    run gpu-tests-mma 150 python3 -m pytest -p no:cacheprovider -q -rf --tb=short $t/test_matmul.py \
-        $t/test_quant_gemv_mma.py -k "mma or gptq"
-    run mma-probe 150 python3 bench/mma_gemv_probe.py --layouts gptq4_g128,q4_k --rows 1,2,4,8,16 \
-        --json "$out/$day-$card-mma_gemv_probe-$commit.json"
-    for case in ${PENDING_CASES:-none:tma0 q4k:tma0 q4k:tma0early gptq:tma0 gptq:tma0mma gptq:tma0earlymma}; do
+    run gpu-tests-pending 150 python3 -m pytest -p no:cacheprovider -q -rf --tb=short $t/test_quant_gemv_int8.py \
+        $t/test_matmul.py $t/test_quant_gemv_mma.py -k "early or first_weight or mma or gptq"
+    for case in ${PENDING_CASES:-none:default none:noearly q4k:default q4k:noearly gptq:default gptq:nomma \
+                q8_0:default fp8:default}; do
         latency_case $case
     done
-    python3 bench/latency_table.py "$out"/$day-$card-latency-*-tma*-$commit.json ;;
+    python3 bench/latency_table.py "$out"/$day-$card-latency-*-$commit.json ;;
 fp8gemv)
     # issue 18: the FP8 weights' batch-1 GEMV (kernels/gemv.py with row scales: --isq fp8, FP8 checkpoints) has only
     # run bf16's default tile (4, 1024, 2, 3), a K step of 1 KB a row where bf16's tuned tiles read 4 KB: batch-1
@@ -454,7 +406,7 @@ kvfp8)
             --kv-cache-dtype $kv --json "$out/$day-$card-serving-kv_$kv-$commit.json"
     done ;;
 *)
-    echo "usage: run_all.sh pending|tma|earlyweights|tests|bench|fp8gemv|tp|tp70b|quant|ggufmix|ggufhigh|prefillhost|kvfp8|fp8attn|moe|spec|specsteps|specstaging|quant64|quantgemm|swapped|swappedsplits|gemvrows|swappedwide|smallgemv|producers|swappedstages|gemvfusions|fusionslatency" >&2
+    echo "usage: run_all.sh pending|tests|bench|fp8gemv|tp|tp70b|quant|ggufmix|ggufhigh|prefillhost|kvfp8|fp8attn|moe|spec|specsteps|specstaging|quant64|quantgemm|swapped|swappedsplits|gemvrows|swappedwide|smallgemv|producers|swappedstages|gemvfusions|fusionslatency" >&2
     exit 2 ;;
 esac
 # a call brings back at most 8 files from $OUT: past that, this run's logs and results go back packed in one archive

@@ -137,36 +137,6 @@ def test_early_weights_are_read_before_the_pdl_wait(monkeypatch, name):
 
 
 @compiles
-@pytest.mark.parametrize("name", ["q4_k", "q6_k", "q8_0", "q3_k"])
-@pytest.mark.parametrize("early", [False, True])
-def test_int8_gemv_low_words_through_tma_compile(monkeypatch, name, early):
-    """CVLLM_GEMV_TMA: the int8 GEMV as a launch with its low plane's descriptor compiles for sm_90 to TMA copies
-    (UTMALDG) of the low words (one a loop iteration, more where the default tile is pipelined: the pipeline's
-    prologue), at MAX_ROWS rows without spills; with EARLY the first copy is issued before the PDL wait."""
-    from test_quant_matmul import LAYOUTS, random_weight
-    quant_gemv_int8 = importlib.import_module("cvllm_cuda.kernels.quant_gemv_int8")
-    quant_tiles = importlib.import_module("cvllm_cuda.kernels.quant_tiles")
-    int8_activations = importlib.import_module("cvllm_cuda.kernels.int8_activations")
-    monkeypatch.setattr(int8_activations, "_quantize_kernel", sm90.LaunchRecorder(int8_activations._quantize_kernel))
-    monkeypatch.setattr(quant_gemv_int8, "pdl_options", lambda device: {"USE_PDL": True, "launch_pdl": True})
-    monkeypatch.setattr(quant_gemv_int8, "tma_device", lambda device: True)
-    monkeypatch.setattr(quant_tiles, "EARLY_WEIGHTS", early)
-    weight = random_weight(dataclasses.replace(LAYOUTS[name], int8_activations=True), 4096, 4096, "cpu")
-    rows = quant_gemv_int8.MAX_ROWS
-    x, out = torch.zeros(rows, 4096, dtype=torch.bfloat16), torch.empty(rows, 4096, dtype=torch.bfloat16)
-    [kernel] = compiled_launches(monkeypatch, quant_gemv_int8, "_gemv_int8_kernel",
-                                 lambda: quant_gemv_int8.quant_gemv_int8(x, weight, out, splits=1, tma=True))
-    assert weight.descriptors, "no descriptor was made"
-    assert sm90.resource_usage(kernel)["STACK"] == 0, "spilled to local memory"
-    lines = sm90.sass(kernel)
-    copies = [i for i, line in enumerate(lines) if "UTMALDG" in line]   # (issued under a uniform predicate)
-    [wait] = [i for i, line in enumerate(lines) if line.startswith("ACQBULK")]
-    stages = quant_gemv_int8.default_tiles(weight.layout)[0][3:] or (1,)
-    assert len(copies) >= (2 if stages[0] > 1 else 1)
-    assert (copies[0] < wait) == early
-
-
-@compiles
 @pytest.mark.parametrize("name", ["gptq4_g128", "q6_k"])
 def test_the_float_gemvs_early_weights_are_read_before_the_pdl_wait(monkeypatch, name):
     """The float-activation GEMV (GPTQ's W4A16) with CVLLM_GEMV_EARLY_WEIGHTS: weight loads before ACQBULK, none

@@ -50,22 +50,16 @@ def _row_step(acc, wbytes, scale, offset, pack_ptrs, xd_ptr, xsum_ptr, xblock_su
 
 
 @triton.jit
-def _weight_words(w0, low_ptrs, high_ptrs, tile_words, group_first, col_ok3, num_words, low_desc, col0,
-                  HIGH_BITS: tl.constexpr, HIGH_PER_GROUP: tl.constexpr, EVEN: tl.constexpr, TMA: tl.constexpr):
-    """The K step at word ``w0``'s low words (and high-plane words) [GROUPS, GROUP_WORDS, BLOCK_N]. TMA: the low
-    words by the tensor memory accelerator through ``low_desc`` (the plane as [words / GROUP_WORDS, GROUP_WORDS, N],
-    a [GROUPS, GROUP_WORDS, BLOCK_N] box: loaded in the tile's own shape, not reshaped), which reads zeros past the
-    plane's ends as the masks do (a split's tiles never cross into the next split's words)."""
+def _weight_words(w0, low_ptrs, high_ptrs, tile_words, group_first, col_ok3, num_words, HIGH_BITS: tl.constexpr,
+                  HIGH_PER_GROUP: tl.constexpr, EVEN: tl.constexpr):
+    """The K step at word ``w0``'s low words (and high-plane words) [GROUPS, GROUP_WORDS, BLOCK_N]."""
     if EVEN:
         ok = None
         group_ok = None
     else:
         ok = ((w0 + tile_words) < num_words) & col_ok3
         group_ok = ((w0 + group_first)[:, None, None] < num_words) & col_ok3
-    if TMA:
-        low = low_desc.load([w0 // tile_words.shape[1], 0, col0])
-    else:
-        low = load_masked(low_ptrs, ok, 0)
+    low = load_masked(low_ptrs, ok, 0)
     high = low
     if HIGH_BITS > 0:
         high = load_masked(high_ptrs, group_ok if HIGH_PER_GROUP else ok, 0)
@@ -113,7 +107,7 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, part
                       HAS_M: tl.constexpr, FLOAT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                       GROUP_WORDS: tl.constexpr, GROUP_SUM: tl.constexpr, STAGES: tl.constexpr,
                       EVEN: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr,
-                      ROWS: tl.constexpr = 1, EARLY: tl.constexpr = False, low_desc=None, TMA: tl.constexpr = False):
+                      ROWS: tl.constexpr = 1, EARLY: tl.constexpr = False):
     """The float GEMV's tiling and splits (quant_matmul._gemv_kernel), integer dot products per word. Where a factor
     group is one activation block (32 inputs: Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0), the group's word products
     are added as integers and turned into a float once per group and column, not once per word. A high plane's
@@ -125,8 +119,8 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, part
     weight only. A last program with fewer rows computes its last row again in their place and stores nothing for
     them. Out row t at ``t * stride_ot``; with K splits, split j's partial sums of row t at ``partial_ptr + (j * T +
     t) * N`` (float32), added by sum_splits_kernel. EARLY: the first K step's weights are read before the PDL wait
-    (the same operations in the same order: the same bits). TMA: the low words come through ``low_desc``, a tensor
-    descriptor of the low plane (quant_gemv_int8.TMA; the same words, the same bits)."""
+    (the same operations in the same order; the peeled step's float multiply-adds may be contracted otherwise:
+    quant_tiles.EARLY_WEIGHTS)."""
     PER_WORD: tl.constexpr = 32 // LOW_BITS
     PHASES: tl.constexpr = 8 // LOW_BITS
     GROUPS: tl.constexpr = BLOCK_W // GROUP_WORDS
@@ -142,8 +136,7 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, part
     for r in tl.static_range(1, ROWS):
         row_offsets = row_offsets + (tl.minimum(first_row + r, T - 1) - first_row,)
     # the tile's weight columns (output features) and which lie inside the weight
-    col0 = tl.program_id(1) * BLOCK_N
-    cols = col0 + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     cols3 = cols[None, None, :]
     col_ok3 = col_ok[None, None, :]
@@ -175,7 +168,7 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, part
         # kernel, so that their memory latency passes while it finishes (PDL: this grid's programs are already on
         # the SMs); x is read only after the wait
         low, high = _weight_words(start, low_ptrs, high_ptrs, tile_words, group_first, col_ok3, num_words,
-                                  low_desc, col0, HIGH_BITS, HIGH_PER_GROUP, EVEN, TMA)
+                                  HIGH_BITS, HIGH_PER_GROUP, EVEN)
         scale, offset = _weight_factors(start, d_ptr, m_ptr, a_ptr, b_ptr, group_first, cols3, col_ok3, num_words,
                                         N, LOW_BITS, SCALE_GROUP, SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M, EVEN)
     wait_for_previous_kernel(USE_PDL)
@@ -184,15 +177,14 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, part
         accs = _tile_step(accs, wbytes, scale, offset, pack_ptrs, xd_ptr, xsum_ptr, xblock_sum_ptr, row_offsets,
                           start, tile_words, group_first, num_words, K, LOW_BITS, GROUP_WORDS, ONE_BLOCK, EVEN,
                           INTERPRET, ROWS)
-        if not TMA:   # (with TMA the words' position is the descriptor's coordinate)
-            low_ptrs += BLOCK_W * N
+        low_ptrs += BLOCK_W * N
         pack_ptrs += BLOCK_W * PHASES
         if HIGH_BITS > 0:
             high_ptrs += BLOCK_W // WORDS_PER_HIGH * N
     # STAGES > 1: the next tiles' loads are issued while this one computes
     for w0 in tl.range(start + BLOCK_W * EARLY, num_words, BLOCK_W, num_stages=STAGES):
-        low, high = _weight_words(w0, low_ptrs, high_ptrs, tile_words, group_first, col_ok3, num_words, low_desc,
-                                  col0, HIGH_BITS, HIGH_PER_GROUP, EVEN, TMA)
+        low, high = _weight_words(w0, low_ptrs, high_ptrs, tile_words, group_first, col_ok3, num_words, HIGH_BITS,
+                                  HIGH_PER_GROUP, EVEN)
         if HIGH_BITS > 0:
             high_ptrs += BLOCK_W // WORDS_PER_HIGH * N
         wbytes = weight_bytes(low, high, part, LOW_BITS, HIGH_BITS, INTERPRET)
@@ -201,8 +193,7 @@ def _gemv_int8_kernel(packs_ptr, xd_ptr, xsum_ptr, xblock_sum_ptr, out_ptr, part
         accs = _tile_step(accs, wbytes, scale, offset, pack_ptrs, xd_ptr, xsum_ptr, xblock_sum_ptr, row_offsets,
                           w0, tile_words, group_first, num_words, K, LOW_BITS, GROUP_WORDS, ONE_BLOCK, EVEN,
                           INTERPRET, ROWS)
-        if not TMA:
-            low_ptrs += BLOCK_W * N
+        low_ptrs += BLOCK_W * N
         pack_ptrs += BLOCK_W * PHASES
     splits = tl.num_programs(2)
     for r in tl.static_range(ROWS):

@@ -38,7 +38,6 @@ import os
 
 import torch
 import triton
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from cvllm_cuda.kernels import gpu, quant_tiles
 from cvllm_cuda.kernels.int8_activations import (
@@ -86,16 +85,6 @@ INT8_PROGRAMS_PER_SM = {2: 4, 4: 1, 8: 1}
 INT8_HIGH_PLANE_CONFIGS = {(4, 2): ((32, 64, 8, 3), 1), (4, 1): (INT8_GEMV_CONFIGS[4], INT8_PROGRAMS_PER_SM[4]),
                            (2, 1): (INT8_GEMV_CONFIGS[2], INT8_PROGRAMS_PER_SM[2])}
 ENV = "CVLLM_QUANT_INT8_ACTIVATIONS"
-# CVLLM_GEMV_TMA=1: the low plane's words reach the GEMV through the tensor memory accelerator (Hopper's TMA: one
-# instruction a tile, any number of tiles in flight as the pipeline's stages allow) instead of each thread's 16-byte
-# cp.async copies. Why try: on the H200 a program streams ~10 GB/s (qkv's and o's 75 KB Q4_K tiles in ~8 us) and an
-# SM ~22 where several share it (gate_up, 2.95 TB/s), against ~31 an SM at the copy rate; the load-only probe of its
-# tiling reached ~2.5 TB/s, and deeper cp.async pipelines did not help (the 4ae0d84 stack sweep; docs/benchmarks.md,
-# session 36). Off until timed (bench/tma_stream_probe.py, then run_all.sh tma)
-TMA = os.environ.get("CVLLM_GEMV_TMA", "0") == "1"
-# CVLLM_GEMV_TMA_STAGES=N: with TMA, pipelines N stages deep whatever the tile's own (the committed tiles were tuned
-# for cp.async, whose deeper pipelines cost registers; TMA's cost only shared memory); for timing
-TMA_STAGES = int(os.environ.get("CVLLM_GEMV_TMA_STAGES", "0")) or None
 # the high-plane layouts take this GEMV too (CVLLM_QUANT_INT8_HIGH_PLANES=0: the float GEMV, for A/B runs): on the
 # H200 a Q4_K_M file's batch-1 decode 377 tok/s with it, 348 without (docs/benchmarks.md, 2026-12-05)
 HIGH_PLANES_ENV = "CVLLM_QUANT_INT8_HIGH_PLANES"
@@ -156,34 +145,6 @@ def taken(x: torch.Tensor, weight: QuantWeight) -> tuple[torch.Tensor, ...] | No
     return made if same else None
 
 
-def tma_device(device: torch.device) -> bool:
-    """Whether kernels on ``device`` can read through TMA descriptors: Hopper and later, or Triton's interpreter."""
-    if triton.knobs.runtime.interpret:
-        return True
-    return device.type == "cuda" and gpu.capability(gpu.device_index(device))[0] >= 9
-
-
-def low_descriptor(weight: QuantWeight, block_w: int, block_n: int, group_words: int) -> TensorDescriptor | None:
-    """A TMA descriptor of ``weight``'s low plane [words, N] seen as [words / group_words, group_words, N], in boxes
-    of the kernel's tile [block_w / group_words, group_words, block_n] (made once a weight and box), or None where
-    TMA cannot read it: before Hopper, a plane not 16-byte aligned, rows not a multiple of 16 bytes apart, a box row
-    under 16 bytes or a side not a power of two, words not whole groups. Triton's interpreter reads descriptors too
-    (the tests)."""
-    low = weight.low
-    words, n = low.shape
-    if not tma_device(low.device):
-        return None
-    box = [block_w // group_words, group_words, block_n]
-    if (low.data_ptr() % 16 or low.stride() != (n, 1) or n % 4 or block_n < 4 or words % group_words
-            or any(d & (d - 1) for d in box)):   # (a box's sides are powers of two)
-        return None
-    key = (low.data_ptr(), block_w, block_n, group_words)   # (the plane's address: a descriptor holds it)
-    if key not in weight.descriptors:
-        weight.descriptors[key] = TensorDescriptor(low, [words // group_words, group_words, n],
-                                                   [group_words * n, n, 1], box)
-    return weight.descriptors[key]
-
-
 def int8_group_words(layout: QuantLayout, block_w: int) -> int:
     """The kernel's GROUP_WORDS: words that share factors (quant_tiles.group_words), but a scale group of several
     32-input activation blocks (GPTQ's 128, a per-row scale) taken a block at a time, so that each block's products
@@ -226,18 +187,16 @@ def program_rows(rows: int, n: int, k: int) -> int:
 
 def quant_gemv_int8(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple | None = None,
                     splits: int | None = None, activations: tuple[torch.Tensor, ...] | None = None,
-                    rows_per_program: int | None = None, tma: bool | None = None) -> None:
+                    rows_per_program: int | None = None) -> None:
     """out[t] = weight @ x[t] with x rounded to int8 per 32 inputs, for x [T, K] (contiguous; T up to MAX_ROWS) and
     out [T, N] (last dimension contiguous). Every row's output is bit for bit what a call with that row alone
     gives: the tiles and K splits depend on the weight only. ``activations``: x already rounded by
     ``quantize_activations`` (benchmarks time the GEMV without its quantizer that way); ``rows_per_program``: rows
-    of x a program takes (default: program_rows); ``tma``: the low plane read through a TMA descriptor (default:
-    the CVLLM_GEMV_TMA switch; the same bits either way)."""
+    of x a program takes (default: program_rows)."""
     block_n, block_w, warps, stages, programs_per_sm = _tiles(weight, x.device, config)
     splits, split_words = split_k(cdiv(weight.out_features, block_n), weight.in_features, weight.layout.low_bits,
                                   block_w, x.device, splits, programs_per_sm)
-    _launch(x, weight, out, (block_n, block_w, warps, stages), splits, split_words, activations, rows_per_program,
-            tma)
+    _launch(x, weight, out, (block_n, block_w, warps, stages), splits, split_words, activations, rows_per_program)
 
 
 def _tiles(weight: QuantWeight, device: torch.device, config: tuple | None = None) -> tuple:
@@ -252,10 +211,8 @@ def _tiles(weight: QuantWeight, device: torch.device, config: tuple | None = Non
 
 
 def _launch(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, tiles: tuple, splits: int, split_words: int,
-            activations: tuple[torch.Tensor, ...] | None = None, rows_per_program: int | None = None,
-            tma: bool | None = None) -> None:
-    """One launch of _gemv_int8_kernel (and of sum_splits_kernel after it where K is split); ``tma``: the low plane
-    through a TMA descriptor where one can read it (default: TMA, the switch)."""
+            activations: tuple[torch.Tensor, ...] | None = None, rows_per_program: int | None = None) -> None:
+    """One launch of _gemv_int8_kernel (and of sum_splits_kernel after it where K is split)."""
     lay = weight.layout
     n, k = weight.out_features, weight.in_features
     t = x.shape[0]
@@ -268,15 +225,12 @@ def _launch(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, tiles: tupl
     gw = int8_group_words(lay, block_w)
     rows = max(1, min(t, rows_per_program)) if rows_per_program else program_rows(t, n, k)
     grid = (cdiv(t, rows), cdiv(n, block_n), splits)
-    descriptor = low_descriptor(weight, block_w, block_n, gw) if (TMA if tma is None else tma) else None
-    if descriptor is not None and TMA_STAGES:
-        stages = TMA_STAGES
     _gemv_int8_kernel[grid](
         *activations, out, partials, *kernel_tensors(weight),
         n, k, split_words, t, out.stride(0), **lay.kernel_args(), BLOCK_N=block_n,
         BLOCK_W=block_w, GROUP_WORDS=gw, STAGES=stages, GROUP_SUM=groups_in_thread(block_n, block_w, gw, warps),
         EVEN=even_tiles(n, k, lay.low_bits, block_n, split_words),
-        INTERPRET=bool(triton.knobs.runtime.interpret), ROWS=rows, EARLY=quant_tiles.EARLY_WEIGHTS,
-        low_desc=descriptor, TMA=descriptor is not None, num_warps=warps, **pdl_options(x.device))
+        INTERPRET=bool(triton.knobs.runtime.interpret), ROWS=rows, EARLY=quant_tiles.EARLY_WEIGHTS, num_warps=warps,
+        **pdl_options(x.device))
     if splits > 1:
         add_splits(partials, out, splits, n)
