@@ -74,6 +74,27 @@ def test_k_splits_add_up(splits):
 
 
 @needs_device
+@pytest.mark.parametrize("name,t,n,splits", [("gptq4_g128", 1, 72, 3), ("gptq4_g32", 9, 40, 1), ("q4_k", 4, 64, 2)])
+def test_early_weights_change_no_bit(monkeypatch, name, t, n, splits):
+    """quant_tiles.EARLY_WEIGHTS: the first K step's words and factors read before the PDL wait, the step peeled
+    from the loop; in the interpreter the same bits (compiled, ptxas may contract the peeled step's multiply-adds
+    otherwise: the GPU test allows an ulp), with K splits and a feature tail."""
+    from cvllm_cuda.kernels import quant_tiles
+    weight = random_weight(MMA_LAYOUTS[name], n, 512, DEVICE, seed=5)
+    x = torch.randn(t, 512, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).to(DEVICE)
+    outs = []
+    for early in (False, True):
+        monkeypatch.setattr(quant_tiles, "EARLY_WEIGHTS", early)
+        outs.append(torch.full((t, n), float("nan"), dtype=torch.bfloat16, device=DEVICE))
+        quant_gemv_mma(x, weight, outs[-1], warps=2, splits=splits)
+    assert not outs[0].isnan().any()
+    if INTERPRET:
+        assert torch.equal(outs[0], outs[1])
+    else:
+        assert ((outs[0].float() - outs[1].float()).abs() <= outs[0].float().abs() * 2.0 ** -7).all()
+
+
+@needs_device
 @pytest.mark.parametrize("n", [9, 40, 100])
 def test_feature_tails_are_masked(n):
     weight = random_weight(MMA_LAYOUTS["gptq4_g32"], n, 256, DEVICE, seed=n)

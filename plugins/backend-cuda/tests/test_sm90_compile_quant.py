@@ -180,6 +180,31 @@ def test_the_16_bit_and_fp8_gemvs_early_weights_are_read_before_the_pdl_wait(mon
 
 
 @compiles
+@pytest.mark.parametrize("rows", [1, 8, 16])
+def test_the_mma_gemvs_early_weights_are_read_before_the_pdl_wait(monkeypatch, rows):
+    """The MMA GEMV with CVLLM_GEMV_EARLY_WEIGHTS: its first K step's word and factor loads before ACQBULK, none
+    without; either way no spills and no layout conversion (its tensors stay one row a lane)."""
+    from test_quant_gemv_mma import MMA_LAYOUTS
+    from test_quant_matmul import random_weight
+    quant_gemv_mma = importlib.import_module("cvllm_cuda.kernels.quant_gemv_mma")
+    quant_tiles = importlib.import_module("cvllm_cuda.kernels.quant_tiles")
+    monkeypatch.setattr(quant_gemv_mma, "pdl_options", lambda device: {"USE_PDL": True, "launch_pdl": True})
+    weight = random_weight(MMA_LAYOUTS["gptq4_g128"], 4096, 4096, "cpu")
+    x, out = torch.zeros(rows, 4096, dtype=torch.bfloat16), torch.empty(rows, 4096, dtype=torch.bfloat16)
+    kernel_fn, loads_before_wait = quant_gemv_mma._gemv_mma_kernel, {}
+    for early in (False, True):
+        monkeypatch.setattr(quant_tiles, "EARLY_WEIGHTS", early)
+        monkeypatch.setattr(quant_gemv_mma, "_gemv_mma_kernel", kernel_fn)
+        [kernel] = compiled_launches(monkeypatch, quant_gemv_mma, "_gemv_mma_kernel",
+                                     lambda: quant_gemv_mma.quant_gemv_mma(x, weight, out, splits=1))
+        assert sm90.resource_usage(kernel)["STACK"] == 0, "spilled to local memory"
+        assert "convert_layout" not in kernel.asm["ttgir"]
+        loads_before_wait[early] = sm90.loads_before_wait(kernel)
+    assert loads_before_wait[False] == 0
+    assert loads_before_wait[True] >= 4   # a K step's words (16-byte loads) and its scales and zeros
+
+
+@compiles
 @pytest.mark.parametrize("name,rows,n", [("gptq4_g128", 1, 512), ("gptq4_g128", 8, 512), ("gptq4_g128", 16, 512),
                                          ("q4_k", 1, 512), ("q4_1", 3, 512), ("gptq4_g128", 12, 1002)])
 def test_mma_gemv_keeps_one_element_a_lane(monkeypatch, name, rows, n):
@@ -190,6 +215,8 @@ def test_mma_gemv_keeps_one_element_a_lane(monkeypatch, name, rows, n):
     from test_quant_gemv_mma import MMA_LAYOUTS
     from test_quant_matmul import random_weight
     quant_gemv_mma = importlib.import_module("cvllm_cuda.kernels.quant_gemv_mma")
+    # (the loop alone: the early weights' peeled first step repeats its MMAs; the test below compiles it)
+    monkeypatch.setattr(importlib.import_module("cvllm_cuda.kernels.quant_tiles"), "EARLY_WEIGHTS", False)
     weight = random_weight(MMA_LAYOUTS[name], n, 1024, "cpu")
     x, out = torch.zeros(rows, 1024, dtype=torch.bfloat16), torch.empty(rows, n, dtype=torch.bfloat16)
     [kernel] = compiled_launches(monkeypatch, quant_gemv_mma, "_gemv_mma_kernel",

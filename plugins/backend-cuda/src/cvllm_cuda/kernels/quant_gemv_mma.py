@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cvllm_cuda.kernels import gpu
+from cvllm_cuda.kernels import gpu, quant_tiles
 from cvllm_cuda.kernels.mma_fragments import ONES, mma, nibble_pairs, x_pairs
 from cvllm_cuda.kernels.pdl import options as pdl_options
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
@@ -120,17 +120,99 @@ def _load_words(rows, first_feature, N, FW: tl.constexpr, EVEN_N: tl.constexpr):
 
 
 @triton.jit
+def _step_words(low_ptrs, first_feature, N, KU: tl.constexpr, FW: tl.constexpr, EVEN_N: tl.constexpr):
+    """A K step's words: for each of its KU units, the lane's FW words (_load_words)."""
+    words = ()
+    for u in tl.static_range(KU):
+        words = words + (_load_words(low_ptrs + u * 4 * N, first_feature, N, FW, EVEN_N),)
+    return words
+
+
+@triton.jit
+def _step_mma(words, low_ptrs, first_feature, N, x_ptrs, g, T, K, zero, KU: tl.constexpr, FW: tl.constexpr,
+              TG: tl.constexpr, BLOCKS: tl.constexpr, EVEN_N: tl.constexpr, INTERPRET: tl.constexpr,
+              LOADED: tl.constexpr):
+    """A K step's sums (_unit_mma's ``acc``) of its words times x's pairs at ``x_ptrs``: the words ``words``
+    (_step_words) where LOADED, else each unit's loaded at ``low_ptrs`` as it is needed (fewer registers live in the
+    loop: 70 against 76 at 1-8 rows)."""
+    acc = _zeros(zero, BLOCKS * TG * 4 + TG * 2)
+    for u in tl.static_range(KU):
+        if LOADED:
+            unit = words[u]
+        else:
+            unit = _load_words(low_ptrs + u * 4 * N, first_feature, N, FW, EVEN_N)
+        xs = ()
+        for t in tl.static_range(TG):
+            xw = _columns(tl.load(x_ptrs + (8 * t * (K // 2) + u * 16), mask=(g + 8 * t < T)[:, None], other=0))
+            xs = xs + x_pairs(xw[0], xw[1], xw[2], xw[3], INTERPRET)
+        acc = _unit_mma(unit, xs, acc, BLOCKS, TG, INTERPRET)
+    return acc
+
+
+@triton.jit
+def _feature_factors(w0, h, d_ptr, m_ptr, a_ptr, b_ptr, first_feature, N, SCALE_GROUP: tl.constexpr,
+                     SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
+                     HAS_M: tl.constexpr, EVEN_N: tl.constexpr):
+    """The K step at word ``w0``'s scale and ``offset - 128 scale`` of the lane's feature ``first_feature + h``."""
+    f = first_feature + h
+    scale, offset = word_factors(d_ptr, m_ptr, a_ptr, b_ptr, w0 * 8, f, None if EVEN_N else f < N, N, SCALE_GROUP,
+                                 SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
+    return scale, offset - 128.0 * scale
+
+
+@triton.jit
+def _step_factors(w0, d_ptr, m_ptr, a_ptr, b_ptr, first_feature, N, SCALE_GROUP: tl.constexpr,
+                  SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
+                  HAS_M: tl.constexpr, FW: tl.constexpr, EVEN_N: tl.constexpr):
+    """_feature_factors of each of the lane's FW features, in turn (the early weights' first step)."""
+    out = ()
+    for h in tl.static_range(FW):
+        out = out + _feature_factors(w0, h, d_ptr, m_ptr, a_ptr, b_ptr, first_feature, N, SCALE_GROUP, SUPER_GROUP,
+                                     A_MODE, B_MODE, B_CONST, HAS_M, EVEN_N)
+    return out
+
+
+@triton.jit
+def _apply_factors(y, acc, factors, w0, d_ptr, m_ptr, a_ptr, b_ptr, first_feature, N, SCALE_GROUP: tl.constexpr,
+                   SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
+                   HAS_M: tl.constexpr, EVEN_N: tl.constexpr, TG: tl.constexpr, BLOCKS: tl.constexpr,
+                   LOADED: tl.constexpr):
+    """``y`` plus a K step's sums ``acc`` under its factors: ``factors`` (_step_factors) where LOADED, else each
+    feature's loaded as it is needed (fewer registers live in the loop). Feature 2 b + half is A's row g (+ 8 for
+    half 1) of block b, c0, c1 (c2, c3)."""
+    new_y = ()
+    for b in tl.static_range(BLOCKS):
+        for half in tl.static_range(2):
+            if LOADED:
+                scale = factors[2 * (2 * b + half)]
+                base = factors[2 * (2 * b + half) + 1]
+            else:
+                scale, base = _feature_factors(w0, 2 * b + half, d_ptr, m_ptr, a_ptr, b_ptr, first_feature, N,
+                                               SCALE_GROUP, SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M, EVEN_N)
+            for t in tl.static_range(TG):   # (indices stay expressions: a constexpr named in jit code is a tensor)
+                new_y = new_y + (
+                    y[((2 * b + half) * TG + t) * 2] + scale * acc[(b * TG + t) * 4 + 2 * half]
+                    + base * acc[BLOCKS * TG * 4 + 2 * t],
+                    y[((2 * b + half) * TG + t) * 2 + 1] + scale * acc[(b * TG + t) * 4 + 2 * half + 1]
+                    + base * acc[BLOCKS * TG * 4 + 2 * t + 1])
+    return new_y
+
+
+@triton.jit
 def _gemv_mma_kernel(x_ptr, out_ptr, partial_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K, T,
                      stride_ot, SPLIT_WORDS, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr,
                      SCALE_GROUP: tl.constexpr, SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr,
                      B_MODE: tl.constexpr, B_CONST: tl.constexpr, HAS_M: tl.constexpr, FLOAT8: tl.constexpr,
                      KU: tl.constexpr, W: tl.constexpr, FW: tl.constexpr, TG: tl.constexpr, STAGES: tl.constexpr,
-                     EVEN_N: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr):
+                     EVEN_N: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr,
+                     EARLY: tl.constexpr = False):
     """Program (i, s): output features i * 8 FW W ... over words s * SPLIT_WORDS ...: a warp 8 FW features (lane row
     g's FW features n0 + FW g ...), KU units a K step (within one scale group), TG groups of 8 tokens. x is read as
     int32 bf16 pairs [T, K / 2] at ``x_ptr``; out's rows are ``stride_ot`` apart. With more than one split, each
     stores float32 partial sums [splits, T, N], added by sum_splits_kernel. (LOW_BITS, HIGH_BITS, FLOAT8: the
-    layout's, always 4, 0, False here: ``applies``.) Every tensor is [W * 32] (or [W * 32, 4] rows) in lane order
+    layout's, always 4, 0, False here: ``applies``.) EARLY: the first K step's words and factors are read
+    before the PDL wait (quant_tiles.EARLY_WEIGHTS; a split is one K step at least). Every tensor is [W * 32] (or
+    [W * 32, 4] rows) in lane order
     (mma_fragments.py; a compile test holds the layouts)."""
     BLOCKS: tl.constexpr = FW // 2
     e = tl.arange(0, W * 32)
@@ -144,30 +226,23 @@ def _gemv_mma_kernel(x_ptr, out_ptr, partial_ptr, low_ptr, high_ptr, d_ptr, m_pt
     x_ptrs = x_ptr + g[:, None] * (K // 2) + start * 4 + 4 * j[:, None] + tl.arange(0, 4)[None, :]
     zero = tl.zeros((W * 32,), dtype=tl.float32)
     y = _zeros(zero, FW * TG * 2)
+    if EARLY:   # the first K step's words and factors (weights: no kernel writes them) before the wait; x after it
+        words = _step_words(low_ptrs, first_feature, N, KU, FW, EVEN_N)
+        factors = _step_factors(start, d_ptr, m_ptr, a_ptr, b_ptr, first_feature, N, SCALE_GROUP, SUPER_GROUP,
+                                A_MODE, B_MODE, B_CONST, HAS_M, FW, EVEN_N)
     wait_for_previous_kernel(USE_PDL)
-    for w0 in tl.range(start, end, KU * 4, num_stages=STAGES):
-        acc = _zeros(zero, BLOCKS * TG * 4 + TG * 2)
-        for u in tl.static_range(KU):
-            words = _load_words(low_ptrs + u * 4 * N, first_feature, N, FW, EVEN_N)
-            xs = ()
-            for t in tl.static_range(TG):
-                xw = _columns(tl.load(x_ptrs + (8 * t * (K // 2) + u * 16), mask=(g + 8 * t < T)[:, None], other=0))
-                xs = xs + x_pairs(xw[0], xw[1], xw[2], xw[3], INTERPRET)
-            acc = _unit_mma(words, xs, acc, BLOCKS, TG, INTERPRET)
-        new_y = ()
-        for b in tl.static_range(BLOCKS):
-            for half in tl.static_range(2):   # feature 2 b + half: A's row g (+ 8 for half 1): c0, c1 (c2, c3)
-                f = first_feature + 2 * b + half
-                scale, offset = word_factors(d_ptr, m_ptr, a_ptr, b_ptr, w0 * 8, f, None if EVEN_N else f < N, N,
-                                             SCALE_GROUP, SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
-                base = offset - 128.0 * scale
-                for t in tl.static_range(TG):   # (indices stay expressions: a constexpr named in jit code is a tensor)
-                    new_y = new_y + (
-                        y[((2 * b + half) * TG + t) * 2] + scale * acc[(b * TG + t) * 4 + 2 * half]
-                        + base * acc[BLOCKS * TG * 4 + 2 * t],
-                        y[((2 * b + half) * TG + t) * 2 + 1] + scale * acc[(b * TG + t) * 4 + 2 * half + 1]
-                        + base * acc[BLOCKS * TG * 4 + 2 * t + 1])
-        y = new_y
+    if EARLY:
+        acc = _step_mma(words, low_ptrs, first_feature, N, x_ptrs, g, T, K, zero, KU, FW, TG, BLOCKS, EVEN_N, INTERPRET,
+                        True)
+        y = _apply_factors(y, acc, factors, start, d_ptr, m_ptr, a_ptr, b_ptr, first_feature, N, SCALE_GROUP,
+                           SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M, EVEN_N, TG, BLOCKS, True)
+        low_ptrs += KU * 4 * N
+        x_ptrs += KU * 16
+    for w0 in tl.range(start + KU * 4 * EARLY, end, KU * 4, num_stages=STAGES):
+        acc = _step_mma((), low_ptrs, first_feature, N, x_ptrs, g, T, K, zero, KU, FW, TG, BLOCKS, EVEN_N, INTERPRET,
+                        False)
+        y = _apply_factors(y, acc, (), w0, d_ptr, m_ptr, a_ptr, b_ptr, first_feature, N, SCALE_GROUP, SUPER_GROUP,
+                           A_MODE, B_MODE, B_CONST, HAS_M, EVEN_N, TG, BLOCKS, False)
         low_ptrs += KU * 4 * N
         x_ptrs += KU * 16
     split = tl.program_id(1)
@@ -258,6 +333,7 @@ def quant_gemv_mma(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, warp
     _gemv_mma_kernel[(cdiv(n, block_n), splits)](
         x.view(torch.int32), out, partials, *kernel_tensors(weight), n, k, t, out.stride(0), split_words,
         **lay.kernel_args(), KU=ku, W=warps, FW=fw, TG=cdiv(t, 8), STAGES=stages, EVEN_N=n % block_n == 0,
-        INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=warps, **pdl_options(x.device))
+        INTERPRET=bool(triton.knobs.runtime.interpret), EARLY=quant_tiles.EARLY_WEIGHTS, num_warps=warps,
+        **pdl_options(x.device))
     if splits > 1:
         add_splits(partials, out, splits, n)
