@@ -317,8 +317,8 @@ pending)
     t=plugins/backend-cuda/tests
     run gpu-tests-pending 150 python3 -m pytest -p no:cacheprovider -q -rf --tb=short $t/test_quant_gemv_int8.py \
         $t/test_matmul.py $t/test_quant_gemv_mma.py -k "early or first_weight or mma or gptq"
-    for case in ${PENDING_CASES:-none:default none:noearly q4k:default q4k:noearly gptq:default gptq:nomma \
-                q8_0:default fp8:default}; do
+    for case in ${PENDING_CASES:-none:default none:noearly q4k:default q4k:noearly gptq:default gptq:noearly \
+                gptq:nomma q8_0:default fp8:default}; do
         latency_case $case
     done
     python3 bench/latency_table.py "$out"/$day-$card-latency-*-$commit.json ;;
