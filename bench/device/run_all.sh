@@ -31,7 +31,7 @@
 # "fp8gemv" (issue 18): the FP8 weights' batch-1 GEMV tiles swept, --isq fp8 batch 1 before and after (~7 min);
 # "fusionslatency": the batch-1 standing of every --isq type beside bf16, with a Q6_K head and GPTQ W4A8 (~5 min).
 # "pending" (issue 18): batch-1 standing with session 39's defaults (the early weights; GPTQ's MMA GEMV), each beside
-# its switch off, every 4/8-bit type and bf16, after the GPU tests of both (~6 min).
+# its switch off, every 4/8-bit type and bf16, after the GPU tests of both; then GPTQ's and q4k's profiles (~8 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
 # NVLink multicast stays off on the shared multi-GPU hosts (h200_setup.sh sets these too; the benchmarks pass them on)
@@ -321,7 +321,11 @@ pending)
                 gptq:nomma q8_0:default fp8:default}; do
         latency_case $case
     done
-    python3 bench/latency_table.py "$out"/$day-$card-latency-*-$commit.json ;;
+    python3 bench/latency_table.py "$out"/$day-$card-latency-*-$commit.json
+    # where GPTQ's step goes against q4k's (GPTQ keeps a bf16 head: 1.05 GB a step against Q6_K's 0.43)
+    for q in gptq q4k; do
+        run profile-b1-$q 120 python3 bench/profile_decode.py --batch 1 --context 1024 --steps 10 --isq $q
+    done ;;
 fp8gemv)
     # issue 18: the FP8 weights' batch-1 GEMV (kernels/gemv.py with row scales: --isq fp8, FP8 checkpoints) has only
     # run bf16's default tile (4, 1024, 2, 3), a K step of 1 KB a row where bf16's tuned tiles read 4 KB: batch-1
