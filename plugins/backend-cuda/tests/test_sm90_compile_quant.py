@@ -108,6 +108,19 @@ def test_sass_stats_compiles_every_kind(kind, layout, config, rows):
     assert sm90.registers(kernel) > 0
 
 
+def compiled_with_and_without_early_weights(monkeypatch, module, name: str, launch) -> dict:
+    """{early: the kernel ``module.name`` compiled for sm_90 by ``launch``} with the early weights off, then on (no
+    spills either way)."""
+    quant_tiles = importlib.import_module("cvllm_cuda.kernels.quant_tiles")
+    kernel_fn, kernels = getattr(module, name), {}
+    for early in (False, True):
+        monkeypatch.setattr(quant_tiles, "EARLY_WEIGHTS", early)
+        monkeypatch.setattr(module, name, kernel_fn)   # (not the last loop's recorder)
+        [kernels[early]] = compiled_launches(monkeypatch, module, name, launch)
+        assert sm90.resource_usage(kernels[early])["STACK"] == 0, "spilled to local memory"
+    return kernels
+
+
 @compiles
 @pytest.mark.parametrize("name", ["q4_k", "q6_k", "q8_0", "q3_k"])
 def test_early_weights_are_read_before_the_pdl_wait(monkeypatch, name):
@@ -116,7 +129,6 @@ def test_early_weights_are_read_before_the_pdl_wait(monkeypatch, name):
     in the source; which of the SASS loads are x's is not told apart here.)"""
     from test_quant_matmul import LAYOUTS, random_weight
     quant_gemv_int8 = importlib.import_module("cvllm_cuda.kernels.quant_gemv_int8")
-    quant_tiles = importlib.import_module("cvllm_cuda.kernels.quant_tiles")
     int8_activations = importlib.import_module("cvllm_cuda.kernels.int8_activations")
     monkeypatch.setattr(int8_activations, "_quantize_kernel", sm90.LaunchRecorder(int8_activations._quantize_kernel))
     monkeypatch.setattr(quant_gemv_int8, "pdl_options", lambda device: {"USE_PDL": True, "launch_pdl": True})
@@ -124,14 +136,9 @@ def test_early_weights_are_read_before_the_pdl_wait(monkeypatch, name):
     weight = random_weight(layout, 4096, 4096, "cpu")
     rows = quant_gemv_int8.MAX_ROWS
     x, out = torch.zeros(rows, 4096, dtype=torch.bfloat16), torch.empty(rows, 4096, dtype=torch.bfloat16)
-    loads_before_wait, kernel_fn = {}, quant_gemv_int8._gemv_int8_kernel
-    for early in (False, True):
-        monkeypatch.setattr(quant_tiles, "EARLY_WEIGHTS", early)
-        monkeypatch.setattr(quant_gemv_int8, "_gemv_int8_kernel", kernel_fn)   # (not the last loop's recorder)
-        [kernel] = compiled_launches(monkeypatch, quant_gemv_int8, "_gemv_int8_kernel",
-                                     lambda: quant_gemv_int8.quant_gemv_int8(x, weight, out, splits=1))
-        assert sm90.resource_usage(kernel)["STACK"] == 0, "spilled to local memory"
-        loads_before_wait[early] = sm90.loads_before_wait(kernel)
+    kernels = compiled_with_and_without_early_weights(monkeypatch, quant_gemv_int8, "_gemv_int8_kernel",
+                                                      lambda: quant_gemv_int8.quant_gemv_int8(x, weight, out, splits=1))
+    loads_before_wait = {early: sm90.loads_before_wait(kernel) for early, kernel in kernels.items()}
     assert loads_before_wait[False] == 0
     assert loads_before_wait[True] >= 2   # the tile's words and its factors
 
@@ -143,18 +150,12 @@ def test_the_float_gemvs_early_weights_are_read_before_the_pdl_wait(monkeypatch,
     without."""
     from test_quant_matmul import LAYOUTS, random_weight
     quant_gemv = importlib.import_module("cvllm_cuda.kernels.quant_gemv")
-    quant_tiles = importlib.import_module("cvllm_cuda.kernels.quant_tiles")
     monkeypatch.setattr(quant_gemv, "pdl_options", lambda device: {"USE_PDL": True, "launch_pdl": True})
     weight = random_weight(LAYOUTS[name], 4096, 4096, "cpu")
     x, out = torch.zeros(1, 4096, dtype=torch.bfloat16), torch.empty(1, 4096, dtype=torch.bfloat16)
-    loads_before_wait, kernel_fn = {}, quant_gemv._gemv_kernel
-    for early in (False, True):
-        monkeypatch.setattr(quant_tiles, "EARLY_WEIGHTS", early)
-        monkeypatch.setattr(quant_gemv, "_gemv_kernel", kernel_fn)
-        [kernel] = compiled_launches(monkeypatch, quant_gemv, "_gemv_kernel",
-                                     lambda: quant_gemv.quant_gemv(x, weight, out, splits=1))
-        assert sm90.resource_usage(kernel)["STACK"] == 0, "spilled to local memory"
-        loads_before_wait[early] = sm90.loads_before_wait(kernel)
+    kernels = compiled_with_and_without_early_weights(monkeypatch, quant_gemv, "_gemv_kernel",
+                                                      lambda: quant_gemv.quant_gemv(x, weight, out, splits=1))
+    loads_before_wait = {early: sm90.loads_before_wait(kernel) for early, kernel in kernels.items()}
     assert loads_before_wait[False] == 0 and loads_before_wait[True] >= 2
 
 
@@ -164,18 +165,13 @@ def test_the_16_bit_and_fp8_gemvs_early_weights_are_read_before_the_pdl_wait(mon
     """kernels/gemv.py (bf16 rows; FP8 rows with their scales: --isq fp8) with CVLLM_GEMV_EARLY_WEIGHTS: the first
     weight tile's loads before ACQBULK, none without."""
     gemv = importlib.import_module("cvllm_cuda.kernels.gemv")
-    quant_tiles = importlib.import_module("cvllm_cuda.kernels.quant_tiles")
     monkeypatch.setattr(gemv.pdl, "options", lambda device: {"USE_PDL": True, "launch_pdl": True})
     weight = torch.zeros(4096, 4096, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
     scale = torch.ones(4096) if fp8 else None
     x = torch.zeros(1, 4096, dtype=torch.bfloat16)
-    loads_before_wait, kernel_fn = {}, gemv._gemv_kernel
-    for early in (False, True):
-        monkeypatch.setattr(quant_tiles, "EARLY_WEIGHTS", early)
-        monkeypatch.setattr(gemv, "_gemv_kernel", kernel_fn)
-        [kernel] = compiled_launches(monkeypatch, gemv, "_gemv_kernel", lambda: gemv.gemv(x, weight, scale=scale))
-        assert sm90.resource_usage(kernel)["STACK"] == 0, "spilled to local memory"
-        loads_before_wait[early] = sm90.loads_before_wait(kernel)
+    kernels = compiled_with_and_without_early_weights(monkeypatch, gemv, "_gemv_kernel",
+                                                      lambda: gemv.gemv(x, weight, scale=scale))
+    loads_before_wait = {early: sm90.loads_before_wait(kernel) for early, kernel in kernels.items()}
     assert loads_before_wait[False] == 0 and loads_before_wait[True] >= 1
 
 
@@ -187,19 +183,13 @@ def test_the_mma_gemvs_early_weights_are_read_before_the_pdl_wait(monkeypatch, r
     from test_quant_gemv_mma import MMA_LAYOUTS
     from test_quant_matmul import random_weight
     quant_gemv_mma = importlib.import_module("cvllm_cuda.kernels.quant_gemv_mma")
-    quant_tiles = importlib.import_module("cvllm_cuda.kernels.quant_tiles")
     monkeypatch.setattr(quant_gemv_mma, "pdl_options", lambda device: {"USE_PDL": True, "launch_pdl": True})
     weight = random_weight(MMA_LAYOUTS["gptq4_g128"], 4096, 4096, "cpu")
     x, out = torch.zeros(rows, 4096, dtype=torch.bfloat16), torch.empty(rows, 4096, dtype=torch.bfloat16)
-    kernel_fn, loads_before_wait = quant_gemv_mma._gemv_mma_kernel, {}
-    for early in (False, True):
-        monkeypatch.setattr(quant_tiles, "EARLY_WEIGHTS", early)
-        monkeypatch.setattr(quant_gemv_mma, "_gemv_mma_kernel", kernel_fn)
-        [kernel] = compiled_launches(monkeypatch, quant_gemv_mma, "_gemv_mma_kernel",
-                                     lambda: quant_gemv_mma.quant_gemv_mma(x, weight, out, splits=1))
-        assert sm90.resource_usage(kernel)["STACK"] == 0, "spilled to local memory"
-        assert "convert_layout" not in kernel.asm["ttgir"]
-        loads_before_wait[early] = sm90.loads_before_wait(kernel)
+    kernels = compiled_with_and_without_early_weights(monkeypatch, quant_gemv_mma, "_gemv_mma_kernel",
+                                                      lambda: quant_gemv_mma.quant_gemv_mma(x, weight, out, splits=1))
+    assert not any("convert_layout" in kernel.asm["ttgir"] for kernel in kernels.values())
+    loads_before_wait = {early: sm90.loads_before_wait(kernel) for early, kernel in kernels.items()}
     assert loads_before_wait[False] == 0
     assert loads_before_wait[True] >= 4   # a K step's words (16-byte loads) and its scales and zeros
 
