@@ -152,7 +152,7 @@ def test_gpu_mma_gemv_is_deterministic_and_graph_safe():
 
 
 @needs_device
-def test_quant_matmul_takes_it_when_switched_on(monkeypatch):
+def test_quant_matmul_routes_gptq_rows_to_it(monkeypatch):
     """CVLLM_GEMV_MMA (quant_gemv_mma.ENABLED, on by default): quant_matmul's 1-ROUTED_ROWS rows of a GPTQ weight go
     through it, into an output of any row stride; more rows keep the GEMM, and the switch off keeps them all."""
     import cvllm_cuda.kernels.quant_gemv_mma as mma

@@ -87,8 +87,7 @@ def _gemv_mma_kernel(x_ptr, out_ptr, partial_ptr, low_ptr, high_ptr, d_ptr, m_pt
     stores float32 partial sums [splits, T, N], added by sum_splits_kernel. (LOW_BITS, HIGH_BITS, FLOAT8: the
     layout's, always 4, 0, False here: ``applies``.) EARLY: the first K step's words and factors are read
     before the PDL wait (quant_tiles.EARLY_WEIGHTS; a split is one K step at least). Every tensor is [W * 32] (or
-    [W * 32, 4] rows) in lane order
-    (mma_fragments.py; a compile test holds the layouts)."""
+    [W * 32, 4] rows) in lane order (mma_fragments.py; a compile test holds the layouts)."""
     BLOCKS: tl.constexpr = FW // 2
     e = tl.arange(0, W * 32)
     g = (e % 32) // 4

@@ -3,10 +3,10 @@ planes [K * bits / 32, N], factors [K / group, N]), dequantized in registers as 
 
 - One row of x (the batch-1 decode step): the GEMV, quant_gemv_int8.py where the layout allows llama.cpp's int8
   activations (up to its MAX_ROWS rows: each row's output then is what it would be alone, so a speculative verify
-  step's rows round as the plain steps do); else, up to quant_gemv_mma.ROUTED_ROWS rows of bf16 x times a 4-bit
-  weight without a high plane (GPTQ/AWQ), the tensor-core GEMV (quant_gemv_mma.py); else quant_gemv.py.
-- 2 to GEMM_MAX_ROWS rows (decode batches, speculative verify steps): a K step's words unpacked into one tile
-  [BLOCK_K, BLOCK_N] in order, one ``tl.dot`` with a contiguous x tile, float32 accumulators, split over K like the
+  step's rows round as the plain steps do); else the tensor-core GEMV (quant_gemv_mma.py) for bf16 x times a 4-bit
+  weight without a high plane (GPTQ/AWQ), up to quant_gemv_mma.ROUTED_ROWS rows; else quant_gemv.py.
+- The other rows up to GEMM_MAX_ROWS (decode batches, speculative verify steps): a K step's words unpacked into one
+  tile [BLOCK_K, BLOCK_N] in order, one ``tl.dot`` with a contiguous x tile, float32 accumulators, split over K like the
   GEMV. (The older per-position kernel, a ``tl.dot`` per element position S of the words with the x columns
   ``first + S``, stays for a tile that does not fit.) Up to SWAPPED_MAX_ROWS rows, 4-bit layouts without a high
   plane with bf16 x take the swapped GEMM instead (quant_gemm_swapped.py: the weight unpacked two a lane in bf16,

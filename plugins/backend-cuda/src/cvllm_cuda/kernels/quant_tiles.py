@@ -26,15 +26,16 @@ from cvllm_cuda.quant_planes import QuantWeight
 
 logger = logging.getLogger(__name__)
 
-# CVLLM_GEMV_EARLY_WEIGHTS=1: each program of the batch-1 GEMVs (the low-bit ones, quant_gemv.py and
-# int8_gemv_kernel.py, and gemv.py's bf16 / FP8 rows) reads its first K step's weights before the PDL wait (their
-# EARLY), so that their memory latency passes while the previous kernel (a norm, the attention's combination, silu)
-# still runs. Safe because no kernel launched with PDL writes weights: they change only while loading, by torch ops
-# and kernels launched without it, which a PDL launch cannot overtake. On the H200 a batch-1 Llama-3-8B GEMV takes
-# 5-7 us more than its bytes at the copy rate (the stack sweep, 4ae0d84), and the GEMVs are 1.61 of a q4k step's
-# 2.29 ms of critical path (session 35's profile). On by default since session 39 (q4k batch 1 +6.5% on the H200,
-# +2.7% on an H100); the peeled first step may contract its float multiply-adds otherwise than the loop, so a few
-# outputs can differ from the plain kernel's by an ulp (Q3_K on the GPU), each launch still the same bits.
+# The early weights (CVLLM_GEMV_EARLY_WEIGHTS=0 turns them off): each program of the batch-1 GEMVs (the low-bit
+# ones, quant_gemv.py, int8_gemv_kernel.py and quant_gemv_mma.py, and gemv.py's bf16 / FP8 rows) reads its first K
+# step's weights before the PDL wait (their EARLY), so that their memory latency passes while the previous kernel (a
+# norm, the attention's combination, silu) still runs. Safe because no kernel launched with PDL writes weights: they
+# change only while loading, by torch ops and kernels launched without it, which a PDL launch cannot overtake. On the
+# H200 a batch-1 Llama-3-8B GEMV takes 5-7 us more than its bytes at the copy rate (the stack sweep, 4ae0d84), and the
+# GEMVs are 1.61 of a q4k step's 2.29 ms of critical path (session 35's profile). On by default since session 39 (q4k
+# batch 1 +6.5% on the H200, +2.7% on an H100); the peeled first step may contract its float multiply-adds otherwise
+# than the loop, so a few outputs can differ from the plain kernel's by an ulp (Q3_K on the GPU), each launch still
+# the same bits.
 EARLY_WEIGHTS = os.environ.get("CVLLM_GEMV_EARLY_WEIGHTS", "1") != "0"
 # the split kernels divide K until there are about this many programs per SM
 PROGRAMS_PER_SM = 4
