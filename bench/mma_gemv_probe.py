@@ -6,6 +6,7 @@ HBM).
 
     python bench/mma_gemv_probe.py --json $OUT/mma_gemv_probe.json        # on the H200 (~1 min)
     python bench/mma_gemv_probe.py --rows 1,8 --configs "4,32;1,16,3;2,8,3"   # other tiles beside the defaults
+    python bench/mma_gemv_probe.py --rows 1 --configs "4,32,1,64;4,24"        # ... a thread's registers capped at 64
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ def main() -> None:
     ap.add_argument("--layouts", default="gptq4_g128")
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--configs", default="", help='also "WARPS,WARPS_PER_SM[,STAGES];..." of the MMA GEMV beside '
-                    "its defaults (quant_gemv_mma.TILES; one stage)")
+    ap.add_argument("--configs", default="", help='also "WARPS,WARPS_PER_SM[,STAGES[,REGISTERS]];..." of the MMA '
+                    "GEMV beside its defaults (quant_gemv_mma.TILES; one stage; registers: a cap on a "
+                    "thread's, 0 none)")
     ap.add_argument("--json")
     args = ap.parse_args()
     import cvllm_cuda.kernels.quant_gemv_mma as mma
@@ -67,14 +69,15 @@ def main() -> None:
                    "baseline_us": stack_us(layers, xs, outs, quant_matmul),
                    "mma_us": stack_us(layers, xs, outs, quant_gemv_mma)}
             for spec in (c for c in args.configs.split(";") if c):
-                warps, per_sm, stages = (*(int(v) for v in spec.split(",")), 1)[:3]
+                warps, per_sm, stages, registers = (*(int(v) for v in spec.split(",")), 1, 0)[:4]
 
-                def gemv(x, weight, out, warps=warps, per_sm=per_sm, stages=stages):
+                def gemv(x, weight, out, warps=warps, per_sm=per_sm, stages=stages, registers=registers):
                     features = 8 * quant_gemv_mma_tile(x.shape[0])[0] * warps
                     splits = split_count(weight.out_features, weight.in_features, group_units(weight.layout),
                                          features, warps, per_sm, x.device)
-                    quant_gemv_mma(x, weight, out, warps=warps, splits=splits, stages=stages)
-                row[f"mma {warps} warps, {per_sm} warps/SM, {stages} stages"] = stack_us(layers, xs, outs, gemv)
+                    quant_gemv_mma(x, weight, out, warps=warps, splits=splits, stages=stages, registers=registers)
+                row[f"mma {warps} warps, {per_sm} warps/SM, {stages} stages, {registers or 'any'} registers"] = \
+                    stack_us(layers, xs, outs, gemv)
             print(json.dumps(row), flush=True)
             results.append(row)
     if args.json:

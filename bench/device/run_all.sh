@@ -311,6 +311,15 @@ fusionslatency)
         run int8-activations-error 90 python3 bench/int8_activations_error.py --backend cuda --dtype bfloat16 \
             --json "$out/$day-$card-int8_activations_error-$commit.json"
     fi ;;
+mmatiles)
+    # issue 18: the MMA GEMV's 1-row tile against its occupancy: it compiles to 70 registers (80 with the early
+    # weights), 28 (24) warps an SM, while its K split sizes the grid for 32; on the H200 batch-1 GPTQ ran 386.0 tok/s
+    # with the early weights off against 369.1 on (d5a3be0). Warps an SM 16-32, a 64-register cap, both ways (~4 min)
+    for early in 1 0; do
+        CVLLM_GEMV_EARLY_WEIGHTS=$early run mma-tiles-early$early 150 python3 bench/mma_gemv_probe.py --rows 1,2,4,8 \
+            --configs "${MMA_CONFIGS:-4,16;4,20;4,24;4,28;4,32,1,64;2,24;2,28;8,24;1,16;1,24}" \
+            --json "$out/$day-$card-mma_gemv_probe-tiles-early$early-$commit.json"
+    done ;;
 pending)
     # issue 18: batch-1 standing with session 39's defaults, each beside its switch off (latency_case), after the GPU
     # tests of both (the early weights' bit test: repeats equal, the plain kernel within an ulp) (~6 min)

@@ -73,6 +73,7 @@ def tile(rows: int) -> tuple[int, int, int]:
     return TILES.get(rows, TILES_UP_TO_8 if rows <= 8 else TILES_UP_TO_16)
 
 
+
 @triton.jit
 def _gemv_mma_kernel(x_ptr, out_ptr, partial_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K, T,
                      stride_ot, SPLIT_WORDS, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr,
@@ -165,8 +166,10 @@ def split_count(n: int, k: int, ku: int, features: int, warps: int, warps_per_sm
 
 
 def quant_gemv_mma(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, warps: int | None = None,
-                   splits: int | None = None, stages: int = 1, words: int | None = None) -> None:
-    """out = x @ W.T for x [T, K] bf16 (T <= MAX_ROWS) and out [T, N] (rows of any stride)."""
+                   splits: int | None = None, stages: int = 1, words: int | None = None,
+                   registers: int | None = None) -> None:
+    """out = x @ W.T for x [T, K] bf16 (T <= MAX_ROWS) and out [T, N] (rows of any stride). ``registers``: a cap on
+    a thread's (Triton's maxnreg; None: the compiler's choice), for probes."""
     t, k = x.shape
     n = weight.out_features
     if t > MAX_ROWS or not applies(weight.layout, x.dtype, k):
@@ -187,6 +190,6 @@ def quant_gemv_mma(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, warp
         x.view(torch.int32), out, partials, *kernel_tensors(weight), n, k, t, out.stride(0), split_words,
         **lay.kernel_args(), KU=ku, W=warps, FW=fw, TG=cdiv(t, 8), STAGES=stages, EVEN_N=n % block_n == 0,
         INTERPRET=bool(triton.knobs.runtime.interpret), EARLY=quant_tiles.EARLY_WEIGHTS, num_warps=warps,
-        **pdl_options(x.device))
+        **({"maxnreg": registers} if registers else {}), **pdl_options(x.device))
     if splits > 1:
         add_splits(partials, out, splits, n)
