@@ -63,14 +63,21 @@ MAX_GROUP_UNITS = 4     # units a K step takes at most (GPTQ g128: a scale group
 # 64 and 77.3 with quant_tiles.k_splits (its splits at least four K steps long: 5.8 warps an SM on qkv); 8 rows 77.3
 # us with 1 warp at 16 against 91.3 with 4. 2-7 rows and 9-16 (two token groups, half the features a lane: fewer
 # registers) are not measured
-TILES = {1: (8, 4, 32)}
+# The early weights (quant_tiles.EARLY_WEIGHTS, the default) take the 1-row kernel from 70 registers to 80 (24 warps
+# an SM fit at once rather than 28), and its best K split moved. On the H100 (2026-12-06, 61d3c64,
+# `run_all.sh mmatiles`) at 1 row: early weights 64.4 us at 16 warps an SM, 64.6 at 20, 71.7 at 24, 74.1 at 32;
+# without them 68.6 at 16, 65.5 at 24, 65.2 at 28, 65.5 at 32 (on the H200 batch-1 GPTQ had run 369.1 tok/s with
+# the early weights at 32 against 386.0 without)
+TILES = {1: (8, 4, 16)}
+TILES_WITHOUT_EARLY_WEIGHTS = {1: (8, 4, 32)}
 TILES_UP_TO_8 = (8, 1, 16)
 TILES_UP_TO_16 = (4, 1, 16)
 
 
 def tile(rows: int) -> tuple[int, int, int]:
     """(FW, warps, warps an SM) for ``rows`` rows of x."""
-    return TILES.get(rows, TILES_UP_TO_8 if rows <= 8 else TILES_UP_TO_16)
+    tiles = TILES if quant_tiles.EARLY_WEIGHTS else TILES_WITHOUT_EARLY_WEIGHTS
+    return tiles.get(rows, TILES_UP_TO_8 if rows <= 8 else TILES_UP_TO_16)
 
 
 
