@@ -150,16 +150,6 @@ def test_gpu_mma_gemv_on_llama_shapes(name, t):
 
 @needs_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("warps", [4, 8, 16])
-@pytest.mark.parametrize("t", [1, 3, 8])
-def test_gpu_warps_splitting_k_on_llama_shapes(warps, t):
-    for n, k in ((6144, 4096), (4096, 14336), (1000, 512)):
-        weight = random_weight(MMA_LAYOUTS["gptq4_g128"], n, k, "cuda", seed=n + t)
-        assert relative_error(weight, t, warps=warps, k_warps=True) < 1e-2, (warps, t, n, k)
-
-
-@needs_gpu
-@pytest.mark.gpu
 def test_gpu_mma_gemv_is_deterministic_and_graph_safe():
     weight = random_weight(MMA_LAYOUTS["gptq4_g128"], 4096, 4096, "cuda")
     x = torch.randn(1, 4096, device="cuda").to(torch.bfloat16)
