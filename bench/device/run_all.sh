@@ -317,7 +317,7 @@ mmatiles)
     # with the early weights off against 369.1 on (d5a3be0). Warps an SM 16-32, a 64-register cap, both ways (~4 min)
     for early in 1 0; do
         CVLLM_GEMV_EARLY_WEIGHTS=$early run mma-tiles-early$early 150 python3 bench/mma_gemv_probe.py --rows 1,2,4,8 \
-            --configs "${MMA_CONFIGS:-4,16;4,20;4,24;4,28;4,32,1,64;2,24;2,28;8,24;1,16;1,24}" $MMA_ARGS \
+            --configs "${MMA_CONFIGS:-4,16;4,20;4,24;4,28;4,32,1,64;2,24;2,28;8,24;1,16;1,24}" \
             --json "$out/$day-$card-mma_gemv_probe-tiles-early$early-$commit.json"
     done ;;
 pending)

@@ -95,21 +95,6 @@ def test_early_weights_change_no_bit(monkeypatch, name, t, n, splits):
 
 
 @needs_device
-@pytest.mark.parametrize("name,t,n,k,warps,splits", [("gptq4_g128", 1, 64, 1024, 4, 1),
-                                                    ("gptq4_g128", 3, 40, 1024, 2, 2), ("gptq4_g32", 9, 72, 384, 8, 2),
-                                                    ("q4_k", 1, 16, 768, 4, 1)])
-def test_warps_splitting_k_add_up(monkeypatch, name, t, n, k, warps, splits):
-    """k_warps: a program's warps take the same features and K steps in turn, their sums added at the end; with the
-    early weights and without, K splits between programs too (of unequal length), a feature tail, and warps that do
-    not divide the K steps (384 inputs of g32: 12 steps, so 4 warps rather than 8, and splits of 8 and 4 steps)."""
-    from cvllm_cuda.kernels import quant_tiles
-    weight = random_weight(MMA_LAYOUTS[name], n, k, DEVICE, seed=n + t)
-    for early in (False, True):
-        monkeypatch.setattr(quant_tiles, "EARLY_WEIGHTS", early)
-        assert relative_error(weight, t, warps=warps, splits=splits, k_warps=True) < 1e-2, early
-
-
-@needs_device
 @pytest.mark.parametrize("n", [9, 40, 100])
 def test_feature_tails_are_masked(n):
     weight = random_weight(MMA_LAYOUTS["gptq4_g32"], n, 256, DEVICE, seed=n)

@@ -88,79 +88,53 @@ def _gemv_mma_kernel(x_ptr, out_ptr, partial_ptr, low_ptr, high_ptr, d_ptr, m_pt
                      B_MODE: tl.constexpr, B_CONST: tl.constexpr, HAS_M: tl.constexpr, FLOAT8: tl.constexpr,
                      KU: tl.constexpr, W: tl.constexpr, FW: tl.constexpr, TG: tl.constexpr, STAGES: tl.constexpr,
                      EVEN_N: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr,
-                     EARLY: tl.constexpr = False, K_WARPS: tl.constexpr = False):
+                     EARLY: tl.constexpr = False):
     """Program (i, s): output features i * 8 FW W ... over words s * SPLIT_WORDS ...: a warp 8 FW features (lane row
-    g's FW features n0 + FW g ...), KU units a K step (within one scale group), TG groups of 8 tokens. K_WARPS: the
-    program's W warps take the same 8 FW features (i * 8 FW ...) and the split's K steps in turn (warp v steps v,
-    v + W, ...: SPLIT_WORDS a whole number of W steps), and add their sums at the end. x is read as int32 bf16 pairs
-    [T, K / 2] at ``x_ptr``; out's rows are ``stride_ot`` apart. With more than one split, each stores float32
-    partial sums [splits, T, N], added by sum_splits_kernel. (LOW_BITS, HIGH_BITS, FLOAT8: the layout's, always 4,
-    0, False here: ``applies``.) EARLY: the first K step's words and factors are read before the PDL wait
-    (quant_tiles.EARLY_WEIGHTS; a split is one K step at least, a warp's one at least). Every tensor is [W * 32] (or
+    g's FW features n0 + FW g ...), KU units a K step (within one scale group), TG groups of 8 tokens. x is read as
+    int32 bf16 pairs [T, K / 2] at ``x_ptr``; out's rows are ``stride_ot`` apart. With more than one split, each
+    stores float32 partial sums [splits, T, N], added by sum_splits_kernel. (LOW_BITS, HIGH_BITS, FLOAT8: the
+    layout's, always 4, 0, False here: ``applies``.) EARLY: the first K step's words and factors are read
+    before the PDL wait (quant_tiles.EARLY_WEIGHTS; a split is one K step at least). Every tensor is [W * 32] (or
     [W * 32, 4] rows) in lane order (mma_fragments.py; a compile test holds the layouts)."""
     BLOCKS: tl.constexpr = FW // 2
     e = tl.arange(0, W * 32)
     g = (e % 32) // 4
     j = e % 4
+    first_feature = tl.program_id(0) * (8 * FW * W) + (e // 32) * (8 * FW) + FW * g
     start = tl.program_id(1) * SPLIT_WORDS
     end = tl.minimum(K // 8, start + SPLIT_WORDS)
-    if K_WARPS:
-        first_feature = tl.program_id(0) * (8 * FW) + FW * g
-        first_word = start + (e // 32) * (KU * 4)      # the warp's first K step
-        STRIDE: tl.constexpr = W * KU * 4              # words from one of a warp's K steps to its next
-    else:
-        first_feature = tl.program_id(0) * (8 * FW * W) + (e // 32) * (8 * FW) + FW * g
-        first_word = start
-        STRIDE: tl.constexpr = KU * 4
-    low_ptrs = low_ptr + (first_word + j) * N + first_feature          # the lane reads word k0 / 8 + j of its features
+    low_ptrs = low_ptr + (start + j) * N + first_feature           # the lane reads word k0 / 8 + j of its features
     # x's pairs: token g (of each group) inputs k0 + 8 j + 2 p, + 1 at int32 (k0 + 8 j) / 2 + p
-    if K_WARPS:
-        x_ptrs = x_ptr + g[:, None] * (K // 2) + (first_word * 4 + 4 * j)[:, None] + tl.arange(0, 4)[None, :]
-    else:
-        x_ptrs = x_ptr + g[:, None] * (K // 2) + start * 4 + 4 * j[:, None] + tl.arange(0, 4)[None, :]
+    x_ptrs = x_ptr + g[:, None] * (K // 2) + start * 4 + 4 * j[:, None] + tl.arange(0, 4)[None, :]
     zero = tl.zeros((W * 32,), dtype=tl.float32)
     y = zeros(zero, FW * TG * 2)
     if EARLY:   # the first K step's words and factors (weights: no kernel writes them) before the wait; x after it
         words = step_words(low_ptrs, first_feature, N, KU, FW, EVEN_N)
-        factors = step_factors(first_word, d_ptr, m_ptr, a_ptr, b_ptr, first_feature, N, SCALE_GROUP, SUPER_GROUP,
+        factors = step_factors(start, d_ptr, m_ptr, a_ptr, b_ptr, first_feature, N, SCALE_GROUP, SUPER_GROUP,
                                 A_MODE, B_MODE, B_CONST, HAS_M, FW, EVEN_N)
     wait_for_previous_kernel(USE_PDL)
     if EARLY:
         acc = step_mma(words, low_ptrs, first_feature, N, x_ptrs, g, T, K, zero, KU, FW, TG, BLOCKS, EVEN_N, INTERPRET,
                         True)
-        y = apply_factors(y, acc, factors, first_word, d_ptr, m_ptr, a_ptr, b_ptr, first_feature, N, SCALE_GROUP,
+        y = apply_factors(y, acc, factors, start, d_ptr, m_ptr, a_ptr, b_ptr, first_feature, N, SCALE_GROUP,
                            SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M, EVEN_N, TG, BLOCKS, True)
-        low_ptrs += STRIDE * N
-        x_ptrs += STRIDE * 4
-    for w0 in tl.range(start + STRIDE * EARLY, end, STRIDE, num_stages=STAGES):
+        low_ptrs += KU * 4 * N
+        x_ptrs += KU * 16
+    for w0 in tl.range(start + KU * 4 * EARLY, end, KU * 4, num_stages=STAGES):
         acc = step_mma((), low_ptrs, first_feature, N, x_ptrs, g, T, K, zero, KU, FW, TG, BLOCKS, EVEN_N, INTERPRET,
                         False)
-        y = apply_factors(y, acc, (), w0 + (first_word - start), d_ptr, m_ptr, a_ptr, b_ptr, first_feature, N,
-                           SCALE_GROUP, SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M, EVEN_N, TG, BLOCKS, False)
-        low_ptrs += STRIDE * N
-        x_ptrs += STRIDE * 4
+        y = apply_factors(y, acc, (), w0, d_ptr, m_ptr, a_ptr, b_ptr, first_feature, N, SCALE_GROUP, SUPER_GROUP,
+                           A_MODE, B_MODE, B_CONST, HAS_M, EVEN_N, TG, BLOCKS, False)
+        low_ptrs += KU * 4 * N
+        x_ptrs += KU * 16
     split = tl.program_id(1)
     splits = tl.num_programs(1)
-    if K_WARPS:   # the warps' sums of each lane's values added (in a fixed order: the same bits each launch)
-        lane = tl.arange(0, 32)
-        j = lane % 4
-        first_feature = tl.program_id(0) * (8 * FW) + FW * (lane // 4)
-        y = warp_sums(y, W, FW * TG * 2)
     for h in tl.static_range(FW):
         for t in tl.static_range(TG):
             _store(out_ptr, partial_ptr, y[(h * TG + t) * 2], 8 * t + 2 * j, first_feature + h, split, splits, T, N,
                    stride_ot)
             _store(out_ptr, partial_ptr, y[(h * TG + t) * 2 + 1], 8 * t + 2 * j + 1, first_feature + h, split, splits,
                    T, N, stride_ot)
-
-
-@triton.jit
-def warp_sums(y, W: tl.constexpr, COUNT: tl.constexpr):
-    """Each of ``y``'s COUNT tensors [W * 32] as [32]: lane l's sum over the W warps."""
-    out = ()
-    for i in tl.static_range(COUNT):
-        out = out + (tl.sum(tl.reshape(y[i], (W, 32)), axis=0),)
-    return out
 
 
 @triton.jit
@@ -200,28 +174,21 @@ def split_count(n: int, k: int, ku: int, features: int, warps: int, warps_per_sm
 
 def quant_gemv_mma(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, warps: int | None = None,
                    splits: int | None = None, stages: int = 1, words: int | None = None,
-                   registers: int | None = None, k_warps: bool = False) -> None:
+                   registers: int | None = None) -> None:
     """out = x @ W.T for x [T, K] bf16 (T <= MAX_ROWS) and out [T, N] (rows of any stride). ``registers``: a cap on
-    a thread's (Triton's maxnreg; None: the compiler's choice), for probes. ``k_warps``: a program's warps share its
-    features and split its K steps (the kernel's K_WARPS; fewer K splits between programs, so fewer sums after)."""
+    a thread's (Triton's maxnreg; None: the compiler's choice), for probes."""
     t, k = x.shape
     n = weight.out_features
     if t > MAX_ROWS or not applies(weight.layout, x.dtype, k):
         raise ValueError(f"quant_gemv_mma takes up to {MAX_ROWS} rows of bf16 x and 4-bit lane layouts")
     lay = weight.layout
     ku = group_units(lay)
-    steps = k // (UNIT * ku)
     default_words, default_warps, warps_per_sm = tile(t)
     fw, warps = words or default_words, warps or default_warps
-    if k_warps:
-        while steps % warps:   # every warp of every split the same number of K steps
-            warps //= 2
-    block_n = 8 * fw * (1 if k_warps else warps)
+    block_n = 8 * fw * warps
     if splits is None:
         splits = split_count(n, k, ku, block_n, warps, warps_per_sm, x.device)
-    group = warps if k_warps else 1   # K steps a split takes a whole number of
-    splits = min(splits, steps // group)
-    split_words = cdiv(steps // group, splits) * group * ku * 4
+    split_words = cdiv(k // (UNIT * ku), splits) * ku * 4
     splits = cdiv(k // 8, split_words)
     if not x.is_contiguous() or x.storage_offset() % 2:   # read as int32 pairs
         x = x.clone(memory_format=torch.contiguous_format)
@@ -229,7 +196,7 @@ def quant_gemv_mma(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, warp
     _gemv_mma_kernel[(cdiv(n, block_n), splits)](
         x.view(torch.int32), out, partials, *kernel_tensors(weight), n, k, t, out.stride(0), split_words,
         **lay.kernel_args(), KU=ku, W=warps, FW=fw, TG=cdiv(t, 8), STAGES=stages, EVEN_N=n % block_n == 0,
-        INTERPRET=bool(triton.knobs.runtime.interpret), EARLY=quant_tiles.EARLY_WEIGHTS, K_WARPS=k_warps,
-        num_warps=warps, **({"maxnreg": registers} if registers else {}), **pdl_options(x.device))
+        INTERPRET=bool(triton.knobs.runtime.interpret), EARLY=quant_tiles.EARLY_WEIGHTS, num_warps=warps,
+        **({"maxnreg": registers} if registers else {}), **pdl_options(x.device))
     if splits > 1:
         add_splits(partials, out, splits, n)
