@@ -95,6 +95,30 @@ def test_early_weights_change_no_bit(monkeypatch, name, t, n, splits):
 
 
 @needs_device
+@pytest.mark.parametrize("name,t,n,k,splits", [("gptq4_g128", 1, 64, 1024, 1), ("gptq4_g128", 3, 40, 1024, 3),
+                                              ("gptq4_g32", 9, 72, 384, 2), ("q4_k", 1, 16, 768, 4)])
+def test_prefetched_steps_change_no_bit(monkeypatch, name, t, n, k, splits):
+    """PREFETCH (CVLLM_GEMV_MMA_PREFETCH): each K step's words and factors loaded during the step before, the loop
+    carrying them, the load past a split's end masked off: the same bits as the plain loop in the interpreter, with
+    the early weights and without, K splits of unequal length and a feature tail."""
+    from cvllm_cuda.kernels import quant_tiles
+    weight = random_weight(MMA_LAYOUTS[name], n, k, DEVICE, seed=n + t)
+    x = torch.randn(t, k, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16).to(DEVICE)
+    for early in (False, True):
+        monkeypatch.setattr(quant_tiles, "EARLY_WEIGHTS", early)
+        outs = []
+        for prefetch in (False, True):
+            outs.append(torch.full((t, n), float("nan"), dtype=torch.bfloat16, device=DEVICE))
+            quant_gemv_mma(x, weight, outs[-1], warps=2, splits=splits, prefetch=prefetch)
+        assert not outs[0].isnan().any()
+        if INTERPRET:
+            assert torch.equal(outs[0], outs[1]), early
+        else:
+            assert ((outs[0].float() - outs[1].float()).abs() <= outs[0].float().abs() * 2.0 ** -7).all()
+    assert relative_error(weight, t, warps=2, splits=splits, prefetch=True) < 1e-2
+
+
+@needs_device
 @pytest.mark.parametrize("n", [9, 40, 100])
 def test_feature_tails_are_masked(n):
     weight = random_weight(MMA_LAYOUTS["gptq4_g32"], n, 256, DEVICE, seed=n)

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from cvllm_cuda.kernels.mma_fragments import ONES, mma, nibble_pairs, x_pairs
-from cvllm_cuda.kernels.quant_tiles import word_factors
+from cvllm_cuda.kernels.quant_tiles import load_masked, word_factors
 
 
 @triton.jit
@@ -41,28 +41,31 @@ def unit_mma(words, xs, acc, BLOCKS: tl.constexpr, TG: tl.constexpr, INTERPRET: 
 
 
 @triton.jit
-def load_words(rows, first_feature, N, FW: tl.constexpr, EVEN_N: tl.constexpr):
+def load_words(rows, first_feature, N, FW: tl.constexpr, EVEN_N: tl.constexpr, more=None):
     """A word row's FW words of the lane's features first_feature ... (16- or 8-byte loads; rows of a [W * 32, 4 or
-    2] tensor stay one a lane), as FW tensors [W * 32]."""
+    2] tensor stay one a lane), as FW tensors [W * 32]. ``more``: a scalar condition for every load (None: none)."""
     PART: tl.constexpr = 4 if FW >= 4 else FW
     cols = tl.arange(0, PART)[None, :]
     out = ()
     for part in tl.static_range(FW // PART):
         ptrs = rows[:, None] + part * PART + cols
         if EVEN_N:
-            words = tl.load(ptrs)
+            words = load_masked(ptrs, more, 0)
         else:
-            words = tl.load(ptrs, mask=first_feature[:, None] + part * PART + cols < N, other=0)
+            ok = first_feature[:, None] + part * PART + cols < N
+            if more is not None:
+                ok = ok & more
+            words = tl.load(ptrs, mask=ok, other=0)
         out = out + columns(words)
     return out
 
 
 @triton.jit
-def step_words(low_ptrs, first_feature, N, KU: tl.constexpr, FW: tl.constexpr, EVEN_N: tl.constexpr):
+def step_words(low_ptrs, first_feature, N, KU: tl.constexpr, FW: tl.constexpr, EVEN_N: tl.constexpr, more=None):
     """A K step's words: for each of its KU units, the lane's FW words (load_words)."""
     words = ()
     for u in tl.static_range(KU):
-        words = words + (load_words(low_ptrs + u * 4 * N, first_feature, N, FW, EVEN_N),)
+        words = words + (load_words(low_ptrs + u * 4 * N, first_feature, N, FW, EVEN_N, more),)
     return words
 
 
@@ -90,23 +93,30 @@ def step_mma(words, low_ptrs, first_feature, N, x_ptrs, g, T, K, zero, KU: tl.co
 @triton.jit
 def feature_factors(w0, h, d_ptr, m_ptr, a_ptr, b_ptr, first_feature, N, SCALE_GROUP: tl.constexpr,
                      SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
-                     HAS_M: tl.constexpr, EVEN_N: tl.constexpr):
-    """The K step at word ``w0``'s scale and ``offset - 128 scale`` of the lane's feature ``first_feature + h``."""
+                     HAS_M: tl.constexpr, EVEN_N: tl.constexpr, more=None):
+    """The K step at word ``w0``'s scale and ``offset - 128 scale`` of the lane's feature ``first_feature + h``
+    (``more``: load_words')."""
     f = first_feature + h
-    scale, offset = word_factors(d_ptr, m_ptr, a_ptr, b_ptr, w0 * 8, f, None if EVEN_N else f < N, N, SCALE_GROUP,
-                                 SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M)
+    if EVEN_N:
+        ok = more
+    else:
+        ok = f < N
+        if more is not None:
+            ok = ok & more
+    scale, offset = word_factors(d_ptr, m_ptr, a_ptr, b_ptr, w0 * 8, f, ok, N, SCALE_GROUP, SUPER_GROUP, A_MODE,
+                                 B_MODE, B_CONST, HAS_M)
     return scale, offset - 128.0 * scale
 
 
 @triton.jit
 def step_factors(w0, d_ptr, m_ptr, a_ptr, b_ptr, first_feature, N, SCALE_GROUP: tl.constexpr,
                   SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr, B_MODE: tl.constexpr, B_CONST: tl.constexpr,
-                  HAS_M: tl.constexpr, FW: tl.constexpr, EVEN_N: tl.constexpr):
-    """feature_factors of each of the lane's FW features, in turn (the early weights' first step)."""
+                  HAS_M: tl.constexpr, FW: tl.constexpr, EVEN_N: tl.constexpr, more=None):
+    """feature_factors of each of the lane's FW features, in turn (a step's factors loaded ahead of its MMAs)."""
     out = ()
     for h in tl.static_range(FW):
         out = out + feature_factors(w0, h, d_ptr, m_ptr, a_ptr, b_ptr, first_feature, N, SCALE_GROUP, SUPER_GROUP,
-                                     A_MODE, B_MODE, B_CONST, HAS_M, EVEN_N)
+                                     A_MODE, B_MODE, B_CONST, HAS_M, EVEN_N, more)
     return out
 
 

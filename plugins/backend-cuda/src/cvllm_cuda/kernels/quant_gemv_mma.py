@@ -55,6 +55,7 @@ MAX_ROWS = 16           # rows of x: two groups of 8 tokens (the MMA's second op
 # int8 GEMV's layouts (Q4_K, Q4_0, Q4_1) keep it: Q4_K 1 row 85.4 against its 66.0, 2 rows 84.4 against 79.4 (4 rows
 # 87.2 against 125.2, but 3-5 rows share the int8 producers' path)
 ROUTED_ROWS = 8
+PREFETCH = os.environ.get("CVLLM_GEMV_MMA_PREFETCH", "0") == "1"   # the kernel's PREFETCH (off until timed)
 UNIT = 32               # inputs a lane's words span in one word row (8 each, lanes j = 0..3): one unit
 MAX_GROUP_UNITS = 4     # units a K step takes at most (GPTQ g128: a scale group a step)
 # (words a lane reads a word row, i.e. features a lane row: a warp 8 FW features; warps a program; warps an SM the K
@@ -88,13 +89,14 @@ def _gemv_mma_kernel(x_ptr, out_ptr, partial_ptr, low_ptr, high_ptr, d_ptr, m_pt
                      B_MODE: tl.constexpr, B_CONST: tl.constexpr, HAS_M: tl.constexpr, FLOAT8: tl.constexpr,
                      KU: tl.constexpr, W: tl.constexpr, FW: tl.constexpr, TG: tl.constexpr, STAGES: tl.constexpr,
                      EVEN_N: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr,
-                     EARLY: tl.constexpr = False):
+                     EARLY: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     """Program (i, s): output features i * 8 FW W ... over words s * SPLIT_WORDS ...: a warp 8 FW features (lane row
     g's FW features n0 + FW g ...), KU units a K step (within one scale group), TG groups of 8 tokens. x is read as
     int32 bf16 pairs [T, K / 2] at ``x_ptr``; out's rows are ``stride_ot`` apart. With more than one split, each
     stores float32 partial sums [splits, T, N], added by sum_splits_kernel. (LOW_BITS, HIGH_BITS, FLOAT8: the
     layout's, always 4, 0, False here: ``applies``.) EARLY: the first K step's words and factors are read
-    before the PDL wait (quant_tiles.EARLY_WEIGHTS; a split is one K step at least). Every tensor is [W * 32] (or
+    before the PDL wait (quant_tiles.EARLY_WEIGHTS; a split is one K step at least). PREFETCH: each K step's words
+    and factors are loaded during the step before (masked off past the split's end). Every tensor is [W * 32] (or
     [W * 32, 4] rows) in lane order (mma_fragments.py; a compile test holds the layouts)."""
     BLOCKS: tl.constexpr = FW // 2
     e = tl.arange(0, W * 32)
@@ -113,20 +115,39 @@ def _gemv_mma_kernel(x_ptr, out_ptr, partial_ptr, low_ptr, high_ptr, d_ptr, m_pt
         factors = step_factors(start, d_ptr, m_ptr, a_ptr, b_ptr, first_feature, N, SCALE_GROUP, SUPER_GROUP,
                                 A_MODE, B_MODE, B_CONST, HAS_M, FW, EVEN_N)
     wait_for_previous_kernel(USE_PDL)
-    if EARLY:
-        acc = step_mma(words, low_ptrs, first_feature, N, x_ptrs, g, T, K, zero, KU, FW, TG, BLOCKS, EVEN_N, INTERPRET,
-                        True)
-        y = apply_factors(y, acc, factors, start, d_ptr, m_ptr, a_ptr, b_ptr, first_feature, N, SCALE_GROUP,
-                           SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M, EVEN_N, TG, BLOCKS, True)
-        low_ptrs += KU * 4 * N
-        x_ptrs += KU * 16
-    for w0 in tl.range(start + KU * 4 * EARLY, end, KU * 4, num_stages=STAGES):
-        acc = step_mma((), low_ptrs, first_feature, N, x_ptrs, g, T, K, zero, KU, FW, TG, BLOCKS, EVEN_N, INTERPRET,
-                        False)
-        y = apply_factors(y, acc, (), w0, d_ptr, m_ptr, a_ptr, b_ptr, first_feature, N, SCALE_GROUP, SUPER_GROUP,
-                           A_MODE, B_MODE, B_CONST, HAS_M, EVEN_N, TG, BLOCKS, False)
-        low_ptrs += KU * 4 * N
-        x_ptrs += KU * 16
+    if PREFETCH:   # the loop carries the next step's words and factors, loaded before this step's MMAs
+        if not EARLY:
+            words = step_words(low_ptrs, first_feature, N, KU, FW, EVEN_N)
+            factors = step_factors(start, d_ptr, m_ptr, a_ptr, b_ptr, first_feature, N, SCALE_GROUP, SUPER_GROUP,
+                                    A_MODE, B_MODE, B_CONST, HAS_M, FW, EVEN_N)
+        for w0 in tl.range(start, end, KU * 4):
+            more = w0 + KU * 4 < end
+            next_words = step_words(low_ptrs + KU * 4 * N, first_feature, N, KU, FW, EVEN_N, more)
+            next_factors = step_factors(w0 + KU * 4, d_ptr, m_ptr, a_ptr, b_ptr, first_feature, N, SCALE_GROUP,
+                                         SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M, FW, EVEN_N, more)
+            acc = step_mma(words, low_ptrs, first_feature, N, x_ptrs, g, T, K, zero, KU, FW, TG, BLOCKS, EVEN_N,
+                            INTERPRET, True)
+            y = apply_factors(y, acc, factors, w0, d_ptr, m_ptr, a_ptr, b_ptr, first_feature, N, SCALE_GROUP,
+                               SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M, EVEN_N, TG, BLOCKS, True)
+            words = next_words
+            factors = next_factors
+            low_ptrs += KU * 4 * N
+            x_ptrs += KU * 16
+    else:
+        if EARLY:
+            acc = step_mma(words, low_ptrs, first_feature, N, x_ptrs, g, T, K, zero, KU, FW, TG, BLOCKS, EVEN_N,
+                            INTERPRET, True)
+            y = apply_factors(y, acc, factors, start, d_ptr, m_ptr, a_ptr, b_ptr, first_feature, N, SCALE_GROUP,
+                               SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M, EVEN_N, TG, BLOCKS, True)
+            low_ptrs += KU * 4 * N
+            x_ptrs += KU * 16
+        for w0 in tl.range(start + KU * 4 * EARLY, end, KU * 4, num_stages=STAGES):
+            acc = step_mma((), low_ptrs, first_feature, N, x_ptrs, g, T, K, zero, KU, FW, TG, BLOCKS, EVEN_N,
+                            INTERPRET, False)
+            y = apply_factors(y, acc, (), w0, d_ptr, m_ptr, a_ptr, b_ptr, first_feature, N, SCALE_GROUP,
+                               SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M, EVEN_N, TG, BLOCKS, False)
+            low_ptrs += KU * 4 * N
+            x_ptrs += KU * 16
     split = tl.program_id(1)
     splits = tl.num_programs(1)
     for h in tl.static_range(FW):
@@ -174,9 +195,10 @@ def split_count(n: int, k: int, ku: int, features: int, warps: int, warps_per_sm
 
 def quant_gemv_mma(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, warps: int | None = None,
                    splits: int | None = None, stages: int = 1, words: int | None = None,
-                   registers: int | None = None) -> None:
+                   registers: int | None = None, prefetch: bool | None = None) -> None:
     """out = x @ W.T for x [T, K] bf16 (T <= MAX_ROWS) and out [T, N] (rows of any stride). ``registers``: a cap on
-    a thread's (Triton's maxnreg; None: the compiler's choice), for probes."""
+    a thread's (Triton's maxnreg; None: the compiler's choice), for probes. ``prefetch``: the kernel's PREFETCH
+    (None: PREFETCH's default)."""
     t, k = x.shape
     n = weight.out_features
     if t > MAX_ROWS or not applies(weight.layout, x.dtype, k):
@@ -196,7 +218,8 @@ def quant_gemv_mma(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, warp
     _gemv_mma_kernel[(cdiv(n, block_n), splits)](
         x.view(torch.int32), out, partials, *kernel_tensors(weight), n, k, t, out.stride(0), split_words,
         **lay.kernel_args(), KU=ku, W=warps, FW=fw, TG=cdiv(t, 8), STAGES=stages, EVEN_N=n % block_n == 0,
-        INTERPRET=bool(triton.knobs.runtime.interpret), EARLY=quant_tiles.EARLY_WEIGHTS, num_warps=warps,
+        INTERPRET=bool(triton.knobs.runtime.interpret), EARLY=quant_tiles.EARLY_WEIGHTS,
+        PREFETCH=PREFETCH if prefetch is None else prefetch, num_warps=warps,
         **({"maxnreg": registers} if registers else {}), **pdl_options(x.device))
     if splits > 1:
         add_splits(partials, out, splits, n)
