@@ -55,7 +55,12 @@ MAX_ROWS = 16           # rows of x: two groups of 8 tokens (the MMA's second op
 # int8 GEMV's layouts (Q4_K, Q4_0, Q4_1) keep it: Q4_K 1 row 85.4 against its 66.0, 2 rows 84.4 against 79.4 (4 rows
 # 87.2 against 125.2, but 3-5 rows share the int8 producers' path)
 ROUTED_ROWS = 8
-PREFETCH = os.environ.get("CVLLM_GEMV_MMA_PREFETCH", "0") == "1"   # the kernel's PREFETCH (off until timed)
+# the kernel's PREFETCH for 1-8 rows (``CVLLM_GEMV_MMA_PREFETCH=0`` turns it off): on the H100 (2026-12-06, d375e06,
+# bench/mma_gemv_probe.py, GPTQ-4bit g128, us a Llama-3-8B layer's four products) with 2 warps a program at 8 warps an
+# SM (PREFETCHED_TILE; 128 registers, so 16 warps an SM at most) 1 row 61.9 against 64.1 without it, 2 rows 64.9
+# against 70.0, 4 rows 69.9 against 74.2, 8 rows 89.6 against 99.9; 4 warps at 8: 61.9, 64.6, 72.7, 92.7
+PREFETCH = os.environ.get("CVLLM_GEMV_MMA_PREFETCH", "1") != "0"
+PREFETCHED_TILE = (8, 2, 8)
 UNIT = 32               # inputs a lane's words span in one word row (8 each, lanes j = 0..3): one unit
 MAX_GROUP_UNITS = 4     # units a K step takes at most (GPTQ g128: a scale group a step)
 # (words a lane reads a word row, i.e. features a lane row: a warp 8 FW features; warps a program; warps an SM the K
@@ -75,8 +80,15 @@ TILES_UP_TO_8 = (8, 1, 16)
 TILES_UP_TO_16 = (4, 1, 16)
 
 
+def prefetches(rows: int) -> bool:
+    """Whether ``rows`` rows of x take the kernel's PREFETCH by default."""
+    return PREFETCH and rows <= 8   # (one token group: 9-16 rows keep their tile, never timed with it)
+
+
 def tile(rows: int) -> tuple[int, int, int]:
     """(FW, warps, warps an SM) for ``rows`` rows of x."""
+    if prefetches(rows):
+        return PREFETCHED_TILE
     tiles = TILES if quant_tiles.EARLY_WEIGHTS else TILES_WITHOUT_EARLY_WEIGHTS
     return tiles.get(rows, TILES_UP_TO_8 if rows <= 8 else TILES_UP_TO_16)
 
@@ -198,7 +210,7 @@ def quant_gemv_mma(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, warp
                    registers: int | None = None, prefetch: bool | None = None) -> None:
     """out = x @ W.T for x [T, K] bf16 (T <= MAX_ROWS) and out [T, N] (rows of any stride). ``registers``: a cap on
     a thread's (Triton's maxnreg; None: the compiler's choice), for probes. ``prefetch``: the kernel's PREFETCH
-    (None: PREFETCH's default)."""
+    (None: ``prefetches(T)``)."""
     t, k = x.shape
     n = weight.out_features
     if t > MAX_ROWS or not applies(weight.layout, x.dtype, k):
@@ -219,7 +231,7 @@ def quant_gemv_mma(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, warp
         x.view(torch.int32), out, partials, *kernel_tensors(weight), n, k, t, out.stride(0), split_words,
         **lay.kernel_args(), KU=ku, W=warps, FW=fw, TG=cdiv(t, 8), STAGES=stages, EVEN_N=n % block_n == 0,
         INTERPRET=bool(triton.knobs.runtime.interpret), EARLY=quant_tiles.EARLY_WEIGHTS,
-        PREFETCH=PREFETCH if prefetch is None else prefetch, num_warps=warps,
+        PREFETCH=prefetches(t) if prefetch is None else prefetch, num_warps=warps,
         **({"maxnreg": registers} if registers else {}), **pdl_options(x.device))
     if splits > 1:
         add_splits(partials, out, splits, n)
