@@ -56,10 +56,12 @@ run() {   # name, limit in seconds, command...
 }
 latency_case() {   # "isq:variant", e.g. q4k:noearly: batch-1 decode (Llama-3-8B shape) with the variant's switches
     # variant: "default", or any of "noearly" (CVLLM_GEMV_EARLY_WEIGHTS=0: the GEMVs wait before their first weight
-    # tile) and "nomma" (CVLLM_GEMV_MMA=0: GPTQ/AWQ's 1-8 rows off tensor cores); isq "none" is bf16
+    # tile), "nomma" (CVLLM_GEMV_MMA=0: GPTQ/AWQ's 1-8 rows off tensor cores) and "prefetch"
+    # (CVLLM_GEMV_MMA_PREFETCH=1: the MMA GEMV loads each K step's weights during the step before); "none" is bf16
     local q=${1%%:*} v=${1#*:}
     CVLLM_GEMV_EARLY_WEIGHTS=$([[ $v = *noearly* ]] && echo 0 || echo 1) \
         CVLLM_GEMV_MMA=$([[ $v = *nomma* ]] && echo 0 || echo 1) \
+        CVLLM_GEMV_MMA_PREFETCH=$([[ $v = *prefetch* ]] && echo 1 || echo 0) \
         run latency-$q-$v 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
         $([ $q = none ] || echo --isq $q) --json "$out/$day-$card-latency-$q-$v-$commit.json"
 }
@@ -321,20 +323,20 @@ mmatiles)
             --json "$out/$day-$card-mma_gemv_probe-tiles-early$early-$commit.json"
     done ;;
 pending)
-    # issue 18: batch-1 standing with session 39's defaults, each beside its switch off (latency_case), after the GPU
-    # tests of both (the early weights' bit test: repeats equal, the plain kernel within an ulp) (~6 min)
+    # issue 18: the H200's batch-1 standing at session 40's defaults (the MMA GEMV's 1-row tile at 16 warps an SM:
+    # +3.9% GPTQ on the H100), the MMA GEMV's PREFETCH end to end (off until timed) and on the probe, after the GPU
+    # tests (~8 min)
     t=plugins/backend-cuda/tests
-    run gpu-tests-pending 150 python3 -m pytest -p no:cacheprovider -q -rf --tb=short $t/test_quant_gemv_int8.py \
-        $t/test_matmul.py $t/test_quant_gemv_mma.py -k "early or first_weight or mma or gptq"
-    for case in ${PENDING_CASES:-none:default none:noearly q4k:default q4k:noearly gptq:default gptq:noearly \
-                gptq:nomma q8_0:default fp8:default}; do
+    run gpu-tests-pending 150 python3 -m pytest -p no:cacheprovider -q -rf --tb=short $t/test_quant_gemv_mma.py \
+        $t/test_matmul.py -k "mma or gptq or prefetch"
+    for case in ${PENDING_CASES:-none:default q4k:default gptq:default gptq:prefetch gptq:noearly q8_0:default \
+                fp8:default}; do
         latency_case $case
     done
     python3 bench/latency_table.py "$out"/$day-$card-latency-*-$commit.json
-    # where GPTQ's step goes against q4k's (GPTQ keeps a bf16 head: 1.05 GB a step against Q6_K's 0.43)
-    for q in gptq q4k; do
-        run profile-b1-$q 120 python3 bench/profile_decode.py --batch 1 --context 1024 --steps 10 --isq $q
-    done ;;
+    run mma-probe-prefetch 150 python3 bench/mma_gemv_probe.py --rows 1,2,4,8 \
+        --configs "2,8,1,0,1;4,8,1,0,1;4,12,1,0,1;2,12,1,0,1" --json "$out/$day-$card-mma_gemv_probe-prefetch-$commit.json"
+    run profile-b1-gptq 120 python3 bench/profile_decode.py --batch 1 --context 1024 --steps 10 --isq gptq ;;
 fp8gemv)
     # issue 18: the FP8 weights' batch-1 GEMV (kernels/gemv.py with row scales: --isq fp8, FP8 checkpoints) has only
     # run bf16's default tile (4, 1024, 2, 3), a K step of 1 KB a row where bf16's tuned tiles read 4 KB: batch-1

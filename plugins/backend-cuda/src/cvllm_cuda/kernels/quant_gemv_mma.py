@@ -55,11 +55,12 @@ MAX_ROWS = 16           # rows of x: two groups of 8 tokens (the MMA's second op
 # int8 GEMV's layouts (Q4_K, Q4_0, Q4_1) keep it: Q4_K 1 row 85.4 against its 66.0, 2 rows 84.4 against 79.4 (4 rows
 # 87.2 against 125.2, but 3-5 rows share the int8 producers' path)
 ROUTED_ROWS = 8
-# the kernel's PREFETCH for 1-8 rows (``CVLLM_GEMV_MMA_PREFETCH=0`` turns it off): on the H100 (2026-12-06, d375e06,
+# the kernel's PREFETCH for 1-8 rows (``CVLLM_GEMV_MMA_PREFETCH=1``; off until timed end to end: the probe had put
+# the 1-row tile change of 9706382 at 310 us a batch-1 step, and the step gained 110): on the H100 (2026-12-06, d375e06,
 # bench/mma_gemv_probe.py, GPTQ-4bit g128, us a Llama-3-8B layer's four products) with 2 warps a program at 8 warps an
 # SM (PREFETCHED_TILE; 128 registers, so 16 warps an SM at most) 1 row 61.9 against 64.1 without it, 2 rows 64.9
 # against 70.0, 4 rows 69.9 against 74.2, 8 rows 89.6 against 99.9; 4 warps at 8: 61.9, 64.6, 72.7, 92.7
-PREFETCH = os.environ.get("CVLLM_GEMV_MMA_PREFETCH", "1") != "0"
+PREFETCH = os.environ.get("CVLLM_GEMV_MMA_PREFETCH", "0") == "1"
 PREFETCHED_TILE = (8, 2, 8)
 UNIT = 32               # inputs a lane's words span in one word row (8 each, lanes j = 0..3): one unit
 MAX_GROUP_UNITS = 4     # units a K step takes at most (GPTQ g128: a scale group a step)
