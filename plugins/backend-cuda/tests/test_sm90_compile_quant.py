@@ -226,3 +226,35 @@ def test_mma_gemv_keeps_one_element_a_lane(monkeypatch, name, rows, n):
     groups = -(-rows // 8)   # MMAs a unit: two a block of two features a lane row and token group, two for X
     assert sum("HMMA.16816.F32.BF16" in line for line in sm90.sass(kernel)) == (
         (words + 2) * groups * quant_gemv_mma.group_units(weight.layout))
+
+
+@compiles
+@pytest.mark.parametrize("rows", [1, 8])
+def test_the_mma_gemvs_prefetch_loads_the_next_step_ahead(monkeypatch, rows):
+    """CVLLM_GEMV_MMA_PREFETCH: the loop loads the next K step's words as 16-byte loads predicated on there being a
+    next step (beside x's, predicated on its rows); with the early weights and without, no spills, and registers that
+    let PREFETCHED_TILE's warps an SM run at once."""
+    from test_quant_gemv_mma import MMA_LAYOUTS
+    from test_quant_matmul import random_weight
+    quant_gemv_mma = importlib.import_module("cvllm_cuda.kernels.quant_gemv_mma")
+    monkeypatch.setattr(quant_gemv_mma, "pdl_options", lambda device: {"USE_PDL": True, "launch_pdl": True})
+    weight = random_weight(MMA_LAYOUTS["gptq4_g128"], 4096, 4096, "cpu")
+    x, out = torch.zeros(rows, 4096, dtype=torch.bfloat16), torch.empty(rows, 4096, dtype=torch.bfloat16)
+    words, warps, per_sm = quant_gemv_mma.PREFETCHED_TILE
+    predicated, kernel_fn = {}, quant_gemv_mma._gemv_mma_kernel
+    for prefetch in (False, True):
+        monkeypatch.setattr(quant_gemv_mma, "PREFETCH", prefetch)
+        monkeypatch.setattr(quant_gemv_mma, "_gemv_mma_kernel", kernel_fn)   # (not the last loop's recorder)
+        kernels = compiled_with_and_without_early_weights(
+            monkeypatch, quant_gemv_mma, "_gemv_mma_kernel",
+            lambda: quant_gemv_mma.quant_gemv_mma(x, weight, out, warps=warps, splits=1))
+        predicated[prefetch] = sum(bool(re.match(r"@!?P\d LDG\.E\.128", line)) for line in sm90.sass(kernels[True]))
+        for kernel in kernels.values():
+            usage = sm90.resource_usage(kernel)
+            assert usage["LOCAL"] == 0 and -(-usage["REG"] // 8) * 8 * 32 * per_sm <= 65536, usage
+    assert quant_gemv_mma.tile(rows) == quant_gemv_mma.PREFETCHED_TILE
+    units = quant_gemv_mma.group_units(weight.layout)
+    # x's 16-byte loads (a unit's, predicated on its rows): in the peeled first step and the loop without PREFETCH,
+    # in the loop with it; the words' only with it
+    assert predicated[False] == 2 * units, predicated
+    assert predicated[True] >= units + units * words // 4, predicated
