@@ -8,6 +8,7 @@ HBM).
     python bench/mma_gemv_probe.py --rows 1,8 --configs "4,32;1,16,3;2,8,3"   # other tiles beside the defaults
     python bench/mma_gemv_probe.py --rows 1 --configs "4,32,1,64;4,24"        # ... a thread's registers capped at 64
     python bench/mma_gemv_probe.py --rows 1 --configs "4,16,1,0,1"            # ... the next K step loaded ahead
+    python bench/mma_gemv_probe.py --rows 1 --configs "4,16,1,0,0,1"          # ... K splits added in the launch
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ def main() -> None:
     ap.add_argument("--layouts", default="gptq4_g128")
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--configs", default="", help='also "WARPS,WARPS_PER_SM[,STAGES[,REGISTERS[,PREFETCH]]];..." '
-                    "of the MMA GEMV beside its defaults (quant_gemv_mma.TILES; one stage; registers: a cap on a "
-                    "thread's, 0 none; PREFETCH 1: the kernel's PREFETCH)")
+    ap.add_argument("--configs", default="", help='also "WARPS,WARPS_PER_SM[,STAGES[,REGISTERS[,PREFETCH[,FUSED]]]]'
+                    ';..." of the MMA GEMV beside its defaults (quant_gemv_mma.TILES; one stage; registers: a cap on a '
+                    "thread's, 0 none; PREFETCH 1: the kernel's PREFETCH; FUSED 1: K splits added in the launch)")
     ap.add_argument("--json")
     args = ap.parse_args()
     import cvllm_cuda.kernels.quant_gemv_mma as mma
@@ -70,16 +71,17 @@ def main() -> None:
                    "baseline_us": stack_us(layers, xs, outs, quant_matmul),
                    "mma_us": stack_us(layers, xs, outs, quant_gemv_mma)}
             for spec in (c for c in args.configs.split(";") if c):
-                warps, per_sm, stages, registers, prefetch = (*(int(v) for v in spec.split(",")), 1, 0, 0)[:5]
+                warps, per_sm, stages, registers, prefetch, fused = (*(int(v) for v in spec.split(",")), 1, 0, 0, 0)[:6]
 
                 def gemv(x, weight, out, warps=warps, per_sm=per_sm, stages=stages, registers=registers,
-                         prefetch=bool(prefetch)):
+                         prefetch=bool(prefetch), fused=bool(fused)):
                     features = 8 * quant_gemv_mma_tile(x.shape[0])[0] * warps
                     splits = split_count(weight.out_features, weight.in_features, group_units(weight.layout),
                                          features, warps, per_sm, x.device)
                     quant_gemv_mma(x, weight, out, warps=warps, splits=splits, stages=stages, registers=registers,
-                                   prefetch=prefetch)
-                name = f"mma {warps} warps, {per_sm} warps/SM, {stages} stages{', prefetch' if prefetch else ''}"
+                                   prefetch=prefetch, fused_sums=fused)
+                name = (f"mma {warps} warps, {per_sm} warps/SM, {stages} stages{', prefetch' if prefetch else ''}"
+                        f"{', fused sums' if fused else ''}")
                 row[f"{name}, {registers or 'any'} registers"] = stack_us(layers, xs, outs, gemv)
             print(json.dumps(row), flush=True)
             results.append(row)

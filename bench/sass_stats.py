@@ -47,7 +47,7 @@ def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m
     GEMV: the rows of x a program takes) configuration."""
     if kind == "mma-gemv":   # quant_gemv_mma._gemv_mma_kernel: (warps, stages[, words a lane]); rows: up to 16
         warps, stages, *words = config
-        signature = {"x_ptr": "*i32", "out_ptr": "*bf16", "partial_ptr": "*fp32", **PLANES,
+        signature = {"x_ptr": "*i32", "out_ptr": "*bf16", "partial_ptr": "*fp32", "counters_ptr": "*i32", **PLANES,
                      "N": "i32", "K": "i32", "T": "i32", "stride_ot": "i32", "SPLIT_WORDS": "i32"}
         mma = {**layout.kernel_args(), "KU": quant_gemv_mma.group_units(layout), "W": warps,
                "FW": words[0] if words else quant_gemv_mma.tile(block_m)[0], "TG": -(-block_m // 8),

@@ -56,12 +56,14 @@ run() {   # name, limit in seconds, command...
 }
 latency_case() {   # "isq:variant", e.g. q4k:noearly: batch-1 decode (Llama-3-8B shape) with the variant's switches
     # variant: "default", or any of "noearly" (CVLLM_GEMV_EARLY_WEIGHTS=0: the GEMVs wait before their first weight
-    # tile), "nomma" (CVLLM_GEMV_MMA=0: GPTQ/AWQ's 1-8 rows off tensor cores) and "prefetch"
-    # (CVLLM_GEMV_MMA_PREFETCH=1: the MMA GEMV loads each K step's weights during the step before); "none" is bf16
+    # tile), "nomma" (CVLLM_GEMV_MMA=0: GPTQ/AWQ's 1-8 rows off tensor cores), "prefetch" (CVLLM_GEMV_MMA_PREFETCH=1:
+    # the MMA GEMV loads each K step's weights during the step before) and "fused" (CVLLM_GEMV_MMA_FUSED_SUMS=1: its
+    # K splits added in its launch); "none" is bf16
     local q=${1%%:*} v=${1#*:}
     CVLLM_GEMV_EARLY_WEIGHTS=$([[ $v = *noearly* ]] && echo 0 || echo 1) \
         CVLLM_GEMV_MMA=$([[ $v = *nomma* ]] && echo 0 || echo 1) \
         CVLLM_GEMV_MMA_PREFETCH=$([[ $v = *prefetch* ]] && echo 1 || echo 0) \
+        CVLLM_GEMV_MMA_FUSED_SUMS=$([[ $v = *fused* ]] && echo 1 || echo 0) \
         run latency-$q-$v 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
         $([ $q = none ] || echo --isq $q) --json "$out/$day-$card-latency-$q-$v-$commit.json"
 }
@@ -324,18 +326,20 @@ mmatiles)
     done ;;
 pending)
     # issue 18: the H200's batch-1 standing at session 40's defaults (the MMA GEMV's 1-row tile at 16 warps an SM:
-    # +3.9% GPTQ on the H100), the MMA GEMV's PREFETCH end to end (off until timed) and on the probe, after the GPU
-    # tests (~8 min)
+    # +3.9% GPTQ on the H100), then the MMA GEMV's two untimed switches end to end and on the probe: PREFETCH and the
+    # K splits added in the launch (fused: the 128 split-sum launches of a GPTQ step, 0.56 ms of the H200's critical
+    # path), after their GPU tests (~9 min)
     t=plugins/backend-cuda/tests
     run gpu-tests-pending 150 python3 -m pytest -p no:cacheprovider -q -rf --tb=short $t/test_quant_gemv_mma.py \
-        $t/test_matmul.py -k "mma or gptq or prefetch"
-    for case in ${PENDING_CASES:-none:default q4k:default gptq:default gptq:prefetch gptq:noearly q8_0:default \
-                fp8:default}; do
+        $t/test_matmul.py -k "mma or gptq or prefetch or launch"
+    for case in ${PENDING_CASES:-none:default q4k:default gptq:default gptq:fused gptq:prefetch gptq:prefetch-fused \
+                q8_0:default fp8:default}; do
         latency_case $case
     done
     python3 bench/latency_table.py "$out"/$day-$card-latency-*-$commit.json
-    run mma-probe-prefetch 150 python3 bench/mma_gemv_probe.py --rows 1,2,4,8 \
-        --configs "2,8,1,0,1;4,8,1,0,1;4,12,1,0,1;2,12,1,0,1" --json "$out/$day-$card-mma_gemv_probe-prefetch-$commit.json"
+    run mma-probe 150 python3 bench/mma_gemv_probe.py --rows 1,2,4,8 --configs \
+        "4,16,1,0,0,1;2,8,1,0,1;2,8,1,0,1,1;2,4,1,0,1,1;4,8,1,0,1,1;4,12,1,0,1,1;2,16,1,0,1,1" \
+        --json "$out/$day-$card-mma_gemv_probe-prefetch-fused-$commit.json"
     run profile-b1-gptq 120 python3 bench/profile_decode.py --batch 1 --context 1024 --steps 10 --isq gptq ;;
 fp8gemv)
     # issue 18: the FP8 weights' batch-1 GEMV (kernels/gemv.py with row scales: --isq fp8, FP8 checkpoints) has only

@@ -119,6 +119,31 @@ def test_prefetched_steps_change_no_bit(monkeypatch, name, t, n, k, splits):
 
 
 @needs_device
+@pytest.mark.parametrize("name,t,n,k,splits", [("gptq4_g128", 1, 64, 1024, 3), ("gptq4_g128", 3, 40, 1024, 2),
+                                              ("gptq4_g32", 9, 72, 384, 4), ("q4_k", 1, 16, 768, 5)])
+def test_splits_added_in_the_launch_change_no_bit(monkeypatch, name, t, n, k, splits):
+    """fused_sums (CVLLM_GEMV_MMA_FUSED_SUMS): the split that draws the last ticket adds the partials in split order,
+    as sum_splits_kernel does: the same bits, into rows of any stride, a feature tail; the tickets back at zero."""
+    import cvllm_cuda.kernels.quant_gemv_mma as mma
+    from cvllm_cuda.kernels import split_tickets
+    separate = []
+    real = mma.add_splits
+    monkeypatch.setattr(mma, "add_splits", lambda *a: separate.append(a[2]) or real(*a))
+    weight = random_weight(MMA_LAYOUTS[name], n, k, DEVICE, seed=n + t)
+    x = torch.randn(t, k, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16).to(DEVICE)
+    outs = []
+    for fused in (False, True, True):   # (twice: the tickets are reusable)
+        outs.append(torch.full((t, n + 6), float("nan"), dtype=torch.bfloat16, device=DEVICE))
+        quant_gemv_mma(x, weight, outs[-1][:, 3:3 + n], warps=2, splits=splits, fused_sums=fused)
+    assert separate == [splits]   # (only the first launch had sum_splits_kernel after it)
+    inner = [out[:, 3:3 + n] for out in outs]
+    assert not inner[0].isnan().any()
+    assert torch.equal(inner[0], inner[1]) and torch.equal(inner[1], inner[2])
+    assert outs[1][:, :3].isnan().all() and outs[1][:, 3 + n:].isnan().all()   # nothing outside the rows' span
+    assert not split_tickets.counters(torch.device(DEVICE), 1).any()
+
+
+@needs_device
 @pytest.mark.parametrize("n", [9, 40, 100])
 def test_feature_tails_are_masked(n):
     weight = random_weight(MMA_LAYOUTS["gptq4_g32"], n, 256, DEVICE, seed=n)
@@ -155,6 +180,33 @@ def test_gpu_mma_gemv_on_llama_shapes(name, t):
     for n, k in ((6144, 4096), (4096, 14336), (1000, 512)):
         weight = random_weight(MMA_LAYOUTS[name], n, k, "cuda", seed=n + t)
         assert relative_error(weight, t) < 1e-2, (name, t, n, k)
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("t", [1, 3, 8])
+def test_gpu_splits_added_in_the_launch(prefetch, t):
+    """fused_sums on the GPU: the same bits as sum_splits_kernel after the launch, every time, eagerly and replayed
+    from a CUDA graph (the tickets must be back at zero after each launch)."""
+    for n, k in ((6144, 4096), (4096, 14336), (28672, 4096)):
+        weight = random_weight(MMA_LAYOUTS["gptq4_g128"], n, k, "cuda", seed=n + t)
+        x = torch.randn(t, k, device="cuda").to(torch.bfloat16)
+        separate = torch.empty(t, n, dtype=torch.bfloat16, device="cuda")
+        quant_gemv_mma(x, weight, separate, prefetch=prefetch, fused_sums=False)
+        out = torch.empty_like(separate)
+        for _ in range(3):
+            out.zero_()
+            quant_gemv_mma(x, weight, out, prefetch=prefetch, fused_sums=True)
+            assert torch.equal(out, separate), (n, k)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            quant_gemv_mma(x, weight, out, prefetch=prefetch, fused_sums=True)
+        for _ in range(5):
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, separate), (n, k)
 
 
 @needs_gpu

@@ -5,6 +5,7 @@ GEMV's rows, and bench/sass_stats.py's specs."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import os
 import re
@@ -258,3 +259,36 @@ def test_the_mma_gemvs_prefetch_loads_the_next_step_ahead(monkeypatch, rows):
     # in the loop with it; the words' only with it
     assert predicated[False] == 2 * units, predicated
     assert predicated[True] >= units + units * words // 4, predicated
+
+
+@compiles
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_the_mma_gemvs_fused_sums_compile(monkeypatch, prefetch):
+    """CVLLM_GEMV_MMA_FUSED_SUMS: a launch takes its ticket (one atomic add at GPU scope) and puts it back (one
+    exchange), and reads the partials back through L2 (strong loads at GPU scope, SPLITS of them at least); with and
+    without the early weights and PREFETCH within 8 registers of the plain kernel's, no spills."""
+    from test_quant_gemv_mma import MMA_LAYOUTS
+    from test_quant_matmul import random_weight
+    quant_gemv_mma = importlib.import_module("cvllm_cuda.kernels.quant_gemv_mma")
+    monkeypatch.setattr(quant_gemv_mma, "pdl_options", lambda device: {"USE_PDL": True, "launch_pdl": True})
+    monkeypatch.setattr(quant_gemv_mma, "add_splits", lambda *args: None)   # (sum_splits_kernel is not compiled here)
+    weight = random_weight(MMA_LAYOUTS["gptq4_g128"], 4096, 4096, "cpu")
+    x, out = torch.zeros(1, 4096, dtype=torch.bfloat16), torch.empty(1, 4096, dtype=torch.bfloat16)
+    kernel_fn, kernels = quant_gemv_mma._gemv_mma_kernel, {}
+    for fused in (False, True):
+        monkeypatch.setattr(quant_gemv_mma, "_gemv_mma_kernel", kernel_fn)   # (not the last loop's recorder)
+        kernels[fused] = compiled_with_and_without_early_weights(
+            monkeypatch, quant_gemv_mma, "_gemv_mma_kernel",
+            functools.partial(quant_gemv_mma.quant_gemv_mma, x, weight, out, splits=4, prefetch=prefetch,
+                              fused_sums=fused))
+    for early in (False, True):
+        assert sm90.registers(kernels[True][early]) <= sm90.registers(kernels[False][early]) + 8
+        for fused in (False, True):
+            lines = sm90.sass(kernels[fused][early])
+            atomics = [line for line in lines if "ATOMG" in line]
+            strong = [line for line in lines if "LDG.E.STRONG.GPU" in line]
+            if fused:
+                assert len(atomics) == 2 and "ADD.STRONG.GPU" in atomics[0] and "EXCH" in atomics[1], atomics
+                assert len(strong) >= 4
+            else:
+                assert not atomics and not strong

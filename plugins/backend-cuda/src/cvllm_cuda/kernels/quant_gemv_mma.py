@@ -38,13 +38,14 @@ import torch
 import triton
 import triton.language as tl
 
-from cvllm_cuda.kernels import gpu, quant_tiles
+from cvllm_cuda.kernels import gpu, quant_tiles, split_tickets
 from cvllm_cuda.kernels.mma_gemv_step import apply_factors, step_factors, step_mma, step_words, zeros
 from cvllm_cuda.kernels.pdl import options as pdl_options
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.quant_gemm_swapped import in_lanes
 from cvllm_cuda.kernels.quant_tiles import add_splits, kernel_tensors
 from cvllm_cuda.kernels.sizes import cdiv
+from cvllm_cuda.kernels.split_tickets import last_split, summed_splits
 from cvllm_cuda.quant_planes import QuantLayout, QuantWeight
 
 ENABLED = os.environ.get("CVLLM_GEMV_MMA", "1") != "0"
@@ -96,17 +97,19 @@ def tile(rows: int) -> tuple[int, int, int]:
 
 
 @triton.jit
-def _gemv_mma_kernel(x_ptr, out_ptr, partial_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K, T,
+def _gemv_mma_kernel(x_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K, T,
                      stride_ot, SPLIT_WORDS, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr,
                      SCALE_GROUP: tl.constexpr, SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr,
                      B_MODE: tl.constexpr, B_CONST: tl.constexpr, HAS_M: tl.constexpr, FLOAT8: tl.constexpr,
                      KU: tl.constexpr, W: tl.constexpr, FW: tl.constexpr, TG: tl.constexpr, STAGES: tl.constexpr,
                      EVEN_N: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr,
-                     EARLY: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                     EARLY: tl.constexpr = False, PREFETCH: tl.constexpr = False, FUSED_SUM: tl.constexpr = False,
+                     SPLITS: tl.constexpr = 1):
     """Program (i, s): output features i * 8 FW W ... over words s * SPLIT_WORDS ...: a warp 8 FW features (lane row
     g's FW features n0 + FW g ...), KU units a K step (within one scale group), TG groups of 8 tokens. x is read as
     int32 bf16 pairs [T, K / 2] at ``x_ptr``; out's rows are ``stride_ot`` apart. With more than one split, each
-    stores float32 partial sums [splits, T, N], added by sum_splits_kernel. (LOW_BITS, HIGH_BITS, FLOAT8: the
+    stores float32 partial sums [splits, T, N], added by sum_splits_kernel or, FUSED_SUM (SPLITS of them), by the
+    split that finishes last (split_tickets.py; ``counters_ptr``: its tickets). (LOW_BITS, HIGH_BITS, FLOAT8: the
     layout's, always 4, 0, False here: ``applies``.) EARLY: the first K step's words and factors are read
     before the PDL wait (quant_tiles.EARLY_WEIGHTS; a split is one K step at least). PREFETCH: each K step's words
     and factors are loaded during the step before (masked off past the split's end). Every tensor is [W * 32] (or
@@ -169,6 +172,15 @@ def _gemv_mma_kernel(x_ptr, out_ptr, partial_ptr, low_ptr, high_ptr, d_ptr, m_pt
                    stride_ot)
             _store(out_ptr, partial_ptr, y[(h * TG + t) * 2 + 1], 8 * t + 2 * j + 1, first_feature + h, split, splits,
                    T, N, stride_ot)
+    if FUSED_SUM:
+        if last_split(counters_ptr, tl.program_id(0), SPLITS):   # every split's partials are in: add them here
+            for h in tl.static_range(FW):
+                for r in tl.static_range(TG * 2):   # token group r // 2, the lane's row 2 j + r % 2 in it
+                    row = 8 * (r // 2) + 2 * j + r % 2
+                    f = first_feature + h
+                    ok = (row < T) & (f < N)
+                    total = summed_splits(partial_ptr + row * N + f, ok, T * N, SPLITS)
+                    tl.store(out_ptr + row * stride_ot + f, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -208,10 +220,11 @@ def split_count(n: int, k: int, ku: int, features: int, warps: int, warps_per_sm
 
 def quant_gemv_mma(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, warps: int | None = None,
                    splits: int | None = None, stages: int = 1, words: int | None = None,
-                   registers: int | None = None, prefetch: bool | None = None) -> None:
+                   registers: int | None = None, prefetch: bool | None = None,
+                   fused_sums: bool | None = None) -> None:
     """out = x @ W.T for x [T, K] bf16 (T <= MAX_ROWS) and out [T, N] (rows of any stride). ``registers``: a cap on
     a thread's (Triton's maxnreg; None: the compiler's choice), for probes. ``prefetch``: the kernel's PREFETCH
-    (None: ``prefetches(T)``)."""
+    (None: ``prefetches(T)``). ``fused_sums``: K splits added in the launch (None: split_tickets.ENABLED)."""
     t, k = x.shape
     n = weight.out_features
     if t > MAX_ROWS or not applies(weight.layout, x.dtype, k):
@@ -228,11 +241,15 @@ def quant_gemv_mma(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, warp
     if not x.is_contiguous() or x.storage_offset() % 2:   # read as int32 pairs
         x = x.clone(memory_format=torch.contiguous_format)
     partials = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
+    fused = splits > 1 and (split_tickets.ENABLED if fused_sums is None else fused_sums)
+    tickets = split_tickets.counters(x.device, cdiv(n, block_n)) if fused else None
     _gemv_mma_kernel[(cdiv(n, block_n), splits)](
-        x.view(torch.int32), out, partials, *kernel_tensors(weight), n, k, t, out.stride(0), split_words,
+        x.view(torch.int32), out, partials, partials if tickets is None else tickets, *kernel_tensors(weight),
+        n, k, t, out.stride(0), split_words,
         **lay.kernel_args(), KU=ku, W=warps, FW=fw, TG=cdiv(t, 8), STAGES=stages, EVEN_N=n % block_n == 0,
         INTERPRET=bool(triton.knobs.runtime.interpret), EARLY=quant_tiles.EARLY_WEIGHTS,
-        PREFETCH=prefetches(t) if prefetch is None else prefetch, num_warps=warps,
+        PREFETCH=prefetches(t) if prefetch is None else prefetch, FUSED_SUM=tickets is not None,
+        SPLITS=splits if tickets is not None else 1, num_warps=warps,
         **({"maxnreg": registers} if registers else {}), **pdl_options(x.device))
-    if splits > 1:
+    if splits > 1 and tickets is None:
         add_splits(partials, out, splits, n)

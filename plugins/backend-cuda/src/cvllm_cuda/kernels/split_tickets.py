@@ -1,0 +1,65 @@
+"""K splits added in the GEMV's own launch by the split that finishes last (the MMA GEMV's FUSED_SUM,
+``CVLLM_GEMV_MMA_FUSED_SUMS=1``; off until timed).
+
+Why: a split GEMV is otherwise followed by sum_splits_kernel, one more launch a projection. At batch 1 the MMA GEMV
+splits all four of a layer's projections: on the H200 128 such launches a GPTQ step, 4.4 us each on the critical path,
+0.56 ms of a 2.71 ms step (docs/benchmarks.md, session 40).
+
+Each split stores its float32 partial sums as before, then takes a ticket on its output tile's counter: a barrier
+(every thread's stores issued), then one atomic add at GPU scope with acq_rel ordering, so that the split drawing
+the last ticket sees the other splits' stores. That one reads the partials back through L2 and adds them in split
+order from zero, as sum_splits_kernel does (the same bits), a split's loads all issued together (SPLITS is a
+constexpr: session 31's version looped over a runtime split count, one L2 round trip after another, and lost), stores
+the output, and puts the counter back to zero. The counters are zero between launches: a kernel launched with PDL
+touches them only after it has waited for the one before (pdl.py), and the engine runs a device's kernels on one
+stream.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ENABLED = os.environ.get("CVLLM_GEMV_MMA_FUSED_SUMS", "0") == "1"
+SLOTS = 1 << 14   # output tiles a launch may have (Llama-3-8B's gate_up: 224 tiles of 128 features)
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The zeroed int32 ticket counters of ``device`` for a launch of ``tiles`` output tiles, or None: too many tiles,
+    or none allocated yet while a CUDA graph is being captured (the engine runs each shape eagerly before capturing
+    it, which allocates them)."""
+    if tiles > SLOTS:
+        return None
+    found = _counters.get(device)
+    if found is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        found = _counters[device] = torch.zeros(SLOTS, dtype=torch.int32, device=device)
+    return found
+
+
+@triton.jit
+def last_split(counters_ptr, tile, splits):
+    """Whether this program is the last of its output tile's ``splits`` K splits to have stored its partial sums
+    (then the counter is zero again). Call after the program's partial stores."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    last = ticket == splits - 1
+    if last:
+        tl.atomic_xchg(counters_ptr + tile, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+@triton.jit
+def summed_splits(ptrs, ok, split_stride, SPLITS: tl.constexpr):
+    """float32: the partial sums at ``ptrs + j * split_stride`` for j < SPLITS, added in split order from zero
+    (sum_splits_kernel's order), every load issued before the first add needs it; read through L2 (``.cg``: other
+    SMs wrote them)."""
+    total = tl.zeros(ptrs.shape, dtype=tl.float32)
+    for j in tl.static_range(SPLITS):
+        total += tl.load(ptrs + j * split_stride, mask=ok, other=0.0, cache_modifier=".cg")
+    return total
