@@ -70,7 +70,7 @@ def kernel_spec(kind: str, layout: QuantLayout, config: tuple[int, ...], block_m
                 "UNPACKED": kind == "gemm", "IEEE": False, "UPCAST": False, "USE_PDL": False}
         return quant_matmul._gemm_kernel, signature, gemm, warps
     if kind == "gemm-swapped":   # quant_gemm_swapped._gemm_swapped_kernel: (BLOCK_N, BLOCK_W, warps, stages)
-        signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", "partial_ptr": "*fp32",
+        signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", "partial_ptr": "*fp32", "counters_ptr": "*i32",
                      **PLANES, "T": "i32", "N": "i32", "K": "i32", "stride_xt": "i32", "stride_ot": "i32",
                      "SPLIT_WORDS": "i32"}
         swapped = {**layout.kernel_args(), "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_W": block_w,

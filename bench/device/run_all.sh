@@ -57,13 +57,13 @@ run() {   # name, limit in seconds, command...
 latency_case() {   # "isq:variant", e.g. q4k:noearly: batch-1 decode (Llama-3-8B shape) with the variant's switches
     # variant: "default", or any of "noearly" (CVLLM_GEMV_EARLY_WEIGHTS=0: the GEMVs wait before their first weight
     # tile), "nomma" (CVLLM_GEMV_MMA=0: GPTQ/AWQ's 1-8 rows off tensor cores), "prefetch" (CVLLM_GEMV_MMA_PREFETCH=1:
-    # the MMA GEMV loads each K step's weights during the step before) and "fused" (CVLLM_GEMV_MMA_FUSED_SUMS=1: its
+    # the MMA GEMV loads each K step's weights during the step before) and "fused" (CVLLM_IN_LAUNCH_SPLIT_SUMS=1: its
     # K splits added in its launch); "none" is bf16
     local q=${1%%:*} v=${1#*:}
     CVLLM_GEMV_EARLY_WEIGHTS=$([[ $v = *noearly* ]] && echo 0 || echo 1) \
         CVLLM_GEMV_MMA=$([[ $v = *nomma* ]] && echo 0 || echo 1) \
         CVLLM_GEMV_MMA_PREFETCH=$([[ $v = *prefetch* ]] && echo 1 || echo 0) \
-        CVLLM_GEMV_MMA_FUSED_SUMS=$([[ $v = *fused* ]] && echo 1 || echo 0) \
+        CVLLM_IN_LAUNCH_SPLIT_SUMS=$([[ $v = *fused* ]] && echo 1 || echo 0) \
         run latency-$q-$v 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
         $([ $q = none ] || echo --isq $q) --json "$out/$day-$card-latency-$q-$v-$commit.json"
 }
@@ -240,11 +240,14 @@ quant)
         ${QUANT_CONFIGS:+--configs "$QUANT_CONFIGS"} --json "$out/$day-$card-quant_gemv_stack-$commit.json" ;;
 quant64)
     # issue 18: 64 streams of 1024 in / 1024 out, Llama-3-8B shape, bf16 against 4-bit (the dequantize-in-tile GEMM
-    # serves 2-128 rows), offline engine (~2 min a row)
-    for q in none q4k gptq; do
-        run throughput64-isq-$q 170 python3 bench/throughput.py --shape llama3-8b --skip-hf --num-requests 64 \
+    # serves 2-128 rows), offline engine (~2 min a row); "-fused": CVLLM_IN_LAUNCH_SPLIT_SUMS=1 (the swapped GEMM's
+    # and the MMA GEMV's K splits added in their launches)
+    for case in ${QUANT64_CASES:-none q4k gptq q4k-fused gptq-fused}; do
+        q=${case%-fused}
+        CVLLM_IN_LAUNCH_SPLIT_SUMS=$([[ $case = *-fused ]] && echo 1 || echo 0) \
+            run throughput64-isq-$case 170 python3 bench/throughput.py --shape llama3-8b --skip-hf --num-requests 64 \
             --min-len 1024 --max-len 1024 --max-num-seqs 64 $([ $q = none ] || echo --isq $q) \
-            --json "$out/$day-$card-throughput64-isq-$q-$commit.json"
+            --json "$out/$day-$card-throughput64-isq-$case-$commit.json"
     done ;;
 quantgemm)
     run quant-gemm-rows 300 python3 bench/quant_gemm_rows.py --json "$out/$day-$card-quant_gemm_rows-$commit.json"

@@ -121,7 +121,7 @@ def test_prefetched_steps_change_no_bit(monkeypatch, name, t, n, k, splits):
 @pytest.mark.parametrize("name,t,n,k,splits", [("gptq4_g128", 1, 64, 1024, 3), ("gptq4_g128", 3, 40, 1024, 2),
                                               ("gptq4_g32", 9, 72, 384, 4), ("q4_k", 1, 16, 768, 5)])
 def test_splits_added_in_the_launch_change_no_bit(monkeypatch, name, t, n, k, splits):
-    """fused_sums (CVLLM_GEMV_MMA_FUSED_SUMS): the split that draws the last ticket adds the partials in split order,
+    """fused_sums (CVLLM_IN_LAUNCH_SPLIT_SUMS): the split that draws the last ticket adds the partials in split order,
     as sum_splits_kernel does: the same bits, into rows of any stride, a feature tail; the tickets back at zero."""
     import cvllm_cuda.kernels.quant_gemv_mma as mma
     from cvllm_cuda.kernels import split_tickets

@@ -264,7 +264,7 @@ def test_the_mma_gemvs_prefetch_loads_the_next_step_ahead(monkeypatch, rows):
 @compiles
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_the_mma_gemvs_fused_sums_compile(monkeypatch, prefetch):
-    """CVLLM_GEMV_MMA_FUSED_SUMS: a launch takes its ticket (one atomic add at GPU scope) and puts it back (one
+    """CVLLM_IN_LAUNCH_SPLIT_SUMS: a launch takes its ticket (one atomic add at GPU scope) and puts it back (one
     exchange), and reads the partials back through L2 (strong loads at GPU scope, SPLITS of them at least); with and
     without the early weights and PREFETCH within 8 registers of the plain kernel's, no spills."""
     from test_quant_gemv_mma import MMA_LAYOUTS
@@ -292,3 +292,27 @@ def test_the_mma_gemvs_fused_sums_compile(monkeypatch, prefetch):
                 assert len(strong) >= 4
             else:
                 assert not atomics and not strong
+
+
+@compiles
+@pytest.mark.parametrize("name", ["q4_k", "gptq4_g128", "q6_k"])
+def test_the_swapped_gemms_fused_sums_compile(monkeypatch, name):
+    """CVLLM_IN_LAUNCH_SPLIT_SUMS in the swapped GEMM at 64 rows: a ticket (one atomic add at GPU scope) and its reset,
+    the partials read back through L2; no spills; none of it without the switch, nor for the layouts unpacked
+    position by position (Q6_K's tile is at 244 registers: the sum would spill)."""
+    from test_quant_matmul import LAYOUTS, random_weight
+    monkeypatch.setattr(quant_gemm_swapped, "add_splits", lambda *args: None)   # (sum_splits_kernel not compiled here)
+    weight = random_weight(LAYOUTS[name], 256, 4096, "cpu")
+    x, out = torch.zeros(64, 4096, dtype=torch.bfloat16), torch.empty(64, 256, dtype=torch.bfloat16)
+    kernel_fn = quant_gemm_swapped._gemm_swapped_kernel
+    for fused in (False, True):
+        monkeypatch.setattr(quant_gemm_swapped, "_gemm_swapped_kernel", kernel_fn)   # (not the last loop's recorder)
+        [kernel] = compiled_launches(monkeypatch, quant_gemm_swapped, "_gemm_swapped_kernel",
+                                     functools.partial(quant_gemm_swapped.quant_gemm_swapped, x, weight, out,
+                                                       splits=4, fused_sums=fused))
+        assert sm90.resource_usage(kernel)["STACK"] == 0, "spilled to local memory"
+        lines = sm90.sass(kernel)
+        atomics = [line for line in lines if "ATOMG" in line]
+        in_launch = fused and quant_gemm_swapped.in_lanes(weight.layout, x.dtype)
+        assert len(atomics) == (2 if in_launch else 0), atomics
+        assert any(re.search(r"LDG\.E(\.\d+)?\.STRONG\.GPU", line) for line in lines) == in_launch

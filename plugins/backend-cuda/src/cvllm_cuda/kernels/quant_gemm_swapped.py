@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cvllm_cuda.kernels import split_tickets
 from cvllm_cuda.kernels.pdl import options as pdl_options
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.quant_tiles import (
@@ -49,6 +50,7 @@ from cvllm_cuda.kernels.quant_tiles import (
     word_factors,
 )
 from cvllm_cuda.kernels.sizes import cdiv
+from cvllm_cuda.kernels.split_tickets import last_split, summed_splits
 from cvllm_cuda.quant_planes import QuantLayout, QuantWeight
 
 # (BLOCK_N, BLOCK_W, num_warps, num_stages) position-major, by low-plane bits: a K step of 128 elements (2-bit: 256,
@@ -150,18 +152,19 @@ def _lanes_to_bf16(lanes):
 
 
 @triton.jit(do_not_specialize=["T"])
-def _gemm_swapped_kernel(x_ptr, out_ptr, partial_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, T,
+def _gemm_swapped_kernel(x_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, T,
                          N, K, stride_xt, stride_ot, SPLIT_WORDS, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr,
                          SCALE_GROUP: tl.constexpr, SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr,
                          B_MODE: tl.constexpr, B_CONST: tl.constexpr, HAS_M: tl.constexpr, FLOAT8: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, IEEE: tl.constexpr,
                          UPCAST: tl.constexpr, LANES: tl.constexpr, ASM: tl.constexpr, GROUP_WORDS: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+                         USE_PDL: tl.constexpr, FUSED_SUM: tl.constexpr = False, SPLITS: tl.constexpr = 1):
     """out^T tile [BLOCK_N, BLOCK_M] += W tile [BLOCK_N, BLOCK_W words] @ x^T over K steps of BLOCK_W words: LANES,
     one dot a step in lane order (x as it is; 1: a thread unpacks all four lanes of its words, 2: the lanes its wgmma
     operand registers hold); else one per element position (x permuted, module docstring). Split
     over K like the unpacked GEMM: with more than one split, each stores its float32 partial sums in [splits, T, N]
-    at ``partial_ptr``, added by sum_splits_kernel."""
+    at ``partial_ptr``, added by sum_splits_kernel or, FUSED_SUM (SPLITS of them), by the split that finishes last
+    (split_tickets.py; ``counters_ptr``: its tickets, one a tile)."""
     wait_for_previous_kernel(USE_PDL)
     PER_WORD: tl.constexpr = 32 // LOW_BITS
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -215,6 +218,10 @@ def _gemm_swapped_kernel(x_ptr, out_ptr, partial_ptr, low_ptr, high_ptr, d_ptr, 
     if splits > 1:
         at = ts[None, :] * N + cols[:, None]   # [BLOCK_N, BLOCK_M] in a split's [T, N]
         tl.store(partial_ptr + tl.program_id(2).to(tl.int64) * T * N + at, acc, mask=ok)
+        if FUSED_SUM:
+            if last_split(counters_ptr, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SPLITS):
+                total = summed_splits(partial_ptr + at, ok, T * N, SPLITS)
+                tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=ok)
     else:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -235,9 +242,10 @@ def permuted(x: torch.Tensor, weight: QuantWeight, lanes: bool) -> torch.Tensor:
 
 
 def quant_gemm_swapped(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, config: tuple | None = None,
-                       splits: int | None = None) -> None:
+                       splits: int | None = None, fused_sums: bool | None = None) -> None:
     """out = x @ weight.T for x [T, K] (last dimension contiguous) and out [T, N] (last dimension contiguous).
-    ``config``: (BLOCK_N, BLOCK_W, num_warps, num_stages[, BLOCK_M])."""
+    ``config``: (BLOCK_N, BLOCK_W, num_warps, num_stages[, BLOCK_M]). ``fused_sums``: K splits added in the launch
+    (None: split_tickets.ENABLED; 4-bit lane layouts only)."""
     lay = weight.layout
     t, n, k = x.shape[0], weight.out_features, weight.in_features
     lanes = in_lanes(lay, x.dtype)
@@ -248,12 +256,17 @@ def quant_gemm_swapped(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, 
     grid = (cdiv(n, block_n), cdiv(t, block_m))
     splits, split_words = split_k(grid[0] * grid[1], k, lay.low_bits, block_w, x.device, splits)
     partials = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
+    # (lanes only: the position-by-position tiles of the high-plane layouts are at 244 registers at 64 rows already,
+    # and the in-launch sum spills there)
+    fused = splits > 1 and lanes and (split_tickets.ENABLED if fused_sums is None else fused_sums)
+    tickets = split_tickets.counters(x.device, grid[0] * grid[1]) if fused else None
     _gemm_swapped_kernel[(*grid, splits)](
-        xp, out, partials, *kernel_tensors(weight), t, n, k,
+        xp, out, partials, partials if tickets is None else tickets, *kernel_tensors(weight), t, n, k,
         xp.stride(0), out.stride(0), split_words, **lay.kernel_args(), BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_W=block_w, IEEE=x.dtype == torch.float32, UPCAST=upcast(x.dtype),
         LANES=(2 if OPERAND_LANES else 1) if lanes else 0,
         ASM=not triton.knobs.runtime.interpret, GROUP_WORDS=group_words(lay, block_w), num_warps=warps,
-        num_stages=stages, **pdl_options(x.device))
-    if splits > 1:
+        num_stages=stages, FUSED_SUM=tickets is not None, SPLITS=splits if tickets is not None else 1,
+        **pdl_options(x.device))
+    if splits > 1 and tickets is None:
         add_splits(partials, out, splits, n)

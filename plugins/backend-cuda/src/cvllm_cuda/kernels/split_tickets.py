@@ -1,9 +1,10 @@
-"""K splits added in the GEMV's own launch by the split that finishes last (the MMA GEMV's FUSED_SUM,
-``CVLLM_GEMV_MMA_FUSED_SUMS=1``; off until timed).
+"""K splits added in a kernel's own launch by the split that finishes last (``CVLLM_IN_LAUNCH_SPLIT_SUMS=1``; off
+until timed): the MMA GEMV's and the swapped GEMM's FUSED_SUM.
 
-Why: a split GEMV is otherwise followed by sum_splits_kernel, one more launch a projection. At batch 1 the MMA GEMV
-splits all four of a layer's projections: on the H200 128 such launches a GPTQ step, 4.4 us each on the critical path,
-0.56 ms of a 2.71 ms step (docs/benchmarks.md, session 40).
+Why: a split product is otherwise followed by sum_splits_kernel, one more launch a projection. At batch 1 the MMA
+GEMV splits all four of a layer's projections: on the H200 128 such launches a GPTQ step, 4.4 us each on the
+critical path, 0.56 ms of a 2.71 ms step (docs/benchmarks.md, session 40); at 64 rows the swapped GEMM splits them
+too (an H200 q4k profile of 64 streams, 2026-12-04: 128 launches, 0.48 ms of an 8.4 ms step).
 
 Each split stores its float32 partial sums as before, then takes a ticket on its output tile's counter: a barrier
 (every thread's stores issued), then one atomic add at GPU scope with acq_rel ordering, so that the split drawing
@@ -23,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-ENABLED = os.environ.get("CVLLM_GEMV_MMA_FUSED_SUMS", "0") == "1"
-SLOTS = 1 << 14   # output tiles a launch may have (Llama-3-8B's gate_up: 224 tiles of 128 features)
+ENABLED = os.environ.get("CVLLM_IN_LAUNCH_SPLIT_SUMS", "0") == "1"
+SLOTS = 1 << 14   # output tiles a launch may have (Llama-3-8B's gate_up: 224 of the MMA GEMV's 128 features)
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
