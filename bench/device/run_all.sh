@@ -334,7 +334,7 @@ pending)
     # path), after their GPU tests (~9 min)
     t=plugins/backend-cuda/tests
     run gpu-tests-pending 150 python3 -m pytest -p no:cacheprovider -q -rf --tb=short $t/test_quant_gemv_mma.py \
-        $t/test_matmul.py -k "mma or gptq or prefetch or launch"
+        $t/test_split_tickets.py $t/test_matmul.py -k "mma or gptq or prefetch or launch"
     for case in ${PENDING_CASES:-none:default q4k:default gptq:default gptq:fused gptq:prefetch gptq:prefetch-fused \
                 q8_0:default fp8:default}; do
         latency_case $case
