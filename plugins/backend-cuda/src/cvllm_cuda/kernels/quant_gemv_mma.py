@@ -95,7 +95,6 @@ def tile(rows: int) -> tuple[int, int, int]:
     return tiles.get(rows, TILES_UP_TO_8 if rows <= 8 else TILES_UP_TO_16)
 
 
-
 @triton.jit
 def _gemv_mma_kernel(x_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K, T,
                      stride_ot, SPLIT_WORDS, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr,
