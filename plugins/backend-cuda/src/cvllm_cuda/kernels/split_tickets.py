@@ -7,8 +7,8 @@ critical path, 0.56 ms of a 2.71 ms step (docs/benchmarks.md, session 40); at 64
 too (an H200 q4k profile of 64 streams, 2026-12-04: 128 launches, 0.48 ms of an 8.4 ms step).
 
 Each split stores its float32 partial sums as before, then takes a ticket on its output tile's counter: a barrier
-(every thread's stores issued), then one atomic add at GPU scope with acq_rel ordering, so that the split drawing
-the last ticket sees the other splits' stores. That one reads the partials back through L2 and adds them in split
+(every thread's stores issued), then one atomic add at GPU scope that releases them; the split drawing the last
+ticket acquires them all as it resets the counter. That one reads the partials back through L2 and adds them in split
 order from zero, as sum_splits_kernel does (the same bits), a split's loads all issued together (SPLITS is a
 constexpr: session 31's version looped over a runtime split count, one L2 round trip after another, and lost), stores
 the output, and puts the counter back to zero. The counters are zero between launches: a kernel launched with PDL
@@ -46,12 +46,15 @@ def counters(device: torch.device, tiles: int) -> torch.Tensor | None:
 @triton.jit
 def last_split(counters_ptr, tile, splits):
     """Whether this program is the last of its output tile's ``splits`` K splits to have stored its partial sums
-    (then the counter is zero again). Call after the program's partial stores."""
+    (then the counter is zero again). Call after the program's partial stores. Every split releases its stores with
+    its ticket; only the last acquires them, with the exchange that resets the counter (it reads the end of the
+    tickets' chain of adds), so the others end without an acquire (an L1 invalidation in the SASS)."""
     tl.debug_barrier()
-    ticket = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    ticket = tl.atomic_add(counters_ptr + tile, 1, sem="release", scope="gpu")
     last = ticket == splits - 1
     if last:
-        tl.atomic_xchg(counters_ptr + tile, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(counters_ptr + tile, 0, sem="acquire", scope="gpu")
+        tl.debug_barrier()   # every thread's reads of the partials after the acquire
     return last
 
 
