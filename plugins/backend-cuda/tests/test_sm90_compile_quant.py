@@ -265,8 +265,9 @@ def test_the_mma_gemvs_prefetch_loads_the_next_step_ahead(monkeypatch, rows):
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_the_mma_gemvs_fused_sums_compile(monkeypatch, prefetch):
     """CVLLM_IN_LAUNCH_SPLIT_SUMS: a launch takes its ticket (one atomic add at GPU scope) and puts it back (one
-    exchange), and reads the partials back through L2 (strong loads at GPU scope, SPLITS of them at least); with and
-    without the early weights and PREFETCH within 8 registers of the plain kernel's, no spills."""
+    exchange), and reads the partials back through L2 (strong loads at GPU scope); with and without the early weights
+    and PREFETCH within 8 registers of the plain kernel's and no spills, also at 32 splits (summed_splits' loads a
+    chunk at a time: unrolled whole they had taken 172 registers)."""
     from test_quant_gemv_mma import MMA_LAYOUTS
     from test_quant_matmul import random_weight
     quant_gemv_mma = importlib.import_module("cvllm_cuda.kernels.quant_gemv_mma")
@@ -279,7 +280,7 @@ def test_the_mma_gemvs_fused_sums_compile(monkeypatch, prefetch):
         monkeypatch.setattr(quant_gemv_mma, "_gemv_mma_kernel", kernel_fn)   # (not the last loop's recorder)
         kernels[fused] = compiled_with_and_without_early_weights(
             monkeypatch, quant_gemv_mma, "_gemv_mma_kernel",
-            functools.partial(quant_gemv_mma.quant_gemv_mma, x, weight, out, splits=4, prefetch=prefetch,
+            functools.partial(quant_gemv_mma.quant_gemv_mma, x, weight, out, splits=32, prefetch=prefetch,
                               fused_sums=fused))
     for early in (False, True):
         assert sm90.registers(kernels[True][early]) <= sm90.registers(kernels[False][early]) + 8
@@ -309,7 +310,7 @@ def test_the_swapped_gemms_fused_sums_compile(monkeypatch, name):
         monkeypatch.setattr(quant_gemm_swapped, "_gemm_swapped_kernel", kernel_fn)   # (not the last loop's recorder)
         [kernel] = compiled_launches(monkeypatch, quant_gemm_swapped, "_gemm_swapped_kernel",
                                      functools.partial(quant_gemm_swapped.quant_gemm_swapped, x, weight, out,
-                                                       splits=4, fused_sums=fused))
+                                                       splits=9, fused_sums=fused))
         assert sm90.resource_usage(kernel)["STACK"] == 0, "spilled to local memory"
         lines = sm90.sass(kernel)
         atomics = [line for line in lines if "ATOMG" in line]

@@ -220,7 +220,7 @@ def _gemm_swapped_kernel(x_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr, hig
         tl.store(partial_ptr + tl.program_id(2).to(tl.int64) * T * N + at, acc, mask=ok)
         if FUSED_SUM:
             if last_split(counters_ptr, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SPLITS):
-                total = summed_splits(partial_ptr + at, ok, T * N, SPLITS)
+                total, = summed_splits((partial_ptr + at,), (ok,), T * N, SPLITS, 1, 2)
                 tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=ok)
     else:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)

@@ -173,13 +173,22 @@ def _gemv_mma_kernel(x_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr, high_pt
                    T, N, stride_ot)
     if FUSED_SUM:
         if last_split(counters_ptr, tl.program_id(0), SPLITS):   # every split's partials are in: add them here
+            rows = ()
+            features = ()
+            ptrs = ()
+            oks = ()
             for h in tl.static_range(FW):
                 for r in tl.static_range(TG * 2):   # token group r // 2, the lane's row 2 j + r % 2 in it
                     row = 8 * (r // 2) + 2 * j + r % 2
                     f = first_feature + h
-                    ok = (row < T) & (f < N)
-                    total = summed_splits(partial_ptr + row * N + f, ok, T * N, SPLITS)
-                    tl.store(out_ptr + row * stride_ot + f, total.to(out_ptr.dtype.element_ty), mask=ok)
+                    rows = rows + (row,)
+                    features = features + (f,)
+                    ptrs = ptrs + (partial_ptr + row * N + f,)
+                    oks = oks + ((row < T) & (f < N),)
+            totals = summed_splits(ptrs, oks, T * N, SPLITS, FW * TG * 2, 2)
+            for i in tl.static_range(FW * TG * 2):
+                tl.store(out_ptr + rows[i] * stride_ot + features[i], totals[i].to(out_ptr.dtype.element_ty),
+                         mask=oks[i])
 
 
 @triton.jit
