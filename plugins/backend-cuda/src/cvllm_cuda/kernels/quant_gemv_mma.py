@@ -173,22 +173,13 @@ def _gemv_mma_kernel(x_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr, high_pt
                    T, N, stride_ot)
     if FUSED_SUM:
         if last_split(counters_ptr, tl.program_id(0), SPLITS):   # every split's partials are in: add them here
-            rows = ()
-            features = ()
-            ptrs = ()
-            oks = ()
-            for h in tl.static_range(FW):
-                for r in tl.static_range(TG * 2):   # token group r // 2, the lane's row 2 j + r % 2 in it
-                    row = 8 * (r // 2) + 2 * j + r % 2
-                    f = first_feature + h
-                    rows = rows + (row,)
-                    features = features + (f,)
-                    ptrs = ptrs + (partial_ptr + row * N + f,)
-                    oks = oks + ((row < T) & (f < N),)
-            totals = summed_splits(ptrs, oks, T * N, SPLITS, FW * TG * 2, 2)
-            for i in tl.static_range(FW * TG * 2):
-                tl.store(out_ptr + rows[i] * stride_ot + features[i], totals[i].to(out_ptr.dtype.element_ty),
-                         mask=oks[i])
+            # (the program's features a thread or two each, a row at a time: every thread loads, where the lanes'
+            # layout would leave all but one row's lanes idle at 1 row)
+            fs = tl.program_id(0) * (8 * FW * W) + tl.arange(0, 8 * FW * W)
+            f_ok = fs < N
+            for row in range(0, T):
+                total, = summed_splits((partial_ptr + row * N + fs,), (f_ok,), T * N, SPLITS, 1, 8)
+                tl.store(out_ptr + row * stride_ot + fs, total.to(out_ptr.dtype.element_ty), mask=f_ok)
 
 
 @triton.jit
