@@ -4,8 +4,6 @@ launch, in Triton's interpreter and compiled on a GPU. (The MMA GEMV's: test_qua
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -13,15 +11,10 @@ from cvllm.testing.requirements import import_or_skip
 
 import_or_skip("triton")
 
+from test_quant_gemv_mma import DEVICE, needs_device, needs_gpu  # noqa: E402
 from test_quant_matmul import LAYOUTS, random_weight  # noqa: E402
 
 from cvllm_cuda.kernels import quant_gemm_swapped, split_tickets  # noqa: E402
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRET else "cuda"
-needs_device = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
-                                  reason="needs Triton's interpreter or a CUDA GPU")
-needs_gpu = pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def swapped_both_ways(name: str, t: int, n: int, k: int, splits: int | None, config=None) -> list[torch.Tensor]:
