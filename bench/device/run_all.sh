@@ -30,8 +30,9 @@
 # "gemvfusions" (issue 18): GPTQ on int8 activations in the stack of layers, the swapped GEMM's operand lanes (~3 min);
 # "fp8gemv" (issue 18): the FP8 weights' batch-1 GEMV tiles swept, --isq fp8 batch 1 before and after (~7 min);
 # "fusionslatency": the batch-1 standing of every --isq type beside bf16, with a Q6_K head and GPTQ W4A8 (~5 min).
-# "pending" (issue 18): batch-1 standing with session 39's defaults (the early weights; GPTQ's MMA GEMV), each beside
-# its switch off, every 4/8-bit type and bf16, after the GPU tests of both; then GPTQ's and q4k's profiles (~8 min).
+# "pending" (issue 18): what is written and not yet decided (the MMA GEMV's PREFETCH, the in-launch split sums):
+# their GPU tests, batch-1 bf16, q4k, gptq with each and both, q8_0, fp8, the MMA probe, a GPTQ profile (~8 min).
+# "mmatiles" (issue 18): the MMA GEMV's tiles (warps an SM, a register cap) with the early weights on and off (~4 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
 # NVLink multicast stays off on the shared multi-GPU hosts (h200_setup.sh sets these too; the benchmarks pass them on)

@@ -45,8 +45,18 @@ def test_swapped_gemm_splits_added_in_the_launch_change_no_bit(monkeypatch, name
     assert not split_tickets.counters(torch.device(DEVICE), 1).any()
 
 
-def test_no_tickets_for_more_tiles_than_slots():
-    assert split_tickets.counters(torch.device("cpu"), split_tickets.SLOTS + 1) is None
+def test_which_launches_add_their_splits_themselves(monkeypatch):
+    """launch_tickets: a split launch asked to (or, unasked, under the switch) gets the counters; one split, a launch
+    asked not to, or more tiles than counters gets none (sum_splits_kernel then)."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(split_tickets, "ENABLED", False)
+    assert split_tickets.launch_tickets(cpu, 8, 4, None) is None
+    assert split_tickets.launch_tickets(cpu, 8, 4, True) is split_tickets.counters(cpu, 8)
+    monkeypatch.setattr(split_tickets, "ENABLED", True)
+    assert split_tickets.launch_tickets(cpu, 8, 4, None) is split_tickets.counters(cpu, 8)
+    assert split_tickets.launch_tickets(cpu, 8, 4, False) is None
+    assert split_tickets.launch_tickets(cpu, 8, 1, True) is None
+    assert split_tickets.launch_tickets(cpu, split_tickets.SLOTS + 1, 4, True) is None
 
 
 @needs_gpu

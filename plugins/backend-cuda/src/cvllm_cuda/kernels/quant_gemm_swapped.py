@@ -220,7 +220,7 @@ def _gemm_swapped_kernel(x_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr, hig
         tl.store(partial_ptr + tl.program_id(2).to(tl.int64) * T * N + at, acc, mask=ok)
         if FUSED_SUM:
             if last_split(counters_ptr, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), SPLITS):
-                total, = summed_splits((partial_ptr + at,), (ok,), T * N, SPLITS, 1, 2)
+                total = summed_splits(partial_ptr + at, ok, T * N, SPLITS, 2)
                 tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=ok)
     else:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
@@ -258,8 +258,7 @@ def quant_gemm_swapped(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, 
     partials = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
     # (lanes only: the position-by-position tiles of the high-plane layouts are at 244 registers at 64 rows already,
     # and the in-launch sum spills there)
-    fused = splits > 1 and lanes and (split_tickets.ENABLED if fused_sums is None else fused_sums)
-    tickets = split_tickets.counters(x.device, grid[0] * grid[1]) if fused else None
+    tickets = split_tickets.launch_tickets(x.device, grid[0] * grid[1], splits, fused_sums) if lanes else None
     _gemm_swapped_kernel[(*grid, splits)](
         xp, out, partials, partials if tickets is None else tickets, *kernel_tensors(weight), t, n, k,
         xp.stride(0), out.stride(0), split_words, **lay.kernel_args(), BLOCK_M=block_m, BLOCK_N=block_n,

@@ -178,7 +178,7 @@ def _gemv_mma_kernel(x_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr, high_pt
             fs = tl.program_id(0) * (8 * FW * W) + tl.arange(0, 8 * FW * W)
             f_ok = fs < N
             for row in range(0, T):
-                total, = summed_splits((partial_ptr + row * N + fs,), (f_ok,), T * N, SPLITS, 1, 8)
+                total = summed_splits(partial_ptr + row * N + fs, f_ok, T * N, SPLITS, 8)
                 tl.store(out_ptr + row * stride_ot + fs, total.to(out_ptr.dtype.element_ty), mask=f_ok)
 
 
@@ -240,8 +240,7 @@ def quant_gemv_mma(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, warp
     if not x.is_contiguous() or x.storage_offset() % 2:   # read as int32 pairs
         x = x.clone(memory_format=torch.contiguous_format)
     partials = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
-    fused = splits > 1 and (split_tickets.ENABLED if fused_sums is None else fused_sums)
-    tickets = split_tickets.counters(x.device, cdiv(n, block_n)) if fused else None
+    tickets = split_tickets.launch_tickets(x.device, cdiv(n, block_n), splits, fused_sums)
     _gemv_mma_kernel[(cdiv(n, block_n), splits)](
         x.view(torch.int32), out, partials, partials if tickets is None else tickets, *kernel_tensors(weight),
         n, k, t, out.stride(0), split_words,

@@ -42,6 +42,15 @@ def counters(device: torch.device, tiles: int) -> torch.Tensor | None:
     return found
 
 
+def launch_tickets(device: torch.device, tiles: int, splits: int, wanted: bool | None) -> torch.Tensor | None:
+    """The counters a launch of ``tiles`` output tiles in ``splits`` K splits adds its splits with (its FUSED_SUM),
+    or None: one split, not ``wanted`` (None: ENABLED, the switch), or no counters (``counters``); then
+    sum_splits_kernel adds them after it."""
+    if splits == 1 or not (ENABLED if wanted is None else wanted):
+        return None
+    return counters(device, tiles)
+
+
 @triton.jit
 def last_split(counters_ptr, tile, splits):
     """Whether this program is the last of its output tile's ``splits`` K splits to have stored its partial sums
@@ -58,22 +67,15 @@ def last_split(counters_ptr, tile, splits):
 
 
 @triton.jit
-def summed_splits(ptrs, oks, split_stride, SPLITS: tl.constexpr, COUNT: tl.constexpr, CHUNK: tl.constexpr):
-    """float32: for each of the COUNT pointer tensors ``ptrs`` (masks ``oks``), the partial sums at ``ptrs[i] + j *
-    split_stride`` for j < SPLITS added in split order from zero (sum_splits_kernel's order: the same bits; a masked
-    split past SPLITS adds +0.0, and a sum from +0.0 is never -0.0), read through L2 (``.cg``: other SMs wrote them).
-    CHUNK splits of every tensor are loaded at a time, in a loop the compiler keeps: unrolled whole, 32 splits took the
-    MMA GEMV from 80 registers to 172 and 64 spilled, the main loop's occupancy with them."""
-    totals = ()
-    for i in tl.static_range(COUNT):
-        totals = totals + (tl.zeros(ptrs[i].shape, dtype=tl.float32),)
+def summed_splits(ptrs, ok, split_stride, SPLITS: tl.constexpr, CHUNK: tl.constexpr):
+    """float32: the partial sums at ``ptrs + j * split_stride`` (mask ``ok``) for j < SPLITS added in split order from
+    zero (sum_splits_kernel's order: the same bits; a masked split past SPLITS adds +0.0, and a sum from +0.0 is never
+    -0.0), read through L2 (``.cg``: other SMs wrote them). CHUNK splits are loaded at a time, in a loop the compiler
+    keeps: unrolled whole, 32 splits took the MMA GEMV from 80 registers to 172 and 64 spilled, the main loop's
+    occupancy with them."""
+    total = tl.zeros(ptrs.shape, dtype=tl.float32)
     for j0 in tl.range(0, SPLITS, CHUNK, loop_unroll_factor=1):
-        added = ()
-        for i in tl.static_range(COUNT):
-            total = totals[i]
-            for jj in tl.static_range(CHUNK):
-                total += tl.load(ptrs[i] + (j0 + jj) * split_stride, mask=oks[i] & (j0 + jj < SPLITS), other=0.0,
-                                 cache_modifier=".cg")
-            added = added + (total,)
-        totals = added
-    return totals
+        for jj in tl.static_range(CHUNK):
+            total += tl.load(ptrs + (j0 + jj) * split_stride, mask=ok & (j0 + jj < SPLITS), other=0.0,
+                             cache_modifier=".cg")
+    return total
