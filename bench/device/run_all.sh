@@ -334,7 +334,7 @@ pending)
     # K splits added in the launch (fused: the 128 split-sum launches of a GPTQ step, 0.56 ms of the H200's critical
     # path), after their GPU tests (~9 min)
     t=plugins/backend-cuda/tests
-    run gpu-tests-pending 150 python3 -m pytest -p no:cacheprovider -q -rf --tb=short $t/test_quant_gemv_mma.py \
+    run gpu-tests-pending 240 python3 -m pytest -m gpu -p no:cacheprovider -q -rf --tb=short $t/test_quant_gemv_mma.py \
         $t/test_split_tickets.py $t/test_matmul.py -k "mma or gptq or prefetch or launch"
     for case in ${PENDING_CASES:-none:default q4k:default gptq:default gptq:fused gptq:prefetch gptq:prefetch-fused \
                 q8_0:default fp8:default}; do

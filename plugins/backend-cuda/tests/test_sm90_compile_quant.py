@@ -234,14 +234,15 @@ def test_mma_gemv_keeps_one_element_a_lane(monkeypatch, name, rows, n):
 def test_the_mma_gemvs_prefetch_loads_the_next_step_ahead(monkeypatch, rows):
     """CVLLM_GEMV_MMA_PREFETCH: the loop loads the next K step's words as 16-byte loads predicated on there being a
     next step (beside x's, predicated on its rows); with the early weights and without, no spills, and registers that
-    let PREFETCHED_TILE's warps an SM run at once."""
+    let the prefetching tile's warps an SM run at once."""
     from test_quant_gemv_mma import MMA_LAYOUTS
     from test_quant_matmul import random_weight
     quant_gemv_mma = importlib.import_module("cvllm_cuda.kernels.quant_gemv_mma")
     monkeypatch.setattr(quant_gemv_mma, "pdl_options", lambda device: {"USE_PDL": True, "launch_pdl": True})
     weight = random_weight(MMA_LAYOUTS["gptq4_g128"], 4096, 4096, "cpu")
     x, out = torch.zeros(rows, 4096, dtype=torch.bfloat16), torch.empty(rows, 4096, dtype=torch.bfloat16)
-    words, warps, per_sm = quant_gemv_mma.PREFETCHED_TILE
+    monkeypatch.setattr(quant_gemv_mma, "PREFETCH", True)
+    words, warps, per_sm = quant_gemv_mma.tile(rows)
     predicated, kernel_fn = {}, quant_gemv_mma._gemv_mma_kernel
     for prefetch in (False, True):
         monkeypatch.setattr(quant_gemv_mma, "PREFETCH", prefetch)
@@ -253,7 +254,6 @@ def test_the_mma_gemvs_prefetch_loads_the_next_step_ahead(monkeypatch, rows):
         for kernel in kernels.values():
             usage = sm90.resource_usage(kernel)
             assert usage["LOCAL"] == 0 and -(-usage["REG"] // 8) * 8 * 32 * per_sm <= 65536, usage
-    assert quant_gemv_mma.tile(rows) == quant_gemv_mma.PREFETCHED_TILE
     units = quant_gemv_mma.group_units(weight.layout)
     # x's 16-byte loads (a unit's, predicated on its rows): in the peeled first step and the loop without PREFETCH,
     # in the loop with it; the words' only with it

@@ -57,12 +57,14 @@ MAX_ROWS = 16           # rows of x: two groups of 8 tokens (the MMA's second op
 # 87.2 against 125.2, but 3-5 rows share the int8 producers' path)
 ROUTED_ROWS = 8
 # the kernel's PREFETCH for 1-8 rows (``CVLLM_GEMV_MMA_PREFETCH=1``; off until timed end to end: the probe had put
-# the 1-row tile change of 9706382 at 310 us a batch-1 step, and the step gained 110): on the H100 (2026-12-06, d375e06,
-# bench/mma_gemv_probe.py, GPTQ-4bit g128, us a Llama-3-8B layer's four products) with 2 warps a program at 8 warps an
-# SM (PREFETCHED_TILE; 128 registers, so 16 warps an SM at most) 1 row 61.9 against 64.1 without it, 2 rows 64.9
-# against 70.0, 4 rows 69.9 against 74.2, 8 rows 89.6 against 99.9; 4 warps at 8: 61.9, 64.6, 72.7, 92.7
+# the 1-row tile change of 9706382 at 310 us a batch-1 step, and the step gained 110): the loop carries the next K
+# step's words and factors, 128 registers, so 16 warps an SM at most. On the H100 (2026-12-06, 8fa42af,
+# bench/mma_gemv_probe.py, GPTQ-4bit g128, us a Llama-3-8B layer's four products, K splits added in the launch) 2
+# warps a program at 16 warps an SM: 1 row 54.0 (4 warps at 12: 56.3; no PREFETCH, 4 warps at 16: 57.6), 2 rows
+# 56.2, 4 rows 63.6; at 8 rows 16 warps an SM lose (98.2) and 8 win (93.9; no PREFETCH 98.4)
 PREFETCH = os.environ.get("CVLLM_GEMV_MMA_PREFETCH", "0") == "1"
-PREFETCHED_TILE = (8, 2, 8)
+PREFETCHED_TILES = {1: (8, 2, 16), 2: (8, 2, 16), 3: (8, 2, 16), 4: (8, 2, 16)}
+PREFETCHED_TILE_UP_TO_8 = (8, 2, 8)
 UNIT = 32               # inputs a lane's words span in one word row (8 each, lanes j = 0..3): one unit
 MAX_GROUP_UNITS = 4     # units a K step takes at most (GPTQ g128: a scale group a step)
 # (words a lane reads a word row, i.e. features a lane row: a warp 8 FW features; warps a program; warps an SM the K
@@ -90,7 +92,7 @@ def prefetches(rows: int) -> bool:
 def tile(rows: int) -> tuple[int, int, int]:
     """(FW, warps, warps an SM) for ``rows`` rows of x."""
     if prefetches(rows):
-        return PREFETCHED_TILE
+        return PREFETCHED_TILES.get(rows, PREFETCHED_TILE_UP_TO_8)
     tiles = TILES if quant_tiles.EARLY_WEIGHTS else TILES_WITHOUT_EARLY_WEIGHTS
     return tiles.get(rows, TILES_UP_TO_8 if rows <= 8 else TILES_UP_TO_16)
 
