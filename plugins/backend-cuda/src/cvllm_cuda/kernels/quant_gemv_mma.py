@@ -62,7 +62,7 @@ ROUTED_ROWS = 8
 # bench/mma_gemv_probe.py, GPTQ-4bit g128, us a Llama-3-8B layer's four products, K splits added in the launch) 2
 # warps a program at 16 warps an SM: 1 row 54.0 (4 warps at 12: 56.3; no PREFETCH, 4 warps at 16: 57.6), 2 rows
 # 56.2, 4 rows 63.6; at 8 rows 16 warps an SM lose (98.2) and 8 win (93.9; no PREFETCH 98.4)
-PREFETCH = os.environ.get("CVLLM_GEMV_MMA_PREFETCH", "0") == "1"
+PREFETCH = os.environ.get("CVLLM_GEMV_MMA_PREFETCH", "1") != "0"
 PREFETCHED_TILES = {1: (8, 2, 16), 2: (8, 2, 16), 3: (8, 2, 16), 4: (8, 2, 16)}
 PREFETCHED_TILE_UP_TO_8 = (8, 2, 8)
 UNIT = 32               # inputs a lane's words span in one word row (8 each, lanes j = 0..3): one unit

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-ENABLED = os.environ.get("CVLLM_IN_LAUNCH_SPLIT_SUMS", "0") == "1"
+ENABLED = os.environ.get("CVLLM_IN_LAUNCH_SPLIT_SUMS", "1") != "0"
 SLOTS = 1 << 14   # output tiles a launch may have (Llama-3-8B's gate_up: 224 of the MMA GEMV's 128 features)
 _counters: dict[torch.device, torch.Tensor] = {}
 
