@@ -30,8 +30,8 @@
 # "gemvfusions" (issue 18): GPTQ on int8 activations in the stack of layers, the swapped GEMM's operand lanes (~3 min);
 # "fp8gemv" (issue 18): the FP8 weights' batch-1 GEMV tiles swept, --isq fp8 batch 1 before and after (~7 min);
 # "fusionslatency": the batch-1 standing of every --isq type beside bf16, with a Q6_K head and GPTQ W4A8 (~5 min).
-# "pending" (issue 18): what is written and not yet decided (the MMA GEMV's PREFETCH, the in-launch split sums):
-# their GPU tests, batch-1 bf16, q4k, gptq with each and both, q8_0, fp8, the MMA probe, a GPTQ profile (~8 min).
+# "pending" (issue 18): the batch-1 standing at the defaults (bf16, q4k, gptq, q8_0, fp8), GPTQ with each of the MMA
+# GEMV's in-launch split sums and PREFETCH off, their GPU tests first, a GPTQ profile last (~8 min).
 # "mmatiles" (issue 18): the MMA GEMV's tiles (warps an SM, a register cap) with the early weights on and off (~4 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
@@ -57,14 +57,14 @@ run() {   # name, limit in seconds, command...
 }
 latency_case() {   # "isq:variant", e.g. q4k:noearly: batch-1 decode (Llama-3-8B shape) with the variant's switches
     # variant: "default", or any of "noearly" (CVLLM_GEMV_EARLY_WEIGHTS=0: the GEMVs wait before their first weight
-    # tile), "nomma" (CVLLM_GEMV_MMA=0: GPTQ/AWQ's 1-8 rows off tensor cores), "prefetch" (CVLLM_GEMV_MMA_PREFETCH=1:
-    # the MMA GEMV loads each K step's weights during the step before) and "fused" (CVLLM_IN_LAUNCH_SPLIT_SUMS=1: its
-    # K splits added in its launch); "none" is bf16
+    # tile), "nomma" (CVLLM_GEMV_MMA=0: GPTQ/AWQ's 1-8 rows off tensor cores), "noprefetch" (CVLLM_GEMV_MMA_PREFETCH=0:
+    # the MMA GEMV loads each K step's weights at the step's start) and "nofused" (CVLLM_IN_LAUNCH_SPLIT_SUMS=0: its K
+    # splits added by a launch after it); "none" is bf16
     local q=${1%%:*} v=${1#*:}
     CVLLM_GEMV_EARLY_WEIGHTS=$([[ $v = *noearly* ]] && echo 0 || echo 1) \
         CVLLM_GEMV_MMA=$([[ $v = *nomma* ]] && echo 0 || echo 1) \
-        CVLLM_GEMV_MMA_PREFETCH=$([[ $v = *prefetch* ]] && echo 1 || echo 0) \
-        CVLLM_IN_LAUNCH_SPLIT_SUMS=$([[ $v = *fused* ]] && echo 1 || echo 0) \
+        CVLLM_GEMV_MMA_PREFETCH=$([[ $v = *noprefetch* ]] && echo 0 || echo 1) \
+        CVLLM_IN_LAUNCH_SPLIT_SUMS=$([[ $v = *nofused* ]] && echo 0 || echo "${CVLLM_IN_LAUNCH_SPLIT_SUMS:-}") \
         run latency-$q-$v 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
         $([ $q = none ] || echo --isq $q) --json "$out/$day-$card-latency-$q-$v-$commit.json"
 }
@@ -242,10 +242,10 @@ quant)
 quant64)
     # issue 18: 64 streams of 1024 in / 1024 out, Llama-3-8B shape, bf16 against 4-bit (the dequantize-in-tile GEMM
     # serves 2-128 rows), offline engine (~2 min a row); "-fused": CVLLM_IN_LAUNCH_SPLIT_SUMS=1 (the swapped GEMM's
-    # and the MMA GEMV's K splits added in their launches)
+    # K splits added in its launch too, not only the MMA GEMV's)
     for case in ${QUANT64_CASES:-none q4k gptq q4k-fused gptq-fused}; do
         q=${case%-fused}
-        CVLLM_IN_LAUNCH_SPLIT_SUMS=$([[ $case = *-fused ]] && echo 1 || echo 0) \
+        CVLLM_IN_LAUNCH_SPLIT_SUMS=$([[ $case = *-fused ]] && echo 1 || echo "${CVLLM_IN_LAUNCH_SPLIT_SUMS:-}") \
             run throughput64-isq-$case 170 python3 bench/throughput.py --shape llama3-8b --skip-hf --num-requests 64 \
             --min-len 1024 --max-len 1024 --max-num-seqs 64 $([ $q = none ] || echo --isq $q) \
             --json "$out/$day-$card-throughput64-isq-$case-$commit.json"
@@ -329,21 +329,16 @@ mmatiles)
             --json "$out/$day-$card-mma_gemv_probe-tiles-early$early-$commit.json"
     done ;;
 pending)
-    # issue 18: the H200's batch-1 standing at session 40's defaults (the MMA GEMV's 1-row tile at 16 warps an SM:
-    # +3.9% GPTQ on the H100), then the MMA GEMV's two untimed switches end to end and on the probe: PREFETCH and the
-    # K splits added in the launch (fused: the 128 split-sum launches of a GPTQ step, 0.56 ms of the H200's critical
-    # path), after their GPU tests (~9 min)
+    # issue 18: the batch-1 standing at session 41's defaults (the MMA GEMV's K splits added in its launch and its
+    # next K step loaded ahead: +7.8% GPTQ on an H100), each of those two off, after their GPU tests (~9 min)
     t=plugins/backend-cuda/tests
     run gpu-tests-pending 240 python3 -m pytest -m gpu -p no:cacheprovider -q -rf --tb=short $t/test_quant_gemv_mma.py \
         $t/test_split_tickets.py $t/test_matmul.py -k "mma or gptq or prefetch or launch"
-    for case in ${PENDING_CASES:-none:default q4k:default gptq:default gptq:fused gptq:prefetch gptq:prefetch-fused \
-                q8_0:default fp8:default}; do
+    for case in ${PENDING_CASES:-none:default q4k:default gptq:default gptq:nofused gptq:noprefetch q8_0:default \
+                fp8:default}; do
         latency_case $case
     done
     python3 bench/latency_table.py "$out"/$day-$card-latency-*-$commit.json
-    run mma-probe 150 python3 bench/mma_gemv_probe.py --rows 1,2,4,8 --configs \
-        "4,16,1,0,0,1;2,8,1,0,1;2,8,1,0,1,1;2,4,1,0,1,1;4,8,1,0,1,1;4,12,1,0,1,1;2,16,1,0,1,1" \
-        --json "$out/$day-$card-mma_gemv_probe-prefetch-fused-$commit.json"
     run profile-b1-gptq 120 python3 bench/profile_decode.py --batch 1 --context 1024 --steps 10 --isq gptq ;;
 fp8gemv)
     # issue 18: the FP8 weights' batch-1 GEMV (kernels/gemv.py with row scales: --isq fp8, FP8 checkpoints) has only

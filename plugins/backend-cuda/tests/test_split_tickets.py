@@ -4,6 +4,8 @@ launch, in Triton's interpreter and compiled on a GPU. (The MMA GEMV's: test_qua
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -45,18 +47,19 @@ def test_swapped_gemm_splits_added_in_the_launch_change_no_bit(monkeypatch, name
     assert not split_tickets.counters(torch.device(DEVICE), 1).any()
 
 
-def test_which_launches_add_their_splits_themselves(monkeypatch):
-    """launch_tickets: a split launch asked to (or, unasked, under the switch) gets the counters; one split, a launch
-    asked not to, or more tiles than counters gets none (sum_splits_kernel then)."""
+def test_which_launches_add_their_splits_themselves():
+    """launch_tickets: a split launch asked to (or, unasked, under its kernel's switch) gets the counters; one split,
+    a launch asked not to, or more tiles than counters gets none (sum_splits_kernel then). By default the MMA GEMV
+    adds its own splits and the swapped GEMM does not (timed, split_tickets.py)."""
     cpu = torch.device("cpu")
-    monkeypatch.setattr(split_tickets, "ENABLED", False)
-    assert split_tickets.launch_tickets(cpu, 8, 4, None) is None
-    assert split_tickets.launch_tickets(cpu, 8, 4, True) is split_tickets.counters(cpu, 8)
-    monkeypatch.setattr(split_tickets, "ENABLED", True)
-    assert split_tickets.launch_tickets(cpu, 8, 4, None) is split_tickets.counters(cpu, 8)
-    assert split_tickets.launch_tickets(cpu, 8, 4, False) is None
-    assert split_tickets.launch_tickets(cpu, 8, 1, True) is None
-    assert split_tickets.launch_tickets(cpu, split_tickets.SLOTS + 1, 4, True) is None
+    assert split_tickets.launch_tickets(cpu, 8, 4, None, False) is None
+    assert split_tickets.launch_tickets(cpu, 8, 4, True, False) is split_tickets.counters(cpu, 8)
+    assert split_tickets.launch_tickets(cpu, 8, 4, None, True) is split_tickets.counters(cpu, 8)
+    assert split_tickets.launch_tickets(cpu, 8, 4, False, True) is None
+    assert split_tickets.launch_tickets(cpu, 8, 1, True, True) is None
+    assert split_tickets.launch_tickets(cpu, split_tickets.SLOTS + 1, 4, True, True) is None
+    if "CVLLM_IN_LAUNCH_SPLIT_SUMS" not in os.environ:
+        assert split_tickets.ENABLED and not split_tickets.SWAPPED_ENABLED
 
 
 @needs_gpu

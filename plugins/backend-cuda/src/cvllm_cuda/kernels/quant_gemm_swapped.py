@@ -245,7 +245,7 @@ def quant_gemm_swapped(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, 
                        splits: int | None = None, fused_sums: bool | None = None) -> None:
     """out = x @ weight.T for x [T, K] (last dimension contiguous) and out [T, N] (last dimension contiguous).
     ``config``: (BLOCK_N, BLOCK_W, num_warps, num_stages[, BLOCK_M]). ``fused_sums``: K splits added in the launch
-    (None: split_tickets.ENABLED; 4-bit lane layouts only)."""
+    (None: split_tickets.SWAPPED_ENABLED; 4-bit lane layouts only)."""
     lay = weight.layout
     t, n, k = x.shape[0], weight.out_features, weight.in_features
     lanes = in_lanes(lay, x.dtype)
@@ -258,7 +258,8 @@ def quant_gemm_swapped(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, 
     partials = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
     # (lanes only: the position-by-position tiles of the high-plane layouts are at 244 registers at 64 rows already,
     # and the in-launch sum spills there)
-    tickets = split_tickets.launch_tickets(x.device, grid[0] * grid[1], splits, fused_sums) if lanes else None
+    tickets = (split_tickets.launch_tickets(x.device, grid[0] * grid[1], splits, fused_sums,
+                                           split_tickets.SWAPPED_ENABLED) if lanes else None)
     _gemm_swapped_kernel[(*grid, splits)](
         xp, out, partials, partials if tickets is None else tickets, *kernel_tensors(weight), t, n, k,
         xp.stride(0), out.stride(0), split_words, **lay.kernel_args(), BLOCK_M=block_m, BLOCK_N=block_n,

@@ -56,9 +56,10 @@ MAX_ROWS = 16           # rows of x: two groups of 8 tokens (the MMA's second op
 # int8 GEMV's layouts (Q4_K, Q4_0, Q4_1) keep it: Q4_K 1 row 85.4 against its 66.0, 2 rows 84.4 against 79.4 (4 rows
 # 87.2 against 125.2, but 3-5 rows share the int8 producers' path)
 ROUTED_ROWS = 8
-# the kernel's PREFETCH for 1-8 rows (``CVLLM_GEMV_MMA_PREFETCH=1``; off until timed end to end: the probe had put
-# the 1-row tile change of 9706382 at 310 us a batch-1 step, and the step gained 110): the loop carries the next K
-# step's words and factors, 128 registers, so 16 warps an SM at most. On the H100 (2026-12-06, 8fa42af,
+# the kernel's PREFETCH for 1-8 rows (``CVLLM_GEMV_MMA_PREFETCH=0`` turns it off): the loop carries the next K step's
+# words and factors, 128 registers, so 16 warps an SM at most. End to end it gains less than the probe says: batch-1
+# --isq gptq on an H100 (d9a4b91, K splits added in the launch) 379.5 tok/s with it against 377.4 without (the probe
+# below put it at 115 us a step, the step gained 6). On the H100 (2026-12-06, 8fa42af,
 # bench/mma_gemv_probe.py, GPTQ-4bit g128, us a Llama-3-8B layer's four products, K splits added in the launch) 2
 # warps a program at 16 warps an SM: 1 row 54.0 (4 warps at 12: 56.3; no PREFETCH, 4 warps at 16: 57.6), 2 rows
 # 56.2, 4 rows 63.6; at 8 rows 16 warps an SM lose (98.2) and 8 win (93.9; no PREFETCH 98.4)
@@ -242,7 +243,7 @@ def quant_gemv_mma(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, warp
     if not x.is_contiguous() or x.storage_offset() % 2:   # read as int32 pairs
         x = x.clone(memory_format=torch.contiguous_format)
     partials = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
-    tickets = split_tickets.launch_tickets(x.device, cdiv(n, block_n), splits, fused_sums)
+    tickets = split_tickets.launch_tickets(x.device, cdiv(n, block_n), splits, fused_sums, split_tickets.ENABLED)
     _gemv_mma_kernel[(cdiv(n, block_n), splits)](
         x.view(torch.int32), out, partials, partials if tickets is None else tickets, *kernel_tensors(weight),
         n, k, t, out.stride(0), split_words,

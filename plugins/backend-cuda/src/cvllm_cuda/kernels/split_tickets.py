@@ -1,5 +1,5 @@
-"""K splits added in a kernel's own launch by the split that finishes last (``CVLLM_IN_LAUNCH_SPLIT_SUMS=1``; off
-until timed): the MMA GEMV's and the swapped GEMM's FUSED_SUM.
+"""K splits added in a kernel's own launch by the split that finishes last: the MMA GEMV's FUSED_SUM (on by
+default; ``CVLLM_IN_LAUNCH_SPLIT_SUMS=0`` turns it off) and the swapped GEMM's (off by default; ``=1`` turns both on).
 
 Why: a split product is otherwise followed by sum_splits_kernel, one more launch a projection. At batch 1 the MMA
 GEMV splits all four of a layer's projections: on the H200 128 such launches a GPTQ step, 4.4 us each on the
@@ -23,7 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
-ENABLED = os.environ.get("CVLLM_IN_LAUNCH_SPLIT_SUMS", "1") != "0"
+# Timed on the H100 (2026-12-06, docs/benchmarks.md session 41): batch-1 --isq gptq 351.9 -> 377.4 tok/s with the
+# MMA GEMV's; 64 streams of 1024/1024 with the swapped GEMM's q4k 5,229 -> 5,240 and gptq 5,542 -> 5,483 (no gain:
+# at 64 rows its tiles are few and long, and the sum launches a small part of a step)
+_SWITCH = os.environ.get("CVLLM_IN_LAUNCH_SPLIT_SUMS", "")
+ENABLED = _SWITCH != "0"         # the MMA GEMV's
+SWAPPED_ENABLED = _SWITCH == "1"  # the swapped GEMM's
 SLOTS = 1 << 14   # output tiles a launch may have (Llama-3-8B's gate_up: 224 of the MMA GEMV's 128 features)
 _counters: dict[torch.device, torch.Tensor] = {}
 
@@ -42,11 +47,12 @@ def counters(device: torch.device, tiles: int) -> torch.Tensor | None:
     return found
 
 
-def launch_tickets(device: torch.device, tiles: int, splits: int, wanted: bool | None) -> torch.Tensor | None:
+def launch_tickets(device: torch.device, tiles: int, splits: int, wanted: bool | None,
+                   default: bool) -> torch.Tensor | None:
     """The counters a launch of ``tiles`` output tiles in ``splits`` K splits adds its splits with (its FUSED_SUM),
-    or None: one split, not ``wanted`` (None: ENABLED, the switch), or no counters (``counters``); then
+    or None: one split, not ``wanted`` (None: ``default``, the kernel's switch), or no counters (``counters``); then
     sum_splits_kernel adds them after it."""
-    if splits == 1 or not (ENABLED if wanted is None else wanted):
+    if splits == 1 or not (default if wanted is None else wanted):
         return None
     return counters(device, tiles)
 
