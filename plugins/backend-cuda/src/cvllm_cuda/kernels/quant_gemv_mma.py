@@ -59,12 +59,12 @@ ROUTED_ROWS = 8
 # the kernel's PREFETCH for 1-8 rows (``CVLLM_GEMV_MMA_PREFETCH=0`` turns it off): the loop carries the next K step's
 # words and factors, 128 registers, so 16 warps an SM at most. End to end it gains less than the probe says: batch-1
 # --isq gptq on an H100 (d9a4b91, K splits added in the launch) 379.5 tok/s with it against 377.4 without (the probe
-# below put it at 115 us a step, the step gained 6). On the H100 (2026-12-06, 8fa42af,
+# put its tile at 115 us a step, the step gained 6). The tiles: on the H100 (2026-12-06, 8fa42af,
 # bench/mma_gemv_probe.py, GPTQ-4bit g128, us a Llama-3-8B layer's four products, K splits added in the launch) 2
 # warps a program at 16 warps an SM: 1 row 54.0 (4 warps at 12: 56.3; no PREFETCH, 4 warps at 16: 57.6), 2 rows
 # 56.2, 4 rows 63.6; at 8 rows 16 warps an SM lose (98.2) and 8 win (93.9; no PREFETCH 98.4)
 PREFETCH = os.environ.get("CVLLM_GEMV_MMA_PREFETCH", "1") != "0"
-PREFETCHED_TILES = {1: (8, 2, 16), 2: (8, 2, 16), 3: (8, 2, 16), 4: (8, 2, 16)}
+PREFETCHED_TILE_UP_TO_4 = (8, 2, 16)
 PREFETCHED_TILE_UP_TO_8 = (8, 2, 8)
 UNIT = 32               # inputs a lane's words span in one word row (8 each, lanes j = 0..3): one unit
 MAX_GROUP_UNITS = 4     # units a K step takes at most (GPTQ g128: a scale group a step)
@@ -93,7 +93,7 @@ def prefetches(rows: int) -> bool:
 def tile(rows: int) -> tuple[int, int, int]:
     """(FW, warps, warps an SM) for ``rows`` rows of x."""
     if prefetches(rows):
-        return PREFETCHED_TILES.get(rows, PREFETCHED_TILE_UP_TO_8)
+        return PREFETCHED_TILE_UP_TO_4 if rows <= 4 else PREFETCHED_TILE_UP_TO_8
     tiles = TILES if quant_tiles.EARLY_WEIGHTS else TILES_WITHOUT_EARLY_WEIGHTS
     return tiles.get(rows, TILES_UP_TO_8 if rows <= 8 else TILES_UP_TO_16)
 
