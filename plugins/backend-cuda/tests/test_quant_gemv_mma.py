@@ -185,14 +185,21 @@ def test_gpu_mma_gemv_on_llama_shapes(name, t):
 @pytest.mark.gpu
 @pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("t", [1, 3, 8])
-def test_gpu_splits_added_in_the_launch(prefetch, t):
+def test_gpu_splits_added_in_the_launch(monkeypatch, prefetch, t):
     """fused_sums on the GPU: the same bits as sum_splits_kernel after the launch, every time, eagerly and replayed
-    from a CUDA graph (the tickets must be back at zero after each launch)."""
+    from a CUDA graph (the tickets must be back at zero after each launch); the default split counts do split these
+    shapes, and no fused launch, captured ones included, falls back to the separate sums."""
+    import cvllm_cuda.kernels.quant_gemv_mma as mma
+    separate_sums = []
+    real = mma.add_splits
+    monkeypatch.setattr(mma, "add_splits", lambda *a: separate_sums.append(a[2]) or real(*a))
     for n, k in ((6144, 4096), (4096, 14336), (28672, 4096)):
         weight = random_weight(MMA_LAYOUTS["gptq4_g128"], n, k, "cuda", seed=n + t)
         x = torch.randn(t, k, device="cuda").to(torch.bfloat16)
         separate = torch.empty(t, n, dtype=torch.bfloat16, device="cuda")
         quant_gemv_mma(x, weight, separate, prefetch=prefetch, fused_sums=False)
+        assert len(separate_sums) == 1 and separate_sums[0] > 1, (n, k, separate_sums)
+        separate_sums.clear()
         out = torch.empty_like(separate)
         for _ in range(3):
             out.zero_()
@@ -206,6 +213,7 @@ def test_gpu_splits_added_in_the_launch(prefetch, t):
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, separate), (n, k)
+        assert not separate_sums, (n, k, separate_sums)
 
 
 @needs_gpu

@@ -65,16 +65,22 @@ def test_which_launches_add_their_splits_themselves():
 @needs_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [16, 48, 64])
-def test_gpu_swapped_gemm_splits_added_in_the_launch(t):
+def test_gpu_swapped_gemm_splits_added_in_the_launch(monkeypatch, t):
     """Llama-3-8B's projections at decode-batch rows, the default tiles and splits: the same bits as the separate
-    sums, eagerly and replayed from a CUDA graph."""
+    sums, eagerly and replayed from a CUDA graph; the default split counts do split these shapes, and no fused
+    launch, captured ones included, falls back to the separate sums."""
+    separate_sums = []
+    real = quant_gemm_swapped.add_splits
+    monkeypatch.setattr(quant_gemm_swapped, "add_splits", lambda *a: separate_sums.append(a[2]) or real(*a))
     for n, k in ((6144, 4096), (4096, 4096), (4096, 14336)):
         outs = swapped_both_ways("q4_k", t, n, k, None)
+        assert len(separate_sums) == 1 and separate_sums[0] > 1, (t, n, k, separate_sums)   # the unfused launch
         assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2]), (t, n, k)
         weight = random_weight(LAYOUTS["q4_k"], n, k, DEVICE, seed=t + n)
         x = torch.randn(t, k, device=DEVICE).to(torch.bfloat16)
         separate = torch.empty(t, n, dtype=torch.bfloat16, device=DEVICE)
         quant_gemm_swapped.quant_gemm_swapped(x, weight, separate, fused_sums=False)
+        separate_sums.clear()
         out = torch.empty_like(separate)
         quant_gemm_swapped.quant_gemm_swapped(x, weight, out, fused_sums=True)   # (eager first: the tickets)
         graph = torch.cuda.CUDAGraph()
@@ -85,3 +91,4 @@ def test_gpu_swapped_gemm_splits_added_in_the_launch(t):
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, separate), (t, n, k)
+        assert not separate_sums, (t, n, k, separate_sums)
