@@ -32,7 +32,6 @@
 # "fusionslatency": the batch-1 standing of every --isq type beside bf16, with a Q6_K head and GPTQ W4A8 (~5 min).
 # "pending" (issue 18): the batch-1 standing at the defaults (bf16, q4k, gptq, q8_0, fp8), GPTQ with each of the MMA
 # GEMV's in-launch split sums and PREFETCH off, their GPU tests first, a GPTQ profile last (~8 min).
-# "combine" (issue 18): split-KV attention's slices combined in its launch or by a kernel after it, batch 1 (~6 min).
 # "mmatiles" (issue 18): the MMA GEMV's tiles (warps an SM, a register cap) with the early weights on and off (~4 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
@@ -60,14 +59,12 @@ latency_case() {   # "isq:variant", e.g. q4k:noearly: batch-1 decode (Llama-3-8B
     # variant: "default", or any of "noearly" (CVLLM_GEMV_EARLY_WEIGHTS=0: the GEMVs wait before their first weight
     # tile), "nomma" (CVLLM_GEMV_MMA=0: GPTQ/AWQ's 1-8 rows off tensor cores), "noprefetch" (CVLLM_GEMV_MMA_PREFETCH=0:
     # the MMA GEMV loads each K step's weights at the step's start) and "nofused" (CVLLM_IN_LAUNCH_SPLIT_SUMS=0: its K
-    # splits added by a launch after it), "nocombine" (CVLLM_IN_LAUNCH_COMBINE=0: split-KV attention's slices
-    # combined by a kernel after it); "none" is bf16
+    # splits added by a launch after it); "none" is bf16
     local q=${1%%:*} v=${1#*:}
     CVLLM_GEMV_EARLY_WEIGHTS=$([[ $v = *noearly* ]] && echo 0 || echo 1) \
         CVLLM_GEMV_MMA=$([[ $v = *nomma* ]] && echo 0 || echo 1) \
         CVLLM_GEMV_MMA_PREFETCH=$([[ $v = *noprefetch* ]] && echo 0 || echo 1) \
         CVLLM_IN_LAUNCH_SPLIT_SUMS=$([[ $v = *nofused* ]] && echo 0 || echo "${CVLLM_IN_LAUNCH_SPLIT_SUMS:-}") \
-        CVLLM_IN_LAUNCH_COMBINE=$([[ $v = *nocombine* ]] && echo 0 || echo 1) \
         run latency-$q-$v 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
         $([ $q = none ] || echo --isq $q) --json "$out/$day-$card-latency-$q-$v-$commit.json"
 }
@@ -340,17 +337,6 @@ pending)
         $t/test_split_tickets.py -k "launch or deterministic or prefetch"
     for case in ${PENDING_CASES:-none:default q4k:default gptq:default gptq:nofused gptq:noprefetch q8_0:default \
                 fp8:default}; do
-        latency_case $case
-    done
-    python3 bench/latency_table.py "$out"/$day-$card-latency-*-$commit.json
-    run profile-b1-gptq 120 python3 bench/profile_decode.py --batch 1 --context 1024 --steps 10 --isq gptq ;;
-combine)
-    # split-KV attention's slices combined by the last slice in its launch (the default since this step) against a
-    # kernel after it: the attention's GPU tests, then batch-1 decode of each (bf16, gptq, q4k), a GPTQ profile (~6 min)
-    t=plugins/backend-cuda/tests
-    run gpu-tests-combine 200 python3 -m pytest -p no:cacheprovider -q -rf --tb=short $t/test_kernels_interpret.py \
-        $t/test_int8_activations.py $t/test_kernels_gpu.py $t/test_kv_fp8.py $t/test_mla_attention.py
-    for case in ${COMBINE_CASES:-none:default none:nocombine gptq:default gptq:nocombine q4k:default q4k:nocombine}; do
         latency_case $case
     done
     python3 bench/latency_table.py "$out"/$day-$card-latency-*-$commit.json

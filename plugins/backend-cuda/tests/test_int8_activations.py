@@ -94,14 +94,13 @@ def test_gated_activations_make_the_quantizers_bits(low_bits, shape, activation)
 
 @pytest.mark.parametrize("head_dim", [64, 96])   # 96: 128 lanes, the last block masked
 @pytest.mark.parametrize("low_bits", [4, 8])
-@pytest.mark.parametrize("in_launch", [True, False])   # the last slice combines, or a kernel after the launch
-def test_attention_combining_its_splits_makes_the_quantizers_bits(make_attention_case, head_dim, low_bits, in_launch):
+def test_attention_combining_its_splits_makes_the_quantizers_bits(make_attention_case, head_dim, low_bits):
     from cvllm_cuda.kernels.paged_attention import paged_attention
     case = make_attention_case(query_lens=[1, 1, 1], context_lens=[70, 0, 33], num_heads=8, num_kv_heads=2,
                                head_dim=head_dim, block_size=16, dtype=torch.float16, device=DEVICE)
     layer = int8_layer(low_bits, 8, 8 * head_dim)
-    plain = paged_attention(*case.args(), None, None, num_splits=4, combine_in_launch=in_launch)
-    out = paged_attention(*case.args(), None, None, num_splits=4, feeds=layer, combine_in_launch=in_launch)
+    plain = paged_attention(*case.args(), None, None, num_splits=4)
+    out = paged_attention(*case.args(), None, None, num_splits=4, feeds=layer)
     assert torch.equal(out, plain)
     flat = out.reshape(3, 8 * head_dim)   # as the output projection takes it
     assert_same_form(taken(layer, flat), quantize_activations(flat, low_bits))

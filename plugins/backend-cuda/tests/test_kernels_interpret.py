@@ -72,39 +72,20 @@ def test_sliding_window_and_soft_cap(make_attention_case, check_attention, slidi
 
 @pytest.mark.parametrize("num_splits", [2, 3])
 @pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (24, 2.5)])
-@pytest.mark.parametrize("in_launch", [True, False])   # the slices combined by the last one, or by a kernel after
-def test_split_kv_mixed_batch(make_attention_case, check_attention, num_splits, sliding_window, soft_cap, in_launch):
+def test_split_kv_mixed_batch(make_attention_case, check_attention, num_splits, sliding_window, soft_cap):
     case = make_attention_case(**MIXED, num_heads=4, num_kv_heads=2, head_dim=80, block_size=16,
                                dtype=torch.float32, device=DEVICE)
-    check_attention(case, sliding_window, soft_cap, num_splits=num_splits, combine_in_launch=in_launch)
+    check_attention(case, sliding_window, soft_cap, num_splits=num_splits)
 
 
 @pytest.mark.parametrize("num_splits", [1, 4, 16])
 @pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("in_launch", [True, False])
-def test_decode_only_batch(make_attention_case, check_attention, num_splits, block_size, in_launch):
+def test_decode_only_batch(make_attention_case, check_attention, num_splits, block_size):
     # max_query_len == 1 takes the decode path: one tile per sequence, G = 4 heads per KV head;
     # with 16 splits most slices of the short contexts are empty and must not disturb the result
     case = make_attention_case(query_lens=[1, 1, 1], context_lens=[127, 0, 63], num_heads=8, num_kv_heads=2,
                                head_dim=64, block_size=block_size, dtype=torch.float32, device=DEVICE)
-    check_attention(case, num_splits=num_splits, combine_in_launch=in_launch)
-
-
-def test_slices_combined_in_the_launch_leave_no_second_kernel_and_no_tickets(make_attention_case, monkeypatch):
-    """The in-launch combine (the default) is what runs: no combining kernel after the launch, the tickets back at
-    zero for the next launch, and the same output as the combining kernel's to float32 rounding."""
-    from cvllm_cuda.kernels import attention_splits, split_tickets
-    module = importlib.import_module("cvllm_cuda.kernels.paged_attention")
-    case = make_attention_case(query_lens=[1, 1, 1], context_lens=[127, 0, 63], num_heads=8, num_kv_heads=2,
-                               head_dim=64, block_size=16, dtype=torch.float32, device=DEVICE)
-    separate = paged_attention(*case.args(), None, None, num_splits=8, combine_in_launch=False)
-    monkeypatch.setattr(module, "combine_splits", lambda *a: pytest.fail("the combining kernel ran"))
-    monkeypatch.setattr(split_tickets, "COMBINE_ENABLED", True)
-    combined = paged_attention(*case.args(), None, None, num_splits=8)
-    torch.testing.assert_close(combined, separate, rtol=1e-6, atol=1e-6)
-    assert not split_tickets.counters(torch.device(DEVICE), 1).any()
-    assert attention_splits.combine_chunk(4, 16, 128, 4) == 16 and attention_splits.combine_chunk(32, 16, 128, 4) == 2
-    assert attention_splits.combine_chunk(4, 16, 128, 2) == 8 and attention_splits.combine_chunk(64, 2, 256, 1) == 1
+    check_attention(case, num_splits=num_splits)
 
 
 def test_strided_query_and_output(make_attention_case, check_attention, generator):
@@ -160,12 +141,11 @@ def test_tuned_tiles_are_looked_up_by_gpu_name(monkeypatch):
 
 
 @pytest.mark.parametrize("num_splits", [1, 4, 16])
-@pytest.mark.parametrize("in_launch", [True, False])
-def test_verify_batch(make_attention_case, check_attention, num_splits, in_launch):
+def test_verify_batch(make_attention_case, check_attention, num_splits):
     # speculative verify steps: every sequence its last token and 4 drafts (5 causal queries) over a context
     case = make_attention_case(query_lens=[5, 5, 5], context_lens=[90, 0, 33], num_heads=8, num_kv_heads=2,
                                head_dim=64, block_size=16, dtype=torch.float32, device=DEVICE)
-    check_attention(case, num_splits=num_splits, combine_in_launch=in_launch)
+    check_attention(case, num_splits=num_splits)
 
 
 def test_sparse_decode_means_no_more_programs_than_sms(monkeypatch):

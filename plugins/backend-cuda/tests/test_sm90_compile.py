@@ -202,14 +202,10 @@ def test_producers_of_int8_activations_compile(monkeypatch, low_bits, rows):
     paged_attention = importlib.import_module("cvllm_cuda.kernels.paged_attention")
     q, cache = torch.zeros(rows, Q_HEADS, DIM, dtype=torch.bfloat16), caches(torch.bfloat16)
     lens = torch.full((rows,), 40, dtype=torch.int32)
-    attention = lambda in_launch: paged_attention.paged_attention(  # noqa: E731
+    attention = lambda: paged_attention.paged_attention(  # noqa: E731
         q, *cache, torch.arange(rows + 1, dtype=torch.int32), lens, torch.zeros(rows, 4, dtype=torch.int32), 1,
-        DIM ** -0.5, None, None, num_splits=4, feeds=layers[Q_HEADS * DIM], combine_in_launch=in_launch)
-    # the slices combined by the last one, in the attention's launch (the default), then by a kernel after it
-    assert len(compiled_launches(monkeypatch, paged_attention, "_attention_kernel", lambda: attention(True))) == 1
-    assert made_int8(Q_HEADS * DIM)
+        DIM ** -0.5, None, None, num_splits=4, feeds=layers[Q_HEADS * DIM])
     monkeypatch.setattr(paged_attention, "_attention_kernel", sm90.LaunchRecorder(paged_attention._attention_kernel))
     attention_splits = importlib.import_module("cvllm_cuda.kernels.attention_splits")
-    assert len(compiled_launches(monkeypatch, attention_splits, "_combine_splits_kernel",
-                                 lambda: attention(False))) == 1
+    assert len(compiled_launches(monkeypatch, attention_splits, "_combine_splits_kernel", attention)) == 1
     assert made_int8(Q_HEADS * DIM)

@@ -1,8 +1,7 @@
 """Split-KV attention's slices combined (paged_attention.py, mla_attention.py): each program of a split decode wrote an
 unnormalised partial (row max, row sum, accumulator) to a workspace [T, H, NUM_SPLITS] (and [.., D]); a small
-kernel adds them up a head at a time (``combine_splits``), or the generic kernel's slice that finishes last does,
-in the same launch (``combine_in_launch``, split_tickets.py), and either may write the output's int8 form for the
-output projection's low-bit GEMV (``quantize_heads``, int8_activations.py).
+kernel adds them up a head at a time (``combine_splits``), and may write the output's int8 form for the output
+projection's low-bit GEMV (``quantize_heads``, int8_activations.py).
 """
 
 from __future__ import annotations
@@ -32,39 +31,6 @@ def quantize_heads(o, heads, row_ok, packs_ptr, xd_ptr, sums_ptr, block_sums_ptr
         quantize_blocks(tl.reshape(o.to(tl.float32), (R * BLOCKS, 32)),
                         tl.reshape(first[:, None] + blocks[None, :], (R * BLOCKS,)), tl.reshape(ok, (R * BLOCKS,)),
                         packs_ptr, xd_ptr, sums_ptr, block_sums_ptr, INT8_BITS)
-
-
-@triton.jit
-def combine_in_launch(out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, packs_ptr, xd_ptr, sums_ptr, block_sums_ptr,
-                      token, head, row_ok, num_heads, stride_ot, stride_oh, HEAD_DIM: tl.constexpr,
-                      BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr, INT8_BITS: tl.constexpr):
-    """Rows (``token`` [R] int64, ``head`` [R]; ``row_ok`` those to store) of the output combined from the workspace's
-    NUM_SPLITS slices, by a program that holds every slice's ticket (split_tickets.last_split): the others' partials
-    are read through L2 (``.cg``), CHUNK slices' accumulators loaded together (R x CHUNK x BLOCK_D floats: one load
-    for a decode's few heads, not one L2 round trip a slice). As ``_combine_splits_kernel`` computes it, with the
-    slices' weighted sums taken CHUNK at a time."""
-    part = (token * num_heads + head) * NUM_SPLITS
-    ok = row_ok[:, None]
-    splits = tl.arange(0, NUM_SPLITS)
-    m = tl.load(part_max_ptr + part[:, None] + splits[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg")
-    l = tl.load(part_sum_ptr + part[:, None] + splits[None, :], mask=ok, other=0.0, cache_modifier=".cg")
-    m_all = tl.max(m, 1)
-    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)   # a row no slice saw a key of: every weight 0
-    total = tl.sum(tl.exp(m - m_all[:, None]) * l, 1)
-    dims = tl.arange(0, BLOCK_D)
-    acc = tl.zeros((part.shape[0], BLOCK_D), dtype=tl.float32)
-    for j0 in tl.range(0, NUM_SPLITS, CHUNK, loop_unroll_factor=1):
-        chunk = part[:, None] + j0 + tl.arange(0, CHUNK)[None, :]   # [R, CHUNK]
-        weight = tl.exp(tl.load(part_max_ptr + chunk, mask=ok, other=float("-inf"), cache_modifier=".cg")
-                        - m_all[:, None])
-        slices = tl.load(part_acc_ptr + chunk[:, :, None] * HEAD_DIM + dims[None, None, :],
-                         mask=ok[:, :, None] & (dims < HEAD_DIM)[None, None, :], other=0.0, cache_modifier=".cg")
-        acc += tl.sum(slices * weight[:, :, None], 1)
-    o = (acc / tl.where(total == 0.0, 1.0, total)[:, None]).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :], o,
-             mask=ok & (dims < HEAD_DIM)[None, :])
-    quantize_heads(o, token * num_heads + head, row_ok, packs_ptr, xd_ptr, sums_ptr, block_sums_ptr, HEAD_DIM,
-                   INT8_BITS)
 
 
 @triton.jit
@@ -100,10 +66,3 @@ def combine_splits(out: torch.Tensor, part_max: torch.Tensor, part_sum: torch.Te
         out, part_max, part_sum, part_acc, *(made or (out,) * 4), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), NUM_SPLITS=splits, INT8_BITS=int8_bits, num_warps=4,
         **pdl.options(out.device))
-
-
-def combine_chunk(rows: int, splits: int, block_d: int, warps: int) -> int:
-    """Slices combine_in_launch loads together for ``rows`` rows (a power of two) in a program of ``warps`` warps: 64
-    registers a thread's worth of floats at most (a batch-1 decode's 4 heads x 16 slices x 128 dims in one load at 4
-    warps; sm_90 compile of the 2-warp decode tile: 168 registers a thread as before, 238 with 128 floats a thread)."""
-    return max(1, min(splits, 64 * 32 * warps // (rows * block_d)))

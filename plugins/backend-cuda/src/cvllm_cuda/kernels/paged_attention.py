@@ -9,9 +9,8 @@ sequence decodes one token (``max_query_len == 1``) tile i is simply sequence i.
 
 Split-KV. A long decode leaves most SMs idle with one program per (sequence, KV head); a third
 grid axis then cuts each tile's key range into NUM_SPLITS slices, each program writes an
-unnormalised partial (row max, row sum, accumulator) to a workspace, and the tile's slice that
-finishes last combines them in the launch (split_tickets.py; ``CVLLM_IN_LAUNCH_COMBINE=0``: a
-small kernel after it does, attention_splits.py).
+unnormalised partial (row max, row sum, accumulator) to a workspace, and a small kernel combines
+them (attention_splits.py).
 Slices are cut on the device from the tile's own key range, so the grid never depends on context
 length and nothing is read back to the host: the decode path can be captured in a CUDA graph.
 """
@@ -24,12 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from cvllm_cuda.kernels import gpu, pdl, quant_gemv_int8, split_tickets
-from cvllm_cuda.kernels.attention_splits import combine_chunk, combine_in_launch, combine_splits
+from cvllm_cuda.kernels import gpu, pdl, quant_gemv_int8
+from cvllm_cuda.kernels.attention_splits import combine_splits
 from cvllm_cuda.kernels.attention_step import attend_keys
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
-from cvllm_cuda.kernels.split_tickets import last_split
 from cvllm_cuda.kernels.tuned_configs import TUNED, TUNED_SPARSE_DECODE
 
 MAX_SPLITS = 16
@@ -150,7 +148,6 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
-    counters_ptr, packs_ptr, xd_ptr, sums_ptr, block_sums_ptr,
     num_seqs, scale, soft_cap, sliding_window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, stride_vd,
     stride_bt,
@@ -158,13 +155,8 @@ def _attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DECODE_ONLY: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr, USE_PDL: tl.constexpr, VALUES_BY_KEY: tl.constexpr = False,
-    COMBINE: tl.constexpr = False, BLOCK_R: tl.constexpr = 1, COMBINE_CHUNK: tl.constexpr = 1,
-    INT8_BITS: tl.constexpr = 0,
 ):
-    """VALUES_BY_KEY: V's keys contiguous within a page (kv_cache.empty_value_cache; attention_step.py). COMBINE:
-    the split that finishes last of a tile combines its slices (``counters_ptr``: the tiles' tickets; BLOCK_R: the
-    tile's query rows rounded up to a power of two), with the output's int8 form where INT8_BITS is set (the packs,
-    xd, sums and block sums at ``*_ptr``: attention_splits.combine_in_launch)."""
+    """VALUES_BY_KEY: V's keys contiguous within a page (kv_cache.empty_value_cache; attention_step.py)."""
     wait_for_previous_kernel(USE_PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -256,23 +248,13 @@ def _attention_kernel(
         tl.store(part_max_ptr + part, m_i, mask=row_valid)
         tl.store(part_sum_ptr + part, l_i, mask=row_valid)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=out_mask)
-        if COMBINE:
-            if last_split(counters_ptr, tile * tl.num_programs(1) + kv_head, NUM_SPLITS):
-                # the tile's rows again, BLOCK_R of them rather than the BLOCK_M of tl.dot (a decode's G heads)
-                tile_rows = tl.arange(0, BLOCK_R)
-                row_query = q_tile * BLOCK_Q + tile_rows // G
-                combine_in_launch(out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, packs_ptr, xd_ptr, sums_ptr,
-                                  block_sums_ptr, (q_start + row_query).to(tl.int64), kv_head * G + tile_rows % G,
-                                  (tile_rows < BLOCK_Q * G) & (row_query < q_len), tl.num_programs(1) * G, stride_ot,
-                                  stride_oh, HEAD_DIM, BLOCK_D, NUM_SPLITS, COMBINE_CHUNK, INT8_BITS)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int, scale: float,
                     sliding_window: int | None, soft_cap: float | None, out: torch.Tensor | None = None, *,
                     num_splits: int | None = None, config: AttentionConfig | None = None,
-                    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None, feeds=None,
-                    combine_in_launch: bool | None = None) -> torch.Tensor:
+                    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None, feeds=None) -> torch.Tensor:
     """Attention of varlen queries ``q [T, H, D]`` over the paged caches ``[num_blocks, block_size, Hkv, D]``.
 
     Sequence i's queries are rows ``query_start_loc[i]:query_start_loc[i + 1]`` at positions
@@ -285,8 +267,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     for each dimension, what the engine allocates on CUDA). ``feeds``: the linear layer the output goes to next
     (Attention.feeds): where that is a low-bit GEMV on int8 activations, the split-KV path's combining kernel makes
     the output's int8 form too and hands it over (quant_gemv_int8.hand_over; a decode step's few rows); elsewhere
-    none is made, and the GEMV rounds the output itself. ``combine_in_launch``: split slices combined by the
-    launch's last slice of each tile, not a kernel after it (None: split_tickets.COMBINE_ENABLED).
+    none is made, and the GEMV rounds the output itself.
     Launches without reading anything back to the host.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -335,13 +316,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     launch = pdl.options(q.device)
     combined_int8 = splits > 1 and head_dim % 32 == 0 and out.is_contiguous()
     int8_bits, made = quant_gemv_int8.output_form(out, feeds if combined_int8 else None, num_tokens)
-    tickets = split_tickets.launch_tickets(q.device, tiles * num_kv_heads, splits, combine_in_launch,
-                                           split_tickets.COMBINE_ENABLED)
-    block_r = next_power_of_2(block_q * group)
     _attention_kernel[(tiles, num_kv_heads, splits)](
         q, k_cache, v_cache, out, part_max, part_sum, part_acc,
         query_start_loc, seq_lens, block_tables, *(kv_scales or (seq_lens, seq_lens)),
-        seq_lens if tickets is None else tickets, *made,
         num_seqs, float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(2),
@@ -350,13 +327,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_N=config.block_n,
         NUM_SPLITS=splits, DECODE_ONLY=decode, USE_WINDOW=bool(sliding_window), USE_SOFT_CAP=bool(soft_cap),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8,
-        VALUES_BY_KEY=values_by_key, COMBINE=tickets is not None, BLOCK_R=block_r,
-        COMBINE_CHUNK=combine_chunk(block_r, splits, block_d, config.num_warps),
-        INT8_BITS=int8_bits if tickets is not None else 0,
+        VALUES_BY_KEY=values_by_key,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch,
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )
-    if splits > 1 and tickets is None:
+    if splits > 1:
         combine_splits(out, part_max, part_sum, part_acc, made, int8_bits)
     if int8_bits:
         quant_gemv_int8.hand_over(out, feeds, int8_bits, made)

@@ -1,6 +1,5 @@
 """K splits added in a kernel's own launch by the split that finishes last: the MMA GEMV's FUSED_SUM (on by
-default; ``CVLLM_IN_LAUNCH_SPLIT_SUMS=0`` turns it off) and the swapped GEMM's (off by default; ``=1`` turns both on);
-split-KV attention's slices combined the same way (paged_attention.py; ``CVLLM_IN_LAUNCH_COMBINE=0`` turns it off).
+default; ``CVLLM_IN_LAUNCH_SPLIT_SUMS=0`` turns it off) and the swapped GEMM's (off by default; ``=1`` turns both on).
 
 Why: a split product is otherwise followed by sum_splits_kernel, one more launch a projection. At batch 1 the MMA
 GEMV splits all four of a layer's projections: on the H200 128 such launches a GPTQ step, 4.4 us each on the
@@ -30,7 +29,6 @@ import triton.language as tl
 _SWITCH = os.environ.get("CVLLM_IN_LAUNCH_SPLIT_SUMS", "")
 ENABLED = _SWITCH != "0"         # the MMA GEMV's
 SWAPPED_ENABLED = _SWITCH == "1"  # the swapped GEMM's
-COMBINE_ENABLED = os.environ.get("CVLLM_IN_LAUNCH_COMBINE", "") != "0"   # split-KV attention's
 SLOTS = 1 << 14   # output tiles a launch may have (Llama-3-8B's gate_up: 224 of the MMA GEMV's 128 features)
 _counters: dict[torch.device, torch.Tensor] = {}
 
