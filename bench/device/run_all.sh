@@ -31,7 +31,8 @@
 # "fp8gemv" (issue 18): the FP8 weights' batch-1 GEMV tiles swept, --isq fp8 batch 1 before and after (~7 min);
 # "fusionslatency": the batch-1 standing of every --isq type beside bf16, with a Q6_K head and GPTQ W4A8 (~5 min).
 # "pending" (issue 18): the batch-1 standing at the defaults (bf16, q4k, gptq, q8_0, fp8), GPTQ with each of the MMA
-# GEMV's in-launch split sums and PREFETCH off, their GPU tests first, a GPTQ profile last (~8 min).
+# GEMV's in-launch split sums and PREFETCH off, their GPU tests first, a GPTQ profile and bench/kernel_chain.py
+# last (~9 min).
 # "mmatiles" (issue 18): the MMA GEMV's tiles (warps an SM, a register cap) with the early weights on and off (~4 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
@@ -330,7 +331,7 @@ mmatiles)
     done ;;
 pending)
     # issue 18: the batch-1 standing at session 41's defaults (the MMA GEMV's K splits added in its launch and its
-    # next K step loaded ahead: +7.8% GPTQ on an H100), each of those two off, after their GPU tests (~8 min)
+    # next K step loaded ahead: +7.8% GPTQ on an H100), each of those two off, after their GPU tests, then the kernel chain (~9 min)
     t=plugins/backend-cuda/tests
     # (the MMA GEMV's 24 shape tests are the suite's quant group: with them this step had passed 240 s, its compiles)
     run gpu-tests-pending 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rf --tb=short $t/test_quant_gemv_mma.py \
@@ -340,7 +341,9 @@ pending)
         latency_case $case
     done
     python3 bench/latency_table.py "$out"/$day-$card-latency-*-$commit.json
-    run profile-b1-gptq 120 python3 bench/profile_decode.py --batch 1 --context 1024 --steps 10 --isq gptq ;;
+    run profile-b1-gptq 120 python3 bench/profile_decode.py --batch 1 --context 1024 --steps 10 --isq gptq
+    # the floor under each of the step's ~290 dependent launches (session 42: written, not yet run)
+    run kernel-chain 120 python3 bench/kernel_chain.py --json "$out/$day-$card-kernel_chain-$commit.json" ;;
 fp8gemv)
     # issue 18: the FP8 weights' batch-1 GEMV (kernels/gemv.py with row scales: --isq fp8, FP8 checkpoints) has only
     # run bf16's default tile (4, 1024, 2, 3), a K step of 1 KB a row where bf16's tuned tiles read 4 KB: batch-1
