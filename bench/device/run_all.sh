@@ -331,7 +331,8 @@ mmatiles)
     done ;;
 pending)
     # issue 18: the batch-1 standing at session 41's defaults (the MMA GEMV's K splits added in its launch and its
-    # next K step loaded ahead: +7.8% GPTQ on an H100), each of those two off, after their GPU tests, then the kernel chain (~9 min)
+    # next K step loaded ahead: +7.8% GPTQ on an H100), each of those two off, after their GPU tests, then the
+    # kernel chain (~9 min)
     t=plugins/backend-cuda/tests
     # (the MMA GEMV's 24 shape tests are the suite's quant group: with them this step had passed 240 s, its compiles)
     run gpu-tests-pending 200 python3 -m pytest -m gpu -p no:cacheprovider -q -rf --tb=short $t/test_quant_gemv_mma.py \
