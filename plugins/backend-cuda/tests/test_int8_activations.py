@@ -108,6 +108,17 @@ def test_attention_combining_its_splits_makes_the_quantizers_bits(make_attention
     assert taken(layer, one_split.reshape(3, -1)) is None   # no combining kernel: the GEMV rounds it itself
 
 
+def test_a_form_left_unused_never_passes_for_another_tensor():
+    """A producer's output whose GEMV never ran (a forward pass cut short) is held with its form, so a later tensor of
+    its size cannot be given its memory and take its int8 form."""
+    layer = int8_layer(4, 8, 256)
+    out = silu_and_mul(randn(1, 1, 2 * 256, dtype=torch.float16), feeds=layer)
+    ptr = out.data_ptr()
+    del out
+    later = torch.empty(1, 256, dtype=torch.float16, device=DEVICE)
+    assert later.data_ptr() != ptr and taken(layer, later) is None
+
+
 def test_no_form_where_the_layer_does_not_take_one(monkeypatch):
     x, weight = randn(5, 2, 256, dtype=torch.float32), randn(6, 256, dtype=torch.float32)
     float_layer = SimpleNamespace(quant_weight=SimpleNamespace(layout=LAYOUTS["gptq4_g128"], in_features=256,
@@ -171,8 +182,8 @@ def test_a_handed_form_is_taken_only_for_its_own_memory():
         out = made()
         assert taken(layer, out) is not None and taken(layer, out) is None   # once
         out = made()
-        ptr, numel, dtype, _, form = layer.quant_weight.handed
-        layer.quant_weight.handed = (ptr, numel, dtype, 8, form)
+        held, _, form = layer.quant_weight.handed
+        layer.quant_weight.handed = (held, 8, form)
         assert taken(layer, out) is None   # another width's packing
 
 

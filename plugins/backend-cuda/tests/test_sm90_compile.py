@@ -187,7 +187,7 @@ def test_producers_of_int8_activations_compile(monkeypatch, low_bits, rows):
 
     def made_int8(k):   # the producer's launch took the int8 variant and handed its form over (then cleared)
         handed, layers[k].quant_weight.handed = layers[k].quant_weight.handed, None
-        return handed is not None and handed[3] == low_bits
+        return handed is not None and handed[1] == low_bits
 
     x = torch.zeros(rows, 4096, dtype=torch.bfloat16)
     norm = lambda: rms_norm.fused_add_rms_norm(x, x, torch.ones(4096, dtype=torch.bfloat16), 1e-5,  # noqa: E731

@@ -129,9 +129,10 @@ def hand_over(out: torch.Tensor, feeds, low_bits: int, made: tuple[torch.Tensor,
 
     By weight and address, not on the tensor object: the engine runs in inference mode, where a view records no
     base, and between a producer and its GEMV come reshapes (the attention's [T, H, D] -> [T, H * D], a linear
-    layer's [..., K] -> [T, K]) that make new tensor objects over the same memory."""
+    layer's [..., K] -> [T, K]) that make new tensor objects over the same memory. ``out`` itself is held until then,
+    so that no other tensor can take its memory meanwhile and pass for it (a form left unused)."""
     for weight in _weights(feeds):
-        weight.handed = (out.data_ptr(), out.numel(), out.dtype, low_bits, made)
+        weight.handed = (out, low_bits, made)
 
 
 def taken(x: torch.Tensor, weight: QuantWeight) -> tuple[torch.Tensor, ...] | None:
@@ -140,8 +141,9 @@ def taken(x: torch.Tensor, weight: QuantWeight) -> tuple[torch.Tensor, ...] | No
     handed, weight.handed = weight.handed, None
     if handed is None or not x.is_contiguous():
         return None
-    ptr, numel, dtype, low_bits, made = handed
-    same = ptr == x.data_ptr() and numel == x.numel() and dtype == x.dtype and low_bits == weight.layout.low_bits
+    out, low_bits, made = handed
+    same = (out.data_ptr() == x.data_ptr() and out.numel() == x.numel() and out.dtype == x.dtype
+            and low_bits == weight.layout.low_bits)
     return made if same else None
 
 
