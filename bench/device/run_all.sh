@@ -355,6 +355,9 @@ gatedgemv)
     t=plugins/backend-cuda/tests
     run gpu-tests-gated 150 python3 -m pytest -p no:cacheprovider -q -rf --tb=short $t/test_gated_input.py \
         $t/test_int8_activations.py
+    # GPTQ models end to end with it on (the switch is read at import)
+    CVLLM_GATED_GEMV=1 run gpu-tests-gated-models 150 python3 -m pytest -m gpu -p no:cacheprovider -q -rf --tb=short \
+        plugins/quant-marlin/tests
     base=$commit
     for round in 1 2; do
         commit=$base-r$round   # the result files' names
