@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -117,7 +118,8 @@ def test_what_is_not_left_to_the_gemv(monkeypatch):
 def test_a_stale_hand_over_is_dropped(monkeypatch):
     monkeypatch.setattr(gated_input, "ENABLED", True)
     weight = random_weight(LAYOUTS["gptq4_g128"], 64, K, DEVICE, seed=3)
-    silu_and_mul(gate_up_rows(1), feeds=down_layer(weight))   # its GEMV never ran (a forward pass cut short)
+    held = weakref.ref(silu_and_mul(gate_up_rows(1), feeds=down_layer(weight)))   # its GEMV never ran (a forward
+    assert held() is not None   # pass cut short): held, so no later tensor is given its memory and passes for it
     x = torch.randn(1, K, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(DEVICE)
     out = quant_matmul(x, weight)
     assert weight.gated is None and torch.equal(out, quant_matmul(x, weight))

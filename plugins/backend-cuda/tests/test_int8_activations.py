@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -109,14 +110,15 @@ def test_attention_combining_its_splits_makes_the_quantizers_bits(make_attention
 
 
 def test_a_form_left_unused_never_passes_for_another_tensor():
-    """A producer's output whose GEMV never ran (a forward pass cut short) is held with its form, so a later tensor of
-    its size cannot be given its memory and take its int8 form."""
+    """A producer's output whose GEMV never ran (a forward pass cut short) is held with its form until that weight's
+    next GEMV: its memory cannot go to a later tensor, which would then match by address and take the form."""
     layer = int8_layer(4, 8, 256)
     out = silu_and_mul(randn(1, 1, 2 * 256, dtype=torch.float16), feeds=layer)
-    ptr = out.data_ptr()
+    held = weakref.ref(out)
     del out
+    assert held() is not None   # still allocated: no later tensor can be given its address
     later = torch.empty(1, 256, dtype=torch.float16, device=DEVICE)
-    assert later.data_ptr() != ptr and taken(layer, later) is None
+    assert taken(layer, later) is None and held() is None   # the next GEMV drops the form and lets the memory go
 
 
 def test_no_form_where_the_layer_does_not_take_one(monkeypatch):

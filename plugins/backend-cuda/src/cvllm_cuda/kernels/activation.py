@@ -40,7 +40,7 @@ def _gated_and_mul(x: torch.Tensor, act: int, feeds, out: torch.Tensor | None = 
     if out.numel() == 0:
         return out
     rows = x.reshape(-1, x.shape[-1])  # a view for the usual [T, 2I] or [B, S, 2I] projection output
-    if rows.stride(-1) != 1 or rows.stride(0) % 2:
+    if rows.stride(-1) != 1:
         rows = rows.contiguous()
     if act == SILU and (weight := gated_input.defers(feeds, rows.shape[0], x.dtype)) is not None:
         gated_input.defer(out, rows, weight)   # the down projection's GEMV computes it as it loads it

@@ -260,4 +260,3 @@ def quant_gemv_mma(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, warp
         **({"maxnreg": registers} if registers else {}), **pdl_options(x.device))
     if splits > 1 and tickets is None:
         add_splits(partials, out, splits, n)
-

@@ -233,7 +233,7 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor | None 
     if t == 0 or weight.out_features == 0:
         return out
     from cvllm_cuda.kernels import gated_input, quant_gemv_int8, quant_gemv_mma  # (they build on this module)
-    gate_up = gated_input.take(x, weight) if weight.gated is not None else None
+    gate_up = gated_input.take(x, weight)
     if routes_to_mma(weight, t, x.dtype):
         quant_gemv_mma.quant_gemv_mma(x, weight, out, gated_from=gate_up)
         return out
