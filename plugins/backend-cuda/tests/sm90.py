@@ -126,7 +126,7 @@ def sass(kernel) -> list[str]:
 
 def loads_before_wait(kernel) -> int:
     """Global loads (LDG) a compiled kernel issues before its one ``griddepcontrol.wait`` (SASS ACQBULK), the PDL
-    wait: what it reads while the previous kernel may still be running."""
-    lines = sass(kernel)
+    wait: what it reads while the previous kernel may still be running (predicated ones too: ``@!P0 LDG...``)."""
+    lines = [re.sub(r"^@!?U?P\w+\s+", "", line) for line in sass(kernel)]
     [wait] = [i for i, line in enumerate(lines) if line.startswith("ACQBULK")]
     return sum(line.startswith("LDG") for line in lines[:wait])

@@ -113,6 +113,31 @@ def test_attention_over_fp8_cache_compiles(monkeypatch, dtype, max_query_len, ma
 
 
 @compiles
+@pytest.mark.parametrize("tile", [(16, 64, 4, 2), (16, 128, 4, 3)])   # the default decode tile, the H200's sparse one
+def test_decode_attention_reads_cached_keys_before_the_pdl_wait(monkeypatch, tile):
+    """paged_attention.EARLY_KV: with PDL a bf16 decode's first step of K and V (and the block table) is loaded before
+    ``griddepcontrol.wait`` (SASS ACQBULK); without it nothing is."""
+    monkeypatch.setattr(paged_attention.pdl, "options", lambda device: {"USE_PDL": True, "launch_pdl": True})
+    attention_splits = importlib.import_module("cvllm_cuda.kernels.attention_splits")
+    monkeypatch.setattr(attention_splits, "_combine_splits_kernel",
+                        sm90.LaunchRecorder(attention_splits._combine_splits_kernel))
+    q = torch.zeros(1, Q_HEADS, DIM, dtype=torch.bfloat16)
+    cache = caches(torch.bfloat16)
+    loads, spills = {}, {}
+    for early in (True, False):
+        monkeypatch.setattr(paged_attention, "EARLY_KV", early)
+        attention = lambda: paged_attention.paged_attention(   # noqa: E731
+            q, *cache, torch.arange(2, dtype=torch.int32), torch.full((1,), 40, dtype=torch.int32),
+            torch.zeros(1, BLOCKS, dtype=torch.int32), 1, DIM ** -0.5, None, None, num_splits=16,
+            config=paged_attention.AttentionConfig(*tile))
+        with monkeypatch.context() as patch:
+            [kernel] = compiled_launches(patch, paged_attention, "_attention_kernel", attention)
+        loads[early], spills[early] = sm90.loads_before_wait(kernel), sm90.resource_usage(kernel)["STACK"]
+    assert loads[False] == 0 and loads[True] >= 16, loads   # the lengths, the table's pages, K's and V's 16-byte loads
+    assert spills[True] <= spills[False] <= 8, spills   # (the sparse tile spills 8 bytes a thread either way)
+
+
+@compiles
 @pytest.mark.parametrize("sliding_window", [None, 40])
 def test_fp8_decode_attention_reads_values_by_key_without_byte_loads(monkeypatch, sliding_window):
     """An FP8 V cache by key (kv_cache.empty_value_cache, what the engine allocates): the tuned decode tile reads

@@ -231,26 +231,6 @@ def test_mma_gemv_keeps_one_element_a_lane(monkeypatch, name, rows, n):
 
 @compiles
 @pytest.mark.parametrize("rows", [1, 8])
-def test_the_mma_gemv_on_a_gate_up_output_compiles(monkeypatch, rows):
-    """The MMA GEMV computing silu(gate) * up as it loads x (kernels/gated_input.py, Llama-3-8B's down projection, the
-    defaults' PREFETCH and early weights): one row a lane still (no layout conversion), no spills, the MMAs, and at
-    most the 128 registers a thread of the plain GEMV (16 warps an SM, what its tiles aim at)."""
-    from test_quant_gemv_mma import MMA_LAYOUTS
-    from test_quant_matmul import random_weight
-    quant_gemv_mma = importlib.import_module("cvllm_cuda.kernels.quant_gemv_mma")
-    weight = random_weight(MMA_LAYOUTS["gptq4_g128"], 4096, 14336, "cpu")
-    gate_up = torch.zeros(rows, 2 * 14336, dtype=torch.bfloat16)
-    x, out = torch.empty(rows, 14336, dtype=torch.bfloat16), torch.empty(rows, 4096, dtype=torch.bfloat16)
-    [kernel] = compiled_launches(monkeypatch, quant_gemv_mma, "_gemv_mma_kernel",
-                                 lambda: quant_gemv_mma.quant_gemv_mma(x, weight, out, splits=8, gated_from=gate_up))
-    assert "convert_layout" not in kernel.asm["ttgir"]
-    assert sm90.resource_usage(kernel)["STACK"] == 0, "spilled to local memory"
-    assert sm90.registers(kernel) <= 128
-    assert any("HMMA.16816.F32.BF16" in line for line in sm90.sass(kernel))
-
-
-@compiles
-@pytest.mark.parametrize("rows", [1, 8])
 def test_the_mma_gemvs_prefetch_loads_the_next_step_ahead(monkeypatch, rows):
     """CVLLM_GEMV_MMA_PREFETCH: the loop loads the next K step's words as 16-byte loads predicated on there being a
     next step (beside x's, predicated on its rows); with the early weights and without, no spills, and registers that

@@ -84,8 +84,6 @@ class QuantWeight:
     b: torch.Tensor | None             # uint8 [K / scale_group, N]
     # the int8 form of this weight's next input, left by the kernel that made that input (quant_gemv_int8.hand_over)
     handed: tuple | None = field(default=None, repr=False, compare=False)
-    # a gated activation left to this weight's GEMV (kernels/gated_input.py: CVLLM_GATED_GEMV=1)
-    gated: tuple | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         # the kernels index the planes and factors with int32

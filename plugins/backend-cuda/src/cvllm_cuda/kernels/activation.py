@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cvllm_cuda.kernels import gated_input, pdl, quant_gemv_int8
+from cvllm_cuda.kernels import pdl, quant_gemv_int8
 from cvllm_cuda.kernels.gate_math import GELU_APPROXIMATIONS, LIBDEVICE, SILU, gated, store_with_int8
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
@@ -31,20 +31,15 @@ def _gated_kernel(
                     block_sums_ptr, BLOCK, INT8_BITS)
 
 
-def _gated_and_mul(x: torch.Tensor, act: int, feeds, out: torch.Tensor | None = None) -> torch.Tensor:
+def _gated_and_mul(x: torch.Tensor, act: int, feeds) -> torch.Tensor:
     assert x.shape[-1] % 2 == 0, x.shape
     intermediate = x.shape[-1] // 2
-    if out is None:
-        out = torch.empty((*x.shape[:-1], intermediate), dtype=x.dtype, device=x.device)
-    assert out.shape[-1] == intermediate and out.numel() * 2 == x.numel() and out.is_contiguous(), out.shape
+    out = torch.empty((*x.shape[:-1], intermediate), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
     rows = x.reshape(-1, x.shape[-1])  # a view for the usual [T, 2I] or [B, S, 2I] projection output
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    if act == SILU and (weight := gated_input.defers(feeds, rows.shape[0], x.dtype)) is not None:
-        gated_input.defer(out, rows, weight)   # the down projection's GEMV computes it as it loads it
-        return out
     int8_bits, made = quant_gemv_int8.output_form(out, feeds, rows.shape[0])
     grid = (rows.shape[0], cdiv(intermediate, _BLOCK))
     _gated_kernel[grid](
@@ -57,12 +52,11 @@ def _gated_and_mul(x: torch.Tensor, act: int, feeds, out: torch.Tensor | None = 
     return out
 
 
-def silu_and_mul(x: torch.Tensor, feeds=None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu(gate) * up`` with ``gate, up = x.chunk(2, dim=-1)``: ``[..., 2I]`` -> a new ``[..., I]`` tensor (or
-    ``out``, contiguous). ``feeds``: the linear layer the output goes to next (SiluAndMul.feeds); where that is a
-    low-bit GEMV on int8 activations, the output's int8 form comes with it (int8_activations.py); where its GEMV can
-    compute the activation itself, it may (gated_input.py: CVLLM_GATED_GEMV=1)."""
-    return _gated_and_mul(x, SILU, feeds, out)
+def silu_and_mul(x: torch.Tensor, feeds=None) -> torch.Tensor:
+    """``silu(gate) * up`` with ``gate, up = x.chunk(2, dim=-1)``: ``[..., 2I]`` -> a new ``[..., I]`` tensor.
+    ``feeds``: the linear layer the output goes to next (SiluAndMul.feeds); where that is a low-bit GEMV on int8
+    activations, the output's int8 form comes with it (int8_activations.py)."""
+    return _gated_and_mul(x, SILU, feeds)
 
 
 def gelu_and_mul(x: torch.Tensor, approximate: str = "none", feeds=None) -> torch.Tensor:

@@ -70,13 +70,12 @@ def step_words(low_ptrs, first_feature, N, KU: tl.constexpr, FW: tl.constexpr, E
 
 
 @triton.jit
-def step_mma(words, low_ptrs, first_feature, N, x_ptrs, g, T, x_row, zero, KU: tl.constexpr, FW: tl.constexpr,
+def step_mma(words, low_ptrs, first_feature, N, x_ptrs, g, T, K, zero, KU: tl.constexpr, FW: tl.constexpr,
               TG: tl.constexpr, BLOCKS: tl.constexpr, EVEN_N: tl.constexpr, INTERPRET: tl.constexpr,
-              LOADED: tl.constexpr, GATED: tl.constexpr = False, up_offset=0):
-    """A K step's sums (unit_mma's ``acc``) of its words times x's pairs at ``x_ptrs`` (rows ``x_row`` int32 apart):
-    the words ``words`` (step_words) where LOADED, else each unit's loaded at ``low_ptrs`` as it is needed (fewer
-    registers live in the loop: 70 against 76 at 1-8 rows). GATED: x is silu(gate) * up of a gate+up projection's
-    output, the gates' pairs at ``x_ptrs`` and the ups' ``up_offset`` int32 after (gated_words)."""
+              LOADED: tl.constexpr):
+    """A K step's sums (unit_mma's ``acc``) of its words times x's pairs at ``x_ptrs``: the words ``words``
+    (step_words) where LOADED, else each unit's loaded at ``low_ptrs`` as it is needed (fewer registers live in the
+    loop: 70 against 76 at 1-8 rows)."""
     acc = zeros(zero, BLOCKS * TG * 4 + TG * 2)
     for u in tl.static_range(KU):
         if LOADED:
@@ -85,31 +84,10 @@ def step_mma(words, low_ptrs, first_feature, N, x_ptrs, g, T, x_row, zero, KU: t
             unit = load_words(low_ptrs + u * 4 * N, first_feature, N, FW, EVEN_N)
         xs = ()
         for t in tl.static_range(TG):
-            ptrs = x_ptrs + (8 * t * x_row + u * 16)
-            ok = (g + 8 * t < T)[:, None]
-            if GATED:
-                xw = columns(gated_words(tl.load(ptrs, mask=ok, other=0), tl.load(ptrs + up_offset, mask=ok, other=0)))
-            else:
-                xw = columns(tl.load(ptrs, mask=ok, other=0))
+            xw = columns(tl.load(x_ptrs + (8 * t * (K // 2) + u * 16), mask=(g + 8 * t < T)[:, None], other=0))
             xs = xs + x_pairs(xw[0], xw[1], xw[2], xw[3], INTERPRET)
         acc = unit_mma(unit, xs, acc, BLOCKS, TG, INTERPRET)
     return acc
-
-
-@triton.jit
-def gated_words(gate, up):
-    """int32 words of bf16 pairs: silu(gate) * up of the words of bf16 pairs ``gate`` and ``up``, rounded as the
-    activation kernel rounds (silu to bf16, then the product) but with Triton's fast exp and division: gate_math's
-    IEEE division and libdevice exp took the sm_90 MMA GEMV from 128 registers a thread to 164 (16 warps an SM to 12)
-    and 816 SASS instructions to 2,008; these keep 128 (1,424). A silu within ~2 float32 ulps of torch's, so an
-    input may differ from the activation kernel's by one bf16 ulp, rarely. A zero pair gives a zero pair."""
-    g_low = (gate << 16).to(tl.float32, bitcast=True)
-    g_high = ((gate >> 16) << 16).to(tl.float32, bitcast=True)
-    low = (g_low / (1.0 + tl.exp(-g_low))).to(tl.bfloat16).to(tl.float32) * (up << 16).to(tl.float32, bitcast=True)
-    high = ((g_high / (1.0 + tl.exp(-g_high))).to(tl.bfloat16).to(tl.float32)
-            * ((up >> 16) << 16).to(tl.float32, bitcast=True))
-    return ((low.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF)
-            | (high.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) << 16))
 
 
 @triton.jit

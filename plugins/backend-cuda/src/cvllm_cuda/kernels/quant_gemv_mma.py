@@ -100,17 +100,16 @@ def tile(rows: int) -> tuple[int, int, int]:
 
 @triton.jit
 def _gemv_mma_kernel(x_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr, high_ptr, d_ptr, m_ptr, a_ptr, b_ptr, N, K, T,
-                     stride_ot, SPLIT_WORDS, x_row, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr,
+                     stride_ot, SPLIT_WORDS, LOW_BITS: tl.constexpr, HIGH_BITS: tl.constexpr,
                      SCALE_GROUP: tl.constexpr, SUPER_GROUP: tl.constexpr, A_MODE: tl.constexpr,
                      B_MODE: tl.constexpr, B_CONST: tl.constexpr, HAS_M: tl.constexpr, FLOAT8: tl.constexpr,
                      KU: tl.constexpr, W: tl.constexpr, FW: tl.constexpr, TG: tl.constexpr, STAGES: tl.constexpr,
                      EVEN_N: tl.constexpr, INTERPRET: tl.constexpr, USE_PDL: tl.constexpr,
                      EARLY: tl.constexpr = False, PREFETCH: tl.constexpr = False, FUSED_SUM: tl.constexpr = False,
-                     SPLITS: tl.constexpr = 1, GATED: tl.constexpr = False):
+                     SPLITS: tl.constexpr = 1):
     """Program (i, s): output features i * 8 FW W ... over words s * SPLIT_WORDS ...: a warp 8 FW features (lane row
     g's FW features n0 + FW g ...), KU units a K step (within one scale group), TG groups of 8 tokens. x is read as
-    int32 bf16 pairs at ``x_ptr``, rows ``x_row`` int32 apart (GATED: the gate+up projection's output [T, 2K],
-    whose silu(gate) * up is x, step_mma); out's rows are ``stride_ot`` apart. With more than one split, each
+    int32 bf16 pairs [T, K / 2] at ``x_ptr``; out's rows are ``stride_ot`` apart. With more than one split, each
     stores float32 partial sums [splits, T, N], added by sum_splits_kernel or, FUSED_SUM (SPLITS of them), by the
     split that finishes last (split_tickets.py; ``counters_ptr``: its tickets). (LOW_BITS, HIGH_BITS, FLOAT8: the
     layout's, always 4, 0, False here: ``applies``.) EARLY: the first K step's words and factors are read
@@ -126,7 +125,7 @@ def _gemv_mma_kernel(x_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr, high_pt
     end = tl.minimum(K // 8, start + SPLIT_WORDS)
     low_ptrs = low_ptr + (start + j) * N + first_feature           # the lane reads word k0 / 8 + j of its features
     # x's pairs: token g (of each group) inputs k0 + 8 j + 2 p, + 1 at int32 (k0 + 8 j) / 2 + p
-    x_ptrs = x_ptr + g[:, None] * x_row + start * 4 + 4 * j[:, None] + tl.arange(0, 4)[None, :]
+    x_ptrs = x_ptr + g[:, None] * (K // 2) + start * 4 + 4 * j[:, None] + tl.arange(0, 4)[None, :]
     zero = tl.zeros((W * 32,), dtype=tl.float32)
     y = zeros(zero, FW * TG * 2)
     if EARLY:   # the first K step's words and factors (weights: no kernel writes them) before the wait; x after it
@@ -144,8 +143,8 @@ def _gemv_mma_kernel(x_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr, high_pt
             next_words = step_words(low_ptrs + KU * 4 * N, first_feature, N, KU, FW, EVEN_N, more)
             next_factors = step_factors(w0 + KU * 4, d_ptr, m_ptr, a_ptr, b_ptr, first_feature, N, SCALE_GROUP,
                                          SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M, FW, EVEN_N, more)
-            acc = step_mma(words, low_ptrs, first_feature, N, x_ptrs, g, T, x_row, zero, KU, FW, TG, BLOCKS,
-                            EVEN_N, INTERPRET, True, GATED, K // 2)
+            acc = step_mma(words, low_ptrs, first_feature, N, x_ptrs, g, T, K, zero, KU, FW, TG, BLOCKS, EVEN_N,
+                            INTERPRET, True)
             y = apply_factors(y, acc, factors, w0, d_ptr, m_ptr, a_ptr, b_ptr, first_feature, N, SCALE_GROUP,
                                SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M, EVEN_N, TG, BLOCKS, True)
             words = next_words
@@ -154,15 +153,15 @@ def _gemv_mma_kernel(x_ptr, out_ptr, partial_ptr, counters_ptr, low_ptr, high_pt
             x_ptrs += KU * 16
     else:
         if EARLY:
-            acc = step_mma(words, low_ptrs, first_feature, N, x_ptrs, g, T, x_row, zero, KU, FW, TG, BLOCKS,
-                            EVEN_N, INTERPRET, True, GATED, K // 2)
+            acc = step_mma(words, low_ptrs, first_feature, N, x_ptrs, g, T, K, zero, KU, FW, TG, BLOCKS, EVEN_N,
+                            INTERPRET, True)
             y = apply_factors(y, acc, factors, start, d_ptr, m_ptr, a_ptr, b_ptr, first_feature, N, SCALE_GROUP,
                                SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M, EVEN_N, TG, BLOCKS, True)
             low_ptrs += KU * 4 * N
             x_ptrs += KU * 16
         for w0 in tl.range(start + KU * 4 * EARLY, end, KU * 4, num_stages=STAGES):
-            acc = step_mma((), low_ptrs, first_feature, N, x_ptrs, g, T, x_row, zero, KU, FW, TG, BLOCKS,
-                            EVEN_N, INTERPRET, False, GATED, K // 2)
+            acc = step_mma((), low_ptrs, first_feature, N, x_ptrs, g, T, K, zero, KU, FW, TG, BLOCKS, EVEN_N,
+                            INTERPRET, False)
             y = apply_factors(y, acc, (), w0, d_ptr, m_ptr, a_ptr, b_ptr, first_feature, N, SCALE_GROUP,
                                SUPER_GROUP, A_MODE, B_MODE, B_CONST, HAS_M, EVEN_N, TG, BLOCKS, False)
             low_ptrs += KU * 4 * N
@@ -224,12 +223,10 @@ def split_count(n: int, k: int, ku: int, features: int, warps: int, warps_per_sm
 def quant_gemv_mma(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, warps: int | None = None,
                    splits: int | None = None, stages: int = 1, words: int | None = None,
                    registers: int | None = None, prefetch: bool | None = None,
-                   fused_sums: bool | None = None, gated_from: torch.Tensor | None = None) -> None:
+                   fused_sums: bool | None = None) -> None:
     """out = x @ W.T for x [T, K] bf16 (T <= MAX_ROWS) and out [T, N] (rows of any stride). ``registers``: a cap on
     a thread's (Triton's maxnreg; None: the compiler's choice), for probes. ``prefetch``: the kernel's PREFETCH
-    (None: ``prefetches(T)``). ``fused_sums``: K splits added in the launch (None: split_tickets.ENABLED).
-    ``gated_from``: x is silu(gate) * up of this gate+up projection output [T, 2K], computed as the GEMV loads it
-    (mma_gemv_step.gated_words); x itself (a placeholder of its shape) is not read (gated_input.py)."""
+    (None: ``prefetches(T)``). ``fused_sums``: K splits added in the launch (None: split_tickets.ENABLED)."""
     t, k = x.shape
     n = weight.out_features
     if t > MAX_ROWS or not applies(weight.layout, x.dtype, k):
@@ -243,20 +240,17 @@ def quant_gemv_mma(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, warp
         splits = split_count(n, k, ku, block_n, warps, warps_per_sm, x.device)
     split_words = cdiv(k // (UNIT * ku), splits) * ku * 4
     splits = cdiv(k // 8, split_words)
-    if gated_from is not None:
-        assert gated_from.shape == (t, 2 * k) and gated_from.dtype == x.dtype, (gated_from.shape, x.shape)
-        x = gated_from
-    if x.stride(1) != 1 or x.stride(0) % 2 or x.storage_offset() % 2:   # read as int32 pairs
+    if not x.is_contiguous() or x.storage_offset() % 2:   # read as int32 pairs
         x = x.clone(memory_format=torch.contiguous_format)
     partials = out if splits == 1 else torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
     tickets = split_tickets.launch_tickets(x.device, cdiv(n, block_n), splits, fused_sums, split_tickets.ENABLED)
     _gemv_mma_kernel[(cdiv(n, block_n), splits)](
         x.view(torch.int32), out, partials, partials if tickets is None else tickets, *kernel_tensors(weight),
-        n, k, t, out.stride(0), split_words, x.stride(0) // 2,
+        n, k, t, out.stride(0), split_words,
         **lay.kernel_args(), KU=ku, W=warps, FW=fw, TG=cdiv(t, 8), STAGES=stages, EVEN_N=n % block_n == 0,
         INTERPRET=bool(triton.knobs.runtime.interpret), EARLY=quant_tiles.EARLY_WEIGHTS,
         PREFETCH=prefetches(t) if prefetch is None else prefetch, FUSED_SUM=tickets is not None,
-        SPLITS=splits if tickets is not None else 1, GATED=gated_from is not None, num_warps=warps,
+        SPLITS=splits if tickets is not None else 1, num_warps=warps,
         **({"maxnreg": registers} if registers else {}), **pdl_options(x.device))
     if splits > 1 and tickets is None:
         add_splits(partials, out, splits, n)

@@ -232,16 +232,12 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor | None 
         out = torch.empty((t, weight.out_features), dtype=x.dtype, device=x.device)
     if t == 0 or weight.out_features == 0:
         return out
-    from cvllm_cuda.kernels import gated_input, quant_gemv_int8, quant_gemv_mma  # (they build on this module)
-    gate_up = gated_input.take(x, weight)
-    if routes_to_mma(weight, t, x.dtype):
-        quant_gemv_mma.quant_gemv_mma(x, weight, out, gated_from=gate_up)
-        return out
-    if gate_up is not None:   # another kernel for this x: the activation first, into x (gated_input.py)
-        from cvllm_cuda.kernels.activation import silu_and_mul
-        silu_and_mul(gate_up, out=x)
+    from cvllm_cuda.kernels import quant_gemv_int8, quant_gemv_mma  # (they build on this module)
     if t <= quant_gemv_int8.MAX_ROWS and quant_gemv_int8.applies(weight.layout, weight.in_features):
         quant_gemv_int8.quant_gemv_int8(x, weight, out)
+    elif (quant_gemv_mma.ENABLED and t <= quant_gemv_mma.ROUTED_ROWS
+          and quant_gemv_mma.applies(weight.layout, x.dtype, weight.in_features)):
+        quant_gemv_mma.quant_gemv_mma(x, weight, out)
     elif t == 1:
         quant_gemv(x, weight, out)
     elif t <= GEMM_MAX_ROWS:
@@ -249,16 +245,6 @@ def quant_matmul(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor | None 
     else:
         torch.matmul(x, dequantize_weight(weight, x.dtype), out=out)
     return out
-
-
-def routes_to_mma(weight: QuantWeight, rows: int, dtype: torch.dtype) -> bool:
-    """Whether quant_matmul multiplies ``rows`` rows of x in ``dtype`` by ``weight`` with the tensor-core GEMV
-    (quant_gemv_mma.py): a layout of float activations, not the int8 GEMV's."""
-    from cvllm_cuda.kernels import quant_gemv_int8, quant_gemv_mma
-
-    return (quant_gemv_mma.ENABLED and 0 < rows <= quant_gemv_mma.ROUTED_ROWS
-            and not (rows <= quant_gemv_int8.MAX_ROWS and quant_gemv_int8.applies(weight.layout, weight.in_features))
-            and quant_gemv_mma.applies(weight.layout, dtype, weight.in_features))
 
 
 def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
