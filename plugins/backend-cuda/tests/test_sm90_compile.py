@@ -115,7 +115,7 @@ def test_attention_over_fp8_cache_compiles(monkeypatch, dtype, max_query_len, ma
 @compiles
 @pytest.mark.parametrize("tile", [(16, 64, 4, 2), (16, 128, 4, 3)])   # the default decode tile, the H200's sparse one
 def test_decode_attention_reads_cached_keys_before_the_pdl_wait(monkeypatch, tile):
-    """paged_attention.EARLY_KV: with PDL a bf16 decode's first step of K and V (and the block table) is loaded before
+    """pdl.EARLY_INPUTS: with PDL a bf16 decode's first step of K and V (and the block table) is loaded before
     ``griddepcontrol.wait`` (SASS ACQBULK); without it nothing is."""
     monkeypatch.setattr(paged_attention.pdl, "options", lambda device: {"USE_PDL": True, "launch_pdl": True})
     attention_splits = importlib.import_module("cvllm_cuda.kernels.attention_splits")
@@ -125,7 +125,7 @@ def test_decode_attention_reads_cached_keys_before_the_pdl_wait(monkeypatch, til
     cache = caches(torch.bfloat16)
     loads, spills = {}, {}
     for early in (True, False):
-        monkeypatch.setattr(paged_attention, "EARLY_KV", early)
+        monkeypatch.setattr(paged_attention.pdl, "EARLY_INPUTS", early)
         attention = lambda: paged_attention.paged_attention(   # noqa: E731
             q, *cache, torch.arange(2, dtype=torch.int32), torch.full((1,), 40, dtype=torch.int32),
             torch.zeros(1, BLOCKS, dtype=torch.int32), 1, DIM ** -0.5, None, None, num_splits=16,

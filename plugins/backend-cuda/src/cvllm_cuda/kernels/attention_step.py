@@ -108,7 +108,7 @@ def load_early_keys(start, split_end, cached_end, table, k_cache_ptr, v_cache_pt
                     stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """attend_keys' ``early`` for the step at ``start``: the key offsets of its keys below ``split_end`` and the K
     [BLOCK_D, BLOCK_N] and V [BLOCK_N, BLOCK_D] (laid out as K) of those below ``cached_end``, zero elsewhere. Read
-    before the kernel's PDL wait: keys the steps before this one wrote (paged_attention.EARLY_KV says why that is
+    before the kernel's PDL wait: keys the steps before this one wrote (pdl.EARLY_INPUTS says why that is
     safe)."""
     keys = start + tl.arange(0, BLOCK_N)
     page = tl.load(table + keys // BLOCK_SIZE, mask=keys < split_end, other=0).to(tl.int64)

@@ -17,7 +17,6 @@ length and nothing is read back to the host: the decode path can be captured in 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -33,14 +32,11 @@ from cvllm_cuda.kernels.tuned_configs import TUNED, TUNED_SPARSE_DECODE
 
 MAX_SPLITS = 16
 MAX_SPLIT_QUERY_LEN = 8   # queries per sequence up to which keys are split (default_num_splits)
-# Early keys (``CVLLM_ATTENTION_EARLY_KV=0`` turns them off): a decode launch's programs read their slice's first step
-# of keys and values before the PDL wait, so that the cache's latency passes while the kernel before (rotary and the
-# cache write) still runs. Only keys below the sequence's context length are read early: earlier steps wrote them, and
-# a PDL launch begins only after every program of the kernel before it has passed its own wait, so everything
-# launched before that kernel has finished and is visible; this step's own keys (that kernel's writes), the queries
-# and the outputs wait. On an H100 a batch-1 Llama-3-8B step's attention is 7.1 us a layer on the critical path
-# (session 42's profile) for ~4 MB of K/V that take ~1.4 us to copy.
-EARLY_KV = os.environ.get("CVLLM_ATTENTION_EARLY_KV", "1") != "0"
+# Early keys (pdl.EARLY_INPUTS, which says why this is safe): a decode launch's programs read their slice's first
+# step of keys and values (all but the decode's own key, which the kernel before writes) before the PDL wait, so that
+# the cache's latency passes while that kernel (rotary and the cache write) still runs. On an H100 a batch-1
+# Llama-3-8B step's attention was 7.1 us a layer on the critical path (session 43's profile) for ~4 MB of K/V that
+# take ~1.4 us to copy: after its wait it loaded the lengths, then the pages, then K and V.
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,10 +126,11 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, dev
 
 
 def reads_keys_early(decode: bool, values_by_key: bool, programs: int, device: torch.device) -> bool:
-    """Whether a launch takes EARLY_KV: a decode over a cache with V laid out as K, of no more programs than SMs (the
-    peeled first step holds its K and V in registers, 230-255 a thread on sm_90: more programs an SM would not fit).
+    """Whether a launch reads its cached keys before its PDL wait (pdl.EARLY_INPUTS): a decode over a cache with V
+    laid out as K, of no more programs than SMs (the peeled first step holds its K and V in registers, 230-255 a
+    thread on sm_90: more programs an SM would not fit).
     Off CUDA (the interpreter, compile tests) every such decode does, so that its path is tested."""
-    if not (EARLY_KV and decode and not values_by_key):
+    if not (pdl.EARLY_INPUTS and decode and not values_by_key):
         return False
     return device.type != "cuda" or programs <= gpu.num_sms(gpu.device_index(device))
 
@@ -176,7 +173,7 @@ def _attention_kernel(
 ):
     """VALUES_BY_KEY: V's keys contiguous within a page (kv_cache.empty_value_cache; attention_step.py). EARLY_KV
     (DECODE_ONLY, V laid out as K): the slice's first step's cached keys and values are read before the PDL wait
-    (the module's EARLY_KV)."""
+    (reads_keys_early)."""
     if not EARLY_KV:
         wait_for_previous_kernel(USE_PDL)
     tile = tl.program_id(0)
