@@ -85,6 +85,23 @@ def test_fused_rotary_cache_write_compiles(monkeypatch, dtype, cache_fp8, qk_nor
 
 
 @compiles
+def test_rotary_reads_its_position_slot_and_angles_before_the_pdl_wait(monkeypatch):
+    """pdl.EARLY_INPUTS: the fused rotary + cache write loads its position, slot and cos / sin row before
+    ``griddepcontrol.wait``, q, k and v after it; without it nothing before it."""
+    monkeypatch.setattr(rotary.pdl, "options", lambda device: {"USE_PDL": True, "launch_pdl": True})
+    q, k, v = (torch.zeros(1, h * DIM, dtype=torch.bfloat16) for h in (Q_HEADS, KV_HEADS, KV_HEADS))
+    loads = {}
+    for early in (True, False):
+        monkeypatch.setattr(rotary.pdl, "EARLY_INPUTS", early)
+        with monkeypatch.context() as patch:
+            [kernel] = compiled_launches(patch, rotary, "_rotary_kernel", lambda: rotary.rotary_write_kv(
+                torch.zeros(1, dtype=torch.int64), q, k, v, torch.zeros(64, DIM, dtype=torch.bfloat16), DIM,
+                *caches(torch.bfloat16), torch.zeros(1, dtype=torch.int64)))
+        loads[early] = sm90.loads_before_wait(kernel)
+    assert loads[False] == 0 and 3 <= loads[True] <= 8, loads   # position, slot, cos and sin; not q, k or v
+
+
+@compiles
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fp8_cache_write_compiles(monkeypatch, dtype):
     k, v = (torch.zeros(TOKENS, KV_HEADS, DIM, dtype=dtype) for _ in range(2))
