@@ -80,12 +80,9 @@ def test_split_kv_mixed_batch(make_attention_case, check_attention, num_splits, 
 
 @pytest.mark.parametrize("num_splits", [1, 4, 16])
 @pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("early_kv", [True, False])
-def test_decode_only_batch(monkeypatch, make_attention_case, check_attention, num_splits, block_size, early_kv):
+def test_decode_only_batch(make_attention_case, check_attention, num_splits, block_size):
     # max_query_len == 1 takes the decode path: one tile per sequence, G = 4 heads per KV head;
-    # with 16 splits most slices of the short contexts are empty and must not disturb the result. early_kv: each
-    # slice's first step read in two parts, the cached keys (before the PDL wait on a GPU) and the step's own
-    monkeypatch.setattr(importlib.import_module("cvllm_cuda.kernels.pdl"), "EARLY_INPUTS", early_kv)
+    # with 16 splits most slices of the short contexts are empty and must not disturb the result
     case = make_attention_case(query_lens=[1, 1, 1], context_lens=[127, 0, 63], num_heads=8, num_kv_heads=2,
                                head_dim=64, block_size=block_size, dtype=torch.float32, device=DEVICE)
     check_attention(case, num_splits=num_splits)

@@ -85,23 +85,6 @@ def test_fused_rotary_cache_write_compiles(monkeypatch, dtype, cache_fp8, qk_nor
 
 
 @compiles
-def test_rotary_reads_its_position_slot_and_angles_before_the_pdl_wait(monkeypatch):
-    """pdl.EARLY_INPUTS: the fused rotary + cache write loads its position, slot and cos / sin row before
-    ``griddepcontrol.wait``, q, k and v after it; without it nothing before it."""
-    monkeypatch.setattr(rotary.pdl, "options", lambda device: {"USE_PDL": True, "launch_pdl": True})
-    q, k, v = (torch.zeros(1, h * DIM, dtype=torch.bfloat16) for h in (Q_HEADS, KV_HEADS, KV_HEADS))
-    loads = {}
-    for early in (True, False):
-        monkeypatch.setattr(rotary.pdl, "EARLY_INPUTS", early)
-        with monkeypatch.context() as patch:
-            [kernel] = compiled_launches(patch, rotary, "_rotary_kernel", lambda: rotary.rotary_write_kv(
-                torch.zeros(1, dtype=torch.int64), q, k, v, torch.zeros(64, DIM, dtype=torch.bfloat16), DIM,
-                *caches(torch.bfloat16), torch.zeros(1, dtype=torch.int64)))
-        loads[early] = sm90.loads_before_wait(kernel)
-    assert loads[False] == 0 and 3 <= loads[True] <= 8, loads   # position, slot, cos and sin; not q, k or v
-
-
-@compiles
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fp8_cache_write_compiles(monkeypatch, dtype):
     k, v = (torch.zeros(TOKENS, KV_HEADS, DIM, dtype=dtype) for _ in range(2))
@@ -127,31 +110,6 @@ def test_attention_over_fp8_cache_compiles(monkeypatch, dtype, max_query_len, ma
         q, k_cache, v_cache, query_start_loc, seq_lens, tables, max_query_len, 0.1, None, None, num_splits=1,
         config=config, kv_scales=scales(FP8))
     assert len(compiled_launches(monkeypatch, paged_attention, "_attention_kernel", attention)) == 1
-
-
-@compiles
-@pytest.mark.parametrize("tile", [(16, 64, 4, 2), (16, 128, 4, 3)])   # the default decode tile, the H200's sparse one
-def test_decode_attention_reads_cached_keys_before_the_pdl_wait(monkeypatch, tile):
-    """pdl.EARLY_INPUTS: with PDL a bf16 decode's first step of K and V (and the block table) is loaded before
-    ``griddepcontrol.wait`` (SASS ACQBULK); without it nothing is."""
-    monkeypatch.setattr(paged_attention.pdl, "options", lambda device: {"USE_PDL": True, "launch_pdl": True})
-    attention_splits = importlib.import_module("cvllm_cuda.kernels.attention_splits")
-    monkeypatch.setattr(attention_splits, "_combine_splits_kernel",
-                        sm90.LaunchRecorder(attention_splits._combine_splits_kernel))
-    q = torch.zeros(1, Q_HEADS, DIM, dtype=torch.bfloat16)
-    cache = caches(torch.bfloat16)
-    loads, spills = {}, {}
-    for early in (True, False):
-        monkeypatch.setattr(paged_attention.pdl, "EARLY_INPUTS", early)
-        attention = lambda: paged_attention.paged_attention(   # noqa: E731
-            q, *cache, torch.arange(2, dtype=torch.int32), torch.full((1,), 40, dtype=torch.int32),
-            torch.zeros(1, BLOCKS, dtype=torch.int32), 1, DIM ** -0.5, None, None, num_splits=16,
-            config=paged_attention.AttentionConfig(*tile))
-        with monkeypatch.context() as patch:
-            [kernel] = compiled_launches(patch, paged_attention, "_attention_kernel", attention)
-        loads[early], spills[early] = sm90.loads_before_wait(kernel), sm90.resource_usage(kernel)["STACK"]
-    assert loads[False] == 0 and loads[True] >= 16, loads   # the lengths, the table's pages, K's and V's 16-byte loads
-    assert spills[True] <= spills[False] <= 8, spills   # (the sparse tile spills 8 bytes a thread either way)
 
 
 @compiles

@@ -32,34 +32,24 @@ def attend_keys(acc, m_i, l_i, q, start, split_end, q_pos, table, k_cache_ptr, v
                 scale, soft_cap, sliding_window, stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, stride_vd,
                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
                 USE_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
-                VALUES_BY_KEY: tl.constexpr, MASKED: tl.constexpr, early=None, fresh_from=0):
+                VALUES_BY_KEY: tl.constexpr, MASKED: tl.constexpr):
     """(acc, m_i, l_i) after the keys start .. start + BLOCK_N - 1 (those below ``split_end`` count). ``MASKED``:
     keys of the step may lie past the sequence's length, their pages absent and their slots garbage; without it
     every key of the step is one of the sequence's (its K and V written, its page in the table). ``VALUES_BY_KEY``:
     V's keys contiguous within a page (``stride_v*``: its page's, head's and dimension's strides), else V is laid
-    out as K is (``stride_c*``). ``early``: the step's (key offsets, K, V) of the keys below ``fresh_from`` as
-    load_early_keys read them (MASKED, V laid out as K; a decode: its one query's key, at ``fresh_from``, is the
-    only one left to load here)."""
+    out as K is (``stride_c*``)."""
     keys = start + tl.arange(0, BLOCK_N)
     key_valid = keys < split_end
-    if early is not None:   # only the decode's own key, at fresh_from, is still to be read (a row of K and of V)
-        key_offset, k_early, v_early = early
-        fresh = keys == fresh_from
-        fresh_offset = tl.sum(tl.where(fresh, key_offset, 0))
-        has_fresh = (fresh_from >= start) & (fresh_from < split_end)
-        k_row = tl.load(k_cache_ptr + fresh_offset + dims, mask=dim_valid & has_fresh, other=0.0)
-        k = tl.where(fresh[None, :], k_row[:, None], k_early)
+    if MASKED:
+        page = tl.load(table + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
     else:
-        if MASKED:
-            page = tl.load(table + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
-        else:
-            page = tl.load(table + keys // BLOCK_SIZE).to(tl.int64)
-        key_offset = page * stride_cb + (keys % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        if MASKED:
-            k = tl.load(k_cache_ptr + key_offset[None, :] + dims[:, None],
-                        mask=dim_valid[:, None] & key_valid[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
-        else:
-            k = tl.load(k_cache_ptr + key_offset[None, :] + dims[:, None], mask=dim_valid[:, None], other=0.0)
+        page = tl.load(table + keys // BLOCK_SIZE).to(tl.int64)
+    key_offset = page * stride_cb + (keys % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+    if MASKED:
+        k = tl.load(k_cache_ptr + key_offset[None, :] + dims[:, None],
+                    mask=dim_valid[:, None] & key_valid[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+    else:
+        k = tl.load(k_cache_ptr + key_offset[None, :] + dims[:, None], mask=dim_valid[:, None], other=0.0)
     if FP8:
         k = k.to(q.dtype)
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
@@ -89,9 +79,6 @@ def attend_keys(acc, m_i, l_i, q, start, split_end, q_pos, table, k_cache_ptr, v
             v = tl.where(key_valid[:, None], v, 0.0)
         else:
             v = tl.load(v_cache_ptr + value_offset, mask=dim_valid[None, :], other=0.0)
-    elif early is not None:
-        v_row = tl.load(v_cache_ptr + fresh_offset + dims, mask=dim_valid & has_fresh, other=0.0)
-        v = tl.where(fresh[:, None], v_row[None, :], v_early)
     elif MASKED:   # V laid out as K is
         v = tl.load(v_cache_ptr + key_offset[:, None] + dims[None, :],
                     mask=key_valid[:, None] & dim_valid[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
@@ -101,21 +88,3 @@ def attend_keys(acc, m_i, l_i, q, start, split_end, q_pos, table, k_cache_ptr, v
         v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
-
-
-@triton.jit
-def load_early_keys(start, split_end, cached_end, table, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_valid,
-                    stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """attend_keys' ``early`` for the step at ``start``: the key offsets of its keys below ``split_end`` and the K
-    [BLOCK_D, BLOCK_N] and V [BLOCK_N, BLOCK_D] (laid out as K) of those below ``cached_end``, zero elsewhere. Read
-    before the kernel's PDL wait: keys the steps before this one wrote (pdl.EARLY_INPUTS says why that is
-    safe)."""
-    keys = start + tl.arange(0, BLOCK_N)
-    page = tl.load(table + keys // BLOCK_SIZE, mask=keys < split_end, other=0).to(tl.int64)
-    key_offset = page * stride_cb + (keys % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-    cached = keys < cached_end
-    k = tl.load(k_cache_ptr + key_offset[None, :] + dims[:, None], mask=dim_valid[:, None] & cached[None, :],
-                other=0.0)
-    v = tl.load(v_cache_ptr + key_offset[:, None] + dims[None, :], mask=cached[:, None] & dim_valid[None, :],
-                other=0.0)
-    return key_offset, k, v

@@ -25,18 +25,13 @@ import triton.language as tl
 
 from cvllm_cuda.kernels import gpu, pdl, quant_gemv_int8
 from cvllm_cuda.kernels.attention_splits import combine_splits
-from cvllm_cuda.kernels.attention_step import attend_keys, load_early_keys
+from cvllm_cuda.kernels.attention_step import attend_keys
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
 from cvllm_cuda.kernels.tuned_configs import TUNED, TUNED_SPARSE_DECODE
 
 MAX_SPLITS = 16
 MAX_SPLIT_QUERY_LEN = 8   # queries per sequence up to which keys are split (default_num_splits)
-# Early keys (pdl.EARLY_INPUTS, which says why this is safe): a decode launch's programs read their slice's first
-# step of keys and values (all but the decode's own key, which the kernel before writes) before the PDL wait, so that
-# the cache's latency passes while that kernel (rotary and the cache write) still runs. On an H100 a batch-1
-# Llama-3-8B step's attention was 7.1 us a layer on the critical path (session 43's profile) for ~4 MB of K/V that
-# take ~1.4 us to copy: after its wait it loaded the lengths, then the pages, then K and V.
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,16 +120,6 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, dev
     return min(MAX_SPLITS, next_power_of_2(cdiv(2 * sms, programs)))
 
 
-def reads_keys_early(decode: bool, values_by_key: bool, programs: int, device: torch.device) -> bool:
-    """Whether a launch reads its cached keys before its PDL wait (pdl.EARLY_INPUTS): a decode over a cache with V
-    laid out as K, of no more programs than SMs (the peeled first step holds its K and V in registers, 230-255 a
-    thread on sm_90: more programs an SM would not fit).
-    Off CUDA (the interpreter, compile tests) every such decode does, so that its path is tested."""
-    if not (pdl.EARLY_INPUTS and decode and not values_by_key):
-        return False
-    return device.type != "cuda" or programs <= gpu.num_sms(gpu.device_index(device))
-
-
 def is_sparse_decode(num_seqs: int, num_kv_heads: int, num_splits: int, device: torch.device) -> bool:
     """A decode launch of no more programs than SMs (batch 1: 8 KV heads x 16 slices), which takes the
     sparse-decode tile (tuned_configs.TUNED_SPARSE_DECODE)."""
@@ -169,16 +154,17 @@ def _attention_kernel(
     BLOCK_SIZE: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DECODE_ONLY: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr, USE_PDL: tl.constexpr, VALUES_BY_KEY: tl.constexpr = False, EARLY_KV: tl.constexpr = False,
+    FP8: tl.constexpr, USE_PDL: tl.constexpr, VALUES_BY_KEY: tl.constexpr = False,
 ):
-    """VALUES_BY_KEY: V's keys contiguous within a page (kv_cache.empty_value_cache; attention_step.py). EARLY_KV
-    (DECODE_ONLY, V laid out as K): the slice's first step's cached keys and values are read before the PDL wait
-    (reads_keys_early)."""
-    if not EARLY_KV:
-        wait_for_previous_kernel(USE_PDL)
+    """VALUES_BY_KEY: V's keys contiguous within a page (kv_cache.empty_value_cache; attention_step.py)."""
+    wait_for_previous_kernel(USE_PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # FP8: e4m3 keys and values, the head's K scale folded into the softmax scale, its V scale into the output;
+    # with 16-bit queries the products are taken in float16 (below)
+    if FP8:
+        scale = scale * tl.load(k_scale_ptr + kv_head)
     if DECODE_ONLY:
         seq = tile
         q_start = tl.load(query_start_loc_ptr + seq)
@@ -201,7 +187,12 @@ def _attention_kernel(
     token = (q_start + q_index).to(tl.int64)
     dims = tl.arange(0, BLOCK_D)
     dim_valid = dims < HEAD_DIM  # BLOCK_D is HEAD_DIM rounded up to a power of two (D = 80, 96)
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    if FP8 and q.dtype != tl.float32:
+        # e4m3 -> float16 is exact and one conversion (to bfloat16: two), and bf16 q is exact in float16 below 65504
+        # (H200, 256 sequences x 1k keys: 258 -> 232 us; 64 x 1.5k: 146 -> 92; tune_attention.py --kv-dtype fp8)
+        q = q.to(tl.float16)
 
     # Keys any row of the tile may see: up to its last query, back one window from its first.
     first_pos = context_len + q_tile * BLOCK_Q
@@ -215,25 +206,11 @@ def _attention_kernel(
     steps_per_split = tl.cdiv(tl.cdiv(kv_end - kv_begin, BLOCK_N), NUM_SPLITS)
     split_begin = kv_begin + split * steps_per_split * BLOCK_N
     split_end = tl.minimum(kv_end, split_begin + steps_per_split * BLOCK_N)
-    if EARLY_KV:   # the first step's keys of earlier steps (all but this step's own) while the previous kernel runs
-        early = load_early_keys(split_begin, split_end, tl.minimum(split_end, context_len), table, k_cache_ptr,
-                                v_cache_ptr, kv_head, dims, dim_valid, stride_cb, stride_cs, stride_ch, BLOCK_SIZE,
-                                BLOCK_N)
-        wait_for_previous_kernel(USE_PDL)
-    # FP8: e4m3 keys and values, the head's K scale folded into the softmax scale, its V scale into the output;
-    # with 16-bit queries the products are taken in float16 (below)
-    if FP8:
-        scale = scale * tl.load(k_scale_ptr + kv_head)
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
-    if FP8 and q.dtype != tl.float32:
-        # e4m3 -> float16 is exact and one conversion (to bfloat16: two), and bf16 q is exact in float16 below 65504
-        # (H200, 256 sequences x 1k keys: 258 -> 232 us; 64 x 1.5k: 146 -> 92; tune_attention.py --kv-dtype fp8)
-        q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if VALUES_BY_KEY:
         # the steps whose keys are all the sequence's without load masks, then (at most) one masked step
         # (attention_step.py: values by key are zeroed past the sequence a byte at a time)
@@ -252,15 +229,7 @@ def _attention_kernel(
                 stride_ch, stride_vb, stride_vh, stride_vd, BLOCK_SIZE, BLOCK_N, USE_WINDOW, USE_SOFT_CAP,
                 DOT_PRECISION, FP8, True, True)
     else:
-        first_start = split_begin
-        if EARLY_KV:   # (an empty slice's step sees no key: it leaves m, l and acc as they start)
-            acc, m_i, l_i = attend_keys(
-                acc, m_i, l_i, q, split_begin, split_end, q_pos, table, k_cache_ptr, v_cache_ptr, kv_head, dims,
-                dim_valid, scale, soft_cap, sliding_window, stride_cb, stride_cs, stride_ch, stride_vb, stride_vh,
-                stride_vd, BLOCK_SIZE, BLOCK_N, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION, FP8, False, True, early,
-                context_len)
-            first_start += BLOCK_N
-        for start in range(first_start, split_end, BLOCK_N):
+        for start in range(split_begin, split_end, BLOCK_N):
             acc, m_i, l_i = attend_keys(
                 acc, m_i, l_i, q, start, split_end, q_pos, table, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_valid,
                 scale, soft_cap, sliding_window, stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, stride_vd,
@@ -358,8 +327,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_N=config.block_n,
         NUM_SPLITS=splits, DECODE_ONLY=decode, USE_WINDOW=bool(sliding_window), USE_SOFT_CAP=bool(soft_cap),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8,
-        VALUES_BY_KEY=values_by_key, EARLY_KV=reads_keys_early(decode, values_by_key, num_seqs * num_kv_heads * splits,
-                                                             q.device),
+        VALUES_BY_KEY=values_by_key,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch,
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )

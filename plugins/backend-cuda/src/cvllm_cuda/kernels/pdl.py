@@ -34,16 +34,6 @@ def _enabled(device_index: int) -> bool:
 
 _ON, _OFF = {"USE_PDL": True, "launch_pdl": True}, {"USE_PDL": False}
 
-# Early inputs (``CVLLM_PDL_EARLY_INPUTS=0`` turns them off): a kernel may read before its wait what no kernel
-# still running can be writing: the step's inputs (positions, slots, sequence lengths, block tables), constant tables
-# (rotary's cos / sin), and what kernels before its predecessor wrote (the decode attention's cached keys of earlier
-# steps). A PDL launch starts only once every program of the kernel before it has passed that kernel's own wait, so
-# everything launched before that kernel has finished and its writes are visible; only the predecessor's own writes
-# (rotary's keys for the attention, the GEMV's q and k for rotary) are read after the wait. A predecessor launched
-# without PDL (a torch op) finishes before the kernel starts at all. The low-bit GEMVs' early weights
-# (quant_tiles.EARLY_WEIGHTS) are the same idea for weights.
-EARLY_INPUTS = os.environ.get("CVLLM_PDL_EARLY_INPUTS", "1") != "0"
-
 
 def options(device: torch.device) -> dict:
     """Keyword arguments of a launch on ``device``: the kernel's USE_PDL and Triton's launch_pdl (not to be

@@ -88,12 +88,9 @@ def _rotary_kernel(
     block_size, stride_cb, stride_cs, stride_ch, stride_vcb, stride_vcs, stride_vch, stride_vcd,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr, TO_CACHE: tl.constexpr, FP8: tl.constexpr,
-    INTERLEAVED: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr = False,
+    INTERLEAVED: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """EARLY: the token's position, slot and cos / sin row are read before the PDL wait (pdl.EARLY_INPUTS: the
-    step's inputs and a constant table), q, k and v after it."""
-    if not EARLY:
-        wait_for_previous_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
     # grid: (token, head block); the head blocks of q come first, then those of k, then (TO_CACHE) v's
     token = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -104,9 +101,6 @@ def _rotary_kernel(
     row = cos_sin_ptr + position * stride_table
     cos = tl.load(row + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(row + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)[None, :]
-    slot = tl.load(slot_ptr + token).to(tl.int64) if TO_CACHE else token.to(tl.int64)
-    if EARLY:
-        wait_for_previous_kernel(USE_PDL)
     t = token.to(tl.int64)
     if head_block < q_blocks:
         _rotate_heads(q_ptr + t * stride_qt, stride_qh, q_out_ptr + t * num_q_heads * HEAD_DIM, HEAD_DIM, cos, sin,
@@ -114,6 +108,7 @@ def _rotary_kernel(
                       BLOCK_HALF, BLOCK_TAIL, False, INTERLEAVED, NORM)
     else:
         if TO_CACHE:  # k and v go to the token's slot of the paged caches [blocks, block_size, Hkv, D]
+            slot = tl.load(slot_ptr + token).to(tl.int64)
             stored_heads = tl.where(slot >= 0, num_k_heads, 0)   # slot -1 (padding): every lane masked off
             slot = tl.maximum(slot, 0)
             out_row = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs
@@ -209,7 +204,7 @@ def _launch(positions, q, k, v, cos_sin, head_dim, k_out, v_cache, slot_mapping,
         HEAD_DIM=head_dim, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
         BLOCK_TAIL=next_power_of_2(head_dim - rotary_dim),  # 0 when the whole head rotates
         BLOCK_D=next_power_of_2(head_dim), TO_CACHE=to_cache, FP8=scales is not None, INTERLEAVED=interleaved,
-        NORM=qk_norm is not None, EARLY=pdl.EARLY_INPUTS, num_warps=4,
+        NORM=qk_norm is not None, num_warps=4,
         enable_fp_fusion=False,  # no FMA contraction: the products round as torch's do
         **pdl.options(q.device),
     )
