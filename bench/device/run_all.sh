@@ -33,6 +33,7 @@
 # "pending" (issue 18): the batch-1 standing at the defaults (bf16, q4k, gptq, q8_0, fp8), GPTQ with each of the MMA
 # GEMV's in-launch split sums and PREFETCH off, their GPU tests first, a GPTQ profile and bench/kernel_chain.py
 # last (~9 min).
+# "mmaroom" (issue 18): batch-1 GPTQ with the MMA GEMV aiming at 16, 12, 10 and 8 warps an SM, then a profile at 12.
 # "mmatiles" (issue 18): the MMA GEMV's tiles (warps an SM, a register cap) with the early weights on and off (~4 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
@@ -60,12 +61,14 @@ latency_case() {   # "isq:variant", e.g. q4k:noearly: batch-1 decode (Llama-3-8B
     # variant: "default", or any of "noearly" (CVLLM_GEMV_EARLY_WEIGHTS=0: the GEMVs wait before their first weight
     # tile), "nomma" (CVLLM_GEMV_MMA=0: GPTQ/AWQ's 1-8 rows off tensor cores), "noprefetch" (CVLLM_GEMV_MMA_PREFETCH=0:
     # the MMA GEMV loads each K step's weights at the step's start) and "nofused" (CVLLM_IN_LAUNCH_SPLIT_SUMS=0: its K
-    # splits added by a launch after it); "none" is bf16
+    # splits added by a launch after it) and "roomN" (CVLLM_GEMV_MMA_WARPS_PER_SM=N: the MMA GEMV's K split aims at N
+    # warps an SM); "none" is bf16
     local q=${1%%:*} v=${1#*:}
     CVLLM_GEMV_EARLY_WEIGHTS=$([[ $v = *noearly* ]] && echo 0 || echo 1) \
         CVLLM_GEMV_MMA=$([[ $v = *nomma* ]] && echo 0 || echo 1) \
         CVLLM_GEMV_MMA_PREFETCH=$([[ $v = *noprefetch* ]] && echo 0 || echo 1) \
         CVLLM_IN_LAUNCH_SPLIT_SUMS=$([[ $v = *nofused* ]] && echo 0 || echo "${CVLLM_IN_LAUNCH_SPLIT_SUMS:-}") \
+        CVLLM_GEMV_MMA_WARPS_PER_SM=$([[ $v =~ room([0-9]+) ]] && echo "${BASH_REMATCH[1]}" || echo 0) \
         run latency-$q-$v 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
         $([ $q = none ] || echo --isq $q) --json "$out/$day-$card-latency-$q-$v-$commit.json"
 }
@@ -345,6 +348,16 @@ pending)
     run profile-b1-gptq 120 python3 bench/profile_decode.py --batch 1 --context 1024 --steps 10 --isq gptq
     # the floor under each of the step's ~290 dependent launches (session 42: written, not yet run)
     run kernel-chain 120 python3 bench/kernel_chain.py --json "$out/$day-$card-kernel_chain-$commit.json" ;;
+mmaroom)
+    # issue 18 (session 43, written, not timed): the MMA GEMV's K split at fewer warps an SM than its 16, which fill an
+    # SM's registers, so that the norm, rotary or silu after it can wait on the SMs (quant_gemv_mma.WARPS_PER_SM): GPTQ
+    # batch 1 at 16, 12, 10 and 8, then 16 again (~4 min), then the profile at 12
+    for case in ${ROOM_CASES:-gptq:default gptq:room12 gptq:room10 gptq:room8 gptq:room16}; do
+        latency_case $case
+    done
+    python3 bench/latency_table.py "$out"/$day-$card-latency-gptq-*-$commit.json
+    CVLLM_GEMV_MMA_WARPS_PER_SM=12 run profile-b1-gptq-room12 120 python3 bench/profile_decode.py --batch 1 \
+        --context 1024 --steps 10 --isq gptq ;;
 fp8gemv)
     # issue 18: the FP8 weights' batch-1 GEMV (kernels/gemv.py with row scales: --isq fp8, FP8 checkpoints) has only
     # run bf16's default tile (4, 1024, 2, 3), a K step of 1 KB a row where bf16's tuned tiles read 4 KB: batch-1

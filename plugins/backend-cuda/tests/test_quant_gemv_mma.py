@@ -162,6 +162,18 @@ def test_nothing_past_the_output_is_written():
     assert torch.equal(wide[:, 5:45], buffer[:120].view(3, 40))
 
 
+def test_warps_an_sm_override_keeps_the_tile(monkeypatch):
+    """CVLLM_GEMV_MMA_WARPS_PER_SM: the K split's aim changes, the tile (words, warps a program) does not."""
+    import cvllm_cuda.kernels.quant_gemv_mma as module
+
+    for rows in (1, 3, 8, 13):
+        words, warps, per_sm = module.tile(rows)
+        monkeypatch.setattr(module, "WARPS_PER_SM", 12)
+        assert module.tile(rows) == (words, warps, 12)
+        monkeypatch.setattr(module, "WARPS_PER_SM", None)
+        assert module.tile(rows) == (words, warps, per_sm)
+
+
 def test_rejects_what_it_cannot_take():
     weight = random_weight(LAYOUTS["q6_k"], 32, 256, "cpu")
     with pytest.raises(ValueError, match="4-bit"):

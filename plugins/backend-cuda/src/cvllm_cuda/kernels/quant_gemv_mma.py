@@ -83,6 +83,12 @@ TILES = {1: (8, 4, 16)}
 TILES_WITHOUT_EARLY_WEIGHTS = {1: (8, 4, 32)}
 TILES_UP_TO_8 = (8, 1, 16)
 TILES_UP_TO_16 = (4, 1, 16)
+# CVLLM_GEMV_MMA_WARPS_PER_SM=N (read at import; an experiment, unset by default): the K split aims at N warps an SM
+# whatever the tile's. Why: at 16 warps an SM of 128 registers the GEMV holds an SM's whole register file, so the
+# kernel after it (a norm, rotary, silu: launched early by PDL to wait on the SMs) cannot be placed until the GEMV's
+# programs leave; at 12 a norm's program (8 warps of 48 registers) fits beside them. The stack probes time GEMVs back
+# to back, never beside those kernels; `bash bench/device/run_all.sh mmaroom` times batch-1 GPTQ end to end
+WARPS_PER_SM = int(os.environ.get("CVLLM_GEMV_MMA_WARPS_PER_SM", "0")) or None
 
 
 def prefetches(rows: int) -> bool:
@@ -91,11 +97,13 @@ def prefetches(rows: int) -> bool:
 
 
 def tile(rows: int) -> tuple[int, int, int]:
-    """(FW, warps, warps an SM) for ``rows`` rows of x."""
+    """(FW, warps, warps an SM) for ``rows`` rows of x (the last WARPS_PER_SM where set)."""
     if prefetches(rows):
-        return PREFETCHED_TILE_UP_TO_4 if rows <= 4 else PREFETCHED_TILE_UP_TO_8
-    tiles = TILES if quant_tiles.EARLY_WEIGHTS else TILES_WITHOUT_EARLY_WEIGHTS
-    return tiles.get(rows, TILES_UP_TO_8 if rows <= 8 else TILES_UP_TO_16)
+        words, warps, per_sm = PREFETCHED_TILE_UP_TO_4 if rows <= 4 else PREFETCHED_TILE_UP_TO_8
+    else:
+        tiles = TILES if quant_tiles.EARLY_WEIGHTS else TILES_WITHOUT_EARLY_WEIGHTS
+        words, warps, per_sm = tiles.get(rows, TILES_UP_TO_8 if rows <= 8 else TILES_UP_TO_16)
+    return words, warps, WARPS_PER_SM or per_sm
 
 
 @triton.jit
