@@ -215,6 +215,25 @@ def test_tensor_with_the_wrong_shape_names_the_parameter(tmp_path):
     message = str(info.value)
     assert "model.layers.0.mlp.down_proj.weight" in message
     assert "(32, 65)" in message and "(32, 64)" in message
+    assert message.startswith(f"{model / 'model.safetensors'}: ")   # the one file of the directory
+
+
+def test_a_sharded_checkpoints_wrong_tensor_names_its_shard(tmp_path):
+    """The index says which file holds the tensor that does not fit; that file is named."""
+    weights = llama_weights()
+    weights["model.layers.0.mlp.down_proj.weight"] = torch.zeros(HIDDEN, INTER + 1)
+    tmp_path.joinpath("config.json").write_text(json.dumps(CONFIG))
+    names = sorted(weights)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for file, part in shards.items():
+        save_file({name: weights[name] for name in part}, str(tmp_path / file))
+    weight_map = {name: file for file, part in shards.items() for name in part}
+    tmp_path.joinpath("model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError) as info:
+        cvllm.LLM(model=str(tmp_path), dtype="float32")
+    shard = weight_map["model.layers.0.mlp.down_proj.weight"]
+    assert str(info.value).startswith(f"{tmp_path / shard}: cannot load 'model.layers.0.mlp.down_proj.weight'")
 
 
 def test_fused_shard_with_the_wrong_shape_names_the_checkpoint_tensor(tmp_path):

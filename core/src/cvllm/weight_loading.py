@@ -48,7 +48,7 @@ def transform_weights(weights: Iterable[tuple[str, Any]],
         except CheckpointError:
             raise
         except (ValueError, RuntimeError, IndexError) as e:
-            raise CheckpointError(f"cannot load '{name}': {e}") from None
+            raise CheckpointError(f"cannot load '{name}': {e}", tensor=name) from None
         yield from parts
 
 
@@ -139,7 +139,7 @@ def load_weights_by_name(model: nn.Module, weights: Iterable[tuple[str, torch.Te
             else:
                 loader(param, tensor, shard)
         except (ValueError, RuntimeError) as e:
-            raise CheckpointError(f"cannot load '{name}' into '{target}': {e}") from None
+            raise CheckpointError(f"cannot load '{name}' into '{target}': {e}", tensor=name) from None
         if shard is None:
             loaded.add(target)
         else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,12 @@ from cvllm.pooling import PoolingConfig
 
 
 class CheckpointError(ValueError):
-    """A weight or config file is malformed; the message names the file and what is wrong."""
+    """A weight or config file is malformed; the message names the file and what is wrong. ``tensor``: the checkpoint
+    tensor it is about, where a loader knows no file (build_model then names the file: Checkpoint.file_of)."""
+
+    def __init__(self, message: str, tensor: str | None = None):
+        super().__init__(message)
+        self.tensor = tensor
 
 
 @dataclass
@@ -40,6 +46,20 @@ class Checkpoint:
         narrow them first (tensor-parallel ranks)."""
         weights = self.weight_iterator()
         return weights if lazy else ((name, materialize(tensor)) for name, tensor in weights)
+
+    def file_of(self, tensor: str | None) -> Path:
+        """The file that holds checkpoint tensor ``tensor``: a sharded directory's index says which, a directory of
+        one safetensors file has only that one; else (a name the index lacks, a GGUF file) the checkpoint's path."""
+        if tensor is None or not self.path.is_dir():
+            return self.path
+        try:
+            weight_map = json.loads((self.path / "model.safetensors.index.json").read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError):
+            weight_map = {}
+        if isinstance(weight_map, dict) and isinstance(weight_map.get(tensor), str):
+            return self.path / weight_map[tensor]
+        files = sorted(self.path.glob("*.safetensors"))
+        return files[0] if len(files) == 1 else self.path
 
     @property
     def architecture(self) -> str:

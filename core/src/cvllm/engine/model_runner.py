@@ -115,7 +115,12 @@ def build_model(checkpoint: Checkpoint, backend, dtype: torch.dtype, isq: str | 
     # A tensor-parallel rank takes the tensors lazy (checkpoint/lazy.py): its layers' loaders read only its shard.
     weights = checkpoint.weights(lazy=tp_size() > 1)
     with torch.no_grad(), Progress(logger, "Loading weights", "loaded", "weights") as progress:
-        loaded = model.load_weights(progress.track(weights, nbytes=lambda weight: weight[1].nbytes))
+        try:
+            loaded = model.load_weights(progress.track(weights, nbytes=lambda weight: weight[1].nbytes))
+        except CheckpointError as e:
+            if e.tensor is None:   # (the error names its file already)
+                raise
+            raise CheckpointError(f"{checkpoint.file_of(e.tensor)}: {e}", e.tensor) from None
     missing = expected - set(loaded)
     if missing:
         raise CheckpointError(f"{checkpoint.path}: weights missing from the checkpoint: "

@@ -201,7 +201,7 @@ def load_weights_with_experts(model: nn.Module, weights: Iterable[tuple[str, tor
                 else:   # GPTQ / AWQ experts: the layer's method keeps them in their own form
                     layer.quant_method.load_expert_part(layer, match["part"], tensor, shard, expert)
             except (ValueError, RuntimeError) as e:
-                raise CheckpointError(f"cannot load '{name}' into '{param_name}': {e}") from None
+                raise CheckpointError(f"cannot load '{name}' into '{param_name}': {e}", tensor=name) from None
             local = slice(None) if expert is None else layer.placement.local_id(expert)
             if local is None:   # another rank's expert: the loader skipped it
                 continue
