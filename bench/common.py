@@ -28,6 +28,20 @@ def git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
+def command_line(argv: list[str] | None = None) -> str:
+    """The command as a result file records it: ``python`` and the script's arguments (``sys.argv``), with the GPU
+    machine's output folder written as ``$OUT`` (bench/device/README.md) and this checkout's own path left out, so
+    that no machine's paths go into committed results."""
+    out = os.environ.get("OUT", "").rstrip("/")
+    root = str(Path(__file__).resolve().parent.parent) + os.sep
+    args = []
+    for arg in sys.argv if argv is None else argv:
+        if out:
+            arg = arg.replace(out + "/", "$OUT/")
+        args.append(arg.replace(root, ""))
+    return "python " + " ".join(args)
+
+
 def graph_replay_ms(engine, batch: int) -> float | None:
     """GPU time of one decode step of ``batch`` sequences: the CUDA graph captured for that batch (padded up
     the ladder) replayed alone, timed with CUDA events. None where no graph exists (eager, CPU)."""

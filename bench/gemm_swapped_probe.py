@@ -78,10 +78,11 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     names = args.layouts.split(",")
-    result = {"bench": "gemm_swapped_probe", "command": "python " + " ".join(sys.argv), "errors": check(names)}
+    from common import captured_us, command_line, git_commit
+
+    result = {"bench": "gemm_swapped_probe", "command": command_line(), "errors": check(names)}
     if args.check_only:
         return
-    from common import captured_us, git_commit
     from test_quant_matmul import LAYOUTS
     result.update(commit=git_commit(), gpu=torch.cuda.get_device_name(), us_per_layer={})
     configs = [tuple(map(int, c.split(","))) for c in args.configs.split()] if args.configs else CONFIGS

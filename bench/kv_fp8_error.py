@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import git_commit  # noqa: E402
+from common import command_line, git_commit  # noqa: E402
 
 from cvllm import LLM, SamplingParams  # noqa: E402
 from cvllm.demo import demo_model_path  # noqa: E402
@@ -62,7 +62,7 @@ def report(bench: str, model: str, args, base: list, other: list) -> dict:
               "dtype": args.dtype, "tokens": args.tokens, "prompts": PROMPTS, "per_prompt": rows,
               "mean_abs_dlogprob": statistics.mean(r["mean_abs_dlogprob"] for r in rows),
               "agree_fraction": sum(r["agree_tokens"] for r in rows) / (args.tokens * len(rows)),
-              "command": "python " + " ".join(sys.argv), "commit": git_commit()}
+              "command": command_line(), "commit": git_commit()}
     for r in rows:
         print(f"agree {r['agree_tokens']:4d}/{args.tokens}  mean |dlogprob| {r['mean_abs_dlogprob']:.4f}  "
               f"max {r['max_abs_dlogprob']:.4f}")

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import git_commit, graph_replay_ms  # noqa: E402
+from common import command_line, git_commit, graph_replay_ms  # noqa: E402
 from random_checkpoint import hf_model, random_checkpoint, shape_config  # noqa: E402
 
 from cvllm.engine.build import build_engine  # noqa: E402
@@ -207,7 +207,7 @@ def main() -> None:
     result: dict = {"bench": "latency", "shape": shape, "device": torch.cuda.get_device_name() if device == "cuda"
                     else "cpu", "dtype": "bfloat16", "isq": args.isq, "enforce_eager": args.enforce_eager,
                     "tuned_attention": not args.no_tuned, "tensor_parallel_size": tp, "load_s": load_s,
-                    "command": "python " + " ".join(sys.argv), "measured": {}, "ceiling": {}, "reference": {}}
+                    "command": command_line(), "measured": {}, "ceiling": {}, "reference": {}}
     result["cuda_graphs"] = hasattr(engine.runner.decode_forward, "graphs")
     measured = result["measured"]
     for context in contexts:

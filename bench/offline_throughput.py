@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import git_commit  # noqa: E402
+from common import command_line, git_commit  # noqa: E402
 from random_checkpoint import write_random_llama  # noqa: E402
 
 from cvllm import LLM, SamplingParams  # noqa: E402
@@ -80,7 +80,7 @@ def main() -> None:
     commit = git_commit()
     report = {"bench": "offline_throughput", "shape": shape, "dtype": args.dtype, "device": "cpu",
               "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
-              "command": " ".join(sys.argv), "commit": commit, "results": results}
+              "command": command_line(), "commit": commit, "results": results}
     print(f"{'batch':>5} {'prefill tok/s':>14} {'decode tok/s':>13} {'step ms':>8}")
     for r in results:
         print(f"{r['batch']:>5} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f} {r['median_step_ms']:>8.2f}")

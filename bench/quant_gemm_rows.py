@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "plugins/backend-cuda/tests"))
-from common import captured_us  # noqa: E402
+from common import captured_us, command_line  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 DEV = "cuda" if torch.cuda.is_available() else "cpu"   # cpu: Triton's interpreter (a smoke run: --smoke)
@@ -190,7 +190,7 @@ def main() -> None:
         print("best at", args.pick_rows, "rows:", {b: c for b, (c, _) in best_cfg.items()})
     if args.json:
         device = torch.cuda.get_device_name() if DEV == "cuda" else "cpu"
-        Path(args.json).write_text(json.dumps({"bench": "quant_gemm_rows", "command": " ".join(sys.argv),
+        Path(args.json).write_text(json.dumps({"bench": "quant_gemm_rows", "command": command_line(),
                                                "device": device, **results}, indent=1))
 
 

@@ -307,12 +307,12 @@ def report(args: argparse.Namespace, levels: list[dict], offline: dict | None, t
                      f"c{c}_server_api_cpu_percent": r.get("server_api_cpu_percent"),
                      f"c{c}_server_engine_cpu_percent": r.get("server_engine_cpu_percent")}
         measured |= {f"c{c}_{key}": r[key] for key in ("gpu_sm_clock_mhz_p50", "gpu_power_w_p50") if key in r}
-    from common import git_commit
+    from common import command_line, git_commit
     from throughput import gpu_name
 
     result = {"bench": "serving", "shape": args.shape, "dtype": "bfloat16", "gpu": gpu_name(args.backend),
               "tensor_parallel_size": args.tensor_parallel_size,
-              "command": "python " + " ".join(sys.argv), "commit": git_commit(),
+              "command": command_line(), "commit": git_commit(),
               "date": datetime.date.today().isoformat(),
               "workload": {"input_len": args.input_len, "output_len": args.output_len, "levels": args.levels,
                            "prompt": "random token ids", "ignore_eos": True, "temperature": 0, "stream": True},

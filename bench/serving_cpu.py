@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import free_port, git_commit, start_cvserve, stop_cvserve  # noqa: E402
+from common import command_line, free_port, git_commit, start_cvserve, stop_cvserve  # noqa: E402
 from random_checkpoint import write_random_llama  # noqa: E402
 
 from cvllm import LLM, SamplingParams  # noqa: E402
@@ -108,7 +108,7 @@ def main() -> None:
         commit = git_commit()
         report = {"bench": "serving_cpu", "shape": shape, "dtype": args.dtype, "device": "cpu",
                   "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-                  "cpu": platform.processor() or platform.machine(), "command": " ".join(sys.argv),
+                  "cpu": platform.processor() or platform.machine(), "command": command_line(),
                   "commit": commit, "input_len": input_len, "output_len": output_len,
                   "fake_step_ms": args.fake_step_ms,
                   "offline_tok_s": offline, "serving": serving}

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import free_port, git_commit, stop_cvserve  # noqa: E402
+from common import command_line, free_port, git_commit, stop_cvserve  # noqa: E402
 
 BREAKDOWN = re.compile(r"engine started in (.*)$", re.M)
 
@@ -85,7 +85,7 @@ def main() -> None:
             seconds, breakdown = start_once(flags, Path(logs) / f"run{run}.log", args.timeout)
             runs.append({"run": run, "ready_s": round(seconds, 2), "engine": breakdown})
             print(f"start {run}: healthy in {seconds:.2f} s (engine {breakdown})", flush=True)
-    result = {"bench": "startup", "commit": git_commit(), "command": " ".join(sys.argv), "model": args.model or "demo",
+    result = {"bench": "startup", "commit": git_commit(), "command": command_line(), "model": args.model or "demo",
               "host": platform.node(), "runs": runs}
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import git_commit  # noqa: E402
+from common import command_line, git_commit  # noqa: E402
 from random_checkpoint import hf_model, random_checkpoint, shape_config  # noqa: E402
 
 from cvllm.engine.build import build_engine  # noqa: E402
@@ -177,7 +177,7 @@ def main() -> None:
     result: dict = {
         "bench": "throughput", "shape": shape, "dtype": "bfloat16",
         "gpu": gpu_name(device),
-        "command": "python " + " ".join(sys.argv), "commit": git_commit(),
+        "command": command_line(), "commit": git_commit(),
         "date": datetime.date.today().isoformat(), "load_s": load_s,
         "workload": {"requests": num, "length_range": [low, high], "temperature": args.temperature,
                      "ignore_eos": True, "output_tokens": main_run["output_tokens"],

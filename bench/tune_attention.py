@@ -25,7 +25,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import git_commit  # noqa: E402
+from common import command_line, git_commit  # noqa: E402
 
 from cvllm_cuda.kernels.kv_cache import empty_value_cache  # noqa: E402
 from cvllm_cuda.kernels.paged_attention import AttentionConfig, attention_config, paged_attention  # noqa: E402
@@ -118,7 +118,7 @@ def main() -> None:
         del workloads[False], workloads[True]["llama 1x1k (split)"]
     gpu = torch.cuda.get_device_name()
     result = {"bench": "tune_attention", "gpu": gpu, "commit": git_commit(), "date": datetime.date.today().isoformat(),
-              "command": "python " + " ".join(sys.argv), "head_dim": HEAD_DIM, "dtype": "bfloat16",
+              "command": command_line(), "head_dim": HEAD_DIM, "dtype": "bfloat16",
               "kv_dtype": args.kv_dtype, "values_by_dim": by_dim, "kinds": {}}
     entries = {}
     for decode, named in workloads.items():

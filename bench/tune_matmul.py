@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import git_commit  # noqa: E402
+from common import command_line, git_commit  # noqa: E402
 
 SHAPES = {  # name: (out_features, in_features)
     "llama qkv": (6144, 4096), "llama o": (4096, 4096), "llama gate_up": (28672, 4096),
@@ -251,7 +251,7 @@ def main() -> None:
         shapes = {name: shapes[name] for name in args.shapes.split(",")}
     row_tiles = {int(t): ROW_TILES[int(t)] for t in args.row_tiles.split(",")} if args.row_tiles else ROW_TILES
     result = {"bench": "tune_matmul", "gpu": gpu, "commit": git_commit(), "date": datetime.date.today().isoformat(),
-              "command": "python " + " ".join(sys.argv), "dtype": str(dtype).removeprefix("torch."),
+              "command": command_line(), "dtype": str(dtype).removeprefix("torch."),
               "gemv": {}, "skinny": {}}
     gemv, skinny = (None, None), (None, None)   # (entries that won, keys swept); None: not swept
     weight_dtype = dtype if args.weight_dtype == "bfloat16" else getattr(torch, args.weight_dtype)

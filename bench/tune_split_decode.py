@@ -28,7 +28,7 @@ if "--tiny" in sys.argv:
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import git_commit  # noqa: E402
+from common import command_line, git_commit  # noqa: E402
 
 from cvllm_cuda.kernels.paged_attention import (  # noqa: E402
     AttentionConfig,
@@ -92,7 +92,7 @@ def main() -> None:
     device = torch.device(DEVICE)
     gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)"
     result = {"bench": "tune_split_decode", "gpu": gpu, "commit": git_commit(),
-              "date": datetime.date.today().isoformat(), "command": "python " + " ".join(sys.argv), "workloads": {}}
+              "date": datetime.date.today().isoformat(), "command": command_line(), "workloads": {}}
     for name, w in named.items():
         batch = w["q"].shape[0]
         default_splits = default_num_splits(batch, KV_HEADS, 1, device)
