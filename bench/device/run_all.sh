@@ -246,10 +246,13 @@ quant)
 quant64)
     # issue 18: 64 streams of 1024 in / 1024 out, Llama-3-8B shape, bf16 against 4-bit (the dequantize-in-tile GEMM
     # serves 2-128 rows), offline engine (~2 min a row); "-fused": CVLLM_IN_LAUNCH_SPLIT_SUMS=1 (the swapped GEMM's
-    # K splits added in its launch too, not only the MMA GEMV's)
+    # K splits added in its launch too, not only the MMA GEMV's); "-lanes": CVLLM_SWAPPED_OPERAND_LANES=auto (GPTQ's
+    # swapped GEMM at 32 rows and up unpacking only its operand's lanes)
     for case in ${QUANT64_CASES:-none q4k gptq q4k-fused gptq-fused}; do
         q=${case%-fused}
+        q=${q%-lanes}
         CVLLM_IN_LAUNCH_SPLIT_SUMS=$([[ $case = *-fused ]] && echo 1 || echo "${CVLLM_IN_LAUNCH_SPLIT_SUMS:-}") \
+            CVLLM_SWAPPED_OPERAND_LANES=$([[ $case = *-lanes ]] && echo auto || echo 0) \
             run throughput64-isq-$case 170 python3 bench/throughput.py --shape llama3-8b --skip-hf --num-requests 64 \
             --min-len 1024 --max-len 1024 --max-num-seqs 64 $([ $q = none ] || echo --isq $q) \
             --json "$out/$day-$card-throughput64-isq-$case-$commit.json"

@@ -4,6 +4,7 @@ float32, float16 and bfloat16. In Triton's interpreter without a GPU; compiled, 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -166,6 +167,21 @@ def test_per_position_kernel_equals_the_reference(name):
     quant_gemm(x, weight, out, kernel="per-position")
     ref = x @ dequantize_planes(weight).T
     torch.testing.assert_close(out.cpu(), ref.cpu(), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_operand_lanes_auto_takes_float_activation_layouts_from_32_rows(monkeypatch):
+    """CVLLM_SWAPPED_OPERAND_LANES=auto: GPTQ/AWQ-style layouts (float activations) from 32 rows, never the GGUF
+    types' (int8 activations); "1" and "0" every product or none."""
+    from cvllm_cuda.kernels import quant_gemm_swapped
+
+    gptq = LAYOUTS["gptq4_g128"]
+    q4k = dataclasses.replace(LAYOUTS["q4_k"], int8_activations=True)   # as cvllm_gguf/planes.py builds it
+    monkeypatch.setattr(quant_gemm_swapped, "OPERAND_LANES", "auto")
+    assert [quant_gemm_swapped.operand_lanes(gptq, rows) for rows in (16, 31, 32, 64)] == [False, False, True, True]
+    assert not quant_gemm_swapped.operand_lanes(q4k, 64)
+    for forced in (True, False):
+        monkeypatch.setattr(quant_gemm_swapped, "OPERAND_LANES", forced)
+        assert [quant_gemm_swapped.operand_lanes(layout, 64) for layout in (gptq, q4k)] == [forced, forced]
 
 
 @pytest.mark.parametrize("name", LAYOUTS)

@@ -60,9 +60,23 @@ SWAPPED_CONFIGS = {2: (128, 16, 4, 3), 4: (128, 16, 4, 4), 8: (128, 32, 4, 4)}
 # lane order: the best of seven tiles at 2-48 rows on the H200, q4_k and gptq4_g128 (narrower BLOCK_N and 2 warps were
 # 1.5-2.5x slower; bench/results/2026-12-04-h200-gemm_swapped_probe-tiles-5c9bebb.json)
 LANE_CONFIG = (64, 8, 4, 4)
-# CVLLM_SWAPPED_OPERAND_LANES=1 (read at import): each thread unpacks only the lanes its wgmma operand registers hold
-# (``_lane``), no shared-memory round trip of the unpacked tile; compiled for sm_90, not yet timed (off by default)
-OPERAND_LANES = os.environ.get("CVLLM_SWAPPED_OPERAND_LANES", "0") == "1"
+# CVLLM_SWAPPED_OPERAND_LANES (read at import): each thread unpacks only the lanes its wgmma operand registers hold
+# (``_lane``), no shared-memory round trip of the unpacked tile. "1": always; "auto": GPTQ/AWQ (the layouts of float
+# activations) from OPERAND_LANES_FROM_ROWS rows on, where the probe gained (H100, session 32, us a Llama-3-8B layer's
+# four products, tile lanes -> operand lanes: gptq4_g128 32 rows 126.1 -> 116.9, 64 rows 148.0 -> 129.7; 16 rows
+# 111.8 -> 120.6 and q4_k 157.0 -> 166.0 at 64 rows lost); unset or "0": never (the default until 64 streams are
+# timed end to end with "auto": `run_all.sh quant64` with QUANT64_CASES="gptq gptq-lanes")
+_OPERAND_LANES_ENV = os.environ.get("CVLLM_SWAPPED_OPERAND_LANES", "0")
+OPERAND_LANES: bool | str = "auto" if _OPERAND_LANES_ENV == "auto" else _OPERAND_LANES_ENV == "1"
+OPERAND_LANES_FROM_ROWS = 32
+
+
+def operand_lanes(layout: QuantLayout, rows: int) -> bool:
+    """Whether a lane-order product of ``rows`` rows by a weight in ``layout`` unpacks the operand's lanes only
+    (OPERAND_LANES)."""
+    if OPERAND_LANES == "auto":
+        return not layout.int8_activations and rows >= OPERAND_LANES_FROM_ROWS
+    return bool(OPERAND_LANES)
 
 # lane j: byte j of the word in the low half, byte j of the word shifted by 4 in the high half (one prmt: selector
 # nibbles j, j, 4 + j, 4 + j), so that the mask leaves element 2 j below 128.0's mantissa and element 2 j + 1 above
@@ -264,7 +278,7 @@ def quant_gemm_swapped(x: torch.Tensor, weight: QuantWeight, out: torch.Tensor, 
         xp, out, partials, partials if tickets is None else tickets, *kernel_tensors(weight), t, n, k,
         xp.stride(0), out.stride(0), split_words, **lay.kernel_args(), BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_W=block_w, IEEE=x.dtype == torch.float32, UPCAST=upcast(x.dtype),
-        LANES=(2 if OPERAND_LANES else 1) if lanes else 0,
+        LANES=(2 if operand_lanes(lay, t) else 1) if lanes else 0,
         ASM=not triton.knobs.runtime.interpret, GROUP_WORDS=group_words(lay, block_w), num_warps=warps,
         num_stages=stages, FUSED_SUM=tickets is not None, SPLITS=splits if tickets is not None else 1,
         **pdl_options(x.device))
