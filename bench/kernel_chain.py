@@ -13,14 +13,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-from cvllm_cuda.kernels import gpu, pdl
-from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
-from cvllm_cuda.kernels.rms_norm import fused_add_rms_norm
+sys.path.insert(0, str(Path(__file__).parent))
+from common import captured_us, command_line, git_commit  # noqa: E402
+
+from cvllm_cuda.kernels import gpu, pdl  # noqa: E402
+from cvllm_cuda.kernels.pdl import wait_for_previous_kernel  # noqa: E402
+from cvllm_cuda.kernels.rms_norm import fused_add_rms_norm  # noqa: E402
 
 
 @triton.jit
@@ -36,24 +41,10 @@ def _relay_kernel(src_ptr, dst_ptr, USE_PDL: tl.constexpr):
     tl.store(dst_ptr + offsets, tl.load(src_ptr + offsets) + 1)
 
 
-def per_launch_us(launch, length: int, replays: int = 20) -> float:
-    """Microseconds a launch: ``length`` calls of ``launch(i)`` captured in one graph, replayed ``replays`` times."""
-    for i in range(2):   # compile and warm up outside the capture
-        launch(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(length):
-            launch(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * length)
+def per_launch_us(launch, length: int) -> float:
+    """Microseconds a launch: ``length`` calls of ``launch(i)`` captured in one graph (common.captured_us: the median
+    replay, over ``length``). (Session 43's figures took the mean of 20 replays instead.)"""
+    return captured_us(lambda: [launch(i) for i in range(length)], per=length)
 
 
 def chains(length: int, use_pdl: bool) -> dict[str, float]:
@@ -92,8 +83,8 @@ def main() -> None:
         print(f"  {us:7.2f}  {name}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"bench": "kernel_chain", "gpu": gpu_name, "length": args.length,
-                       "command": "python bench/kernel_chain.py", "us_a_launch": table}, f, indent=1)
+            json.dump({"bench": "kernel_chain", "gpu": gpu_name, "length": args.length, "command": command_line(),
+                       "commit": git_commit(), "us_a_launch": table}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +39,8 @@ class Checkpoint:
     quant_config: Any = None
     # the embedding pooling the checkpoint declares (sentence-transformers' modules.json), else None (pooling.py)
     pooling: PoolingConfig | None = None
+    # the file a tensor of that name is in, None where unknown (hf_dir.py); errors name it (file_of)
+    tensor_file: Callable[[str], Path | None] | None = None
 
     def weights(self, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
         """The (name, tensor) pairs, each tensor read whole; ``lazy``: LazyTensors left unread, for loaders that
@@ -48,18 +49,10 @@ class Checkpoint:
         return weights if lazy else ((name, materialize(tensor)) for name, tensor in weights)
 
     def file_of(self, tensor: str | None) -> Path:
-        """The file that holds checkpoint tensor ``tensor``: a sharded directory's index says which, a directory of
-        one safetensors file has only that one; else (a name the index lacks, a GGUF file) the checkpoint's path."""
-        if tensor is None or not self.path.is_dir():
-            return self.path
-        try:
-            weight_map = json.loads((self.path / "model.safetensors.index.json").read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError):
-            weight_map = {}
-        if isinstance(weight_map, dict) and isinstance(weight_map.get(tensor), str):
-            return self.path / weight_map[tensor]
-        files = sorted(self.path.glob("*.safetensors"))
-        return files[0] if len(files) == 1 else self.path
+        """The file that holds checkpoint tensor ``tensor`` where the reader can tell (``tensor_file``), else the
+        checkpoint's path (a GGUF file, a directory)."""
+        found = self.tensor_file(tensor) if tensor is not None and self.tensor_file is not None else None
+        return found or self.path
 
     @property
     def architecture(self) -> str:

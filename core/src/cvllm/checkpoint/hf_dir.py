@@ -39,6 +39,16 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
+def tensor_file(path: Path, files: list[Path], name: str) -> Path | None:
+    """Which of the directory's weight ``files`` holds tensor ``name``: the only one, or the index's entry for it
+    (None for a name the index lacks: one a reader renamed, a .bin shard)."""
+    if len(files) == 1:
+        return files[0]
+    index = path / INDEX_FILE
+    entry = load_json(index, "safetensors index").get("weight_map", {}).get(name) if index.exists() else None
+    return path / entry if isinstance(entry, str) else None
+
+
 def architecture_class(raw: dict) -> object | None:
     """The class registered for the config's architecture (None for an unknown one: building the model says so
     later)."""
@@ -90,6 +100,7 @@ def open_hf_checkpoint(path: str | Path) -> Checkpoint:
         quant_method=quant.get("quant_method"),
         format="hf",
         pooling=pooling,
+        tensor_file=partial(tensor_file, path, files),
     )
 
 
