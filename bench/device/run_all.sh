@@ -33,8 +33,6 @@
 # "pending" (issue 18): the batch-1 standing at the defaults (bf16, q4k, gptq, q8_0, fp8), a GPTQ profile and
 # bench/kernel_chain.py (~6 min).
 # "mmaroom" (issue 18): batch-1 GPTQ with the MMA GEMV aiming at 16, 12, 10 and 8 warps an SM, then a profile at 12.
-# "fp8dots" (issue 18): FP8-cache decode attention with e4m3 products (CVLLM_FP8_ATTENTION_DOTS): tests, tiles,
-# 256 streams with and without it (~9 min; the last two steps in a second call).
 # "mmatiles" (issue 18): the MMA GEMV's tiles (warps an SM, a register cap) with the early weights on and off (~4 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
@@ -434,28 +432,6 @@ fp8attn)
             --min-len 1024 --max-len 1024 --max-num-seqs 256 --kv-cache-dtype $kv \
             --json "$out/$day-$card-throughput256-kv_$kv-$commit.json"
     done ;;
-fp8dots)
-    # issue 18 (session 44, written, not timed): CVLLM_FP8_ATTENTION_DOTS, the FP8-cache decode tile turned over
-    # (keys as rows) with e4m3 products on wgmma (kernels/paged_attention_fp8.py): its GPU tests, the kernel by tile
-    # against the float16 path (2: q and P in two e4m3 terms each; 1: one), then 256 streams offline with it, without
-    # it, and with a 16-bit cache (~9 min: ONLY="throughput256-kv-fp8 throughput256-kv-auto" in a second call)
-    t=plugins/backend-cuda/tests
-    run gpu-tests-fp8-dots 150 python3 -m pytest -p no:cacheprovider -q $t/test_fp8_attention_dots.py $t/test_kv_fp8.py
-    run tune-attention-fp8 60 python3 bench/tune_attention.py --kv-dtype fp8 --decode "16,64,2,3,168 16,64,2,3" \
-        --json "$out/$day-$card-tune_attention-fp8-$commit.json"
-    for terms in 2 1; do
-        CVLLM_FP8_ATTENTION_DOTS=$terms run tune-attention-fp8-dots$terms 90 python3 bench/tune_attention.py \
-            --kv-dtype fp8 --decode "${DOTS_TILES:-16,64,4,3 16,64,4,2 16,128,4,3 16,128,4,2}" \
-            --json "$out/$day-$card-tune_attention-fp8-dots$terms-$commit.json"
-    done
-    CVLLM_FP8_ATTENTION_DOTS=2 run throughput256-kv-fp8-dots2 140 python3 bench/throughput.py --shape llama3-8b \
-        --skip-hf --num-requests 256 --min-len 1024 --max-len 1024 --max-num-seqs 256 --kv-cache-dtype fp8 \
-        --json "$out/$day-$card-throughput256-kv_fp8-dots2-$commit.json"
-    for kv in fp8 auto; do
-        run throughput256-kv-$kv 140 python3 bench/throughput.py --shape llama3-8b --skip-hf --num-requests 256 \
-            --min-len 1024 --max-len 1024 --max-num-seqs 256 --kv-cache-dtype $kv \
-            --json "$out/$day-$card-throughput256-kv_$kv-$commit.json"
-    done ;;
 kvfp8)
     # 256 streams through cvserve with a 16-bit and an FP8 KV cache (issue 18: FP8 KV >= 1.15x)
     for kv in auto fp8; do
@@ -463,7 +439,7 @@ kvfp8)
             --kv-cache-dtype $kv --json "$out/$day-$card-serving-kv_$kv-$commit.json"
     done ;;
 *)
-    echo "usage: run_all.sh pending|tests|bench|fp8gemv|tp|tp70b|quant|ggufmix|ggufhigh|prefillhost|kvfp8|fp8attn|fp8dots|moe|spec|specsteps|specstaging|quant64|quantgemm|swapped|swappedsplits|gemvrows|swappedwide|smallgemv|producers|swappedstages|gemvfusions|fusionslatency" >&2
+    echo "usage: run_all.sh pending|tests|bench|fp8gemv|tp|tp70b|quant|ggufmix|ggufhigh|prefillhost|kvfp8|fp8attn|moe|spec|specsteps|specstaging|quant64|quantgemm|swapped|swappedsplits|gemvrows|swappedwide|smallgemv|producers|swappedstages|gemvfusions|fusionslatency" >&2
     exit 2 ;;
 esac
 # a call brings back at most 8 files from $OUT: past that, this run's logs and results go back packed in one archive

@@ -141,30 +141,6 @@ def test_fp8_decode_attention_reads_values_by_key_without_byte_loads(monkeypatch
 
 
 @compiles
-@pytest.mark.parametrize("terms", [1, 2])
-@pytest.mark.parametrize("sliding_window,splits", [(None, 1), (40, 4)])
-def test_fp8_decode_attention_with_e4m3_products_compiles(monkeypatch, terms, sliding_window, splits):
-    """CVLLM_FP8_ATTENTION_DOTS (paged_attention_fp8): the turned-over decode tile takes Hopper's wgmma with both
-    operands e4m3 for S = K q and O = V P, and converts no byte of the cache to 16 bits (the float16 path: 128
-    cvt a thread a 64-key step); no spills."""
-    fp8_dots = importlib.import_module("cvllm_cuda.kernels.paged_attention_fp8")
-    monkeypatch.setattr(fp8_dots, "TERMS", terms)
-    monkeypatch.setattr(paged_attention, "combine_splits", lambda *args: None)   # (its own kernel, compiled above)
-    q = torch.zeros(TOKENS, Q_HEADS, DIM, dtype=torch.bfloat16)
-    k_cache, v_cache = caches(FP8)
-    v_cache = kv_cache.empty_value_cache(v_cache.shape, FP8, v_cache.device)
-    attention = lambda: paged_attention.paged_attention(   # noqa: E731
-        q, k_cache, v_cache, torch.arange(TOKENS + 1, dtype=torch.int32), torch.full((TOKENS,), 40, dtype=torch.int32),
-        torch.zeros(TOKENS, BLOCKS, dtype=torch.int32), 1, DIM ** -0.5, sliding_window, None, num_splits=splits,
-        kv_scales=scales(FP8))
-    [kernel] = compiled_launches(monkeypatch, fp8_dots, "_fp8_decode_kernel", attention)
-    ptx = kernel.asm["ptx"]
-    assert set(re.findall(r"wgmma\.mma_async\S*", ptx)) == {"wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3"}
-    assert "mma.sync" not in ptx and "cvt.rn.f16x2.e4m3x2" not in ptx
-    assert sm90.resource_usage(kernel)["STACK"] == 0, "spilled to local memory"
-
-
-@compiles
 @pytest.mark.parametrize("report", [False, True])
 def test_argmax_compiles(monkeypatch, report):
     """The sampler's argmax in bf16 logits, with and without the rows that are not finite reported."""

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cvllm_cuda.kernels import gpu, paged_attention_fp8, pdl, quant_gemv_int8
+from cvllm_cuda.kernels import gpu, pdl, quant_gemv_int8
 from cvllm_cuda.kernels.attention_splits import combine_splits
 from cvllm_cuda.kernels.attention_step import attend_keys
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
@@ -297,9 +297,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     decode = max_query_len == 1
     splits = num_splits or default_num_splits(num_seqs, num_kv_heads, max_query_len, q.device)
     splits = min(MAX_SPLITS, next_power_of_2(splits))
-    # CVLLM_FP8_ATTENTION_DOTS (an experiment): decodes over an e4m3 cache with e4m3 products (paged_attention_fp8)
-    fp8_dots = fp8 and paged_attention_fp8.applies(decode, values_by_key, head_dim, group)
-    dots_tile = (config.block_n, config.num_stages) if fp8_dots and config and config.block_n % 64 == 0 else None
     if config is None:
         sparse = decode and is_sparse_decode(num_seqs, num_kv_heads, splits, q.device)
         config = attention_config(head_dim, q.dtype, decode, q.device, sparse, fp8_cache=fp8)
@@ -319,26 +316,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     launch = pdl.options(q.device)
     combined_int8 = splits > 1 and head_dim % 32 == 0 and out.is_contiguous()
     int8_bits, made = quant_gemv_int8.output_form(out, feeds if combined_int8 else None, num_tokens)
-    if fp8_dots:
-        paged_attention_fp8.launch(q, k_cache, v_cache, out, (part_max, part_sum, part_acc), query_start_loc,
-                                   seq_lens, block_tables, kv_scales, scale, sliding_window, soft_cap, splits,
-                                   dots_tile)
-    else:
-        _attention_kernel[(tiles, num_kv_heads, splits)](
-            q, k_cache, v_cache, out, part_max, part_sum, part_acc,
-            query_start_loc, seq_lens, block_tables, *(kv_scales or (seq_lens, seq_lens)),
-            num_seqs, float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(2),
-            v_cache.stride(3), block_tables.stride(0),
-            BLOCK_SIZE=block_size, G=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_Q=block_q,
-            BLOCK_N=config.block_n,
-            NUM_SPLITS=splits, DECODE_ONLY=decode, USE_WINDOW=bool(sliding_window), USE_SOFT_CAP=bool(soft_cap),
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8,
-            VALUES_BY_KEY=values_by_key,
-            num_warps=config.num_warps, num_stages=config.num_stages, **launch,
-            **({"maxnreg": config.max_registers} if config.max_registers else {}),
-        )
+    _attention_kernel[(tiles, num_kv_heads, splits)](
+        q, k_cache, v_cache, out, part_max, part_sum, part_acc,
+        query_start_loc, seq_lens, block_tables, *(kv_scales or (seq_lens, seq_lens)),
+        num_seqs, float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(2),
+        v_cache.stride(3), block_tables.stride(0),
+        BLOCK_SIZE=block_size, G=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_Q=block_q,
+        BLOCK_N=config.block_n,
+        NUM_SPLITS=splits, DECODE_ONLY=decode, USE_WINDOW=bool(sliding_window), USE_SOFT_CAP=bool(soft_cap),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FP8=fp8,
+        VALUES_BY_KEY=values_by_key,
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch,
+        **({"maxnreg": config.max_registers} if config.max_registers else {}),
+    )
     if splits > 1:
         combine_splits(out, part_max, part_sum, part_acc, made, int8_bits)
     if int8_bits:

@@ -62,9 +62,13 @@ ROUTED_ROWS = 8
 # put its tile at 115 us a step, the step gained 6). The tiles: on the H100 (2026-12-06, 8fa42af,
 # bench/mma_gemv_probe.py, GPTQ-4bit g128, us a Llama-3-8B layer's four products, K splits added in the launch) 2
 # warps a program at 16 warps an SM: 1 row 54.0 (4 warps at 12: 56.3; no PREFETCH, 4 warps at 16: 57.6), 2 rows
-# 56.2, 4 rows 63.6; at 8 rows 16 warps an SM lose (98.2) and 8 win (93.9; no PREFETCH 98.4)
+# 56.2, 4 rows 63.6; at 8 rows 16 warps an SM lose (98.2) and 8 win (93.9; no PREFETCH 98.4). Up to 4 rows the K
+# split aims at 12 warps an SM, not the probe's 16: 16 of 128 registers fill an SM's register file, and the norm,
+# rotary or silu PDL launches after the GEMV could not be placed beside it (WARPS_PER_SM below). End to end on the
+# H100 (2026-12-06, 688d3bb, `run_all.sh mmaroom`, batch-1 --isq gptq, alternating in one call) 384.9-386.7 tok/s
+# at 12 against 378.1-379.6 at 16 (GPU step 2.534-2.543 ms against 2.579-2.581); 10 and 8 ran as 16 did
 PREFETCH = os.environ.get("CVLLM_GEMV_MMA_PREFETCH", "1") != "0"
-PREFETCHED_TILE_UP_TO_4 = (8, 2, 16)
+PREFETCHED_TILE_UP_TO_4 = (8, 2, 12)
 PREFETCHED_TILE_UP_TO_8 = (8, 2, 8)
 UNIT = 32               # inputs a lane's words span in one word row (8 each, lanes j = 0..3): one unit
 MAX_GROUP_UNITS = 4     # units a K step takes at most (GPTQ g128: a scale group a step)
@@ -83,11 +87,11 @@ TILES = {1: (8, 4, 16)}
 TILES_WITHOUT_EARLY_WEIGHTS = {1: (8, 4, 32)}
 TILES_UP_TO_8 = (8, 1, 16)
 TILES_UP_TO_16 = (4, 1, 16)
-# CVLLM_GEMV_MMA_WARPS_PER_SM=N (read at import; an experiment, unset by default): the K split aims at N warps an SM
-# whatever the tile's. Why: at 16 warps an SM of 128 registers the GEMV holds an SM's whole register file, so the
-# kernel after it (a norm, rotary, silu: launched early by PDL to wait on the SMs) cannot be placed until the GEMV's
-# programs leave; at 12 a norm's program (8 warps of 48 registers) fits beside them. The stack probes time GEMVs back
-# to back, never beside those kernels; `bash bench/device/run_all.sh mmaroom` times batch-1 GPTQ end to end
+# CVLLM_GEMV_MMA_WARPS_PER_SM=N (read at import; unset by default): the K split aims at N warps an SM whatever the
+# tile's. Why the 1-4-row tile aims at 12: at 16 warps an SM of 128 registers the GEMV holds an SM's whole register
+# file, so the kernel after it (a norm, rotary, silu: launched early by PDL to wait on the SMs) cannot be placed until
+# the GEMV's programs leave; at 12 a norm's program (8 warps of 48 registers) fits beside them. The stack probes time
+# GEMVs back to back, never beside those kernels; `bash bench/device/run_all.sh mmaroom` times batch-1 GPTQ end to end
 WARPS_PER_SM = int(os.environ.get("CVLLM_GEMV_MMA_WARPS_PER_SM", "0")) or None
 
 
