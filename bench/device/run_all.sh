@@ -32,7 +32,8 @@
 # "fusionslatency": the batch-1 standing of every --isq type beside bf16, with a Q6_K head and GPTQ W4A8 (~5 min).
 # "pending" (issue 18): the batch-1 standing at the defaults (bf16, q4k, gptq, q8_0, fp8), a GPTQ profile and
 # bench/kernel_chain.py (~6 min).
-# "mmaroom" (issue 18): batch-1 GPTQ with the MMA GEMV aiming at 16, 12, 10 and 8 warps an SM, then a profile at 12.
+# "mmaroom" (issue 18): batch-1 GPTQ with the MMA GEMV aiming at 12 (the default), 16, 10 and 8 warps an SM, then a
+# profile at 12.
 # "mmatiles" (issue 18): the MMA GEMV's tiles (warps an SM, a register cap) with the early weights on and off (~4 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
@@ -346,10 +347,11 @@ pending)
     # the floor under each of the step's ~290 dependent launches
     run kernel-chain 120 python3 bench/kernel_chain.py --json "$out/$day-$card-kernel_chain-$commit.json" ;;
 mmaroom)
-    # issue 18 (session 43, written, not timed): the MMA GEMV's K split at fewer warps an SM than its 16, which fill an
-    # SM's registers, so that the norm, rotary or silu after it can wait on the SMs (quant_gemv_mma.WARPS_PER_SM): GPTQ
-    # batch 1 at 16, 12, 10 and 8, then 16 again (~4 min), then the profile at 12
-    for case in ${ROOM_CASES:-gptq:default gptq:room12 gptq:room10 gptq:room8 gptq:room16}; do
+    # issue 18: the MMA GEMV's 1-4-row K split at fewer warps an SM than 16, which fill an SM's registers, so that the
+    # norm, rotary or silu after it can wait on the SMs (quant_gemv_mma.WARPS_PER_SM). 12 won on the H100 (session 44)
+    # and is the default since; the H200 is not measured: GPTQ batch 1 at the default (12), 16, 10 and 8, then the
+    # default again (~4 min), then the profile at 12
+    for case in ${ROOM_CASES:-gptq:default gptq:room16 gptq:room10 gptq:room8 gptq:room12}; do
         latency_case $case
     done
     python3 bench/latency_table.py "$out"/$day-$card-latency-gptq-*-$commit.json

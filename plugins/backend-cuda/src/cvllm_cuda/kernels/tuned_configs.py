@@ -18,6 +18,15 @@ TUNED: dict[str, dict[tuple[int, str, bool], tuple[int, ...]]] = {
         # 166.3; 128 registers and other tiles lost. Capped only past one wave (paged_attention.UNCAPPED_WAVE)
         (128, "float8_e4m3fn", True): (16, 64, 2, 3, 168),
     },
+    # python bench/tune_attention.py --kv-dtype fp8 --decode "16,64,2,3,168 16,64,2,3" at 688d3bb, 2026-12-06
+    # (results/2026-12-06-h100-tune_attention-fp8-688d3bb.json; session 33's wider sweep,
+    # results/2026-12-05-h100-tune_attention-fp8-tiles-5a33988.json, chose the same tile): an FP8 cache's decode in
+    # 2 warps, 3 stages against the default (16, 64, 4, 2): 256 x 1k 230.0 vs 274.2 us, 256 x 2k 433.3 vs 521.9,
+    # 64 x 1.5k 89.7 vs 130.4, Qwen3 256 x 800 179.7 vs 212.1; the H200's register cap lost here (443.8 at 256 x 2k,
+    # 107.8 at 64 x 1.5k). The H100's 16-bit caches are not swept: they take the defaults
+    "NVIDIA H100 80GB HBM3": {
+        (128, "float8_e4m3fn", True): (16, 64, 2, 3),
+    },
 }
 
 # Decode launches whose grid (sequences x KV heads x splits) has no more programs than the GPU has SMs: batch 1
