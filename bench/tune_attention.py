@@ -64,13 +64,14 @@ def workload(query_lens: list[int], contexts: list[int], heads: int, kv_heads: i
             "kv_bytes": sum(seq_lens) * kv_heads * HEAD_DIM * 2 * caches[0][0].element_size()}
 
 
-def time_ms(w: dict, config: AttentionConfig | None) -> float:
+def time_ms(w: dict, config: AttentionConfig | None, splits: int | None = None) -> float:
     """GPU time of one launch: replays of a CUDA graph that runs the launch once over each cache copy (a plain
-    launch costs ~0.1 ms of host time here, which would hide the kernel's own time on small workloads)."""
+    launch costs ~0.1 ms of host time here, which would hide the kernel's own time on small workloads). ``splits``:
+    the launch's num_splits (its combining kernel included), None for paged_attention's choice."""
     def run():
         for k, v in w["caches"]:
             paged_attention(w["q"], k, v, w["query_start_loc"], w["seq_lens"], w["tables"], w["max_query_len"],
-                            HEAD_DIM ** -0.5, None, None, config=config, kv_scales=w["kv_scales"])
+                            HEAD_DIM ** -0.5, None, None, config=config, kv_scales=w["kv_scales"], num_splits=splits)
     run()   # compiles outside the graph
     return triton.testing.do_bench_cudagraph(run, rep=100, return_mode="median") / len(w["caches"])
 
@@ -100,6 +101,10 @@ def main() -> None:
                     help="fp8: e4m3 caches (--kv-cache-dtype fp8), decode workloads; entries spelled float8_e4m3fn")
     ap.add_argument("--values-by-dim", action="store_true",
                     help="fp8: V laid out as K (the layout before kv_cache.empty_value_cache), for an A/B run")
+    ap.add_argument("--splits", type=int, help="decode workloads cut each sequence's keys into this many slices "
+                                               "(split-KV, the combining kernel timed too), not paged_attention's "
+                                               "choice (1 for these batches): the last wave of equal-length "
+                                               "programs filled or not")
     ap.add_argument("--write", type=Path, help="write tuned_configs.py here with this GPU's entries merged in")
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
@@ -119,16 +124,17 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     result = {"bench": "tune_attention", "gpu": gpu, "commit": git_commit(), "date": datetime.date.today().isoformat(),
               "command": command_line(), "head_dim": HEAD_DIM, "dtype": "bfloat16",
-              "kv_dtype": args.kv_dtype, "values_by_dim": by_dim, "kinds": {}}
+              "kv_dtype": args.kv_dtype, "values_by_dim": by_dim, "decode_splits": args.splits, "kinds": {}}
     entries = {}
     for decode, named in workloads.items():
         default = attention_config(HEAD_DIM, DTYPE, decode, torch.device("cuda"), fp8_cache=args.kv_dtype == "fp8")
-        base = {name: time_ms(w, default) for name, w in named.items()}
+        splits = args.splits if decode else None
+        base = {name: time_ms(w, default, splits) for name, w in named.items()}
         rows = []
         chosen = parse_configs(args.decode if decode else args.prefill)
         for config in chosen or candidates(decode):
             try:
-                times = {name: time_ms(w, config) for name, w in named.items()}
+                times = {name: time_ms(w, config, splits) for name, w in named.items()}
             except Exception as e:     # a config the compiler rejects (shared memory): not a candidate
                 print(f"  skip {config}: {type(e).__name__}", file=sys.stderr)
                 continue
@@ -145,8 +151,8 @@ def main() -> None:
         result["kinds"][kind] = {"default": astuple(default), "default_ms": base, "best": astuple(best),
                                  "best_ms": best_times, "score": best_score,
                                  "top": [(astuple(c), s, t) for s, c, t in rows[:10]]}
-        # commit only a real gain (2% is above run-to-run noise)
-        if best_score < 0.98 and best != default:
+        # commit only a real gain (2% is above run-to-run noise), and no tile timed at splits the engine does not take
+        if best_score < 0.98 and best != default and not splits:
             entries[(HEAD_DIM, "float8_e4m3fn" if args.kv_dtype == "fp8" else "bfloat16", decode)] = astuple(best)
     print(f"\nTUNED entry for {gpu!r} (commit {result['commit']}, {result['date']}):")
     print(f"    {gpu!r}: {{" + ", ".join(f"{k!r}: {v!r}" for k, v in entries.items()) + "},")

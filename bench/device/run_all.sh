@@ -34,6 +34,7 @@
 # bench/kernel_chain.py (~6 min).
 # "mmaroom" (issue 18): batch-1 GPTQ with the MMA GEMV aiming at 12 (the default), 16, 10 and 8 warps an SM, then a
 # profile at 12.
+# "fp8waves" (issue 18): the FP8-cache decode tile at 256 streams cut into 1, 2 and 4 key slices (waves), bf16 beside.
 # "mmatiles" (issue 18): the MMA GEMV's tiles (warps an SM, a register cap) with the early weights on and off (~4 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
 set -uo pipefail
@@ -434,6 +435,18 @@ fp8attn)
             --min-len 1024 --max-len 1024 --max-num-seqs 256 --kv-cache-dtype $kv \
             --json "$out/$day-$card-throughput256-kv_$kv-$commit.json"
     done ;;
+fp8waves)
+    # issue 18 (session 44, not yet run): the FP8-cache decode tile at 256 streams by split-KV slices. Equal-length
+    # programs run in waves: 256 x 8 = 2,048 programs at the H200's capped tile (168 registers: 6 programs an SM, 792
+    # at once) are 2.59 waves, the third 59% full (uncapped, 5 an SM: 3.10 waves, the fourth 10% full), where bf16's
+    # tile (4 an SM) fills 3.88. Slices cut the programs finer (and add the combining kernel): 1, 2 and 4 slices of
+    # each tile, then bf16's tile unsplit for the ratio (~3 min)
+    for splits in 1 2 4; do
+        run tune-attention-fp8-splits$splits 100 python3 bench/tune_attention.py --kv-dtype fp8 --splits $splits \
+            --decode "16,64,2,3,168 16,64,2,3" --json "$out/$day-$card-tune_attention-fp8-splits$splits-$commit.json"
+    done
+    run tune-attention-bf16 100 python3 bench/tune_attention.py --splits 1 --decode "16,64,2,3" --prefill "64,32,4,2" \
+        --json "$out/$day-$card-tune_attention-bf16-splits1-$commit.json" ;;
 kvfp8)
     # 256 streams through cvserve with a 16-bit and an FP8 KV cache (issue 18: FP8 KV >= 1.15x)
     for kv in auto fp8; do
@@ -441,7 +454,7 @@ kvfp8)
             --kv-cache-dtype $kv --json "$out/$day-$card-serving-kv_$kv-$commit.json"
     done ;;
 *)
-    echo "usage: run_all.sh pending|tests|bench|fp8gemv|tp|tp70b|quant|ggufmix|ggufhigh|prefillhost|kvfp8|fp8attn|moe|spec|specsteps|specstaging|quant64|quantgemm|swapped|swappedsplits|gemvrows|swappedwide|smallgemv|producers|swappedstages|gemvfusions|fusionslatency" >&2
+    echo "usage: run_all.sh pending|tests|bench|fp8gemv|tp|tp70b|quant|ggufmix|ggufhigh|prefillhost|kvfp8|fp8attn|fp8waves|moe|spec|specsteps|specstaging|quant64|quantgemm|swapped|swappedsplits|gemvrows|swappedwide|smallgemv|producers|swappedstages|gemvfusions|fusionslatency" >&2
     exit 2 ;;
 esac
 # a call brings back at most 8 files from $OUT: past that, this run's logs and results go back packed in one archive
