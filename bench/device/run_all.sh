@@ -34,6 +34,7 @@
 # bench/kernel_chain.py (~6 min).
 # "mmaroom" (issue 18): batch-1 GPTQ with the MMA GEMV aiming at 12 (the default), 16, 10 and 8 warps an SM, then a
 # profile at 12.
+# "latetrigger" (issue 18): batch 1 of bf16, q4k and gptq with the norms' and combinations' late PDL trigger, and not.
 # "fp8waves" (issue 18): the FP8-cache decode tile at 256 streams cut into 1, 2 and 4 key slices (waves), bf16 beside.
 # "mmatiles" (issue 18): the MMA GEMV's tiles (warps an SM, a register cap) with the early weights on and off (~4 min).
 # Each runs under a timeout so that one stuck step cannot eat the call; a short table per step is printed last.
@@ -63,13 +64,15 @@ latency_case() {   # "isq:variant", e.g. q4k:noearly: batch-1 decode (Llama-3-8B
     # tile), "nomma" (CVLLM_GEMV_MMA=0: GPTQ/AWQ's 1-8 rows off tensor cores), "noprefetch" (CVLLM_GEMV_MMA_PREFETCH=0:
     # the MMA GEMV loads each K step's weights at the step's start) and "nofused" (CVLLM_IN_LAUNCH_SPLIT_SUMS=0: its K
     # splits added by a launch after it) and "roomN" (CVLLM_GEMV_MMA_WARPS_PER_SM=N: the MMA GEMV's K split aims at N
-    # warps an SM); "none" is bf16
+    # warps an SM) and "late" (CVLLM_PDL_LATE_TRIGGER=1: the norms and the attention's split combination let the GEMV
+    # after them launch only once their inputs are in); "none" is bf16
     local q=${1%%:*} v=${1#*:}
     CVLLM_GEMV_EARLY_WEIGHTS=$([[ $v = *noearly* ]] && echo 0 || echo 1) \
         CVLLM_GEMV_MMA=$([[ $v = *nomma* ]] && echo 0 || echo 1) \
         CVLLM_GEMV_MMA_PREFETCH=$([[ $v = *noprefetch* ]] && echo 0 || echo 1) \
         CVLLM_IN_LAUNCH_SPLIT_SUMS=$([[ $v = *nofused* ]] && echo 0 || echo "${CVLLM_IN_LAUNCH_SPLIT_SUMS:-}") \
         CVLLM_GEMV_MMA_WARPS_PER_SM=$([[ $v =~ room([0-9]+) ]] && echo "${BASH_REMATCH[1]}" || echo 0) \
+        CVLLM_PDL_LATE_TRIGGER=$([[ $v = *late* ]] && echo 1 || echo 0) \
         run latency-$q-$v 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
         $([ $q = none ] || echo --isq $q) --json "$out/$day-$card-latency-$q-$v-$commit.json"
 }
@@ -347,6 +350,15 @@ pending)
     run profile-b1-gptq 120 python3 bench/profile_decode.py --batch 1 --context 1024 --steps 10 --isq gptq
     # the floor under each of the step's ~290 dependent launches
     run kernel-chain 120 python3 bench/kernel_chain.py --json "$out/$day-$card-kernel_chain-$commit.json" ;;
+latetrigger)
+    # issue 18 (session 44, written, not timed): CVLLM_PDL_LATE_TRIGGER (kernels/pdl.py), batch 1 of bf16, q4k and
+    # gptq without and with it, alternating (~5 min), then a q4k profile with it
+    for case in ${LATE_CASES:-none:default none:late q4k:default q4k:late gptq:default gptq:late}; do
+        latency_case $case
+    done
+    python3 bench/latency_table.py "$out"/$day-$card-latency-*-$commit.json
+    CVLLM_PDL_LATE_TRIGGER=1 run profile-b1-q4k-late 120 python3 bench/profile_decode.py --batch 1 --context 1024 \
+        --steps 10 --isq q4k ;;
 mmaroom)
     # issue 18: the MMA GEMV's 1-4-row K split at fewer warps an SM than 16, which fill an SM's registers, so that the
     # norm, rotary or silu after it can wait on the SMs (quant_gemv_mma.WARPS_PER_SM). 12 won on the H100 (session 44)
@@ -454,7 +466,7 @@ kvfp8)
             --kv-cache-dtype $kv --json "$out/$day-$card-serving-kv_$kv-$commit.json"
     done ;;
 *)
-    echo "usage: run_all.sh pending|tests|bench|fp8gemv|tp|tp70b|quant|ggufmix|ggufhigh|prefillhost|kvfp8|fp8attn|fp8waves|moe|spec|specsteps|specstaging|quant64|quantgemm|swapped|swappedsplits|gemvrows|swappedwide|smallgemv|producers|swappedstages|gemvfusions|fusionslatency" >&2
+    echo "usage: run_all.sh pending|tests|bench|fp8gemv|tp|tp70b|quant|ggufmix|ggufhigh|prefillhost|kvfp8|fp8attn|fp8waves|latetrigger|mmaroom|moe|spec|specsteps|specstaging|quant64|quantgemm|swapped|swappedsplits|gemvrows|swappedwide|smallgemv|producers|swappedstages|gemvfusions|fusionslatency" >&2
     exit 2 ;;
 esac
 # a call brings back at most 8 files from $OUT: past that, this run's logs and results go back packed in one archive

@@ -141,6 +141,42 @@ def test_fp8_decode_attention_reads_values_by_key_without_byte_loads(monkeypatch
 
 
 @compiles
+@pytest.mark.parametrize("late", [False, True])
+def test_norm_and_split_combination_under_pdl(monkeypatch, late):
+    """The add + RMSNorm reads its weight before the PDL wait (no kernel writes it; quant_tiles.EARLY_WEIGHTS: 2
+    loads a thread for 4096 bf16 over 8 warps), x and the residual right after it, and nothing after its first
+    store (its weight had been a second round trip, read after the sum of squares). With pdl.LATE_TRIGGER
+    (CVLLM_PDL_LATE_TRIGGER) the norm and the split-KV combination let their successor launch (PREEXIT) only after
+    a store that needs their inputs; otherwise right after their wait (ACQBULK)."""
+    pdl = importlib.import_module("cvllm_cuda.kernels.pdl")
+    monkeypatch.setattr(pdl, "options", lambda device: {"USE_PDL": True, "launch_pdl": True})
+    monkeypatch.setattr(pdl, "LATE_TRIGGER", late)
+    rms_norm = importlib.import_module("cvllm_cuda.kernels.rms_norm")
+    x = torch.zeros(1, 4096, dtype=torch.bfloat16)
+    norm = lambda: rms_norm.fused_add_rms_norm(x, x, torch.ones(4096, dtype=torch.bfloat16), 1e-5)  # noqa: E731
+    [norm_kernel] = compiled_launches(monkeypatch, rms_norm, "_add_rms_norm_kernel", norm)
+    assert sm90.loads_before_wait(norm_kernel) == 2
+    paged_attention = importlib.import_module("cvllm_cuda.kernels.paged_attention")
+    monkeypatch.setattr(paged_attention, "_attention_kernel", sm90.LaunchRecorder(paged_attention._attention_kernel))
+    attention = lambda: paged_attention.paged_attention(  # noqa: E731
+        torch.zeros(1, Q_HEADS, DIM, dtype=torch.bfloat16), *caches(torch.bfloat16), torch.arange(2, dtype=torch.int32),
+        torch.full((1,), 40, dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32), 1, DIM ** -0.5, None, None,
+        num_splits=4)
+    attention_splits = importlib.import_module("cvllm_cuda.kernels.attention_splits")
+    [combine_kernel] = compiled_launches(monkeypatch, attention_splits, "_combine_splits_kernel", attention)
+    for kernel in (norm_kernel, combine_kernel):
+        lines = [re.sub(r"^@!?U?P\w+\s+", "", line) for line in sm90.sass(kernel)]
+        first_store = next(i for i, line in enumerate(lines) if line.startswith("STG"))
+        [trigger] = [i for i, line in enumerate(lines) if line.startswith("PREEXIT")]
+        [wait] = [i for i, line in enumerate(lines) if line.startswith("ACQBULK")]
+        assert not any(line.startswith("LDG") for line in lines[first_store:])
+        if late:
+            assert trigger > first_store
+        else:
+            assert wait < trigger < min(i for i, line in enumerate(lines) if i > wait and line.startswith("LDG"))
+
+
+@compiles
 @pytest.mark.parametrize("report", [False, True])
 def test_argmax_compiles(monkeypatch, report):
     """The sampler's argmax in bf16 logits, with and without the rows that are not finite reported."""

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from cvllm_cuda.kernels import pdl
 from cvllm_cuda.kernels.int8_activations import quantize_blocks
-from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
+from cvllm_cuda.kernels.pdl import launch_next_kernel, wait_for_previous_kernel
 from cvllm_cuda.kernels.sizes import next_power_of_2
 
 
@@ -38,9 +38,9 @@ def _combine_splits_kernel(
     out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, packs_ptr, xd_ptr, sums_ptr, block_sums_ptr,
     stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, INT8_BITS: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr = False,
 ):
-    wait_for_previous_kernel(USE_PDL)
+    wait_for_previous_kernel(USE_PDL, LATE_TRIGGER)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     part = (token * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
@@ -53,6 +53,7 @@ def _combine_splits_kernel(
     total = tl.sum(weight * l, 0)
     o = (tl.sum(acc * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, o, mask=dims < HEAD_DIM)
+    launch_next_kernel(USE_PDL, LATE_TRIGGER)   # (pdl.LATE_TRIGGER: the partials are in)
     quantize_heads(tl.reshape(o, (1, BLOCK_D)), tl.full((1,), 0, tl.int64) + token * tl.num_programs(1) + head,
                    tl.full((1,), 1, tl.int1), packs_ptr, xd_ptr, sums_ptr, block_sums_ptr, HEAD_DIM, INT8_BITS)
 
@@ -65,4 +66,4 @@ def combine_splits(out: torch.Tensor, part_max: torch.Tensor, part_sum: torch.Te
     _combine_splits_kernel[(num_tokens, num_heads)](
         out, part_max, part_sum, part_acc, *(made or (out,) * 4), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), NUM_SPLITS=splits, INT8_BITS=int8_bits, num_warps=4,
-        **pdl.options(out.device))
+        LATE_TRIGGER=pdl.LATE_TRIGGER, **pdl.options(out.device))

@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from cvllm_cuda.kernels import pdl, quant_gemv_int8
+from cvllm_cuda.kernels import pdl, quant_gemv_int8, quant_tiles
 from cvllm_cuda.kernels.int8_activations import quantize_blocks
-from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
+from cvllm_cuda.kernels.pdl import launch_next_kernel, wait_for_previous_kernel
 from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
 
 # Elements of one program's tile: a row of a large model's hidden size per program, several rows
@@ -35,13 +35,19 @@ def _add_rms_norm_kernel(
     num_rows, inner_rows, hidden, eps,
     stride_xa, stride_xb, stride_ra, stride_rb,
     HAS_RESIDUAL: tl.constexpr, PLUS_ONE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    INT8_BITS: tl.constexpr, USE_PDL: tl.constexpr,
+    INT8_BITS: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False,
 ):
-    wait_for_previous_kernel(USE_PDL)
+    cols = tl.arange(0, BLOCK_N)
+    # The norm's weight is read with x, not after the sum of squares (which cost a second round trip to memory), and
+    # with EARLY before the PDL wait: no kernel writes weights (quant_tiles.EARLY_WEIGHTS)
+    if EARLY:
+        weight = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
+    wait_for_previous_kernel(USE_PDL, LATE_TRIGGER)
+    if not EARLY:
+        weight = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
     # rows are the leading dims flattened: row = a * inner_rows + b, so a strided [A, B, N] view
     # (per-head q of a fused qkv output) is read in place
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_N)
     row_ok = rows < num_rows
     mask = row_ok[:, None] & (cols < hidden)[None, :]
     rows64 = rows.to(tl.int64)
@@ -55,6 +61,7 @@ def _add_rms_norm_kernel(
         residual = tl.load(residual_ptr + r_offsets, mask=mask, other=0.0)
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)  # x + residual, in the dtype
         tl.store(new_residual_ptr + dense_offsets, x, mask=mask)
+    launch_next_kernel(USE_PDL, LATE_TRIGGER)   # (pdl.LATE_TRIGGER: x and the residual are in)
     xf = x.to(tl.float32)
 
     # mean of squares and 1/sqrt in fp32 with IEEE division and square root (not the approximate
@@ -62,7 +69,6 @@ def _add_rms_norm_kernel(
     sum_sq = tl.sum(xf * xf, axis=1)
     mean_sq = tl.math.div_rn(sum_sq, tl.full(sum_sq.shape, hidden, tl.float32))
     rstd = tl.math.div_rn(tl.full(sum_sq.shape, 1.0, tl.float32), tl.math.sqrt_rn(mean_sq + eps))
-    weight = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
     if PLUS_ONE:  # Gemma: the fp32 norm times (1 + weight) in fp32, one rounding
         out = (xf * rstd[:, None]) * (1.0 + weight[None, :])
     else:
@@ -136,7 +142,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
             HAS_RESIDUAL=residual is not None, PLUS_ONE=plus_one, BLOCK_R=block_r, BLOCK_N=block_n,
             INT8_BITS=int8_bits, num_warps=min(16, max(1, block_r * block_n // 512)),
             enable_fp_fusion=False,  # no FMA contraction: the products round as torch's do
-            **pdl.options(x.device),
+            EARLY=quant_tiles.EARLY_WEIGHTS, LATE_TRIGGER=pdl.LATE_TRIGGER, **pdl.options(x.device),
         )
         if int8_bits:
             quant_gemv_int8.hand_over(out, feeds, int8_bits, made)
