@@ -177,6 +177,22 @@ def test_norm_and_split_combination_under_pdl(monkeypatch, late):
 
 
 @compiles
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_gated_activation_loads_gate_and_up_together(monkeypatch, act):
+    """silu(gate) * up: ptxas had issued up's load after silu's math, which waits for gate (load_order.py); joined,
+    both loads come before the first special-function instruction (exp, tanh's)."""
+    activation = importlib.import_module("cvllm_cuda.kernels.activation")
+    gate_up = torch.zeros(1, 2 * 14336, dtype=torch.bfloat16)
+    call = lambda: (activation.silu_and_mul(gate_up) if act == "silu"  # noqa: E731
+                    else activation.gelu_and_mul(gate_up, "tanh"))
+    [kernel] = compiled_launches(monkeypatch, activation, "_gated_kernel", call)
+    lines = [re.sub(r"^@!?U?P\w+\s+", "", line) for line in sm90.sass(kernel)]
+    loads = [i for i, line in enumerate(lines) if line.startswith("LDG")]
+    first_math = min(i for i, line in enumerate(lines) if line.startswith("MUFU"))
+    assert len(loads) == 2 and max(loads) < first_math, (loads, first_math)
+
+
+@compiles
 @pytest.mark.parametrize("report", [False, True])
 def test_argmax_compiles(monkeypatch, report):
     """The sampler's argmax in bf16 logits, with and without the rows that are not finite reported."""

@@ -9,6 +9,7 @@ import triton.language as tl
 
 from cvllm_cuda.kernels import pdl, quant_gemv_int8
 from cvllm_cuda.kernels.gate_math import GELU_APPROXIMATIONS, LIBDEVICE, SILU, gated, store_with_int8
+from cvllm_cuda.kernels.load_order import joined
 from cvllm_cuda.kernels.pdl import wait_for_previous_kernel
 from cvllm_cuda.kernels.sizes import cdiv, next_power_of_2
 
@@ -26,6 +27,7 @@ def _gated_kernel(
     mask = cols < intermediate
     gate = tl.load(x_ptr + token * stride_xt + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + token * stride_xt + intermediate + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = joined(gate, up)   # (up's load issued with gate's, not after the activation: load_order.py)
     out = gated(gate, up, out_ptr.dtype.element_ty, ACT, LIBDEVICE)
     store_with_int8(out_ptr, out, token, tl.program_id(1), mask, intermediate, packs_ptr, xd_ptr, sums_ptr,
                     block_sums_ptr, BLOCK, INT8_BITS)
