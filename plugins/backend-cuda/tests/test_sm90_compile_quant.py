@@ -164,7 +164,8 @@ def test_the_float_gemvs_early_weights_are_read_before_the_pdl_wait(monkeypatch,
 @pytest.mark.parametrize("fp8", [False, True])
 def test_the_16_bit_and_fp8_gemvs_early_weights_are_read_before_the_pdl_wait(monkeypatch, fp8):
     """kernels/gemv.py (bf16 rows; FP8 rows with their scales: --isq fp8) with CVLLM_GEMV_EARLY_WEIGHTS: the first
-    weight tile's loads before ACQBULK, none without."""
+    weight tile's loads before ACQBULK, none without. Either way nothing is loaded after the K loop's last weights
+    (the FP8 rows' scales had been: one more round trip at the end of every program)."""
     gemv = importlib.import_module("cvllm_cuda.kernels.gemv")
     monkeypatch.setattr(gemv.pdl, "options", lambda device: {"USE_PDL": True, "launch_pdl": True})
     weight = torch.zeros(4096, 4096, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
@@ -173,7 +174,11 @@ def test_the_16_bit_and_fp8_gemvs_early_weights_are_read_before_the_pdl_wait(mon
     kernels = compiled_with_and_without_early_weights(monkeypatch, gemv, "_gemv_kernel",
                                                       lambda: gemv.gemv(x, weight, scale=scale))
     loads_before_wait = {early: sm90.loads_before_wait(kernel) for early, kernel in kernels.items()}
-    assert loads_before_wait[False] == 0 and loads_before_wait[True] >= 1
+    assert loads_before_wait[False] == 0 and loads_before_wait[True] >= 1 + fp8
+    for kernel in kernels.values():
+        lines = [re.sub(r"^@!?U?P\w+\s+", "", line) for line in sm90.sass(kernel)]
+        last_weights = max(i for i, line in enumerate(lines) if line.startswith("LDG") and ".EF" in line)
+        assert not any(line.startswith("LDG") for line in lines[last_weights + 1:])
 
 
 @compiles

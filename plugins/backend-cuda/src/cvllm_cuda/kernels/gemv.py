@@ -61,6 +61,18 @@ def _step(acc, w, x_ptr, k, cols, K, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _row_factors(scale_ptr, bias_ptr, rows, row_ok, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """(scale, bias) of output rows ``rows`` as float32 (zeros where the kernel has none)."""
+    scale = tl.zeros(rows.shape, tl.float32)
+    bias = tl.zeros(rows.shape, tl.float32)
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    return scale, bias
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr,
     N, K, stride_wn,
@@ -72,9 +84,15 @@ def _gemv_kernel(
     row_ok = rows < N
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if EARLY:   # the first K step's weights read before the PDL wait (quant_tiles.EARLY_WEIGHTS)
+    # the rows' scales and bias first, not after the K loop, where their load was one more round trip to memory at
+    # the end of every program; with EARLY before the PDL wait, with the first K step's weights
+    # (quant_tiles.EARLY_WEIGHTS: no kernel writes weights)
+    if EARLY:
         w = _weight_step(w_ptrs, 0, cols, row_ok, K, EVEN)
+        scale, bias = _row_factors(scale_ptr, bias_ptr, rows, row_ok, HAS_SCALE, HAS_BIAS)
     wait_for_previous_kernel(USE_PDL)
+    if not EARLY:
+        scale, bias = _row_factors(scale_ptr, bias_ptr, rows, row_ok, HAS_SCALE, HAS_BIAS)
     if EARLY:
         acc = _step(acc, w, x_ptr, 0, cols, K, EVEN)
         w_ptrs += BLOCK_K
@@ -83,9 +101,9 @@ def _gemv_kernel(
         w_ptrs += BLOCK_K
     y = tl.sum(acc, axis=1)
     if HAS_SCALE:   # FP8 weights: one float32 scale per output row
-        y *= tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
+        y *= scale
     if HAS_BIAS:
-        y += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        y += bias
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
