@@ -161,10 +161,13 @@ def _attention_kernel(
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # FP8: e4m3 keys and values, the head's K scale folded into the softmax scale, its V scale into the output;
-    # with 16-bit queries the products are taken in float16 (below)
+    # FP8: e4m3 keys and values, the head's K scale folded into the softmax scale, its V scale into the output
+    # (read here, not after the key loop: there it was one more round trip at the end of every program); with 16-bit
+    # queries the products are taken in float16 (below)
+    v_scale = 1.0
     if FP8:
         scale = scale * tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
     if DECODE_ONLY:
         seq = tile
         q_start = tl.load(query_start_loc_ptr + seq)
@@ -235,7 +238,7 @@ def _attention_kernel(
                 scale, soft_cap, sliding_window, stride_cb, stride_cs, stride_ch, stride_vb, stride_vh, stride_vd,
                 BLOCK_SIZE, BLOCK_N, USE_WINDOW, USE_SOFT_CAP, DOT_PRECISION, FP8, False, True)
     if FP8:
-        acc = acc * tl.load(v_scale_ptr + kv_head)
+        acc = acc * v_scale
 
     out_mask = row_valid[:, None] & dim_valid[None, :]
     if NUM_SPLITS == 1:
