@@ -91,8 +91,12 @@ tests)
     run gpu-tests-fused 120 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_fused_kernels_gpu.py \
         $t/test_family_kernels_gpu.py --durations=3
     run gpu-tests-kernels 240 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_kernels_gpu.py --durations=3
-    run gpu-tests-quant 420 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_quant_matmul.py $t/test_quant_gemv_int8.py \
-        $t/test_quant_gemv_mma.py $t/test_quant_rows.py \
+    # the low-bit kernels in three groups (together they outran 420 s in parallel runs, sessions 39-45: the MMA
+    # GEMV's and the GGUF / GPTQ / FP8 plugins' tests at the end ran only in calls of their own)
+    run gpu-tests-quant 420 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_quant_matmul.py --durations=3
+    run gpu-tests-quant-gemv 420 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_quant_gemv_int8.py \
+        $t/test_quant_gemv_mma.py --durations=3
+    run gpu-tests-quant-plugins 420 python3 -m pytest -m gpu -p no:cacheprovider -q $t/test_quant_rows.py \
         plugins/quant-gguf/tests/test_gguf_cuda.py plugins/quant-gguf/tests/test_isq.py plugins/quant-marlin/tests \
         plugins/quant-fp8/tests --durations=3
     # in-situ K-quants on the GPU: llama.cpp's bytes through the Triton scale search (no gpu marker on most: they

@@ -9,10 +9,13 @@ export CVLLM_BENCH_COMMIT=$COMMIT
 mkdir -p /tmp/logs
 # (kquants alone: its CPU references take ~4-6 minutes, which cut it short behind three other groups; families and
 # deepseek in a fifth stream since each engine captures its prefill-chunk graphs too: at 380 s the watchdog cut them;
-# quant alone since 2026-12-05: with moe after it, 240 s were not enough for its 122 tests)
+# quant alone since 2026-12-05: with moe after it, 240 s were not enough for its 122 tests; in three streams since
+# 2026-12-06: alone it stopped at its 420 s limit after ~166 of 195 tests)
 streams=("gpu-tests-engine gpu-tests-spec-embed gpu-tests-argmax gpu-tests-matmul gpu-tests-kv-fp8"
          "gpu-tests-fused gpu-tests-kernels"
          "gpu-tests-quant"
+         "gpu-tests-quant-gemv"
+         "gpu-tests-quant-plugins"
          "gpu-tests-moe"
          "gpu-tests-kquants"
          "gpu-tests-families gpu-tests-deepseek")
