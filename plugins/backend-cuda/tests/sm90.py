@@ -124,9 +124,15 @@ def sass(kernel) -> list[str]:
             if re.match(r"\s*/\*[0-9a-f]{4}\*/", line)]
 
 
+def unpredicated(kernel) -> list[str]:
+    """``sass(kernel)`` with each instruction's predicate guard taken off (``@!P0 LDG...`` -> ``LDG...``), so that
+    opcodes are matched at the start of the line whether guarded or not."""
+    return [re.sub(r"^@!?U?P\w+\s+", "", line) for line in sass(kernel)]
+
+
 def loads_before_wait(kernel) -> int:
     """Global loads (LDG) a compiled kernel issues before its one ``griddepcontrol.wait`` (SASS ACQBULK), the PDL
     wait: what it reads while the previous kernel may still be running (predicated ones too: ``@!P0 LDG...``)."""
-    lines = [re.sub(r"^@!?U?P\w+\s+", "", line) for line in sass(kernel)]
+    lines = unpredicated(kernel)
     [wait] = [i for i, line in enumerate(lines) if line.startswith("ACQBULK")]
     return sum(line.startswith("LDG") for line in lines[:wait])

@@ -137,7 +137,7 @@ def test_fp8_decode_attention_reads_values_by_key_without_byte_loads(monkeypatch
         if by_key and not sliding_window:
             assert sm90.resource_usage(kernels[0])["STACK"] == 0, "spilled to local memory"
         if by_key:   # nothing read after the last K / V tile (the V scale had been: one more round trip at the end)
-            lines = [re.sub(r"^@!?U?P\w+\s+", "", line) for line in sm90.sass(kernels[0])]
+            lines = sm90.unpredicated(kernels[0])
             last_tile = max(i for i, line in enumerate(lines) if line.startswith("LDG.E.128"))
             assert not any(line.startswith("LDG") for line in lines[last_tile + 1:]), lines[last_tile + 1:][:40]
     assert ptx[False].count("ld.shared.b8") >= 128 and ptx[True].count("ld.shared.b8") == 0
@@ -169,7 +169,7 @@ def test_norm_and_split_combination_under_pdl(monkeypatch, late):
     attention_splits = importlib.import_module("cvllm_cuda.kernels.attention_splits")
     [combine_kernel] = compiled_launches(monkeypatch, attention_splits, "_combine_splits_kernel", attention)
     for kernel in (norm_kernel, combine_kernel):
-        lines = [re.sub(r"^@!?U?P\w+\s+", "", line) for line in sm90.sass(kernel)]
+        lines = sm90.unpredicated(kernel)
         first_store = next(i for i, line in enumerate(lines) if line.startswith("STG"))
         [trigger] = [i for i, line in enumerate(lines) if line.startswith("PREEXIT")]
         [wait] = [i for i, line in enumerate(lines) if line.startswith("ACQBULK")]
@@ -190,7 +190,7 @@ def test_gated_activation_loads_gate_and_up_together(monkeypatch, act):
     call = lambda: (activation.silu_and_mul(gate_up) if act == "silu"  # noqa: E731
                     else activation.gelu_and_mul(gate_up, "tanh"))
     [kernel] = compiled_launches(monkeypatch, activation, "_gated_kernel", call)
-    lines = [re.sub(r"^@!?U?P\w+\s+", "", line) for line in sm90.sass(kernel)]
+    lines = sm90.unpredicated(kernel)
     loads = [i for i, line in enumerate(lines) if line.startswith("LDG")]
     first_math = min(i for i, line in enumerate(lines) if line.startswith("MUFU"))
     assert len(loads) == 2 and max(loads) < first_math, (loads, first_math)

@@ -176,7 +176,7 @@ def test_the_16_bit_and_fp8_gemvs_early_weights_are_read_before_the_pdl_wait(mon
     loads_before_wait = {early: sm90.loads_before_wait(kernel) for early, kernel in kernels.items()}
     assert loads_before_wait[False] == 0 and loads_before_wait[True] >= 1 + fp8
     for kernel in kernels.values():
-        lines = [re.sub(r"^@!?U?P\w+\s+", "", line) for line in sm90.sass(kernel)]
+        lines = sm90.unpredicated(kernel)
         last_weights = max(i for i, line in enumerate(lines) if line.startswith("LDG") and ".EF" in line)
         assert not any(line.startswith("LDG") for line in lines[last_weights + 1:])
 
