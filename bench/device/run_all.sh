@@ -65,7 +65,8 @@ latency_case() {   # "isq:variant", e.g. q4k:noearly: batch-1 decode (Llama-3-8B
     # the MMA GEMV loads each K step's weights at the step's start) and "nofused" (CVLLM_IN_LAUNCH_SPLIT_SUMS=0: its K
     # splits added by a launch after it) and "roomN" (CVLLM_GEMV_MMA_WARPS_PER_SM=N: the MMA GEMV's K split aims at N
     # warps an SM) and "late" (CVLLM_PDL_LATE_TRIGGER=1: the norms and the attention's split combination let the GEMV
-    # after them launch only once their inputs are in); "none" is bf16
+    # after them launch only once their inputs are in) and "fp8head" (CVLLM_ISQ_LM_HEAD=fp8: --isq fp8's LM head in
+    # e4m3 too); "none" is bf16
     local q=${1%%:*} v=${1#*:}
     CVLLM_GEMV_EARLY_WEIGHTS=$([[ $v = *noearly* ]] && echo 0 || echo 1) \
         CVLLM_GEMV_MMA=$([[ $v = *nomma* ]] && echo 0 || echo 1) \
@@ -73,6 +74,7 @@ latency_case() {   # "isq:variant", e.g. q4k:noearly: batch-1 decode (Llama-3-8B
         CVLLM_IN_LAUNCH_SPLIT_SUMS=$([[ $v = *nofused* ]] && echo 0 || echo "${CVLLM_IN_LAUNCH_SPLIT_SUMS:-}") \
         CVLLM_GEMV_MMA_WARPS_PER_SM=$([[ $v =~ room([0-9]+) ]] && echo "${BASH_REMATCH[1]}" || echo 0) \
         CVLLM_PDL_LATE_TRIGGER=$([[ $v = *late* ]] && echo 1 || echo 0) \
+        CVLLM_ISQ_LM_HEAD=$([[ $v = *fp8head* ]] && echo fp8 || echo "${CVLLM_ISQ_LM_HEAD:-}") \
         run latency-$q-$v 100 python3 bench/latency.py --skip-hf --contexts 1024 --decode-tokens 128 \
         $([ $q = none ] || echo --isq $q) --json "$out/$day-$card-latency-$q-$v-$commit.json"
 }

@@ -19,6 +19,7 @@ from cvllm.checkpoint.base import CheckpointError
 from cvllm.layers.linear import ReplicatedLinear
 from cvllm.testing.checkpoints import cvllm_greedy, greedy_logprobs, make_checkpoint
 from cvllm_fp8.config import FP8Config
+from cvllm_fp8.head import LM_HEAD_ENV, FP8HeadMethod
 from cvllm_fp8.linear_method import FP8LinearMethod, _planes, dequantize, quantize_rows
 
 PROMPTS = [[1, 5, 9, 23, 7, 11, 3, 4, 99, 100, 17, 2, 8], [4, 8, 15, 16, 23, 42]]
@@ -242,6 +243,55 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("
                                reason="needs a CUDA device (and TRITON_INTERPRET unset)")
 
 
+def rounded_copy(base, out, names) -> None:
+    """``base``'s checkpoint with the weights ``names`` picks rounded as --isq fp8 rounds them (a scale a row)."""
+    state = load_file(base / "model.safetensors")
+    for name, w in state.items():
+        if names(name):
+            state[name] = dequantize(*quantize_rows(w))
+    shutil.copytree(base, out)
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("head", [None, "float", "fp8"])
+def test_isq_fp8_lm_head_stays_float_unless_asked(tmp_path, monkeypatch, head):
+    """CVLLM_ISQ_LM_HEAD=fp8: an untied head's rows rounded to e4m3 as the layers' are, its logits those of the
+    rounded weights; unset or "float" (vLLM's choice for FP8) it is the checkpoint's; a tied head stays the
+    embedding's float table."""
+    if head is not None:
+        monkeypatch.setenv(LM_HEAD_ENV, head)
+    make_checkpoint(tmp_path / "base", "llama", tie_word_embeddings=False)
+    head_w = load_file(tmp_path / "base" / "model.safetensors")["lm_head.weight"]
+    rounded_copy(tmp_path / "base", tmp_path / "rounded",
+                 lambda name: name.split(".")[-2] in LINEARS or (head == "fp8" and name == "lm_head.weight"))
+    llm = LLM(str(tmp_path / "base"), dtype="float32", num_kv_blocks=32, isq="fp8")
+    try:
+        lm_head = llm.llm_engine.runner.model.lm_head
+        if head == "fp8":
+            assert isinstance(lm_head.quant_method, FP8HeadMethod) and lm_head.fp8_compute == "dense"
+            assert torch.equal(lm_head.weight, dequantize(*quantize_rows(head_w)))
+            assert not torch.equal(lm_head.weight, head_w)
+        else:
+            assert lm_head.quant_method is None and torch.equal(lm_head.weight, head_w)
+    finally:
+        llm.shutdown()
+    assert run(tmp_path / "base", isq="fp8")[0] == run(tmp_path / "rounded")[0]
+    make_checkpoint(tmp_path / "tied", "llama", tie_word_embeddings=True)
+    tied = LLM(str(tmp_path / "tied"), dtype="float32", num_kv_blocks=32, isq="fp8")
+    try:
+        model = tied.llm_engine.runner.model
+        assert model.lm_head.quant_method is None and model.model.embed_tokens.quant_method is None
+    finally:
+        tied.shutdown()
+
+
+def test_isq_fp8_lm_head_choice_is_checked_before_loading(tmp_path, monkeypatch):
+    make_checkpoint(tmp_path / "base", "llama")
+    monkeypatch.setenv(LM_HEAD_ENV, "q6k")   # a GGUF type: --isq q4k's choice, not fp8's
+    with pytest.raises(ValueError, match="with --isq fp8 the LM head is 'float' .* or 'fp8'"):
+        LLM(str(tmp_path / "base"), dtype="float32", num_kv_blocks=32, isq="fp8")
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("rows", [1, 7, 300])
@@ -285,6 +335,30 @@ def test_isq_fp8_on_cuda_takes_the_row_form(tmp_path):
         assert all(len(t) == 8 for t in ours)
         same = sum(a == b for o, t in zip(ours, theirs) for a, b in zip(o, t))
         print(f"isq fp8 on CUDA: {same}/{8 * len(PROMPTS)} greedy tokens equal to the CPU's")
+    finally:
+        cuda.shutdown()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_isq_fp8_lm_head_on_cuda_takes_the_row_form(tmp_path, monkeypatch):
+    """CVLLM_ISQ_LM_HEAD=fp8 under CUDA graphs: the head's e4m3 rows as they are (no float copy), its logits the
+    GEMV's (decode) and W8A8's (prefill) against the rounded float head's on the CPU."""
+    monkeypatch.setenv(LM_HEAD_ENV, "fp8")
+    make_checkpoint(tmp_path / "base", "llama", **WIDE)
+    options = dict(dtype="float32", num_kv_blocks=32, isq="fp8")
+    cuda = LLM(str(tmp_path / "base"), backend="cuda", max_num_seqs=4, **options)
+    try:
+        head = cuda.llm_engine.runner.model.lm_head
+        assert head.fp8_compute == "rows" and head.weight.dtype == torch.float8_e4m3fn
+        assert head.weight.shape == (512, 256) and head.fp8_row_scale.shape == (512,)
+        theirs = cvllm_greedy(tmp_path / "base", PROMPTS, 8, backend="cpu", **options)
+        outs = cuda.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                             SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        ours = [list(o.outputs[0].token_ids) for o in outs]
+        assert all(len(t) == 8 for t in ours)
+        same = sum(a == b for o, t in zip(ours, theirs) for a, b in zip(o, t))
+        print(f"isq fp8 with an FP8 head on CUDA: {same}/{8 * len(PROMPTS)} greedy tokens equal to the CPU's")
     finally:
         cuda.shutdown()
 

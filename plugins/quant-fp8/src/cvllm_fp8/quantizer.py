@@ -8,16 +8,23 @@ parts is refused. A fused MoE layer whose experts are FP8 keeps them FP8 (moe.py
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 
 from cvllm.checkpoint.base import Checkpoint, CheckpointError
 from cvllm.checkpoint.quantized import quantization_config, tensor_headers
+from cvllm.layers.embedding import ParallelLMHead
 from cvllm.layers.quantization import LinearMethod, LinearMethodFactory, is_moe_router
 from cvllm_fp8.config import FP8Config, FP8ConfigError, parse_compressed_tensors_config, parse_fp8_config
+from cvllm_fp8.head import LM_HEAD_ENV, FP8HeadMethod, head_choice
 from cvllm_fp8.linear_method import FP8LinearMethod
 from cvllm_fp8.moe import FP8ExpertsMethod
+
+logger = logging.getLogger(__name__)
 
 
 def fp8_modules(checkpoint: Checkpoint) -> set[str] | None:
@@ -74,7 +81,9 @@ def compressed_tensors_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype
 
 
 def isq_fp8_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> LinearMethodFactory:
-    """``--isq fp8``: every linear layer quantized per output row as its float shards load."""
+    """``--isq fp8``: every linear layer quantized per output row as its float shards load; an untied LM head too
+    where CVLLM_ISQ_LM_HEAD=fp8 (head.py; float by default)."""
+    head = head_choice(os.environ.get(LM_HEAD_ENV))   # a misspelt choice fails here, before anything loads
 
     def method_for(layer: str, sources: Sequence[str]) -> LinearMethod | None:
         return None if is_moe_router(layer) else FP8LinearMethod(None, layer)
@@ -83,5 +92,12 @@ def isq_fp8_linear_methods(checkpoint: Checkpoint, dtype: torch.dtype) -> Linear
         """MoE experts too: each loaded expert quantized per output row after loading (moe.py)."""
         return FP8ExpertsMethod(FP8Config(None, False, "weight_scale", False), name, in_situ=True)
 
+    def embedding_method(name: str, table: nn.Module) -> FP8HeadMethod | None:
+        if head != "fp8" or not isinstance(table, ParallelLMHead):   # embeddings (a head tied to one) stay float
+            return None
+        logger.info("isq: LM head '%s' quantized to FP8 (%s=fp8)", name, LM_HEAD_ENV)
+        return FP8HeadMethod(name)
+
     method_for.moe_method = moe_method
+    method_for.embedding_method = embedding_method
     return method_for
