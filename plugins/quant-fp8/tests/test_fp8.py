@@ -316,10 +316,13 @@ def test_row_form_on_cuda_against_the_dense_weights(rows):
 
 @pytest.mark.gpu
 @needs_gpu
-def test_isq_fp8_on_cuda_takes_the_row_form(tmp_path):
+@pytest.mark.parametrize("head", [None, "fp8"])
+def test_isq_fp8_on_cuda_takes_the_row_form(tmp_path, monkeypatch, head):
     """End to end under CUDA graphs: every projection of an ``--isq fp8`` model in the row form (e4m3 weights as
-    they are, no float copy), its tokens close to the CPU's (prefill's W8A8 rounds the activations: reported, not
-    required equal)."""
+    they are, no float copy), the LM head too with CVLLM_ISQ_LM_HEAD=fp8, its tokens close to the CPU's (prefill's
+    W8A8 rounds the activations: reported, not required equal)."""
+    if head is not None:
+        monkeypatch.setenv(LM_HEAD_ENV, head)
     make_checkpoint(tmp_path / "base", "llama", **WIDE)
     options = dict(dtype="float32", num_kv_blocks=32, isq="fp8")
     cuda = LLM(str(tmp_path / "base"), backend="cuda", max_num_seqs=4, **options)
@@ -328,37 +331,18 @@ def test_isq_fp8_on_cuda_takes_the_row_form(tmp_path):
         assert forms == {"rows"}
         down = cuda.llm_engine.runner.model.model.layers[0].mlp.down_proj
         assert down.weight.dtype == torch.float8_e4m3fn and down.weight.is_cuda
+        lm_head = cuda.llm_engine.runner.model.lm_head
+        if head == "fp8":
+            assert lm_head.weight.dtype == torch.float8_e4m3fn and lm_head.fp8_row_scale.shape == (512,)
+        else:
+            assert lm_head.quant_method is None and lm_head.weight.dtype == torch.float32
         theirs = cvllm_greedy(tmp_path / "base", PROMPTS, 8, backend="cpu", **options)
         outs = cuda.generate([{"prompt_token_ids": p} for p in PROMPTS],
                              SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         ours = [list(o.outputs[0].token_ids) for o in outs]
         assert all(len(t) == 8 for t in ours)
         same = sum(a == b for o, t in zip(ours, theirs) for a, b in zip(o, t))
-        print(f"isq fp8 on CUDA: {same}/{8 * len(PROMPTS)} greedy tokens equal to the CPU's")
-    finally:
-        cuda.shutdown()
-
-
-@pytest.mark.gpu
-@needs_gpu
-def test_isq_fp8_lm_head_on_cuda_takes_the_row_form(tmp_path, monkeypatch):
-    """CVLLM_ISQ_LM_HEAD=fp8 under CUDA graphs: the head's e4m3 rows as they are (no float copy), its logits the
-    GEMV's (decode) and W8A8's (prefill) against the rounded float head's on the CPU."""
-    monkeypatch.setenv(LM_HEAD_ENV, "fp8")
-    make_checkpoint(tmp_path / "base", "llama", **WIDE)
-    options = dict(dtype="float32", num_kv_blocks=32, isq="fp8")
-    cuda = LLM(str(tmp_path / "base"), backend="cuda", max_num_seqs=4, **options)
-    try:
-        head = cuda.llm_engine.runner.model.lm_head
-        assert head.fp8_compute == "rows" and head.weight.dtype == torch.float8_e4m3fn
-        assert head.weight.shape == (512, 256) and head.fp8_row_scale.shape == (512,)
-        theirs = cvllm_greedy(tmp_path / "base", PROMPTS, 8, backend="cpu", **options)
-        outs = cuda.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                             SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        ours = [list(o.outputs[0].token_ids) for o in outs]
-        assert all(len(t) == 8 for t in ours)
-        same = sum(a == b for o, t in zip(ours, theirs) for a, b in zip(o, t))
-        print(f"isq fp8 with an FP8 head on CUDA: {same}/{8 * len(PROMPTS)} greedy tokens equal to the CPU's")
+        print(f"isq fp8 on CUDA, {head or 'float'} head: {same}/{8 * len(PROMPTS)} greedy tokens equal to the CPU's")
     finally:
         cuda.shutdown()
 
