@@ -54,7 +54,6 @@ class FP8HeadMethod(FP8LinearMethod):
             weight, scale = quantize_rows(values[start:start + 16384].to(param.device))
             param.data[start:start + weight.shape[0]].copy_(weight)
             scales[start:start + weight.shape[0]].copy_(scale)
-        layer.fp8_compute = None
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"{self.layer_name}: an FP8 LM head computes logits only (a table that is looked up, or a "
