@@ -4,9 +4,13 @@ reads TRITON_INTERPRET when the kernels module is first imported, so it is set h
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))   # fp8_checkpoints.py, under --import-mode=importlib
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

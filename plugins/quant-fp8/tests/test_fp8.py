@@ -1,106 +1,25 @@
 """FP8 weight checkpoints (transformers' "fp8" with 128x128 scale blocks or one scale per tensor, llm-compressor's
-compressed-tensors per channel / tensor / block) and ``--isq fp8``: cvllm computes exactly what a float checkpoint
-of the dequantized weights computes (float32, tokens and logprobs bit for bit), on one rank and over two; the
-plane form a CUDA layer takes equals the dense one (Triton's interpreter here); bad configs are refused by name."""
+compressed-tensors per channel / tensor / block): cvllm computes exactly what a float checkpoint of the dequantized
+weights computes (float32, tokens and logprobs bit for bit), on one rank and over two; the plane and row forms a
+CUDA layer takes equal the dense one (Triton's interpreter here); bad configs are refused by name.
+``--isq fp8``: test_isq_fp8.py."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from fp8_checkpoints import PROMPTS, WIDE, needs_gpu, quantize_blocks, run, write_fp8
+from safetensors.torch import load_file
 
-from cvllm import LLM, SamplingParams
+from cvllm import LLM
 from cvllm.checkpoint.base import CheckpointError
 from cvllm.layers.linear import ReplicatedLinear
-from cvllm.testing.checkpoints import cvllm_greedy, greedy_logprobs, make_checkpoint
+from cvllm.testing.checkpoints import cvllm_greedy, make_checkpoint
 from cvllm_fp8.config import FP8Config
-from cvllm_fp8.head import LM_HEAD_ENV, FP8HeadMethod
 from cvllm_fp8.linear_method import FP8LinearMethod, _planes, dequantize, quantize_rows
-
-PROMPTS = [[1, 5, 9, 23, 7, 11, 3, 4, 99, 100, 17, 2, 8], [4, 8, 15, 16, 23, 42]]
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# every projection's inputs and outputs whole 128-blocks (k/v: 2 heads of 64)
-WIDE = {"hidden_size": 256, "intermediate_size": 512}
-
-
-def quantize_blocks(w: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    out, inp = w.shape
-    padded = torch.zeros(math.ceil(out / rows) * rows, math.ceil(inp / cols) * cols)
-    padded[:out, :inp] = w
-    blocks = padded.view(padded.shape[0] // rows, rows, padded.shape[1] // cols, cols)
-    scale = (blocks.abs().amax(dim=(1, 3)) / 448).clamp(min=1e-12)
-    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).view_as(padded)[:out, :inp]
-    return q.contiguous(), scale
-
-
-def write_fp8(base, out, scheme: str, static: bool = False) -> None:
-    """An FP8 copy of the float checkpoint ``base`` and, beside it, the float checkpoint of its dequantized weights
-    (``out`` + "-float")."""
-    state, floats = load_file(base / "model.safetensors"), {}
-    quantized = {}
-    for name, w in state.items():
-        if not (name.endswith(".weight") and name.split(".")[-2] in LINEARS):
-            quantized[name] = floats[name] = w
-            continue
-        prefix = name.removesuffix(".weight")
-        if scheme in ("fp8-block", "ct-block"):
-            q, scale = quantize_blocks(w, 128, 128)
-            scale_rows = scale.repeat_interleave(128, dim=0)[:w.shape[0]]
-            key = "weight_scale_inv" if scheme == "fp8-block" else "weight_scale"
-        elif scheme in ("fp8-tensor", "ct-tensor"):
-            scale = (w.abs().max() / 448).reshape(1 if scheme == "ct-tensor" else ())
-            q = (w / scale).to(torch.float8_e4m3fn)
-            scale_rows, key = scale.reshape(1, 1).expand(w.shape[0], 1), "weight_scale"
-        else:   # ct-channel
-            q, scale = quantize_rows(w)
-            scale_rows, key = scale, "weight_scale"
-        quantized[name], quantized[f"{prefix}.{key}"] = q, scale.to(torch.float32)
-        if static:
-            quantized[f"{prefix}.input_scale"] = torch.tensor([0.02])
-        floats[name] = dequantize(q, scale_rows.to(torch.float32))
-    for directory, tensors in ((out, quantized), (out.with_name(out.name + "-float"), floats)):
-        directory.mkdir(parents=True)
-        for file in base.iterdir():
-            if file.is_file() and file.suffix != ".safetensors":
-                shutil.copy(file, directory / file.name)
-        save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((out / "config.json").read_text())
-    scheme_kind, granularity = scheme.split("-")
-    if scheme_kind == "fp8":
-        qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "static" if static else "dynamic"}
-        if granularity == "block":
-            qc["weight_block_size"] = [128, 128]
-    else:
-        weights = {"num_bits": 8, "type": "float", "strategy": granularity, "dynamic": False, "symmetric": True}
-        if granularity == "block":
-            weights["block_structure"] = [128, 128]
-        group = {"targets": ["Linear"], "weights": weights}
-        if static:
-            group["input_activations"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
-        qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": group},
-              "ignore": ["lm_head"]}
-    config["quantization_config"] = qc
-    (out / "config.json").write_text(json.dumps(config))
-
-
-def run(path, **options):
-    return greedy_logprobs(path, PROMPTS, 8, dtype="float32", num_kv_blocks=32, **options)
-
-
-def rounded_copy(base, out, also: tuple[str, ...] = ()) -> None:
-    """``base``'s checkpoint with its linear layers' weights (and the tensors ``also`` names) rounded as --isq fp8
-    rounds them (a scale a row): what an --isq fp8 model computes, as a float checkpoint."""
-    state = load_file(base / "model.safetensors")
-    for name, w in state.items():
-        if (name.endswith(".weight") and name.split(".")[-2] in LINEARS) or name in also:
-            state[name] = dequantize(*quantize_rows(w))
-    shutil.copytree(base, out)
-    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
 
 
 @pytest.mark.parametrize("scheme, static", [("fp8-block", False), ("fp8-tensor", True), ("ct-channel", False),
@@ -128,17 +47,6 @@ def test_two_ranks_match_one(tmp_path, scheme):
     options = dict(dtype="float32", num_kv_blocks=32)
     one = cvllm_greedy(tmp_path / "fp8", PROMPTS, 8, **options)
     assert cvllm_greedy(tmp_path / "fp8", PROMPTS, 8, tensor_parallel_size=2, **options) == one
-
-
-def test_isq_fp8_computes_the_row_quantized_model(tmp_path):
-    make_checkpoint(tmp_path / "base", "llama")
-    rounded_copy(tmp_path / "base", tmp_path / "rows")
-    ours, kinds = run(tmp_path / "base", isq="fp8")
-    assert kinds == {"FP8LinearMethod"}
-    assert ours == run(tmp_path / "rows")[0]
-    two = cvllm_greedy(tmp_path / "base", PROMPTS, 8, dtype="float32", num_kv_blocks=32, isq="fp8",
-                       tensor_parallel_size=2)
-    assert two == [tokens for tokens, _ in ours]
 
 
 def test_plane_form_equals_the_dense_form():
@@ -244,50 +152,6 @@ def test_compressed_tensors_int_schemes_are_refused(tmp_path):
         LLM(str(tmp_path / "fp8"), dtype="float32", num_kv_blocks=32)
 
 
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-                               reason="needs a CUDA device (and TRITON_INTERPRET unset)")
-
-
-@pytest.mark.parametrize("head", [None, "float", "fp8"])
-def test_isq_fp8_lm_head_stays_float_unless_asked(tmp_path, monkeypatch, head):
-    """CVLLM_ISQ_LM_HEAD=fp8: an untied head's rows rounded to e4m3 as the layers' are, its logits those of the
-    rounded weights; unset or "float" (vLLM's choice for FP8) it is the checkpoint's; a tied head stays the
-    embedding's float table."""
-    if head is not None:
-        monkeypatch.setenv(LM_HEAD_ENV, head)
-    make_checkpoint(tmp_path / "base", "llama", tie_word_embeddings=False)
-    head_w = load_file(tmp_path / "base" / "model.safetensors")["lm_head.weight"]
-    rounded_copy(tmp_path / "base", tmp_path / "rounded", also=("lm_head.weight",) if head == "fp8" else ())
-    llm = LLM(str(tmp_path / "base"), dtype="float32", num_kv_blocks=32, isq="fp8")
-    try:
-        lm_head = llm.llm_engine.runner.model.lm_head
-        if head == "fp8":
-            assert isinstance(lm_head.quant_method, FP8HeadMethod) and lm_head.fp8_compute == "dense"
-            assert torch.equal(lm_head.weight, dequantize(*quantize_rows(head_w)))
-            assert not torch.equal(lm_head.weight, head_w)
-        else:
-            assert lm_head.quant_method is None and torch.equal(lm_head.weight, head_w)
-    finally:
-        llm.shutdown()
-    assert run(tmp_path / "base", isq="fp8")[0] == run(tmp_path / "rounded")[0]
-    if head != "fp8":
-        return
-    make_checkpoint(tmp_path / "tied", "llama", tie_word_embeddings=True)
-    tied = LLM(str(tmp_path / "tied"), dtype="float32", num_kv_blocks=32, isq="fp8")
-    try:
-        model = tied.llm_engine.runner.model
-        assert model.lm_head.quant_method is None and model.model.embed_tokens.quant_method is None
-    finally:
-        tied.shutdown()
-
-
-def test_isq_fp8_lm_head_choice_is_checked_before_loading(tmp_path, monkeypatch):
-    make_checkpoint(tmp_path / "base", "llama")
-    monkeypatch.setenv(LM_HEAD_ENV, "q6k")   # a GGUF type: --isq q4k's choice, not fp8's
-    with pytest.raises(ValueError, match="with --isq fp8 the LM head is 'float' .* or 'fp8'"):
-        LLM(str(tmp_path / "base"), dtype="float32", num_kv_blocks=32, isq="fp8")
-
-
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("rows", [1, 7, 300])
@@ -308,39 +172,6 @@ def test_row_form_on_cuda_against_the_dense_weights(rows):
         assert got.dtype == dtype and got.shape == (rows, 512)
         err = ((got.float() - want).norm() / want.norm()).item()
         assert err < ((1e-5 if dtype == torch.float32 else 5e-3) if rows == 1 else 5e-2), (dtype, err)
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("head", [None, "fp8"])
-def test_isq_fp8_on_cuda_takes_the_row_form(tmp_path, monkeypatch, head):
-    """End to end under CUDA graphs: every projection of an ``--isq fp8`` model in the row form (e4m3 weights as
-    they are, no float copy), the LM head too with CVLLM_ISQ_LM_HEAD=fp8, its tokens close to the CPU's (prefill's
-    W8A8 rounds the activations: reported, not required equal)."""
-    if head is not None:
-        monkeypatch.setenv(LM_HEAD_ENV, head)
-    make_checkpoint(tmp_path / "base", "llama", **WIDE)
-    options = dict(dtype="float32", num_kv_blocks=32, isq="fp8")
-    cuda = LLM(str(tmp_path / "base"), backend="cuda", max_num_seqs=4, **options)
-    try:
-        forms = {m.fp8_compute for m in cuda.llm_engine.runner.model.modules() if hasattr(m, "fp8_compute")}
-        assert forms == {"rows"}
-        down = cuda.llm_engine.runner.model.model.layers[0].mlp.down_proj
-        assert down.weight.dtype == torch.float8_e4m3fn and down.weight.is_cuda
-        lm_head = cuda.llm_engine.runner.model.lm_head
-        if head == "fp8":
-            assert lm_head.weight.dtype == torch.float8_e4m3fn and lm_head.fp8_row_scale.shape == (512,)
-        else:
-            assert lm_head.quant_method is None and lm_head.weight.dtype == torch.float32
-        theirs = cvllm_greedy(tmp_path / "base", PROMPTS, 8, backend="cpu", **options)
-        outs = cuda.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                             SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        ours = [list(o.outputs[0].token_ids) for o in outs]
-        assert all(len(t) == 8 for t in ours)
-        same = sum(a == b for o, t in zip(ours, theirs) for a, b in zip(o, t))
-        print(f"isq fp8 on CUDA, {head or 'float'} head: {same}/{8 * len(PROMPTS)} greedy tokens equal to the CPU's")
-    finally:
-        cuda.shutdown()
 
 
 @pytest.mark.parametrize("scheme", ["fp8-block", "ct-channel"])
@@ -402,20 +233,3 @@ def test_moe_experts_as_fp8_planes_compute_the_dequantized_experts(scheme):
     ours = fused_moe_planes(x, [gate, up], down, weights, ids, layer.act_fn)
     theirs = grouped_experts(x, w13, w2, layer.act_fn, weights, ids)
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
-
-
-def test_isq_fp8_quantizes_moe_experts_too(tmp_path):
-    """``--isq fp8`` on an unquantized MoE checkpoint: the experts get one scale per output row after loading, as
-    the dense layers do while loading: what a float checkpoint of the rounded weights computes."""
-    from cvllm.layers.fused_moe import FusedMoE
-
-    make_checkpoint(tmp_path / "base", "qwen3_moe", norm_topk_prob=True)
-    rounded_copy(tmp_path / "base", tmp_path / "rounded")
-    ours, _ = run(tmp_path / "base", isq="fp8")
-    assert ours == run(tmp_path / "rounded")[0]
-    llm = LLM(str(tmp_path / "base"), dtype="float32", num_kv_blocks=32, isq="fp8")
-    try:
-        assert {type(m.quant_method).__name__ for m in llm.llm_engine.runner.model.modules()
-                if isinstance(m, FusedMoE)} == {"FP8ExpertsMethod"}
-    finally:
-        llm.shutdown()
