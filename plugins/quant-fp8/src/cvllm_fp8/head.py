@@ -15,7 +15,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from cvllm.checkpoint.lazy import LazyTensor, materialize
+from cvllm.checkpoint.lazy import LazyTensor
 from cvllm_fp8.linear_method import FP8LinearMethod, quantize_rows
 
 LM_HEAD_ENV = "CVLLM_ISQ_LM_HEAD"   # the GGUF plugin's variable too: under --isq fp8 it takes "float" or "fp8"
@@ -42,12 +42,10 @@ class FP8HeadMethod(FP8LinearMethod):
         layer.weight.weight_loader = partial(self._head_loader, layer)
 
     def _head_loader(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor | LazyTensor) -> None:
-        values = materialize(loaded)
+        values = self.float_weights(loaded)
         if tuple(values.shape) != tuple(param.shape):
             raise ValueError(f"{self.layer_name}: checkpoint shape {tuple(values.shape)} != model shape "
                              f"{tuple(param.shape)}")
-        if not values.is_floating_point() or values.dtype == torch.float8_e4m3fn:
-            raise ValueError(f"isq fp8: '{self.layer_name}' expects float weights, the checkpoint has {values.dtype}")
         scales = getattr(layer, layer.fp8_scale_name)
         # 16k rows at a time: quantize_rows' float32 copy of a whole 128k x 4k head would be 2.1 GB on the device
         for start in range(0, values.shape[0], 16384):

@@ -118,15 +118,19 @@ class FP8LinearMethod(LinearMethod):
 
     def _quantizing_loader(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor | LazyTensor,
                            shard_id: object = None) -> None:
-        values = materialize(loaded)
-        if not values.is_floating_point() or values.dtype == torch.float8_e4m3fn:
-            raise ValueError(f"isq fp8: '{self.layer_name}' expects float weights, the checkpoint has {values.dtype}")
-        weight, scale = quantize_rows(values.to(param.device))
+        weight, scale = quantize_rows(self.float_weights(loaded).to(param.device))
         if shard_id is None:
             layer.weight_loader(param, weight)
         else:
             layer.weight_loader(param, weight, shard_id)
         self._scale_loader(layer, getattr(layer, layer.fp8_scale_name), scale, shard_id)
+
+    def float_weights(self, loaded: torch.Tensor | LazyTensor) -> torch.Tensor:
+        """An unquantized checkpoint tensor for ``--isq fp8`` to round (an error names the layer otherwise)."""
+        values = materialize(loaded)
+        if not values.is_floating_point() or values.dtype == torch.float8_e4m3fn:
+            raise ValueError(f"isq fp8: '{self.layer_name}' expects float weights, the checkpoint has {values.dtype}")
+        return values
 
     def _input_scale_loader(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor | LazyTensor,
                             shard_id: object = None) -> None:
