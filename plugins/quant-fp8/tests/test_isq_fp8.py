@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from cvllm import LLM, SamplingParams
 from cvllm.testing.checkpoints import cvllm_greedy, make_checkpoint
 from cvllm_fp8.head import LM_HEAD_ENV, FP8HeadMethod
-from cvllm_fp8.linear_method import dequantize, quantize_rows
+from cvllm_fp8.linear_method import FP8LinearMethod, dequantize, quantize_rows
 
 
 def test_isq_fp8_computes_the_row_quantized_model(tmp_path):
@@ -57,6 +57,18 @@ def test_isq_fp8_lm_head_stays_float_unless_asked(tmp_path, monkeypatch, head):
         assert model.lm_head.quant_method is None and model.model.embed_tokens.quant_method is None
     finally:
         tied.shutdown()
+
+
+@pytest.mark.parametrize("method", [FP8LinearMethod(None, "model.layers.0.mlp.down_proj"), FP8HeadMethod("lm_head")])
+def test_isq_fp8_takes_float_weights_only(method):
+    """The layers' loader and the head's share one check: an integer or already-FP8 tensor is an error naming the
+    layer, not rounded again."""
+    weights = torch.randn(4, 8)
+    assert method.float_weights(weights.to(torch.bfloat16)).dtype == torch.bfloat16
+    for dtype in (torch.int8, torch.float8_e4m3fn):
+        with pytest.raises(ValueError, match=f"'{method.layer_name}' expects float weights, the checkpoint has "
+                                             f"{dtype}"):
+            method.float_weights(weights.to(dtype))
 
 
 def test_isq_fp8_lm_head_choice_is_checked_before_loading(tmp_path, monkeypatch):
